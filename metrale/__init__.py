@@ -1,0 +1,11 @@
+"""metrale: an LLM inference engine built around lossless speculative decoding.
+
+The public API is vLLM-shaped: `LLM(model, **engine_options).generate(prompts, SamplingParams)`.
+"""
+
+from metrale.api import LLM
+from metrale.config import EngineConfig, SamplingParams
+from metrale.outputs import CompletionOutput, Logprob, RequestOutput
+
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "Logprob", "RequestOutput", "SamplingParams"]
+__version__ = "0.1.0"

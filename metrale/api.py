@@ -1,0 +1,130 @@
+"""The offline Python API: `LLM(model, **engine_options).generate(prompts, SamplingParams)`.
+
+Shaped like vLLM's `LLM`: prompts are strings or token-id lists, the result is one RequestOutput
+per prompt in input order. `stream()` yields a growing RequestOutput for a single request, and
+`chat()` applies the model's chat template first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from metrale.config import EngineConfig, SamplingParams
+from metrale.engine.llm import LLMEngine
+from metrale.outputs import RequestOutput
+
+Prompt = str | list[int]
+
+
+def engine_config_from(options: dict) -> EngineConfig:
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"unknown engine option {unknown[0]!r}; known: {sorted(known)}")
+    return EngineConfig(**options)
+
+
+class LLM:
+    """An engine over one model directory (the embedded default model when `model` is None)."""
+
+    def __init__(self, model: str | Path | None = None, **engine_options) -> None:
+        if model is None:
+            from metrale.default_model import default_model_dir
+
+            model = default_model_dir()
+        self.engine = LLMEngine(model, engine_config_from(engine_options))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def _add(self, prompt: Prompt, params: SamplingParams) -> str:
+        request_id = f"req-{next(self._ids)}"
+        self.engine.add_request(request_id, prompt, params)
+        return request_id
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt, batched continuously; outputs come back in input order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"sampling_params: {len(params_list)} given for {len(prompts)} prompts"
+                )
+        ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, params_list, strict=True):
+                ids.append(self._add(prompt, params))
+        except ValueError as e:
+            # Nothing half-queued: drop what this call added, then name the bad prompt.
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise ValueError(f"prompts[{len(ids)}]: {e}") from None
+        finals = self._run(set(ids), use_tqdm and len(ids) > 1)
+        return [finals[i] for i in ids]
+
+    def _run(self, ids: set[str], show_progress: bool) -> dict[str, RequestOutput]:
+        finals: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not show_progress)
+        try:
+            while len(finals) < len(ids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in ids:
+                        finals[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for request_id in ids - finals.keys():
+                self.engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
+        return finals
+
+    def stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Yield the request's output each time it grows; `delta_text` holds the new text.
+
+        Closing the iterator early aborts the request and frees its pages."""
+        request_id = self._add(prompt, sampling_params or SamplingParams())
+        finished = False
+        try:
+            while not finished:
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished:
+                self.engine.abort_request(request_id)
+
+    def chat(
+        self,
+        messages: list[dict],
+        sampling_params: SamplingParams | None = None,
+        stream: bool = False,
+    ) -> RequestOutput | Iterator[RequestOutput]:
+        """Apply the chat template and generate the assistant's reply."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if stream:
+            return self.stream(ids, sampling_params)
+        return self.generate([ids], sampling_params, use_tqdm=False)[0]

@@ -1,0 +1,142 @@
+"""`metrale generate | chat`: the command line. Later issues add `serve`, `bench` and `train`.
+
+`generate` streams one completion to the terminal; `chat` is a multi-turn loop over the model's
+chat template, reading user turns from standard input. Without `--model` both run the embedded
+default model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from metrale.config import SamplingParams
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF model directory (default: embedded model)")
+    p.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda, cuda:1 ...")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (checkpoint dtype on GPU, float32 on CPU), bfloat16, float16 or float32",
+    )
+    p.add_argument("--max-model-len", type=int, default=None, help="context length limit")
+    p.add_argument("--page-size", type=int, default=16, help="KV rows per page")
+    p.add_argument("-v", "--verbose", action="store_true", help="log engine start-up details")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest (-1: off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * max prob")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="HF-style, 1 = off")
+    p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="metrale", description="metrale: LLM inference built around speculative decoding"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete a prompt, streaming the text")
+    gen.add_argument("prompt", help="the text to continue")
+    _add_engine_args(gen)
+    _add_sampling_args(gen, max_tokens=64)
+    chat = sub.add_parser("chat", help="multi-turn chat on stdin/stdout (chat template applied)")
+    chat.add_argument("--system", default=None, help="system prompt")
+    _add_engine_args(chat)
+    _add_sampling_args(chat, max_tokens=256)
+    return parser
+
+
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=args.stop,
+    )
+
+
+def _llm(args: argparse.Namespace):
+    from metrale.api import LLM
+
+    return LLM(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        page_size=args.page_size,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = _sampling(args)
+    llm = _llm(args)
+    out = sys.stdout
+    out.write(args.prompt)
+    final = None
+    for final in llm.stream(args.prompt, params):
+        out.write(final.outputs[0].delta_text)
+        out.flush()
+    out.write("\n")
+    completion = final.outputs[0]
+    if completion.finish_reason == "error":
+        print(f"error: {completion.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = _sampling(args)
+    llm = _llm(args)
+    messages: list[dict] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("you> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            break
+        line = line.rstrip("\n")
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        print("assistant> ", end="", flush=True)
+        reply = ""
+        for out in llm.chat(messages, params, stream=True):
+            delta = out.outputs[0].delta_text
+            reply += delta
+            print(delta, end="", flush=True)
+        print()
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    handler = {"generate": cmd_generate, "chat": cmd_chat}[args.command]
+    try:
+        return handler(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"metrale {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,382 @@
+"""Typed, frozen configuration: the model (from an HF config.json), the engine, and sampling.
+
+Every user-facing value is validated here, once, with a ValueError that names the bad field, so the
+engine below can trust its inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def parse_dtype(value: str | torch.dtype, field_name: str = "dtype") -> torch.dtype:
+    """Map a config/CLI dtype name to a torch dtype, naming the field when it is unknown."""
+    if isinstance(value, torch.dtype):
+        if value in _DTYPES.values():
+            return value
+        raise ValueError(f"{field_name}: unsupported dtype {value}")
+    name = str(value).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(
+            f"{field_name}: unsupported dtype {value!r}; expected one of {sorted(_DTYPES)}"
+        )
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters, normalised from either HF layout (`rope_scaling` in 4.x,
+    `rope_parameters` in 5.x)."""
+
+    rope_type: str = "default"
+    theta: float = 10000.0
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    # yarn
+    attention_factor: float | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    # llama3
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+
+
+def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
+    params = dict(cfg.get("rope_parameters") or {})
+    legacy = cfg.get("rope_scaling") or {}
+    params = {**legacy, **params}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"config.json: rope_scaling.rope_type {rope_type!r} is not supported; "
+            f"expected one of {SUPPORTED_ROPE_TYPES}"
+        )
+
+    def opt_float(key: str) -> float | None:
+        return None if params.get(key) is None else float(params[key])
+
+    factor = float(params.get("factor") or 1.0)
+    if rope_type != "default" and factor <= 0:
+        raise ValueError(f"config.json: rope_scaling.factor must be > 0, got {factor}")
+    original = params.get("original_max_position_embeddings")
+    if rope_type in ("yarn", "llama3") and original is None:
+        original = cfg.get("max_position_embeddings")
+    return RopeConfig(
+        rope_type=rope_type,
+        theta=theta,
+        factor=factor,
+        original_max_position_embeddings=None if original is None else int(original),
+        attention_factor=opt_float("attention_factor"),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=opt_float("mscale"),
+        mscale_all_dim=opt_float("mscale_all_dim"),
+        truncate=bool(params.get("truncate", True)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+    )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a dense Qwen3 target, read from an HF `config.json`."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    rope: RopeConfig
+    dtype: torch.dtype
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    @classmethod
+    def from_hf(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no config.json in the model directory")
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from e
+        return cls.from_dict(cfg, source=str(path))
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"{source}: architectures {archs!r} not supported; expected one of "
+                f"{SUPPORTED_ARCHITECTURES}"
+            )
+
+        def need(key: str) -> Any:
+            if cfg.get(key) is None:
+                raise ValueError(f"{source}: missing field {key!r}")
+            return cfg[key]
+
+        def positive_int(key: str, value: Any) -> int:
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(
+                    f"{source}: field {key!r} must be a positive integer, got {value!r}"
+                )
+            return value
+
+        hidden = positive_int("hidden_size", need("hidden_size"))
+        heads = positive_int("num_attention_heads", need("num_attention_heads"))
+        kv_heads = positive_int("num_key_value_heads", cfg.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ValueError(
+                f"{source}: num_attention_heads {heads} is not a multiple of "
+                f"num_key_value_heads {kv_heads}"
+            )
+        head_dim = positive_int("head_dim", cfg.get("head_dim") or hidden // heads)
+        if head_dim % 2:
+            raise ValueError(f"{source}: field 'head_dim' must be even for rotary, got {head_dim}")
+        if cfg.get("use_sliding_window"):
+            raise ValueError(f"{source}: field 'use_sliding_window' = true is not supported")
+        dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+        try:
+            dtype = parse_dtype(dtype_name, field_name=f"{source}: field 'torch_dtype'")
+        except ValueError as e:
+            raise ValueError(str(e)) from None
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            architecture=arch,
+            vocab_size=positive_int("vocab_size", need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=positive_int("intermediate_size", need("intermediate_size")),
+            num_hidden_layers=positive_int("num_hidden_layers", need("num_hidden_layers")),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=positive_int(
+                "max_position_embeddings", cfg.get("max_position_embeddings", 32768)
+            ),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            rope=_rope_from_hf(cfg),
+            dtype=dtype,
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs: device, dtype, cache and batching limits.
+
+    `num_kv_pages=None` sizes the page pool so that `max_num_seqs` sequences of `max_model_len`
+    fit (capped by `kv_cache_memory_gb`); a smaller pool makes the scheduler preempt.
+    """
+
+    device: str = "auto"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    page_size: int = 16
+    num_kv_pages: int | None = None
+    kv_cache_memory_gb: float = 4.0
+    num_lookahead_rows: int = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int) or self.max_model_len < 2
+        ):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if self.num_kv_pages is not None and (
+            not isinstance(self.num_kv_pages, int) or self.num_kv_pages < 2
+        ):
+            raise ValueError(f"num_kv_pages must be an integer >= 2, got {self.num_kv_pages!r}")
+        if not isinstance(self.num_lookahead_rows, int) or self.num_lookahead_rows < 0:
+            raise ValueError(
+                f"num_lookahead_rows must be an integer >= 0, got {self.num_lookahead_rows!r}"
+            )
+        if self.dtype != "auto":
+            parse_dtype(self.dtype)
+        if not (self.kv_cache_memory_gb > 0):
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            return torch.device(self.device)
+        except RuntimeError as e:
+            raise ValueError(f"device: {self.device!r} is not a torch device ({e})") from None
+
+    def resolve_dtype(self, model: ModelConfig, device: torch.device) -> torch.dtype:
+        """`auto`: the checkpoint's dtype on GPU; float32 on CPU (where bf16 matmuls are slow
+        and the tests compare against float32 references)."""
+        if self.dtype != "auto":
+            return parse_dtype(self.dtype)
+        return model.dtype if device.type == "cuda" else torch.float32
+
+
+def _check_number(name: str, value: Any, lo: float, hi: float, lo_open=False, hi_open=False):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    too_low = value <= lo if lo_open else value < lo
+    too_high = value >= hi if hi_open else value > hi
+    if too_low or too_high:
+        lb = "(" if lo_open else "["
+        rb = ")" if hi_open else "]"
+        raise ValueError(f"{name} must be in {lb}{lo}, {hi}{rb}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding controls, vLLM/OpenAI-shaped.
+
+    temperature 0 means greedy. `top_k` <= 0 (or -1) disables top-k; `top_p` = 1 and `min_p` = 0
+    disable theirs. `repetition_penalty` (HF semantics) applies to prompt and output tokens;
+    `presence_penalty` and `frequency_penalty` (OpenAI semantics) to output tokens only.
+    `logprobs=None` returns none; `logprobs=k` returns the emitted token's logprob and the top-k,
+    computed from the model's raw logits (before penalties and temperature).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] | list[str] | str | None = None
+    stop_token_ids: tuple[int, ...] | list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    MAX_LOGPROBS = 20
+
+    def __post_init__(self) -> None:
+        def set_(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        _check_number("temperature", self.temperature, 0.0, 1e4)
+        _check_number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or >= 0, got {self.top_k}")
+        _check_number("min_p", self.min_p, 0.0, 1.0)
+        _check_number("repetition_penalty", self.repetition_penalty, 0.0, 1e4, lo_open=True)
+        _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.max_tokens is not None and (
+            isinstance(self.max_tokens, bool)
+            or not isinstance(self.max_tokens, int)
+            or self.max_tokens < 1
+        ):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int):
+            raise ValueError(f"min_tokens must be an integer, got {self.min_tokens!r}")
+        if self.min_tokens < 0 or (
+            self.max_tokens is not None and self.min_tokens > self.max_tokens
+        ):
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        stop = tuple(stop)
+        if any(not isinstance(s, str) or s == "" for s in stop):
+            raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
+        set_("stop", stop)
+        ids = tuple(self.stop_token_ids or ())
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+            raise ValueError(
+                f"stop_token_ids must hold token ids >= 0, got {self.stop_token_ids!r}"
+            )
+        set_("stop_token_ids", ids)
+        if self.logit_bias is not None:
+            bias = {}
+            for tok, value in self.logit_bias.items():
+                try:
+                    tok_id = int(tok)
+                except (TypeError, ValueError):
+                    raise ValueError(f"logit_bias: key {tok!r} is not a token id") from None
+                if tok_id < 0:
+                    raise ValueError(f"logit_bias: token id {tok_id} is negative")
+                _check_number(f"logit_bias[{tok_id}]", value, -100.0, 100.0)
+                bias[tok_id] = float(value)
+            set_("logit_bias", bias)
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool)
+            or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= self.MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be an integer in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids named by the request must exist in the model's vocabulary."""
+        for name, ids in (
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", tuple(self.logit_bias or ())),
+        ):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(
+                    f"{name}: token id {bad[0]} is outside the vocabulary ({vocab_size})"
+                )

@@ -1,0 +1,126 @@
+"""Continuous batching: FCFS admission, chunked prefill, decode, preemption by recompute, abort.
+
+Each step spends a token budget (`max_num_batched_tokens` rows): running sequences first, oldest
+first (a decode costs one row, an unfinished prefill the rest of its chunk), then waiting
+sequences in arrival order while rows, `max_num_seqs` and free pages last. When a running
+sequence cannot get the pages its rows need, the newest running sequence is preempted: its pages
+are freed and it goes back to the waiting queue to be recomputed from its tokens later. Pages are
+reserved for every row a step will write, plus `lookahead` rows for sequences that sample.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+
+from metrale.engine.kv_cache import PageAllocator
+from metrale.engine.sequence import Batch, ScheduledSeq, Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        lookahead: int = 0,
+    ) -> None:
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.lookahead = lookahead
+        self.waiting: list[Sequence] = []  # sorted by arrival
+        self.running: list[Sequence] = []  # in admission order; the last is the newest
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.arrival)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def _rows_needed(self, seq: Sequence, num_rows: int) -> int:
+        """Rows the block table must cover after this step (plus lookahead if it samples)."""
+        end = seq.num_computed_tokens + num_rows
+        return end + (self.lookahead if end == seq.num_tokens else 0)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.allocator.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+
+    def _never_fits(self, seq: Sequence, need: int) -> bool:
+        """A sequence whose rows exceed the whole pool can never run: it fails, alone."""
+        pages = self.allocator.pages_for(need)
+        if pages <= self.allocator.num_usable:
+            return False
+        self.allocator.free(seq)
+        seq.error = f"sequence needs {pages} KV pages, the pool has {self.allocator.num_usable}"
+        return True
+
+    def schedule(self) -> Batch:
+        budget = self.max_num_batched_tokens
+        batch = Batch(entries=[])
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            seq = self.running[idx]
+            num_rows = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            need = self._rows_needed(seq, num_rows)
+            if self._never_fits(seq, need):
+                self.running.pop(idx)
+                batch.failed.append(seq)
+                continue
+            while not self.allocator.can_fit(seq, need) and len(self.running) > idx + 1:
+                victim = self.running.pop()
+                self._preempt(victim)
+                batch.preempted.append(victim)
+            if not self.allocator.can_fit(seq, need):
+                # Even with every newer sequence evicted it does not fit: it waits its turn too.
+                self._preempt(self.running.pop(idx))
+                batch.preempted.append(seq)
+                break
+            self.allocator.reserve(seq, need)
+            batch.entries.append(ScheduledSeq(seq, num_rows))
+            budget -= num_rows
+            idx += 1
+
+        # Admit new work only when nothing was preempted: admitting now would just evict again.
+        while (
+            self.waiting
+            and budget > 0
+            and not batch.preempted
+            and len(self.running) < self.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            num_rows = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            need = self._rows_needed(seq, num_rows)
+            if self._never_fits(seq, need):
+                self.waiting.pop(0)
+                batch.failed.append(seq)
+                continue
+            if not self.allocator.can_fit(seq, need):
+                break
+            self.waiting.pop(0)
+            self.allocator.reserve(seq, need)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.entries.append(ScheduledSeq(seq, num_rows))
+            budget -= num_rows
+        return batch
+
+    def finish(self, seqs: Iterable[Sequence]) -> None:
+        """Release finished (or aborted/failed) sequences: their pages return to the pool."""
+        for seq in seqs:
+            if seq in self.running:
+                self.running.remove(seq)
+            elif seq in self.waiting:
+                self.waiting.remove(seq)
+            self.allocator.free(seq)
+            seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,119 @@
+"""Sequence (one generation: tokens, progress, pages, status) and Batch (what one step runs).
+
+A step computes rows `[num_computed_tokens, num_computed_tokens + num_rows)` of each scheduled
+sequence. Prefill, chunked prefill, recompute after preemption and decode are all that one rule;
+the step samples a token for a sequence exactly when its rows reach its last token.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from metrale.config import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Phase(enum.Enum):
+    """What a batch's rows are: decode batches are the graph-capturable ones."""
+
+    PREFILL = "prefill"  # every sequence runs prompt (or recompute) rows and none samples yet
+    DECODE = "decode"  # every sequence runs exactly its one last row
+    MIXED = "mixed"  # prefill chunks and decodes in one forward
+    VERIFY = "verify"  # last token + drafts per sequence (speculative decoding)
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    eos_token_ids: tuple[int, ...]
+    arrival: int
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+    # per emitted token: {token_id: Logprob} (the emitted token first, then the top-k)
+    logprobs: list[dict[int, Any]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    # set by the engine: output text state (an IncrementalDetokenizer) and the emitted text
+    detokenizer: Any = None
+    text: str = ""
+    pending_text: str = ""  # decoded but held back (a stop string may be completing)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n : stop - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while rows other than the last token are still to be computed."""
+        return self.num_computed_tokens < self.num_tokens - 1
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_rows: int  # rows computed this step, from seq.num_computed_tokens on
+
+    @property
+    def samples(self) -> bool:
+        """The rows reach the sequence's last token, so this step emits a token for it."""
+        return self.seq.num_computed_tokens + self.num_rows == self.seq.num_tokens
+
+
+@dataclass
+class Batch:
+    entries: list[ScheduledSeq]
+    preempted: list[Sequence] = field(default_factory=list)
+    # sequences the scheduler ended (e.g. one that can never fit the page pool)
+    failed: list[Sequence] = field(default_factory=list)
+
+    @property
+    def phase(self) -> Phase:
+        decodes = [e.samples and e.num_rows == 1 for e in self.entries]
+        if all(decodes):
+            return Phase.DECODE
+        if not any(e.samples for e in self.entries):
+            return Phase.PREFILL
+        return Phase.MIXED
+
+    @property
+    def num_rows(self) -> int:
+        return sum(e.num_rows for e in self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)

@@ -1,0 +1,66 @@
+"""Stop conditions of one sequence after it emits a token, and the text it may release.
+
+Stop strings can straddle tokens, so while a sequence has stop strings the last `len(longest) - 1`
+characters of its text are held back: a streamed delta never has to be retracted when a stop
+string completes one token later. Token-based stops (stop token ids, EOS, `max_tokens`, the model
+length) take effect only once `min_tokens` tokens were emitted (the sampler also bans them until
+then); stop strings likewise.
+"""
+
+from __future__ import annotations
+
+from metrale.engine.sequence import Sequence
+
+
+def _token_stop(seq: Sequence, max_model_len: int) -> tuple[str, int | None] | None:
+    params = seq.params
+    token = seq.output_token_ids[-1]
+    n_out = len(seq.output_token_ids)
+    if n_out >= params.min_tokens:
+        if token in params.stop_token_ids:
+            return "stop", token
+        if not params.ignore_eos and token in seq.eos_token_ids:
+            return "stop", None
+    if params.max_tokens is not None and n_out >= params.max_tokens:
+        return "length", None
+    if seq.num_tokens >= max_model_len:
+        return "length", None
+    return None
+
+
+def _find_stop_string(seq: Sequence, text: str, start: int) -> tuple[int, str] | None:
+    """Earliest stop-string occurrence in `text` at or after `start`."""
+    best = None
+    for stop in seq.params.stop:
+        idx = text.find(stop, start)
+        if idx >= 0 and (best is None or idx < best[0]):
+            best = (idx, stop)
+    return best
+
+
+def check_stop(
+    seq: Sequence, new_text: str, max_model_len: int
+) -> tuple[str | None, int | str | None, str]:
+    """After `seq` emitted a token whose text is `new_text`: (finish reason or None, stop reason,
+    text to release now). Updates `seq.pending_text` (the held-back tail)."""
+    reason = _token_stop(seq, max_model_len)
+    if reason is not None:
+        new_text += seq.detokenizer.flush()
+    text = seq.pending_text + new_text
+    stops = seq.params.stop
+    if stops and len(seq.output_token_ids) >= seq.params.min_tokens:
+        # Earlier text held no complete stop string, so a new one ends in `new_text`.
+        longest = max(map(len, stops))
+        found = _find_stop_string(seq, text, max(0, len(seq.pending_text) - longest + 1))
+        if found is not None:
+            idx, stop = found
+            end = idx + len(stop) if seq.params.include_stop_str_in_output else idx
+            seq.pending_text = ""
+            return "stop", stop, text[:end]
+    if reason is not None:
+        seq.pending_text = ""
+        return reason[0], reason[1], text
+    hold = max(map(len, stops)) - 1 if stops else 0
+    cut = max(0, len(text) - hold)
+    seq.pending_text = text[cut:]
+    return None, None, text[:cut]

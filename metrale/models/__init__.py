@@ -1,0 +1,1 @@
+"""Model architectures and their building blocks."""

@@ -1,0 +1,126 @@
+"""Load HF safetensors checkpoints (single file or sharded with an index) into a model.
+
+Weights are streamed tensor by tensor into parameters by HF name; fused parameters (see a model's
+`packed_modules`) receive their shards at the right row offsets. Every parameter must be filled
+exactly once: a missing tensor, a wrong shape or an unreadable file fails with an error that names
+the tensor and the file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+# Checkpoint tensors metrale does not (yet) consume; skipped without complaint.
+IGNORED_PREFIXES = ("mtp.",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the tensor or file."""
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those the index names, else every *.safetensors."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from e
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{index}: names shard {f.name}, which does not exist")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no *.safetensors weights found")
+    return files
+
+
+def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor, Path]]:
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
+                    yield name, f.get_tensor(name), path
+        except Exception as e:  # safetensors raises its own error types
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"{path}: cannot read safetensors file ({e})") from e
+
+
+def _target_of(name: str, packed: dict[str, list[tuple[str, int]]]) -> tuple[str, int | None]:
+    """HF tensor name -> (metrale parameter name, shard index within a fused parameter)."""
+    for fused, shards in packed.items():
+        for hf_suffix, shard in shards:
+            key = f".{hf_suffix}."
+            if key in name:
+                return name.replace(key, f".{fused}."), shard
+    return name, None
+
+
+def _shard_rows(param: nn.Parameter, fused: str, shard: int, model: nn.Module, name: str):
+    """Row range of one shard inside a fused parameter [sum(rows), in]."""
+    owner = model.get_submodule(name.rsplit(".", 2)[0])
+    if fused == "qkv_proj":
+        sizes = [owner.q_size, owner.kv_size, owner.kv_size]
+    else:  # gate_up_proj: two equal halves
+        sizes = [param.shape[0] // 2] * 2
+    start = sum(sizes[:shard])
+    return start, sizes[shard]
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, model_dir: str | Path) -> None:
+    """Fill every parameter of `model` from the checkpoint in `model_dir`."""
+    packed: dict[str, list[tuple[str, int]]] = getattr(model, "packed_modules", {})
+    params = dict(model.named_parameters())
+    # parameter name -> set of shards filled (None for unfused)
+    filled: dict[str, set[int | None]] = {}
+    for hf_name, tensor, path in iter_tensors(checkpoint_files(model_dir)):
+        if hf_name.startswith(IGNORED_PREFIXES):
+            continue
+        target, shard = _target_of(hf_name, packed)
+        param = params.get(target)
+        if param is None:
+            if hf_name.endswith("rotary_emb.inv_freq"):
+                continue
+            log.debug("ignoring checkpoint tensor %s (no such parameter)", hf_name)
+            continue
+        if not tensor.dtype.is_floating_point:
+            raise CheckpointError(f"{path.name}: tensor {hf_name} has dtype {tensor.dtype}")
+        if shard is None:
+            dest = param
+        else:
+            fused = target.rsplit(".", 2)[-2]
+            start, rows = _shard_rows(param, fused, shard, model, target)
+            dest = param[start : start + rows]
+        if tuple(tensor.shape) != tuple(dest.shape):
+            raise CheckpointError(
+                f"{path.name}: tensor {hf_name} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(dest.shape)}"
+            )
+        dest.copy_(tensor)
+        filled.setdefault(target, set()).add(shard)
+
+    for name in params:
+        got = filled.get(name, set())
+        fused = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+        if fused in packed:
+            need = {s for _, s in packed[fused]}
+            missing = sorted(need - got)
+            if missing:
+                hf = name.replace(f".{fused}.", f".{packed[fused][missing[0]][0]}.")
+                raise CheckpointError(f"{model_dir}: missing tensor {hf}")
+        elif not got:
+            raise CheckpointError(f"{model_dir}: missing tensor {name}")

@@ -1,0 +1,329 @@
+"""Text <-> token ids for an HF model directory, using only `tokenizers` and `jinja2`.
+
+`Tokenizer` reads the files HF checkpoints ship (`tokenizer.json`, `tokenizer_config.json`,
+`chat_template.jinja`, `generation_config.json`) and renders chat templates the way transformers
+does, so the engine never needs transformers at run time. `IncrementalDetokenizer` turns a stream
+of generated ids into text deltas for streaming responses.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.sandbox
+import tokenizers
+
+_REPLACEMENT = "\ufffd"
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+    return data if isinstance(data, dict) else {}
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token in tokenizer_config.json is a string or a serialised AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _pick_template(template: Any, has_tools: bool) -> str | None:
+    """HF allows a list of named templates; like transformers, prefer `tool_use` when tools are
+    given and `default` otherwise."""
+    if template is None or isinstance(template, str):
+        return template
+    named = {t["name"]: t["template"] for t in template if isinstance(t, dict) and "name" in t}
+    if has_tools and "tool_use" in named:
+        return named["tool_use"]
+    if "default" in named:
+        return named["default"]
+    return next(iter(named.values()), None)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks in HF
+    templates; for inference it renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> list[jinja2.nodes.Node]:
+        next(parser.stream)  # the `generation` name itself
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own `tojson` HTML-escapes and sorts keys; chat templates expect plain json.dumps.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _jinja_env() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    # Templates come with downloaded checkpoints, so they run sandboxed and cannot mutate inputs.
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus the special-token and chat-template facts from an HF dir."""
+
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        tokenizer_config: dict[str, Any] | None = None,
+        generation_config: dict[str, Any] | None = None,
+        chat_template: str | list[dict[str, str]] | None = None,
+    ) -> None:
+        self._tok = tokenizer
+        # A tokenizer.json may carry padding/truncation settings meant for training; an engine
+        # must see every token of the prompt.
+        self._tok.no_padding()
+        self._tok.no_truncation()
+        cfg = tokenizer_config or {}
+        gen = generation_config or {}
+        self.chat_template = chat_template if chat_template is not None else cfg.get("chat_template")
+
+        self.special_tokens: dict[str, str] = {}
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            content = _token_content(cfg.get(name))
+            if content is not None:
+                self.special_tokens[name] = content
+        self.bos_token_id = self._id_of(self.special_tokens.get("bos_token"))
+        # `add_bos_token` unset means "whatever tokenizer.json's post-processor does" (Llama 3
+        # adds BOS there); set, it decides alone.
+        self._add_bos: bool | None = cfg.get("add_bos_token")
+
+        eos: list[int] = _as_ids(gen.get("eos_token_id"))
+        cfg_eos = self._id_of(self.special_tokens.get("eos_token"))
+        if cfg_eos is not None:
+            eos.append(cfg_eos)
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
+
+        added = self._tok.get_added_tokens_decoder()
+        # Exactly the ids that `decode(..., skip_special_tokens=True)` drops.
+        self._skip_ids = frozenset(i for i, t in added.items() if t.special)
+        named = (self._id_of(c) for c in self.special_tokens.values())
+        self.all_special_ids: tuple[int, ...] = tuple(
+            sorted(self._skip_ids | {i for i in named if i is not None})
+        )
+        self._compiled: dict[str, jinja2.Template] = {}
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise FileNotFoundError(f"{tok_file}: no tokenizer.json in the model directory")
+        tok = tokenizers.Tokenizer.from_file(str(tok_file))
+        cfg = _read_json(path / "tokenizer_config.json")
+        gen = _read_json(path / "generation_config.json")
+        # transformers 5 saves the template beside the config instead of inside it; the separate
+        # file wins, as it does in transformers.
+        jinja_file = path / "chat_template.jinja"
+        template = jinja_file.read_text(encoding="utf-8") if jinja_file.is_file() else None
+        return cls(tok, cfg, gen, template)
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of tokens including added ones (the model's embedding may be larger)."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.chat_template)
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        return self._tok
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self._add_bos is None:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self._add_bos and self.bos_token_id is not None:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """Render `messages` with the model's chat template, as transformers would (tokenize=False).
+
+        Extra keyword arguments become template variables (e.g. `enable_thinking=False`). Errors
+        the template raises itself (`raise_exception`) surface as ValueError: they describe a bad
+        request, not a broken engine.
+        """
+        source = _pick_template(self.chat_template, bool(tools))
+        if not source:
+            raise ValueError(
+                "this model has no chat template; send a plain prompt (completions) instead"
+            )
+        template = self._compiled.get(source)
+        if template is None:
+            template = self._compiled[source] = _jinja_env().from_string(source)
+        variables = {**self.special_tokens, **kwargs}
+        try:
+            return template.render(
+                messages=messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            )
+        except jinja2.exceptions.TemplateError as e:
+            raise ValueError(f"chat template: {e}") from e
+
+
+class IncrementalDetokenizer:
+    """Streams the text of generated ids without re-decoding the whole output per token.
+
+    It decodes only a window `ids[prefix:]`: the tokens before `read` were already turned into
+    text, and are kept as left context because some decoders (SentencePiece's) render a token
+    differently at the start of a string. The delta is the window's text beyond what was already
+    emitted. A trailing U+FFFD means the bytes so far end inside a UTF-8 character, so that one
+    character is held back until more tokens arrive (or `flush()`).
+
+    When the window ends on a whole character it slides forward: a split at a character boundary
+    decodes to the same text as the whole, so the deltas concatenate to `tokenizer.decode(ids)`.
+    With `prompt_token_ids`, the last prompt tokens seed the left context so the first output
+    token is rendered as a continuation (a SentencePiece leading space is kept).
+    """
+
+    # Prompt tokens kept as left context; a few suffice for every decoder we know of.
+    PROMPT_CONTEXT = 5
+    # Pending tokens that still end in U+FFFD after this many can only be invalid UTF-8 (a valid
+    # unfinished character spans at most 3 bytes); the window is then cut at a boundary proven
+    # safe, so a model that emits garbage bytes cannot make each step slower.
+    MAX_PENDING = 16
+    # Where no safe cut is found (decoders that are not plain byte concatenation), the window is
+    # cut anyway at this size: bounded work wins over exact text for such garbage streams.
+    HARD_LIMIT = 4 * MAX_PENDING
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int] | None = None,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.text = ""
+        context = [t for t in (prompt_token_ids or ()) if not self._skipped(t)]
+        self._window: list[int] = context[-self.PROMPT_CONTEXT :]
+        # window[:read] is left context whose text is already out; `_slide` sets the rest.
+        self._read = 0
+        self._slide(len(self._window))
+
+    def _skipped(self, token_id: int) -> bool:
+        # Skipped special tokens decode to nothing, so leaving them out of the window changes no
+        # text and stops a run of them from growing it.
+        return self._skip_special and token_id in self._tokenizer._skip_ids
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
+
+    def push(self, token_ids: int | Iterable[int]) -> str:
+        """Add generated ids; return the text they complete (possibly empty)."""
+        ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+        self.token_ids.extend(ids)
+        self._window.extend(t for t in ids if not self._skipped(t))
+        text = self._decode(self._window)
+        # UTF-8 decoding renders an unfinished character at the end as exactly one U+FFFD.
+        unfinished = text.endswith(_REPLACEMENT)
+        stable = text[:-1] if unfinished else text
+        delta = stable[self._emitted :]
+        self._emitted = max(self._emitted, len(stable))
+        # Slide only once the pending tokens produced text of their own, so the next left
+        # context is never text-less (which would drop a SentencePiece leading space).
+        if not unfinished and len(text) > self._context_len:
+            self._slide(len(self._window))
+        elif len(self._window) - self._read > self.MAX_PENDING:
+            self._force_slide(text)
+        self.text += delta
+        return delta
+
+    def _slide(self, read: int) -> None:
+        """Make window[self._read:read] the new left context and drop the older tokens.
+
+        Only ever called with `read` at a safe boundary: one where decoding the ids before and
+        after it separately gives the same text as decoding them together, whatever follows.
+        """
+        del self._window[: self._read]
+        self._read = read - self._read
+        context = self._decode(self._window[: self._read])
+        self._context_len = len(context)
+        text = context if self._read == len(self._window) else self._decode(self._window)
+        self._emitted = len(text.removesuffix(_REPLACEMENT))
+
+    def _force_slide(self, text: str) -> None:
+        # A cut with >= 3 tokens after it is safe when the split decode equals the whole: an
+        # unfinished sequence at the cut is resolved within 3 bytes, and if resolving it had
+        # consumed bytes after the cut, the split decode would show extra U+FFFDs there.
+        end = len(self._window)
+        for cut in range(end - 3, max(self._read, end - 6), -1):
+            if self._decode(self._window[:cut]) + self._decode(self._window[cut:]) == text:
+                self._slide(cut)
+                return
+        if end - self._read > self.HARD_LIMIT:
+            self._slide(end)
+
+    def flush(self) -> str:
+        """Return any held-back text (an unfinished character renders as U+FFFD)."""
+        text = self._decode(self._window)
+        delta = text[self._emitted :]
+        self._emitted = len(text)
+        self.text += delta
+        return delta

@@ -1,0 +1,63 @@
+"""Shared fixtures: tiny random checkpoints written by transformers itself."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from metrale.default_model import build_random_qwen3
+
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """The default model's byte-level tokenizer files, to pair with any tiny checkpoint."""
+    return build_random_qwen3(tmp_path_factory.mktemp("tokenizer"))
+
+
+def write_hf_qwen3(path: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
+    """Save a random `transformers.Qwen3ForCausalLM` (float32) with save_pretrained."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3Config(**{**TINY, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForCausalLM(cfg).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_qwen3_factory(tmp_path_factory, tokenizer_dir):
+    """factory(name, **config overrides) -> model dir, cached per name for the session."""
+    cache: dict[str, Path] = {}
+
+    def make(name: str, seed: int = 0, **overrides) -> Path:
+        if name not in cache:
+            cache[name] = write_hf_qwen3(
+                tmp_path_factory.mktemp(name), tokenizer_dir, seed, **overrides
+            )
+        return cache[name]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(hf_qwen3_factory) -> Path:
+    return hf_qwen3_factory("tiny")

@@ -1,0 +1,368 @@
+"""Tokenizer, incremental detokenizer, knobs and the random default model (CPU, fast)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from metrale.config import ModelConfig
+from metrale.default_model import (
+    DEFAULT_MODEL_NAME,
+    ENDOFTEXT_ID,
+    IM_END_ID,
+    IM_START_ID,
+    _build_atomically,
+    build_random_qwen3,
+    default_model_dir,
+)
+from metrale.knobs import Knobs, knobs
+from metrale.tokenizer import IncrementalDetokenizer, Tokenizer
+
+TEXTS = ["hello world", "héllo", "中文字符", "emoji 😀👍🏽 mix", "tabs\tand\nnewlines  ", ""]
+MESSAGES = [
+    [{"role": "user", "content": "hi"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Wie geht's? 中文 😀"},
+        {"role": "assistant", "content": "Gut."},
+        {"role": "user", "content": "und jetzt?"},
+    ],
+]
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("METRALE_HOME", str(tmp_path / "home"))
+    knobs.cache_clear()
+    yield tmp_path / "home"
+    knobs.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return build_random_qwen3(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir) -> Tokenizer:
+    return Tokenizer.from_dir(model_dir)
+
+
+def _variant(model_dir: Path, tmp_path: Path, **config_changes) -> Path:
+    """A copy of the tokenizer files with tokenizer_config.json fields changed (None deletes)."""
+    out = tmp_path / "variant"
+    out.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(model_dir / name, out / name)
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    for key, value in config_changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return out
+
+
+# --- knobs -------------------------------------------------------------------------------------
+
+
+def test_knobs_read_env_once_and_describe(home, monkeypatch):
+    assert knobs().home == home.absolute()
+    monkeypatch.setenv("METRALE_HOME", "/elsewhere")
+    assert knobs().home == home.absolute()  # cached until cache_clear
+    knobs.cache_clear()
+    assert knobs().home == Path("/elsewhere")
+    assert "METRALE_HOME=/elsewhere" in knobs().describe()
+
+
+def test_knobs_default_and_unrecognised():
+    k = Knobs.from_env({"METRALE_HOME": "", "METRALE_HOEM": "x", "OTHER": "y"})
+    assert k.home == Path("~/.cache/metrale").expanduser().absolute()
+    assert k.unrecognised == ("METRALE_HOEM",)
+    assert "METRALE_HOEM" in k.describe()
+
+
+# --- encode / decode ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_round_trip(tok, text):
+    ids = tok.encode(text)
+    assert len(ids) == len(text.encode("utf-8"))  # one token per byte, no BOS
+    assert tok.decode(ids) == text
+
+
+def test_special_tokens(tok):
+    assert tok.vocab_size == 259
+    assert tok.eos_token_ids == (IM_END_ID, ENDOFTEXT_ID)
+    assert tok.bos_token_id is None
+    assert tok.all_special_ids == (ENDOFTEXT_ID, IM_START_ID, IM_END_ID)
+    assert tok.id_to_token(IM_END_ID) == "<|im_end|>"
+    ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
+    assert ids[0] == IM_START_ID and ids[-1] == IM_END_ID
+    assert tok.decode(ids) == "user\nhi"
+    assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>"
+    assert len(tok.encode("😀")) == 4
+
+
+def test_bos_and_eos_from_config(model_dir, tmp_path):
+    bos = {"content": "<|endoftext|>", "special": True, "__type": "AddedToken"}
+    t = Tokenizer.from_dir(_variant(model_dir, tmp_path, bos_token=bos, add_bos_token=True))
+    assert t.bos_token_id == ENDOFTEXT_ID
+    assert t.encode("a") == [ENDOFTEXT_ID, ord("a")]
+    assert t.encode("a", add_special_tokens=False) == [ord("a")]
+    (tmp_path / "variant" / "generation_config.json").write_text('{"eos_token_id": 257}')
+    assert Tokenizer.from_dir(tmp_path / "variant").eos_token_ids == (IM_START_ID, IM_END_ID)
+
+
+def test_missing_tokenizer_json(tmp_path):
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        Tokenizer.from_dir(tmp_path)
+
+
+# --- incremental detokenization ----------------------------------------------------------------
+
+
+def _random_stream(rng: random.Random, tok: Tokenizer, valid: bool) -> list[int]:
+    if valid:
+        alphabet = "abc xyz,.é中文字😀👍🏽\n"
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
+        ids = tok.encode(text)
+        for _ in range(rng.randint(0, 3)):  # specials sit between characters
+            ids.insert(rng.randint(0, len(ids)), rng.choice(tok.all_special_ids))
+        return _char_aligned_specials(tok, ids)
+    return [rng.choice([*range(256), *tok.all_special_ids]) for _ in range(rng.randint(0, 60))]
+
+
+def _char_aligned_specials(tok: Tokenizer, ids: list[int]) -> list[int]:
+    # Keep only specials that land on a character boundary so the stream stays valid UTF-8.
+    out: list[int] = []
+    for i in ids:
+        if i in tok.all_special_ids and tok.decode(out).endswith("\ufffd"):
+            continue
+        out.append(i)
+    return out
+
+
+def _push_in_chunks(det: IncrementalDetokenizer, rng: random.Random, ids: list[int]) -> list[str]:
+    deltas, i = [], 0
+    while i < len(ids):
+        n = rng.choice([1, 1, 1, 2, 3, 5])  # speculative decoding pushes several at once
+        deltas.append(det.push(ids[i : i + n]))
+        i += n
+    return deltas
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("valid", [True, False])
+def test_detokenizer_matches_decode_at_every_prefix(tok, skip, valid):
+    rng = random.Random(1234 + 2 * skip + valid)
+    for _ in range(40):
+        ids = _random_stream(rng, tok, valid)
+        for cut in range(len(ids) + 1):
+            det = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+            deltas = _push_in_chunks(det, rng, ids[:cut])
+            full = tok.decode(ids[:cut], skip_special_tokens=skip)
+            assert "".join(deltas) == det.text
+            assert full.startswith(det.text)
+            if valid:
+                assert "\ufffd" not in det.text
+                assert det.text == full.removesuffix("\ufffd")
+            assert det.text + det.flush() == full
+            assert det.text == full
+            assert det.token_ids == ids[:cut]
+
+
+def test_detokenizer_single_ids_and_prompt_context(tok):
+    prompt = tok.encode("Say 中文: ")
+    out = tok.encode("好的 😀 done") + [IM_END_ID]
+    det = IncrementalDetokenizer(tok, prompt_token_ids=prompt)
+    deltas = [det.push(t) for t in out]
+    assert "".join(deltas) + det.flush() == "好的 😀 done"
+    # A 4-byte emoji comes out whole, on the token that completes it.
+    emoji_at = len(tok.encode("好的 "))
+    assert deltas[emoji_at : emoji_at + 4] == ["", "", "", "😀"]
+
+
+def test_detokenizer_work_per_token_is_bounded(tok, monkeypatch):
+    lengths: list[int] = []
+    decode = tok.decode
+
+    def spy(ids, skip_special_tokens=True):
+        lengths.append(len(ids))
+        return decode(ids, skip_special_tokens)
+
+    monkeypatch.setattr(tok, "decode", spy)
+    ids = tok.encode("中文 😀 text " * 200) + [IM_END_ID] * 100
+    rng = random.Random(0)
+    ids += [rng.randrange(256) for _ in range(500)]  # invalid bytes must not grow it either
+    det = IncrementalDetokenizer(tok, prompt_token_ids=ids[:50])
+    for t in ids:
+        det.push(t)
+    assert max(lengths) <= IncrementalDetokenizer.MAX_PENDING + 8
+    assert len(lengths) <= 2 * len(ids) + 2
+
+
+# --- chat templates ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("messages", MESSAGES)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_transformers(model_dir, tok, messages, add_generation_prompt):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(model_dir)
+    expected = hf.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    got = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    assert got == expected
+    assert tok.encode(got) == hf.encode(got)
+
+
+FANCY_TEMPLATE = """\
+{%- if messages[0]['role'] == 'bogus' %}{{ raise_exception('bogus role') }}{% endif %}
+{{ bos_token }}
+{%- if tools %}
+<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>
+{% endif %}
+{%- for m in messages %}
+    {%- if m['role'] == 'skip' %}{% continue %}{% endif %}
+{% generation %}[{{ m['role'] }}] {{ m['content'] }}{% endgeneration %}
+    {%- if loop.index > 3 %}{% break %}{% endif %}
+{% endfor %}
+{%- if add_generation_prompt %}[assistant]{% if think is defined %} think={{ think }}{% endif %}
+{% endif %}"""
+
+
+def test_jinja_features_match_transformers(model_dir, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    out = _variant(model_dir, tmp_path, bos_token="<|endoftext|>", chat_template="unused")
+    (out / "chat_template.jinja").write_text(FANCY_TEMPLATE)
+    ours = Tokenizer.from_dir(out)
+    hf = transformers.AutoTokenizer.from_pretrained(out)
+    tools = [{"type": "function", "function": {"name": "f", "description": "é <b>"}}]
+    messages = [{"role": "skip", "content": "x"}] + MESSAGES[1]
+    for kwargs in ({}, {"tools": tools}, {"think": False}):
+        expected = hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **kwargs
+        )
+        assert ours.apply_chat_template(messages, **kwargs) == expected
+        assert "unused" not in expected
+    with pytest.raises(ValueError, match="bogus role"):
+        ours.apply_chat_template([{"role": "bogus", "content": ""}])
+
+
+def test_named_templates_and_strftime(model_dir, tmp_path):
+    named = [
+        {"name": "default", "template": "D{{ strftime_now('%Y') | length }}"},
+        {"name": "tool_use", "template": "T{{ tools | length }}"},
+    ]
+    t = Tokenizer.from_dir(_variant(model_dir, tmp_path, chat_template=named))
+    assert t.apply_chat_template(MESSAGES[0]) == "D4"
+    assert t.apply_chat_template(MESSAGES[0], tools=[{}, {}]) == "T2"
+
+
+def test_missing_chat_template(model_dir, tmp_path):
+    t = Tokenizer.from_dir(_variant(model_dir, tmp_path, chat_template=None))
+    assert not t.has_chat_template
+    with pytest.raises(ValueError, match="no chat template"):
+        t.apply_chat_template(MESSAGES[0])
+
+
+# --- the default model -------------------------------------------------------------------------
+
+
+def _digests(path: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
+
+
+def test_default_model_is_deterministic(home, tmp_path, monkeypatch):
+    first = default_model_dir()
+    assert first == home.absolute() / "models" / DEFAULT_MODEL_NAME
+    assert default_model_dir() == first  # second call reuses it
+    monkeypatch.setenv("METRALE_HOME", str(tmp_path / "other"))
+    knobs.cache_clear()
+    second = default_model_dir()
+    assert second != first
+    assert _digests(first) == _digests(second)
+    assert set(_digests(first)) == {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
+    assert _digests(build_random_qwen3(tmp_path / "seed1", seed=1)) != _digests(first)
+
+
+def test_concurrent_builds_leave_one_valid_dir(home):
+    errors: list[BaseException] = []
+
+    def build():
+        try:
+            default_model_dir()
+        except BaseException as e:  # noqa: BLE001 - surfaced by the assert below
+            errors.append(e)
+
+    threads = [threading.Thread(target=build) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    models = home / "models"
+    assert [p.name for p in models.iterdir()] == [DEFAULT_MODEL_NAME]  # no temp dirs left
+    Tokenizer.from_dir(models / DEFAULT_MODEL_NAME)
+
+
+def test_losing_the_race_keeps_the_winner(tmp_path):
+    target = tmp_path / "m"
+    target.mkdir()
+    (target / "winner").write_text("1")
+    _build_atomically(target, lambda p: (p / "loser").write_text("2"))
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]
+    assert [p.name for p in target.iterdir()] == ["winner"]
+
+
+def test_model_config_reads_default_model(model_dir):
+    cfg = ModelConfig.from_hf(model_dir)
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size) == (512, 128, 384)
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 4, 2)
+    assert cfg.head_dim == 32 and cfg.tie_word_embeddings and cfg.rope.theta == 1e6
+    assert cfg.max_position_embeddings == 4096 and cfg.rms_norm_eps == 1e-6
+    assert str(cfg.dtype) == "torch.bfloat16"
+    assert cfg.eos_token_ids == (IM_END_ID,) and cfg.bos_token_id == ENDOFTEXT_ID
+
+
+def test_overrides(tmp_path):
+    path = build_random_qwen3(tmp_path / "m", {"num_hidden_layers": 1, "vocab_size": 300})
+    cfg = ModelConfig.from_hf(path)
+    assert cfg.num_hidden_layers == 1 and cfg.vocab_size == 300
+    with pytest.raises(ValueError, match="vocab_size"):
+        build_random_qwen3(tmp_path / "small", {"vocab_size": 100})
+
+
+def test_transformers_loads_default_model(model_dir):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    hf_tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    ours = Tokenizer.from_dir(model_dir)
+    for text in TEXTS:
+        assert hf_tok.encode(text) == ours.encode(text)
+        assert hf_tok.decode(ours.encode(text)) == text
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert model.dtype == torch.bfloat16 and model.config.vocab_size == 512
+    with torch.no_grad():
+        logits = model(torch.tensor([ours.encode("hello")])).logits
+    assert logits.shape == (1, 5, 512) and torch.isfinite(logits).all()
