@@ -171,7 +171,12 @@ class ModelConfig:
         except ValueError as e:
             raise ValueError(str(e)) from None
         eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        eos_list = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in eos_list):
+            raise ValueError(f"{source}: field 'eos_token_id' must hold token ids, got {eos!r}")
+        bos = cfg.get("bos_token_id")
+        if bos is not None and (isinstance(bos, bool) or not isinstance(bos, int) or bos < 0):
+            raise ValueError(f"{source}: field 'bos_token_id' must be a token id, got {bos!r}")
         return cls(
             architecture=arch,
             vocab_size=positive_int("vocab_size", need("vocab_size")),
@@ -189,8 +194,8 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", False)),
             rope=_rope_from_hf(cfg),
             dtype=dtype,
-            eos_token_ids=eos_ids,
-            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=tuple(eos_list),
+            bos_token_id=bos,
         )
 
 

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,7 @@ def default_model_dir() -> Path:
     return target
 
 
-def _build_atomically(target: Path, build: Any) -> None:
+def _build_atomically(target: Path, build: Callable[[Path], object]) -> None:
     """Build into a sibling temp dir and rename it into place, so readers only ever see a whole
     checkpoint; when another process wins the race, its (identical) copy is kept."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -118,7 +119,8 @@ def build_tokenizer() -> HFTokenizer:
     """A byte-level BPE with no merges (one token per byte) plus the ChatML special tokens."""
     symbols = _bytes_to_symbols()
     # Check against the library's alphabet so a drift in the convention fails loudly here.
-    assert set(symbols) == set(pre_tokenizers.ByteLevel.alphabet())
+    if set(symbols) != set(pre_tokenizers.ByteLevel.alphabet()):
+        raise RuntimeError("tokenizers' ByteLevel alphabet differs from the GPT-2 byte mapping")
     vocab = {s: i for i, s in enumerate(symbols)}
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

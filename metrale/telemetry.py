@@ -47,16 +47,18 @@ class Histogram:
 
 @dataclass
 class Telemetry:
-    prefill_tokens: int = 0  # prompt (and recompute) rows run through the model
+    prefill_tokens: int = 0  # rows at prompt positions run (recompute after preemption included)
     decode_tokens: int = 0  # tokens emitted
     steps: int = 0
     preemptions: int = 0
+    steps_by_phase: Counter = field(default_factory=Counter)  # Phase.value -> steps
     requests_finished: Counter = field(default_factory=Counter)  # by finish reason
     step_time: Histogram = field(default_factory=lambda: Histogram(STEP_TIME_BUCKETS))
 
-    def record_step(self, prefill_rows: int, emitted: int, seconds: float) -> None:
+    def record_step(self, phase: str, prompt_rows: int, emitted: int, seconds: float) -> None:
         self.steps += 1
-        self.prefill_tokens += prefill_rows
+        self.steps_by_phase[phase] += 1
+        self.prefill_tokens += prompt_rows
         self.decode_tokens += emitted
         self.step_time.observe(seconds)
 
@@ -66,6 +68,7 @@ class Telemetry:
             "decode_tokens": self.decode_tokens,
             "steps": self.steps,
             "preemptions": self.preemptions,
+            "steps_by_phase": dict(self.steps_by_phase),
             "requests_finished": dict(self.requests_finished),
             "step_time_mean_s": self.step_time.mean,
         }

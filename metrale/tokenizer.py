@@ -121,7 +121,9 @@ class Tokenizer:
         self._tok.no_truncation()
         cfg = tokenizer_config or {}
         gen = generation_config or {}
-        self.chat_template = chat_template if chat_template is not None else cfg.get("chat_template")
+        self.chat_template = (
+            chat_template if chat_template is not None else cfg.get("chat_template")
+        )
 
         self.special_tokens: dict[str, str] = {}
         for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
@@ -229,27 +231,25 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Streams the text of generated ids without re-decoding the whole output per token.
 
-    It decodes only a window `ids[prefix:]`: the tokens before `read` were already turned into
-    text, and are kept as left context because some decoders (SentencePiece's) render a token
-    differently at the start of a string. The delta is the window's text beyond what was already
-    emitted. A trailing U+FFFD means the bytes so far end inside a UTF-8 character, so that one
-    character is held back until more tokens arrive (or `flush()`).
+    Only a window of recent ids is decoded: `window[:read]` is left context whose text is already
+    out (kept because some decoders, SentencePiece's, render a token differently at the start of
+    a string), `window[read:]` the pending ids. The delta is the window's text beyond what was
+    already emitted. A trailing U+FFFD means the bytes end inside a UTF-8 character, so that one
+    character is held back until more ids arrive (or `flush()`); the window slides (pending ids
+    become the context) once they produced new text that ends on a whole character.
 
-    When the window ends on a whole character it slides forward: a split at a character boundary
-    decodes to the same text as the whole, so the deltas concatenate to `tokenizer.decode(ids)`.
-    With `prompt_token_ids`, the last prompt tokens seed the left context so the first output
-    token is rendered as a continuation (a SentencePiece leading space is kept).
+    For a byte-level tokenizer the deltas plus `flush()` concatenate to exactly
+    `tokenizer.decode(ids)`, valid UTF-8 or not. With `prompt_token_ids`, the last prompt ids
+    seed the context, so the first output token is rendered as a continuation (a SentencePiece
+    leading space is kept, as a plain `decode(output_ids)` would not).
     """
 
     # Prompt tokens kept as left context; a few suffice for every decoder we know of.
     PROMPT_CONTEXT = 5
-    # Pending tokens that still end in U+FFFD after this many can only be invalid UTF-8 (a valid
-    # unfinished character spans at most 3 bytes); the window is then cut at a boundary proven
-    # safe, so a model that emits garbage bytes cannot make each step slower.
+    # Pending tokens that still end in U+FFFD after this many can only be invalid UTF-8 (an
+    # unfinished character spans at most 3 bytes); the window then slides anyway, so a model
+    # that emits garbage bytes cannot make each step slower.
     MAX_PENDING = 16
-    # Where no safe cut is found (decoders that are not plain byte concatenation), the window is
-    # cut anyway at this size: bounded work wins over exact text for such garbage streams.
-    HARD_LIMIT = 4 * MAX_PENDING
 
     def __init__(
         self,
@@ -262,10 +262,10 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = []
         self.text = ""
         context = [t for t in (prompt_token_ids or ()) if not self._skipped(t)]
-        self._window: list[int] = context[-self.PROMPT_CONTEXT :]
+        self._window: list[int] = context[max(len(context) - self.PROMPT_CONTEXT, 0) :]
         # window[:read] is left context whose text is already out; `_slide` sets the rest.
         self._read = 0
-        self._slide(len(self._window))
+        self._slide()
 
     def _skipped(self, token_id: int) -> bool:
         # Skipped special tokens decode to nothing, so leaving them out of the window changes no
@@ -286,39 +286,29 @@ class IncrementalDetokenizer:
         stable = text[:-1] if unfinished else text
         delta = stable[self._emitted :]
         self._emitted = max(self._emitted, len(stable))
-        # Slide only once the pending tokens produced text of their own, so the next left
-        # context is never text-less (which would drop a SentencePiece leading space).
-        if not unfinished and len(text) > self._context_len:
-            self._slide(len(self._window))
-        elif len(self._window) - self._read > self.MAX_PENDING:
-            self._force_slide(text)
+        # Slide once the pending tokens produced text of their own, so the next left context is
+        # never text-less (which would drop a SentencePiece leading space).
+        if (not unfinished and len(text) > self._context_len) or (
+            len(self._window) - self._read > self.MAX_PENDING
+        ):
+            self._slide()
         self.text += delta
         return delta
 
-    def _slide(self, read: int) -> None:
-        """Make window[self._read:read] the new left context and drop the older tokens.
+    def _slide(self) -> None:
+        """Make the pending ids the new left context and drop the older ones.
 
-        Only ever called with `read` at a safe boundary: one where decoding the ids before and
-        after it separately gives the same text as decoding them together, whatever follows.
+        After a forced slide the cut can fall inside a character; that is harmless. The ids
+        after the cut become context only at the next slide, and by then they have closed that
+        character (a normal slide needs new text after it, a forced one more than 3 bytes), so
+        the decoder is back in step before any pending id; only already-emitted context text
+        decodes differently.
         """
         del self._window[: self._read]
-        self._read = read - self._read
-        context = self._decode(self._window[: self._read])
+        self._read = len(self._window)
+        context = self._decode(self._window)
         self._context_len = len(context)
-        text = context if self._read == len(self._window) else self._decode(self._window)
-        self._emitted = len(text.removesuffix(_REPLACEMENT))
-
-    def _force_slide(self, text: str) -> None:
-        # A cut with >= 3 tokens after it is safe when the split decode equals the whole: an
-        # unfinished sequence at the cut is resolved within 3 bytes, and if resolving it had
-        # consumed bytes after the cut, the split decode would show extra U+FFFDs there.
-        end = len(self._window)
-        for cut in range(end - 3, max(self._read, end - 6), -1):
-            if self._decode(self._window[:cut]) + self._decode(self._window[cut:]) == text:
-                self._slide(cut)
-                return
-        if end - self._read > self.HARD_LIMIT:
-            self._slide(end)
+        self._emitted = len(context.removesuffix(_REPLACEMENT))
 
     def flush(self) -> str:
         """Return any held-back text (an unfinished character renders as U+FFFD)."""

@@ -61,3 +61,12 @@ def hf_qwen3_factory(tmp_path_factory, tokenizer_dir):
 @pytest.fixture(scope="session")
 def tiny_model_dir(hf_qwen3_factory) -> Path:
     return hf_qwen3_factory("tiny")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

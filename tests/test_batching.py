@@ -44,7 +44,11 @@ def test_batch_equals_alone_with_chunked_prefill_and_preemption(tiny_model_dir, 
     llm = LLM(tiny_model_dir, device="cpu", max_num_batched_tokens=24, page_size=4)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
-    assert llm.engine.telemetry.preemptions == 0
+    tel = llm.engine.telemetry
+    assert tel.preemptions == 0
+    assert tel.steps_by_phase["mixed"] > 0 and tel.steps_by_phase["decode"] > 0
+    assert tel.decode_tokens == sum(map(len, expected))
+    assert tel.prefill_tokens == sum(map(len, prompts))
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
 
     # A pool far smaller than the batch needs: sequences are preempted and recomputed.

@@ -243,10 +243,10 @@ def _py_rotl(x: int, r: int) -> int:
 
 def _py_fmix(h: int) -> int:
     h ^= h >> 16
-    h = _py_mul32(h, 0x85EBCA6B)
-    h ^= h >> 13
-    h = _py_mul32(h, 0xC2B2AE35)
-    return h ^ (h >> 16)
+    h = _py_mul32(h, 0x21F0AAAD)
+    h ^= h >> 15
+    h = _py_mul32(h, 0x735A2D97)
+    return h ^ (h >> 15)
 
 
 def _py_murmur(words: list[int], seed: int) -> int:
@@ -262,7 +262,7 @@ def py_uniform(seed: int, step: int, stream: int, token: int) -> float:
     s, t = seed % (1 << 64), step % (1 << 64)
     words = [s & 0xFFFFFFFF, s >> 32, t & 0xFFFFFFFF, t >> 32, stream]
     lane0, lane1 = _py_murmur(words, 0x243F6A88), _py_murmur(words, 0x85A308D3)
-    h = _py_fmix(lane0 ^ _py_fmix((token + 0x9E3779B9) % (1 << 32)))
+    h = _py_fmix(lane0 ^ _py_fmix((token + 0x3C6EF372) % (1 << 32)))
     h = _py_fmix((h + lane1) % (1 << 32))
     return ((h >> 9) + 0.5) / (1 << 23)
 
@@ -336,13 +336,15 @@ def test_same_row_same_token_in_any_batch() -> None:
 
 
 def test_different_seeds_and_steps_give_different_tokens() -> None:
-    vocab = 1000
+    vocab = 100_000
     n = 40
-    logits = torch.zeros(n, vocab)  # uniform: two rows agree with odds 1/1000
+    # Uniform logits: some two of the 40 picks agree with odds ~ 780 / 100k, so a repeat means
+    # the noise did not change with the seed (or step).
+    logits = torch.zeros(n, vocab)
     by_seed = sample(logits, build([row(seed=s) for s in range(n)], vocab)).token_ids
-    assert len(set(by_seed.tolist())) >= n - 3
+    assert len(set(by_seed.tolist())) >= n - 1
     by_step = sample(logits, build([row(seed=7, output=[0] * s) for s in range(n)], vocab))
-    assert len(set(by_step.token_ids.tolist())) >= n - 3
+    assert len(set(by_step.token_ids.tolist())) >= n - 1
     again = sample(logits, build([row(seed=s) for s in range(n)], vocab)).token_ids
     assert torch.equal(by_seed, again)
 

@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import tokenizers
 
 from metrale.config import ModelConfig
 from metrale.default_model import (
@@ -60,12 +61,8 @@ def _variant(model_dir: Path, tmp_path: Path, **config_changes) -> Path:
     out.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(model_dir / name, out / name)
-    cfg = json.loads((out / "tokenizer_config.json").read_text())
-    for key, value in config_changes.items():
-        if value is None:
-            cfg.pop(key, None)
-        else:
-            cfg[key] = value
+    cfg = json.loads((out / "tokenizer_config.json").read_text()) | config_changes
+    cfg = {k: v for k, v in cfg.items() if k not in config_changes or v is not None}
     (out / "tokenizer_config.json").write_text(json.dumps(cfg))
     return out
 
@@ -130,25 +127,55 @@ def test_missing_tokenizer_json(tmp_path):
 # --- incremental detokenization ----------------------------------------------------------------
 
 
-def _random_stream(rng: random.Random, tok: Tokenizer, valid: bool) -> list[int]:
-    if valid:
-        alphabet = "abc xyz,.é中文字😀👍🏽\n"
-        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
-        ids = tok.encode(text)
-        for _ in range(rng.randint(0, 3)):  # specials sit between characters
-            ids.insert(rng.randint(0, len(ids)), rng.choice(tok.all_special_ids))
-        return _char_aligned_specials(tok, ids)
-    return [rng.choice([*range(256), *tok.all_special_ids]) for _ in range(rng.randint(0, 60))]
+ALPHABET = "abc xyz,.é中文字😀👍🏽\n"
 
 
-def _char_aligned_specials(tok: Tokenizer, ids: list[int]) -> list[int]:
-    # Keep only specials that land on a character boundary so the stream stays valid UTF-8.
-    out: list[int] = []
-    for i in ids:
-        if i in tok.all_special_ids and tok.decode(out).endswith("\ufffd"):
-            continue
-        out.append(i)
+def _segments(rng: random.Random, data: bytes) -> list[bytes]:
+    """`data` cut into random 1-4 byte pieces, ignoring character boundaries."""
+    out, i = [], 0
+    while i < len(data):
+        n = rng.randint(1, 4)
+        out.append(data[i : i + n])
+        i += n
     return out
+
+
+@pytest.fixture(scope="module")
+def pieces(model_dir) -> tuple[Tokenizer, dict[bytes, int], list[list[int]]]:
+    """The default tokenizer plus multi-byte tokens that cut characters anywhere, as real BPE
+    vocabularies' do, and valid UTF-8 streams (lists of ids) written with them."""
+    rng = random.Random(7)
+    texts = ["".join(rng.choice(ALPHABET) for _ in range(rng.randint(0, 40))) for _ in range(60)]
+    cuts = [_segments(rng, t.encode("utf-8")) for t in texts]
+    spec = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    symbol_of = {byte: sym for sym, byte in vocab.items()}  # byte tokens have id == byte
+    ids = {bytes([b]): b for b in range(256)}
+    for piece in sorted({p for c in cuts for p in c if len(p) > 1}):
+        ids[piece] = vocab["".join(symbol_of[b] for b in piece)] = len(ids)
+    # `tokenizers` numbers added tokens after the model's vocabulary, so move the specials up.
+    for i, added in enumerate(spec["added_tokens"]):
+        added["id"] = len(ids) + i
+    backend = tokenizers.Tokenizer.from_str(json.dumps(spec))
+    assert backend.token_to_id("<|endoftext|>") == len(ids)
+    streams = [[ids[p] for p in c] for c in cuts]
+    return Tokenizer(backend), ids, streams
+
+
+def _random_stream(rng: random.Random, pieces, valid: bool) -> list[int]:
+    tok, vocab, streams = pieces
+    if valid:
+        ids = list(rng.choice(streams))
+        for _ in range(rng.randint(0, 3)):  # specials, only where a character ends
+            at = rng.randint(0, len(ids))
+            if not tok.decode(ids[:at]).endswith("\ufffd"):
+                ids.insert(at, rng.choice(tok.all_special_ids))
+        return ids
+    # Garbage, sometimes with no ASCII at all so long runs end in U+FFFD at every step.
+    pool = [*vocab.values(), *tok.all_special_ids]
+    if rng.random() < 0.5:
+        pool = [i for p, i in vocab.items() if all(b >= 0x80 for b in p)]
+    return [rng.choice(pool) for _ in range(rng.randint(0, 80))]
 
 
 def _push_in_chunks(det: IncrementalDetokenizer, rng: random.Random, ids: list[int]) -> list[str]:
@@ -162,10 +189,11 @@ def _push_in_chunks(det: IncrementalDetokenizer, rng: random.Random, ids: list[i
 
 @pytest.mark.parametrize("skip", [True, False])
 @pytest.mark.parametrize("valid", [True, False])
-def test_detokenizer_matches_decode_at_every_prefix(tok, skip, valid):
+def test_detokenizer_matches_decode_at_every_prefix(pieces, skip, valid):
+    tok = pieces[0]
     rng = random.Random(1234 + 2 * skip + valid)
     for _ in range(40):
-        ids = _random_stream(rng, tok, valid)
+        ids = _random_stream(rng, pieces, valid)
         for cut in range(len(ids) + 1):
             det = IncrementalDetokenizer(tok, skip_special_tokens=skip)
             deltas = _push_in_chunks(det, rng, ids[:cut])
@@ -202,12 +230,15 @@ def test_detokenizer_work_per_token_is_bounded(tok, monkeypatch):
     monkeypatch.setattr(tok, "decode", spy)
     ids = tok.encode("中文 😀 text " * 200) + [IM_END_ID] * 100
     rng = random.Random(0)
-    ids += [rng.randrange(256) for _ in range(500)]  # invalid bytes must not grow it either
+    # Invalid bytes must not grow it either, even when every step ends in U+FFFD.
+    ids += [rng.randrange(256) for _ in range(500)] + [0x80] * 300 + [0xE4] * 300
     det = IncrementalDetokenizer(tok, prompt_token_ids=ids[:50])
     for t in ids:
         det.push(t)
-    assert max(lengths) <= IncrementalDetokenizer.MAX_PENDING + 8
-    assert len(lengths) <= 2 * len(ids) + 2
+    det.flush()
+    assert max(lengths) <= 2 * IncrementalDetokenizer.MAX_PENDING + 2
+    assert len(lengths) <= 4 * len(ids)
+    assert det.text == tok.decode(ids)
 
 
 # --- chat templates ----------------------------------------------------------------------------

@@ -167,6 +167,7 @@ class LLMEngine:
             self.telemetry.preemptions += len(batch.preempted)
             for seq in batch.failed:
                 self._fail(seq, seq.error or "cannot be scheduled")
+            prompt_rows = batch.num_prompt_rows
             sampled = self._run(batch)
             changed: dict[str, dict[int, tuple[str, list[int]]]] = {}
             for seq in batch.failed:
@@ -177,8 +178,8 @@ class LLMEngine:
             for entry in batch.entries:
                 if entry.seq.error and entry.seq.finish_reason == "error":
                     changed.setdefault(entry.seq.request_id, {})[entry.seq.seq_id] = ("", [])
-        prefill_rows = sum(e.num_rows for e in batch.entries if not e.samples or e.num_rows > 1)
-        self.telemetry.record_step(prefill_rows, len(sampled), timer.seconds)
+        if batch.entries:
+            self.telemetry.record_step(batch.phase.value, prompt_rows, len(sampled), timer.seconds)
         outputs = []
         for request_id, deltas in changed.items():
             request = self.requests.get(request_id)

@@ -39,7 +39,8 @@ _M32 = 0xFFFFFFFF
 # Initial states of the two 32-bit lanes that key a row; together they make a 64-bit row key, so
 # two (seed, step, stream) triples share a noise vector with odds ~2**-64, not 2**-32.
 _LANE_SEEDS = (0x243F6A88, 0x85A308D3)
-_TOKEN_SALT = 0x9E3779B9
+# Below 2**30 so that `arange + salt` fits int32 index math if torch.compile fuses it.
+_TOKEN_SALT = 0x3C6EF372
 
 
 def _mul32(x: Tensor, c: int) -> Tensor:
@@ -57,14 +58,16 @@ def _rotl32(x: Tensor, r: int) -> Tensor:
     return ((x << r) | (x >> (32 - r))) & _M32
 
 
-def _fmix32(h: Tensor) -> Tensor:
-    """MurmurHash3's 32-bit finaliser: a bijection with full avalanche. Values stay in
-    [0, 2**32), so the right shifts are logical even though the tensors are signed."""
-    h = h ^ (h >> 16)
-    h = _mul32(h, 0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = _mul32(h, 0xC2B2AE35)
-    return h ^ (h >> 16)
+def _mix32_(h: Tensor) -> Tensor:
+    """In-place 32-bit avalanche mixer (xorshift-multiply, Wellons' "lowbias32" constants): a
+    bijection on [0, 2**32). Both multipliers are < 2**31, so each product stays below 2**63 and
+    needs a single multiply; values stay non-negative, so the right shifts are logical."""
+    h ^= h >> 16
+    h.mul_(0x21F0AAAD).bitwise_and_(_M32)
+    h ^= h >> 15
+    h.mul_(0x735A2D97).bitwise_and_(_M32)
+    h ^= h >> 15
+    return h
 
 
 def _murmur32(words: list[Tensor], lane_seed: int) -> Tensor:
@@ -76,7 +79,7 @@ def _murmur32(words: list[Tensor], lane_seed: int) -> Tensor:
         k = _mul32(k, 0x1B873593)
         h = _rotl32(h ^ k, 13)
         h = (_mul32(h, 5) + 0xE6546B64) & _M32
-    return _fmix32(h ^ (4 * len(words)))
+    return _mix32_(h ^ (4 * len(words)))
 
 
 def seeded_uniform(seed: Tensor, step: Tensor, vocab_size: int, stream: int = 0) -> Tensor:
@@ -99,11 +102,11 @@ def seeded_uniform(seed: Tensor, step: Tensor, vocab_size: int, stream: int = 0)
     lane0 = _murmur32(words, _LANE_SEEDS[0])[:, None]  # [N, 1]
     lane1 = _murmur32(words, _LANE_SEEDS[1])[:, None]  # [N, 1]
     tokens = torch.arange(vocab_size, dtype=torch.int64, device=seed.device)
-    token_key = _fmix32((tokens + _TOKEN_SALT) & _M32)[None, :]  # [1, V], distinct per token
-    # fmix32 is a bijection, so within a row all V values are distinct; the second round folds in
-    # the other lane.
-    h = _fmix32(lane0 ^ token_key)  # [N, V]
-    h = _fmix32((h + lane1) & _M32)  # [N, V]
+    token_key = _mix32_((tokens + _TOKEN_SALT) & _M32)[None, :]  # [1, V], distinct per token
+    # The mixer is a bijection, so within a row all V values are distinct; the second round folds
+    # in the other lane. In-place ops: this is the [N, V] hot loop, memory-bound on GPU.
+    h = _mix32_(lane0 ^ token_key)  # [N, V]
+    h = _mix32_(h.add_(lane1).bitwise_and_(_M32))  # [N, V]
     # 23 bits: (m + 0.5) / 2**23 = (2m + 1) / 2**24 is exact in float32 and lies in
     # [2**-24, 1 - 2**-24]; with 24 bits the top values would round to exactly 1.0.
     return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))

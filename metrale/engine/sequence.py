@@ -88,11 +88,12 @@ class Sequence:
 class ScheduledSeq:
     seq: Sequence
     num_rows: int  # rows computed this step, from seq.num_computed_tokens on
+    # The rows reach the sequence's last token, so this step emits a token for it. Fixed when
+    # scheduled: the sequence's counters move on once the step has run.
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """The rows reach the sequence's last token, so this step emits a token for it."""
-        return self.seq.num_computed_tokens + self.num_rows == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.seq.num_computed_tokens + self.num_rows == self.seq.num_tokens
 
 
 @dataclass
@@ -114,6 +115,18 @@ class Batch:
     @property
     def num_rows(self) -> int:
         return sum(e.num_rows for e in self.entries)
+
+    @property
+    def num_prompt_rows(self) -> int:
+        """Rows at prompt positions (prefill, or its recompute after a preemption)."""
+        return sum(
+            max(
+                0,
+                min(e.seq.num_computed_tokens + e.num_rows, e.seq.num_prompt_tokens)
+                - e.seq.num_computed_tokens,
+            )
+            for e in self.entries
+        )
 
     def __len__(self) -> int:
         return len(self.entries)

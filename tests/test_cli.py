@@ -1,0 +1,72 @@
+"""The command line as a user meets it: `metrale generate` and `metrale chat` in a subprocess, on
+the embedded default model (built into a fresh METRALE_HOME) and on a given checkpoint."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def metrale(*args: str, home, stdin: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "METRALE_HOME": str(home)}
+    return subprocess.run(
+        [sys.executable, "-m", "metrale.cli", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+
+
+def test_generate_on_the_default_model(tmp_path):
+    res = metrale("generate", "def fibonacci(n):", "--max-tokens", "12", home=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("def fibonacci(n):")
+    assert len(res.stdout) > len("def fibonacci(n):\n")
+    assert (tmp_path / "models").is_dir()  # the default model was written on first use
+
+
+def test_generate_is_deterministic_when_greedy(tiny_model_dir, tmp_path):
+    args = ("generate", "hello", "--model", str(tiny_model_dir), "--max-tokens", "10")
+    first, second = metrale(*args, home=tmp_path), metrale(*args, home=tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout
+
+
+def test_chat_reads_turns_from_stdin(tiny_model_dir, tmp_path):
+    res = metrale(
+        "chat",
+        "--model",
+        str(tiny_model_dir),
+        "--max-tokens",
+        "5",
+        "--system",
+        "be brief",
+        home=tmp_path,
+        stdin="hi\nhow are you?\n",
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("assistant> ") == 2
+
+
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        (("--temperature", "-1"), "temperature"),
+        (("--top-p", "0"), "top_p"),
+        (("--max-tokens", "0"), "max_tokens"),
+    ],
+)
+def test_bad_options_exit_with_a_named_error(tiny_model_dir, tmp_path, args, field):
+    res = metrale("generate", "x", "--model", str(tiny_model_dir), *args, home=tmp_path)
+    assert res.returncode == 2
+    assert field in res.stderr and "Traceback" not in res.stderr
+
+
+def test_help_lists_options(tmp_path):
+    res = metrale("generate", "--help", home=tmp_path)
+    assert res.returncode == 0 and "--temperature" in res.stdout and "--model" in res.stdout

@@ -1,0 +1,61 @@
+"""The same engine on a CUDA device (skipped without one): transformers parity in float32, batch
+== alone with preemption, and a bf16 run of the CLI path. CPU tests pin the reference behaviour;
+these pin that the device path matches it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metrale import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+transformers = pytest.importorskip("transformers")
+
+
+def test_cuda_float32_greedy_matches_transformers(tiny_model_dir):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    hf = hf.cuda().eval()
+    llm = LLM(tiny_model_dir, device="cuda", dtype="float32")
+    prompt = [5, 17, 300, 42, 9, 11]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+    with torch.no_grad():
+        ref = hf.generate(
+            torch.tensor([prompt], device="cuda"),
+            max_new_tokens=48,
+            min_new_tokens=48,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    assert out[0].outputs[0].token_ids == ref[0, len(prompt) :].tolist()
+
+
+def test_cuda_batch_with_preemption_equals_cpu(tiny_model_dir):
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(5 + 3 * i)] for i in range(12)]
+    params = SamplingParams(temperature=0.7, seed=11, max_tokens=20)
+    cpu = LLM(tiny_model_dir, device="cpu").generate(prompts, params, use_tqdm=False)
+    gpu = LLM(
+        tiny_model_dir,
+        device="cuda",
+        dtype="float32",
+        page_size=4,
+        num_kv_pages=24,
+        max_num_batched_tokens=32,
+    )
+    outs = gpu.generate(prompts, params, use_tqdm=False)
+    assert gpu.engine.telemetry.preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in cpu]
+
+
+def test_cuda_bf16_default_model_generates(tmp_path, monkeypatch):
+    monkeypatch.setenv("METRALE_HOME", str(tmp_path))
+    from metrale.knobs import knobs
+
+    knobs.cache_clear()
+    llm = LLM(device="cuda")
+    assert llm.engine.runner.dtype == torch.bfloat16
+    outs = llm.generate(["def fibonacci(n):"] * 8, SamplingParams(temperature=0, max_tokens=16))
+    assert all(
+        len(o.outputs[0].token_ids) == 16 or o.outputs[0].finish_reason == "stop" for o in outs
+    )
+    knobs.cache_clear()

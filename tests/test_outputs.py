@@ -1,0 +1,104 @@
+"""What a request gets back: stop token ids, stop strings, min_tokens, streaming deltas, and
+logprobs equal to log_softmax of transformers' logits for the same tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metrale import LLM, SamplingParams
+
+PROMPT = [10, 200, 31, 77, 401, 5, 6, 7]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(tiny_model_dir, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    return llm.generate([PROMPT], sp, use_tqdm=False)[0].outputs[0]
+
+
+def greedy(**kw) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0.0, "max_tokens": 40, "ignore_eos": True, **kw})
+
+
+def test_stop_token_id_ends_the_output(llm, reference):
+    ref = reference.token_ids
+    tok = ref[7]
+    first = ref.index(tok)
+    out = llm.generate([PROMPT], greedy(stop_token_ids=[tok]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ref[: first + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", tok)
+
+
+def test_min_tokens_bans_stop_tokens_until_reached(llm, reference):
+    ref = reference.token_ids
+    tok = ref[3]
+    first = ref.index(tok)
+    min_tokens = first + 5
+    sp = greedy(stop_token_ids=[tok], min_tokens=min_tokens)
+    out = llm.generate([PROMPT], sp, use_tqdm=False)[0].outputs[0]
+    assert tok not in out.token_ids[:min_tokens]
+    assert len(out.token_ids) >= min_tokens
+    assert out.token_ids[:first] == ref[:first]
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_truncates_text(llm, reference, include):
+    text = reference.text
+    # a 3-character stop string taken from the middle of the reference text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    idx = text.index(stop)
+    sp = greedy(stop=[stop, "never-appears-xyz"], include_stop_str_in_output=include)
+    out = llm.generate([PROMPT], sp, use_tqdm=False)[0].outputs[0]
+    assert out.text == text[: idx + (len(stop) if include else 0)]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert len(out.token_ids) < len(reference.token_ids)
+
+
+def test_stream_deltas_add_up_to_generate(llm, reference):
+    sp = greedy(stop=["never-appears-xyz"])
+    chunks = list(llm.stream(PROMPT, sp))
+    assert chunks[-1].finished and not any(c.finished for c in chunks[:-1])
+    assert "".join(c.outputs[0].delta_text for c in chunks) == reference.text
+    assert [t for c in chunks for t in c.outputs[0].delta_token_ids] == reference.token_ids
+    assert chunks[-1].outputs[0].text == reference.text
+
+
+def test_closing_a_stream_aborts_and_frees_pages(llm):
+    engine = llm.engine
+    stream = llm.stream(PROMPT, greedy(max_tokens=30))
+    for _ in range(3):
+        next(stream)
+    stream.close()
+    assert not engine.requests and not engine.has_unfinished_requests()
+    assert engine.allocator.num_free == engine.allocator.num_usable
+
+
+def test_logprobs_equal_log_softmax_of_transformers_logits(llm, tiny_model_dir):
+    transformers = pytest.importorskip("transformers")
+    sp = SamplingParams(temperature=0.8, seed=3, max_tokens=12, logprobs=5, repetition_penalty=1.3)
+    out = llm.generate([PROMPT], sp, use_tqdm=False)[0].outputs[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(torch.tensor([PROMPT + out.token_ids])).logits[0].float()
+    # raw log_softmax at the position that predicted each emitted token
+    ref = torch.log_softmax(logits[len(PROMPT) - 1 : -1], dim=-1)
+    assert len(out.logprobs) == len(out.token_ids) == 12
+    total = 0.0
+    for i, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        assert next(iter(entry)) == tok  # the emitted token comes first
+        assert entry[tok].logprob == pytest.approx(ref[i, tok].item(), abs=1e-4)
+        assert entry[tok].rank == int((ref[i] > ref[i, tok]).sum()) + 1
+        by_rank = {lp.rank: (t, lp.logprob) for t, lp in entry.items() if lp.rank <= 5}
+        top = torch.topk(ref[i], 5)
+        assert sorted(by_rank) == [1, 2, 3, 4, 5]
+        for rank, (ref_t, ref_lp) in enumerate(zip(top.indices, top.values, strict=True), 1):
+            assert by_rank[rank][0] == ref_t.item()
+            assert by_rank[rank][1] == pytest.approx(ref_lp.item(), abs=1e-4)
+        total += entry[tok].logprob
+    assert out.cumulative_logprob == pytest.approx(total, abs=1e-3)
