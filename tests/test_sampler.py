@@ -97,30 +97,25 @@ def assert_matches_reference(logits: torch.Tensor, rows: list[SamplingRow]) -> t
 
 
 def random_row(rng: random.Random, vocab: int, greedy_ok: bool = True) -> SamplingRow:
-    temps = [0.0, 0.5, 1.0, 1.7] if greedy_ok else [0.5, 1.0, 1.7]
-    bias = None
+    choices = {
+        "temperature": [0.0, 0.5, 1.0, 1.7] if greedy_ok else [0.5, 1.0, 1.7],
+        "top_k": [-1, 0, 1, 3, 10, vocab + 5],
+        "top_p": [1.0, 0.3, 0.8, 0.95],
+        "min_p": [0.0, 0.0, 0.05, 0.3],
+        "repetition_penalty": [1.0, 0.8, 1.3],
+        "presence_penalty": [0.0, 0.5, -0.7],
+        "frequency_penalty": [0.0, 0.4, -0.3],
+        "min_tokens": [0, 3, 6],
+        "stop_token_ids": [None, [7], [7, 8]],
+        "ignore_eos": [False, False, True],
+    }
+    params = {name: rng.choice(options) for name, options in choices.items()}
     if rng.random() < 0.4:
         bias = {rng.randrange(vocab): rng.uniform(-5, 5) for _ in range(rng.randint(1, 4))}
+        params["logit_bias"] = bias
+    prompt = [rng.randrange(vocab) for _ in range(rng.randint(0, 10))]
     output = [rng.randrange(12) for _ in range(rng.randint(0, 8))]
-    max_tokens = 32
-    return row(
-        seed=rng.randrange(1 << 40),
-        prompt=[rng.randrange(vocab) for _ in range(rng.randint(0, 10))],
-        output=output,
-        eos=(5, 6),
-        temperature=rng.choice(temps),
-        top_k=rng.choice([-1, 0, 1, 3, 10, vocab + 5]),
-        top_p=rng.choice([1.0, 0.3, 0.8, 0.95]),
-        min_p=rng.choice([0.0, 0.0, 0.05, 0.3]),
-        repetition_penalty=rng.choice([1.0, 0.8, 1.3]),
-        presence_penalty=rng.choice([0.0, 0.5, -0.7]),
-        frequency_penalty=rng.choice([0.0, 0.4, -0.3]),
-        logit_bias=bias,
-        min_tokens=rng.choice([0, 3, 6]),
-        max_tokens=max_tokens,
-        stop_token_ids=rng.choice([None, [7], [7, 8]]),
-        ignore_eos=rng.random() < 0.3,
-    )
+    return row(rng.randrange(1 << 40), prompt, output, (5, 6), max_tokens=32, **params)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,37 +228,28 @@ def test_build_resolves_huge_and_negative_seeds() -> None:
 # seeded_uniform
 
 
-def _py_mul32(a: int, b: int) -> int:
-    return (a * b) % (1 << 32)
-
-
-def _py_rotl(x: int, r: int) -> int:
-    return ((x << r) | (x >> (32 - r))) % (1 << 32)
-
-
-def _py_fmix(h: int) -> int:
+def _py_mix(h: int) -> int:
     h ^= h >> 16
-    h = _py_mul32(h, 0x21F0AAAD)
+    h = (h * 0x21F0AAAD) % (1 << 32)
     h ^= h >> 15
-    h = _py_mul32(h, 0x735A2D97)
+    h = (h * 0x735A2D97) % (1 << 32)
     return h ^ (h >> 15)
-
-
-def _py_murmur(words: list[int], seed: int) -> int:
-    h = seed
-    for k in words:
-        k = _py_mul32(_py_rotl(_py_mul32(k, 0xCC9E2D51), 15), 0x1B873593)
-        h = (_py_mul32(_py_rotl(h ^ k, 13), 5) + 0xE6546B64) % (1 << 32)
-    return _py_fmix(h ^ (4 * len(words)))
 
 
 def py_uniform(seed: int, step: int, stream: int, token: int) -> float:
     """The documented hash with unbounded Python ints: any int64 overflow would show up here."""
     s, t = seed % (1 << 64), step % (1 << 64)
     words = [s & 0xFFFFFFFF, s >> 32, t & 0xFFFFFFFF, t >> 32, stream]
-    lane0, lane1 = _py_murmur(words, 0x243F6A88), _py_murmur(words, 0x85A308D3)
-    h = _py_fmix(lane0 ^ _py_fmix((token + 0x3C6EF372) % (1 << 32)))
-    h = _py_fmix((h + lane1) % (1 << 32))
+    lanes = []
+    for lane in range(2):
+        total = 0
+        for j, w in enumerate(words):
+            salt = _py_mix(lane * 5 + j + 0x2545F491)
+            mult = (salt >> 1) | 1
+            total += mult * _py_mix(w ^ salt)
+        lanes.append(_py_mix(total % (1 << 32)))
+    h = _py_mix(lanes[0] ^ _py_mix(token + 0x3C6EF372))
+    h = _py_mix((h + lanes[1]) % (1 << 32))
     return ((h >> 9) + 0.5) / (1 << 23)
 
 
@@ -441,18 +427,13 @@ def test_greedy_rows_take_argmax_of_processed_logits() -> None:
             assert not torch.isneginf(processed[i, out.token_ids[i]])
 
 
-def test_greedy_ties_pick_lowest_id() -> None:
-    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0]])
-    assert sample(logits, build([row(temperature=0.0)], 4)).token_ids.tolist() == [1]
-
-
 def test_greedy_repetition_penalty_changes_pick() -> None:
-    logits = torch.tensor([[2.0, 1.8, 0.0, -3.0], [-1.0, -1.2, -5.0, -6.0]])
+    logits = torch.tensor([[2.0, 1.8, 0.0, -3.0], [-1.0, -1.2, -5.0, -1.0]])
     plain = [row(temperature=0.0), row(temperature=0.0)]
-    assert sample(logits, build(plain, 4)).token_ids.tolist() == [0, 0]
+    assert sample(logits, build(plain, 4)).token_ids.tolist() == [0, 0]  # ties -> lowest id
     penalised = [
         row(temperature=0.0, prompt=[0], repetition_penalty=1.5),  # 2.0 -> 1.33 < 1.8
-        row(temperature=0.0, output=[0], repetition_penalty=1.5),  # -1.0 -> -1.5 < -1.2
+        row(temperature=0.0, output=[0, 3], repetition_penalty=1.5),  # -1.0 -> -1.5 < -1.2
     ]
     assert sample(logits, build(penalised, 4)).token_ids.tolist() == [1, 1]
 

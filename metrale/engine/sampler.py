@@ -36,32 +36,21 @@ __all__ = [
 SAMPLE_STREAM = 0
 
 _M32 = 0xFFFFFFFF
-# Initial states of the two 32-bit lanes that key a row; together they make a 64-bit row key, so
-# two (seed, step, stream) triples share a noise vector with odds ~2**-64, not 2**-32.
-_LANE_SEEDS = (0x243F6A88, 0x85A308D3)
-# Below 2**30 so that `arange + salt` fits int32 index math if torch.compile fuses it.
-_TOKEN_SALT = 0x3C6EF372
-
-
-def _mul32(x: Tensor, c: int) -> Tensor:
-    """(x * c) mod 2**32 for int64 x in [0, 2**32) without int64 overflow.
-
-    x * c could reach 2**64 when c >= 2**31. Writing c = c' + 2**31 (c' < 2**31):
-    x * c = x * c' + (x << 31), and (x << 31) mod 2**32 only keeps x's low bit.
-    """
-    if c < 1 << 31:
-        return (x * c) & _M32
-    return (x * (c - (1 << 31)) + ((x & 1) << 31)) & _M32
-
-
-def _rotl32(x: Tensor, r: int) -> Tensor:
-    return ((x << r) | (x >> (32 - r))) & _M32
+# A row is keyed by two 32-bit lanes (64 bits together), so two (seed, step, stream) triples
+# share a noise vector with odds ~2**-64, not 2**-32.
+_NUM_LANES = 2
+# Offsets added to small aranges before mixing them into per-slot and per-token salts. Both are
+# below 2**30 so that, should torch.compile fold `arange + offset` into its int32 index math,
+# nothing overflows there.
+_SLOT_OFFSET = 0x2545F491
+_TOKEN_OFFSET = 0x3C6EF372
 
 
 def _mix32_(h: Tensor) -> Tensor:
-    """In-place 32-bit avalanche mixer (xorshift-multiply, Wellons' "lowbias32" constants): a
-    bijection on [0, 2**32). Both multipliers are < 2**31, so each product stays below 2**63 and
-    needs a single multiply; values stay non-negative, so the right shifts are logical."""
+    """In-place 32-bit avalanche mixer (xorshift-multiply; constants from C. Wellons'
+    hash-prospector search), a bijection on [0, 2**32). Both multipliers are < 2**31, so on
+    values < 2**32 each product stays below 2**63 (no int64 overflow); values stay non-negative,
+    so the right shifts are logical although the tensors are signed."""
     h ^= h >> 16
     h.mul_(0x21F0AAAD).bitwise_and_(_M32)
     h ^= h >> 15
@@ -70,16 +59,31 @@ def _mix32_(h: Tensor) -> Tensor:
     return h
 
 
-def _murmur32(words: list[Tensor], lane_seed: int) -> Tensor:
-    """MurmurHash3 (x86, 32-bit) of a fixed sequence of 32-bit words, elementwise over [N]."""
-    h = torch.full_like(words[0], lane_seed)
-    for k in words:
-        k = _mul32(k, 0xCC9E2D51)
-        k = _rotl32(k, 15)
-        k = _mul32(k, 0x1B873593)
-        h = _rotl32(h ^ k, 13)
-        h = (_mul32(h, 5) + 0xE6546B64) & _M32
-    return _mix32_(h ^ (4 * len(words)))
+def _row_keys(seed: Tensor, step: Tensor, stream: int) -> Tensor:
+    """[N] seed, [N] step -> [N, 2] lane keys in [0, 2**32).
+
+    key[lane] = mix(sum_j mult[lane, j] * mix(word_j ^ salt[lane, j]) mod 2**32). The per-slot
+    salt and odd multiplier keep slots apart (a plain sum of one mixer over all words would
+    collide when two words trade values); a change in any single word always changes the key.
+    All lanes and words go through the same few [N, 2, 5] ops: this part is tiny, so its cost is
+    kernel launches.
+    """
+    # `& _M32` after an arithmetic shift also gives the two's-complement high word of negatives.
+    words = torch.stack(
+        [
+            seed & _M32,
+            (seed >> 32) & _M32,
+            step & _M32,
+            (step >> 32) & _M32,
+            torch.full_like(seed, stream & _M32),
+        ],
+        dim=-1,
+    )  # [N, 5]
+    slots = torch.arange(_NUM_LANES * words.shape[1], dtype=torch.int64, device=seed.device)
+    salt = _mix32_(slots + _SLOT_OFFSET).view(1, _NUM_LANES, -1)  # [1, 2, 5]
+    mult = (salt >> 1) | 1  # [1, 2, 5] odd and < 2**31, so products stay below 2**63
+    mixed = _mix32_(words[:, None, :] ^ salt)  # [N, 2, 5]
+    return _mix32_((mixed * mult & _M32).sum(dim=-1) & _M32)  # [N, 2]
 
 
 def seeded_uniform(seed: Tensor, step: Tensor, vocab_size: int, stream: int = 0) -> Tensor:
@@ -88,25 +92,13 @@ def seeded_uniform(seed: Tensor, step: Tensor, vocab_size: int, stream: int = 0)
     Exact integer arithmetic (every intermediate below 2**63), so results are bit-identical on
     every device and need neither a torch.Generator nor a host sync.
     """
-    seed = seed.to(torch.int64)
-    step = step.to(torch.int64)
-    # 32-bit words; `& _M32` after an arithmetic shift also gives the right two's-complement
-    # high word for negative values.
-    words = [
-        seed & _M32,
-        (seed >> 32) & _M32,
-        step & _M32,
-        (step >> 32) & _M32,
-        torch.full_like(seed, stream & _M32),
-    ]
-    lane0 = _murmur32(words, _LANE_SEEDS[0])[:, None]  # [N, 1]
-    lane1 = _murmur32(words, _LANE_SEEDS[1])[:, None]  # [N, 1]
+    keys = _row_keys(seed.to(torch.int64), step.to(torch.int64), stream)  # [N, 2]
     tokens = torch.arange(vocab_size, dtype=torch.int64, device=seed.device)
-    token_key = _mix32_((tokens + _TOKEN_SALT) & _M32)[None, :]  # [1, V], distinct per token
+    token_key = _mix32_(tokens + _TOKEN_OFFSET)[None, :]  # [1, V], distinct per token
     # The mixer is a bijection, so within a row all V values are distinct; the second round folds
-    # in the other lane. In-place ops: this is the [N, V] hot loop, memory-bound on GPU.
-    h = _mix32_(lane0 ^ token_key)  # [N, V]
-    h = _mix32_(h.add_(lane1).bitwise_and_(_M32))  # [N, V]
+    # in the other lane. In-place ops: this is the [N, V] part, memory-bound on GPU.
+    h = _mix32_(keys[:, :1] ^ token_key)  # [N, V]
+    h = _mix32_(h.add_(keys[:, 1:]).bitwise_and_(_M32))  # [N, V]
     # 23 bits: (m + 0.5) / 2**23 = (2m + 1) / 2**24 is exact in float32 and lies in
     # [2**-24, 1 - 2**-24]; with 24 bits the top values would round to exactly 1.0.
     return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
