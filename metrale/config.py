@@ -7,12 +7,15 @@ engine below can trust its inputs.
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from metrale.sampling_params import SamplingParams
+
+__all__ = ["EngineConfig", "ModelConfig", "RopeConfig", "SamplingParams", "SpecConfig"]
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
@@ -199,6 +202,55 @@ class ModelConfig:
         )
 
 
+SPEC_METHODS = ("ngram", "mtp")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding for an engine: which drafter, how deep, how depths are planned.
+
+    `method=None` turns speculation off. `num_drafts` (K) is the deepest a sequence is verified;
+    each request may lower it or opt out (`SamplingParams.num_drafts` / `.speculative`). With
+    `dcut`, the D-Cut planner picks each sequence's depth per step (0..K) from its observed
+    acceptance and the verify cost; above `dcut_width_cap` sequences every depth is equal.
+    """
+
+    method: str | None = None
+    num_drafts: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 4
+    ngram_window: int = 4096  # tokens searched back from the end: bounds the host-side lookup
+    dcut: bool = True
+    dcut_width_cap: int = 32
+    dcut_prior: float = 0.6  # acceptance assumed for a position never observed
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in SPEC_METHODS:
+            raise ValueError(
+                f"spec.method must be one of {SPEC_METHODS} or None, got {self.method!r}"
+            )
+        for name, lo in (
+            ("num_drafts", 1),
+            ("ngram_min", 1),
+            ("ngram_window", 1),
+            ("dcut_width_cap", 1),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                raise ValueError(f"spec.{name} must be an integer >= {lo}, got {value!r}")
+        if not isinstance(self.ngram_max, int) or self.ngram_max < self.ngram_min:
+            raise ValueError(
+                f"spec.ngram_max must be an integer >= ngram_min={self.ngram_min}, "
+                f"got {self.ngram_max!r}"
+            )
+        if not 0.0 <= self.dcut_prior <= 1.0:
+            raise ValueError(f"spec.dcut_prior must be in [0, 1], got {self.dcut_prior!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs: device, dtype, cache and batching limits.
@@ -217,8 +269,20 @@ class EngineConfig:
     kv_cache_memory_gb: float = 4.0
     num_lookahead_rows: int = 0
     seed: int = 0
+    spec: SpecConfig | dict | None = None
 
     def __post_init__(self) -> None:
+        spec = self.spec
+        if spec is None:
+            spec = SpecConfig()
+        elif isinstance(spec, dict):
+            try:
+                spec = SpecConfig(**spec)
+            except TypeError as e:
+                raise ValueError(f"spec: {e}") from None
+        elif not isinstance(spec, SpecConfig):
+            raise ValueError(f"spec must be a SpecConfig or a dict, got {spec!r}")
+        object.__setattr__(self, "spec", spec)
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -254,134 +318,3 @@ class EngineConfig:
         if self.dtype != "auto":
             return parse_dtype(self.dtype)
         return model.dtype if device.type == "cuda" else torch.float32
-
-
-def _check_number(name: str, value: Any, lo: float, hi: float, lo_open=False, hi_open=False):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    too_low = value <= lo if lo_open else value < lo
-    too_high = value >= hi if hi_open else value > hi
-    if too_low or too_high:
-        lb = "(" if lo_open else "["
-        rb = ")" if hi_open else "]"
-        raise ValueError(f"{name} must be in {lb}{lo}, {hi}{rb}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request decoding controls, vLLM/OpenAI-shaped.
-
-    temperature 0 means greedy. `top_k` <= 0 (or -1) disables top-k; `top_p` = 1 and `min_p` = 0
-    disable theirs. `repetition_penalty` (HF semantics) applies to prompt and output tokens;
-    `presence_penalty` and `frequency_penalty` (OpenAI semantics) to output tokens only.
-    `logprobs=None` returns none; `logprobs=k` returns the emitted token's logprob and the top-k,
-    computed from the model's raw logits (before penalties and temperature).
-    """
-
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[int, float] | None = None
-    seed: int | None = None
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    stop: tuple[str, ...] | list[str] | str | None = None
-    stop_token_ids: tuple[int, ...] | list[int] | None = None
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    logprobs: int | None = None
-    skip_special_tokens: bool = True
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
-
-    MAX_LOGPROBS = 20
-
-    def __post_init__(self) -> None:
-        def set_(name: str, value: Any) -> None:
-            object.__setattr__(self, name, value)
-
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        _check_number("temperature", self.temperature, 0.0, 1e4)
-        _check_number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
-            raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 0, got {self.top_k}")
-        _check_number("min_p", self.min_p, 0.0, 1.0)
-        _check_number("repetition_penalty", self.repetition_penalty, 0.0, 1e4, lo_open=True)
-        _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int)
-        ):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if self.max_tokens is not None and (
-            isinstance(self.max_tokens, bool)
-            or not isinstance(self.max_tokens, int)
-            or self.max_tokens < 1
-        ):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int):
-            raise ValueError(f"min_tokens must be an integer, got {self.min_tokens!r}")
-        if self.min_tokens < 0 or (
-            self.max_tokens is not None and self.min_tokens > self.max_tokens
-        ):
-            raise ValueError(
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
-            )
-        stop = self.stop
-        if stop is None:
-            stop = ()
-        elif isinstance(stop, str):
-            stop = (stop,)
-        stop = tuple(stop)
-        if any(not isinstance(s, str) or s == "" for s in stop):
-            raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
-        set_("stop", stop)
-        ids = tuple(self.stop_token_ids or ())
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
-            raise ValueError(
-                f"stop_token_ids must hold token ids >= 0, got {self.stop_token_ids!r}"
-            )
-        set_("stop_token_ids", ids)
-        if self.logit_bias is not None:
-            bias = {}
-            for tok, value in self.logit_bias.items():
-                try:
-                    tok_id = int(tok)
-                except (TypeError, ValueError):
-                    raise ValueError(f"logit_bias: key {tok!r} is not a token id") from None
-                if tok_id < 0:
-                    raise ValueError(f"logit_bias: token id {tok_id} is negative")
-                _check_number(f"logit_bias[{tok_id}]", value, -100.0, 100.0)
-                bias[tok_id] = float(value)
-            set_("logit_bias", bias)
-        if self.logprobs is not None and (
-            isinstance(self.logprobs, bool)
-            or not isinstance(self.logprobs, int)
-            or not 0 <= self.logprobs <= self.MAX_LOGPROBS
-        ):
-            raise ValueError(
-                f"logprobs must be an integer in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}"
-            )
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def check_vocab(self, vocab_size: int) -> None:
-        """Token ids named by the request must exist in the model's vocabulary."""
-        for name, ids in (
-            ("stop_token_ids", self.stop_token_ids),
-            ("logit_bias", tuple(self.logit_bias or ())),
-        ):
-            bad = [t for t in ids if t >= vocab_size]
-            if bad:
-                raise ValueError(
-                    f"{name}: token id {bad[0]} is outside the vocabulary ({vocab_size})"
-                )

@@ -45,6 +45,83 @@ class Histogram:
         return self.total / self.count if self.count else 0.0
 
 
+# Lower bounds of the verify-batch width buckets (sequences verified together).
+WIDTH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Distinct verify keys remembered; past this the count saturates (memory stays bounded).
+MAX_TRACKED_KEYS = 4096
+
+
+def width_bucket(width: int) -> int:
+    return WIDTH_BUCKETS[bisect.bisect_right(WIDTH_BUCKETS, width) - 1]
+
+
+@dataclass
+class SpecTelemetry:
+    """Speculative-decoding counters, named after vLLM's `spec_decode_*` metrics."""
+
+    num_drafts: int = 0  # sequence-verifies with at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # accepted prefix covers pos j
+    matched_per_pos: list[int] = field(default_factory=list)  # draft j matched (any prefix)
+    drafted_per_pos: list[int] = field(default_factory=list)
+    # width bucket -> [sequence-verifies, draft tokens, accepted tokens]
+    by_width: dict[int, list[int]] = field(default_factory=dict)
+    verify_keys: set = field(default_factory=set)
+    verify_steps: int = 0
+
+    def record(self, width: int, matches: list[bool], num_accepted: int) -> None:
+        k = len(matches)
+        if k == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += k
+        self.num_accepted_tokens += num_accepted
+        for counts in (self.accepted_per_pos, self.matched_per_pos, self.drafted_per_pos):
+            counts.extend([0] * (k - len(counts)))
+        for j, matched in enumerate(matches):
+            self.drafted_per_pos[j] += 1
+            self.matched_per_pos[j] += matched
+            self.accepted_per_pos[j] += j < num_accepted
+        bucket = self.by_width.setdefault(width_bucket(width), [0, 0, 0])
+        bucket[0] += 1
+        bucket[1] += k
+        bucket[2] += num_accepted
+
+    def record_key(self, key: tuple) -> None:
+        self.verify_steps += 1
+        if len(self.verify_keys) < MAX_TRACKED_KEYS:
+            self.verify_keys.add(key)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per sequence-verify: accepted drafts plus the bonus token."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def acceptance_by_position(self) -> list[float]:
+        """P(draft j accepted) over the verifies that drafted position j."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_pos, self.drafted_per_pos)]
+
+    def width_lines(self) -> list[str]:
+        return [
+            f"width>={w}: verifies={n} drafted={d} accepted={a} rate={a / d if d else 0:.3f}"
+            for w, (n, d, a) in sorted(self.by_width.items())
+        ]
+
+    def snapshot(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+            "matched_per_pos": list(self.matched_per_pos),
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "acceptance_by_position": self.acceptance_by_position(),
+            "distinct_verify_keys": len(self.verify_keys),
+            "verify_steps": self.verify_steps,
+        }
+
+
 @dataclass
 class Telemetry:
     prefill_tokens: int = 0  # rows at prompt positions run (recompute after preemption included)
@@ -54,6 +131,7 @@ class Telemetry:
     steps_by_phase: Counter = field(default_factory=Counter)  # Phase.value -> steps
     requests_finished: Counter = field(default_factory=Counter)  # by finish reason
     step_time: Histogram = field(default_factory=lambda: Histogram(STEP_TIME_BUCKETS))
+    spec: SpecTelemetry = field(default_factory=SpecTelemetry)
 
     def record_step(self, phase: str, prompt_rows: int, emitted: int, seconds: float) -> None:
         self.steps += 1
@@ -71,6 +149,8 @@ class Telemetry:
             "steps_by_phase": dict(self.steps_by_phase),
             "requests_finished": dict(self.requests_finished),
             "step_time_mean_s": self.step_time.mean,
+            "tokens_per_step": self.decode_tokens / self.steps if self.steps else 0.0,
+            "spec": self.spec.snapshot(),
         }
 
 

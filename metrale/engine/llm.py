@@ -10,18 +10,24 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from metrale.config import EngineConfig, ModelConfig, SamplingParams
+from metrale.engine.emitter import Emitter
 from metrale.engine.kv_cache import PageAllocator
-from metrale.engine.runner import ModelRunner, SampledToken
+from metrale.engine.runner import ModelRunner, StepOutput
 from metrale.engine.scheduler import Scheduler
 from metrale.engine.sequence import Batch, Sequence
-from metrale.engine.stop import check_stop
 from metrale.knobs import knobs
-from metrale.outputs import CompletionOutput, Logprob, RequestOutput
-from metrale.telemetry import StepTimer, Telemetry
+from metrale.outputs import RequestOutput
+from metrale.spec.controller import SpeculativeDecoder
+from metrale.spec.drafter import Drafter, Verdict
+from metrale.spec.ngram import NgramDrafter
+from metrale.telemetry import Telemetry
 from metrale.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -42,7 +48,14 @@ class Request:
 
 
 class LLMEngine:
-    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: EngineConfig | None = None,
+        drafter: Drafter | None = None,
+    ) -> None:
+        """`drafter` plugs in a drafter of the caller's (a replay drafter for benchmarks, an
+        oracle in tests); otherwise `config.spec.method` picks one (or none)."""
         self.config = config or EngineConfig()
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
@@ -67,7 +80,22 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(self.config.seed)
         self._next_seq_id = 0
+        self.emitter = Emitter(self.tokenizer, self.max_model_len)
+        self.spec = self._speculative_decoder(drafter)
         log.info("knobs: %s", knobs().describe())
+
+    def _speculative_decoder(self, drafter: Drafter | None) -> SpeculativeDecoder | None:
+        spec = self.config.spec
+        if drafter is None:
+            if spec.method is None:
+                return None
+            if spec.method == "ngram":
+                drafter = NgramDrafter(spec.ngram_min, spec.ngram_max, spec.ngram_window)
+            else:
+                raise ValueError(f"spec.method {spec.method!r} needs a drafter this model lacks")
+        return SpeculativeDecoder(
+            spec, drafter, self.telemetry.spec, self.max_model_len, self.vocab_size
+        )
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -151,9 +179,8 @@ class LLMEngine:
         live = [s for s in request.seqs if not s.is_finished]
         for seq in live:
             seq.finish_reason = "abort"
-        self.scheduler.finish(live)
-        self.telemetry.requests_finished["abort"] += len(live)
-        return self._output(request, {s.seq_id: ("", []) for s in request.seqs})
+        self._finish(live)
+        return Emitter.output(request, {s.seq_id: ("", []) for s in request.seqs})
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -162,105 +189,109 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One scheduling step; returns an output for every request that changed."""
-        with StepTimer() as timer:
+        changed: dict[str, dict[int, tuple[str, list[int]]]] = {}
+        start = time.perf_counter()
+        batch = None
+        emitted = prompt_rows = 0
+        try:
+            if self.spec is not None:
+                for seq, message in self.spec.prepare(self.scheduler.running):
+                    self._fail(seq, message)
+                    changed.setdefault(seq.request_id, {})[seq.seq_id] = ("", [])
             batch = self.scheduler.schedule()
             self.telemetry.preemptions += len(batch.preempted)
+            if self.spec is not None:
+                for seq in batch.preempted:
+                    self.spec.release(seq)
             for seq in batch.failed:
                 self._fail(seq, seq.error or "cannot be scheduled")
-            prompt_rows = batch.num_prompt_rows
-            sampled = self._run(batch)
-            changed: dict[str, dict[int, tuple[str, list[int]]]] = {}
-            for seq in batch.failed:
                 changed.setdefault(seq.request_id, {})[seq.seq_id] = ("", [])
-            for token in sampled:
-                delta = self._append(token)
-                changed.setdefault(token.seq.request_id, {})[token.seq.seq_id] = delta
+            prompt_rows = batch.num_prompt_rows
+            out = self._run(batch)
+            emitted = self._commit(out, changed)
             for entry in batch.entries:
-                if entry.seq.error and entry.seq.finish_reason == "error":
+                if entry.seq.finish_reason == "error":
                     changed.setdefault(entry.seq.request_id, {})[entry.seq.seq_id] = ("", [])
-        if batch.entries:
-            self.telemetry.record_step(batch.phase.value, prompt_rows, len(sampled), timer.seconds)
+        finally:
+            # NOTE: recorded on every exit path, a failing step included.
+            if batch is not None and batch.entries:
+                self.telemetry.record_step(
+                    batch.phase.value, prompt_rows, emitted, time.perf_counter() - start
+                )
         outputs = []
         for request_id, deltas in changed.items():
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            outputs.append(self._output(request, deltas))
+            outputs.append(Emitter.output(request, deltas))
             if request.finished:
                 del self.requests[request_id]
         return outputs
 
-    def _run(self, batch: Batch) -> list[SampledToken]:
+    def _run(self, batch: Batch) -> StepOutput:
         """Run the batch; if the forward fails, isolate the failing sequence(s) by running each
         alone, so one bad sequence never takes the others down."""
+        if not batch.entries:
+            return StepOutput([], [], torch.empty(0), [])
         try:
-            sampled = self.runner.execute(batch)
+            return self.runner.execute(batch)
         except Exception as e:  # noqa: BLE001 (isolation: any error ends only its sequence)
             if len(batch.entries) == 1:
                 log.exception("sequence %s failed", batch.entries[0].seq.request_id)
                 self._fail(batch.entries[0].seq, f"{type(e).__name__}: {e}")
-                return []
-            sampled = []
-            for entry in list(batch.entries):
-                sampled += self._run(Batch(entries=[entry]))
-            return sampled
-        for entry in batch.entries:
-            entry.seq.num_computed_tokens += entry.num_rows
-        return sampled
+                return StepOutput([], [], torch.empty(0), [])
+        return StepOutput.merge([self._run(Batch(entries=[e])) for e in batch.entries])
+
+    def _commit(self, out: StepOutput, changed: dict) -> int:
+        """Advance every sequence past its committed rows, emit its tokens, feed the drafter.
+
+        NOTE: rollback: a sequence that verified k drafts and accepted a of them keeps the KV of
+        its rows up to its last token plus the a accepted drafts; the rows of rejected drafts lie
+        past `num_computed_tokens` and are overwritten by later steps, never read."""
+        verdict_of = {id(v.entry): v for v in out.verdicts}
+        needs_hidden = self.spec is not None and self.spec.drafter.needs_hidden
+        drafter_verdicts: list[Verdict] = []
+        finished: list[Sequence] = []
+        emitted = 0
+        for entry, end in zip(out.entries, out.row_ends, strict=True):
+            seq, first = entry.seq, entry.seq.num_computed_tokens
+            v = verdict_of.get(id(entry))
+            accepted = 0 if v is None else v.num_accepted
+            committed = entry.num_rows - len(entry.drafts) + accepted
+            seq.num_computed_tokens += committed
+            tokens: list[int] = []
+            if v is not None:
+                delta = self.emitter.emit(seq, v.tokens)
+                tokens = delta[1]
+                emitted += len(tokens)
+                changed.setdefault(seq.request_id, {})[seq.seq_id] = delta
+                if seq.finish_reason is not None:
+                    finished.append(seq)
+            if self.spec is not None:
+                row = end - entry.num_rows
+                drafter_verdicts.append(
+                    Verdict(
+                        seq=seq,
+                        drafts=entry.drafts,
+                        num_accepted=accepted,
+                        emitted=tokens,
+                        matches=[] if v is None else v.matches,
+                        hidden=out.hidden[row : row + committed] if needs_hidden else None,
+                        first_position=first,
+                    )
+                )
+        if self.spec is not None:
+            self.spec.observe(drafter_verdicts)
+        self._finish(finished)
+        return emitted
+
+    def _finish(self, seqs: list[Sequence]) -> None:
+        self.scheduler.finish(seqs)
+        for seq in seqs:
+            self.telemetry.requests_finished[seq.finish_reason] += 1
+            if self.spec is not None:
+                self.spec.release(seq)
 
     def _fail(self, seq: Sequence, message: str) -> None:
         seq.finish_reason, seq.error = "error", message
-        self.scheduler.finish([seq])
-        self.telemetry.requests_finished["error"] += 1
-
-    def _append(self, token: SampledToken) -> tuple[str, list[int]]:
-        """Emit one token: record it, detokenize, check stop conditions. Returns the delta."""
-        seq = token.seq
-        seq.output_token_ids.append(token.token_id)
-        if token.logprob is not None:
-            seq.cumulative_logprob += token.logprob
-            entry = {
-                token.token_id: Logprob(token.logprob, token.rank, self._piece(token.token_id))
-            }
-            for rank, (tok, lp) in enumerate(token.top or [], start=1):
-                entry.setdefault(tok, Logprob(lp, rank, self._piece(tok)))
-            seq.logprobs.append(entry)
-        reason, stop_reason, new_text = check_stop(
-            seq, seq.detokenizer.push([token.token_id]), self.max_model_len
-        )
-        if reason is not None:
-            seq.finish_reason, seq.stop_reason = reason, stop_reason
-            self.scheduler.finish([seq])
-            self.telemetry.requests_finished[reason] += 1
-        seq.text += new_text
-        return new_text, [token.token_id]
-
-    def _piece(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def _output(self, request: Request, deltas: dict[int, tuple[str, list[int]]]) -> RequestOutput:
-        outputs = []
-        for i, seq in enumerate(request.seqs):
-            delta_text, delta_ids = deltas.get(seq.seq_id, ("", []))
-            wants_logprobs = seq.params.logprobs is not None
-            outputs.append(
-                CompletionOutput(
-                    index=i,
-                    text=seq.text,
-                    token_ids=list(seq.output_token_ids),
-                    cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
-                    logprobs=list(seq.logprobs) if wants_logprobs else None,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                    error=seq.error,
-                    delta_text=delta_text,
-                    delta_token_ids=delta_ids,
-                )
-            )
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=outputs,
-            finished=request.finished,
-        )
+        self._finish([seq])

@@ -5,6 +5,7 @@ computes logits for the rows that sample, samples, and copies the picks back wit
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,11 +14,12 @@ import torch
 
 from metrale.config import EngineConfig, ModelConfig
 from metrale.engine.kv_cache import DUMMY_PAGE, allocate_kv_cache, kv_page_bytes
-from metrale.engine.sampler import SamplingBatch, SamplingRow, sample
-from metrale.engine.sequence import Batch, Sequence
+from metrale.engine.sampler import SamplingBatch, SamplingRow
+from metrale.engine.sequence import Batch, ScheduledSeq, Sequence
 from metrale.models.attention import AttentionMetadata, TorchPagedAttention
 from metrale.models.loader import load_weights
 from metrale.models.qwen3 import Qwen3ForCausalLM
+from metrale.spec.verify import accept, build_layout
 
 log = logging.getLogger(__name__)
 
@@ -95,27 +97,27 @@ class ModelRunner:
             self.page_size,
         )
 
-    def _metadata(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def span_metadata(
+        self, spans: list[tuple[list[int], int, list[int]]]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Pack spans (block table, first position, token ids) of consecutive rows into
+        (input_ids [T], positions [T], metadata). The target's steps and drafters' own forwards
+        over the same pages both use it."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         starts = [0]
         seq_lens: list[int] = []
         page = self.page_size
-        for entry in batch.entries:
-            seq, start = entry.seq, entry.seq.num_computed_tokens
-            end = start + entry.num_rows
-            input_ids += seq.tokens(start, end)
+        for table, start, tokens in spans:
+            end = start + len(tokens)
+            input_ids += tokens
             positions += range(start, end)
-            table = seq.block_table
             slots += (table[p // page] * page + p % page for p in range(start, end))
-            starts.append(starts[-1] + entry.num_rows)
+            starts.append(starts[-1] + len(tokens))
             seq_lens.append(end)
-        width = max(len(e.seq.block_table) for e in batch.entries)
-        tables = [
-            e.seq.block_table + [DUMMY_PAGE] * (width - len(e.seq.block_table))
-            for e in batch.entries
-        ]
+        width = max(len(table) for table, _, _ in spans)
+        tables = [table + [DUMMY_PAGE] * (width - len(table)) for table, _, _ in spans]
 
         def t(values) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -126,11 +128,16 @@ class ModelRunner:
             query_start_loc=t(starts),
             seq_lens=t(seq_lens),
             block_tables=t(tables),
-            max_query_len=max(e.num_rows for e in batch.entries),
+            max_query_len=max(len(tokens) for _, _, tokens in spans),
             max_seq_len=max(seq_lens),
             page_size=page,
         )
         return t(input_ids), meta.positions, meta
+
+    def _metadata(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        return self.span_metadata(
+            [(e.seq.block_table, e.seq.num_computed_tokens, e.token_ids()) for e in batch.entries]
+        )
 
     @torch.inference_mode()
     def all_logits(self, batch: Batch) -> torch.Tensor:
@@ -140,59 +147,119 @@ class ModelRunner:
         return self.model.compute_logits(self.model(input_ids, positions, meta))
 
     @torch.inference_mode()
-    def execute(self, batch: Batch) -> list[SampledToken]:
-        """Run one step; returns a token for every sequence whose rows reached its last token."""
-        if not batch.entries:
-            return []
+    def execute(self, batch: Batch) -> StepOutput:
+        """Run one step: the forward over every row, then acceptance of every sampling sequence's
+        drafts (k = 0 is a plain decode). One host sync copies the verdicts back."""
         input_ids, positions, meta = self._metadata(batch)
         hidden = self.model(input_ids, positions, meta)  # [T, H]
-        sampling = [e for e in batch.entries if e.samples]
+        ends = list(itertools.accumulate(e.num_rows for e in batch.entries))
+        sampling = [(e, end) for e, end in zip(batch.entries, ends, strict=True) if e.samples]
         if not sampling:
-            return []
-        # The last row of each sampling sequence.
-        ends = meta.query_start_loc[1:] - 1
-        rows = ends[[i for i, e in enumerate(batch.entries) if e.samples]]
-        logits = self.model.compute_logits(hidden, rows)  # [S, V]
-        seqs = [e.seq for e in sampling]
+            return StepOutput(batch.entries, [], hidden, ends)
+        # The last 1 + k rows of each sampling sequence: its last token, then its k drafts.
+        rows = [r for e, end in sampling for r in range(end - 1 - len(e.drafts), end)]
+        logits = self.model.compute_logits(hidden, torch.tensor(rows, device=self.device))
         sb = SamplingBatch.build(
             [
                 SamplingRow(
-                    params=s.params,
-                    seed=s.seed,
-                    prompt_token_ids=s.prompt_token_ids,
-                    output_token_ids=s.output_token_ids,
-                    eos_token_ids=s.eos_token_ids,
+                    params=e.seq.params,
+                    seed=e.seq.seed,
+                    prompt_token_ids=e.seq.prompt_token_ids,
+                    output_token_ids=e.seq.output_token_ids + e.drafts[:j],
+                    eos_token_ids=e.seq.eos_token_ids,
                 )
-                for s in seqs
+                for e, _ in sampling
+                for j in range(len(e.drafts) + 1)
             ],
             vocab_size=logits.shape[-1],
             device=self.device,
         )
-        out = sample(logits, sb)
-        return _to_host(seqs, out)
+        layout = build_layout(
+            [len(e.drafts) for e, _ in sampling], [e.drafts for e, _ in sampling], self.device
+        )
+        acc = accept(logits, sb, layout, self._draft_probs([e for e, _ in sampling], logits))
+        return StepOutput(batch.entries, _verdicts([e for e, _ in sampling], acc), hidden, ends)
+
+    def _draft_probs(self, entries: list[ScheduledSeq], logits: torch.Tensor):
+        """[R, V] draft distributions (zeros on rows without a draft), or None when every drafter
+        was deterministic (one-hot q)."""
+        if not any(e.drafts and e.seq.draft.probs is not None for e in entries):
+            return None
+        parts = []
+        for e in entries:
+            k = len(e.drafts)
+            q = torch.zeros(k + 1, logits.shape[-1], device=self.device)
+            if k and e.seq.draft.probs is not None:
+                q[:k] = e.seq.draft.probs[:k].to(self.device, torch.float32)
+            elif k:
+                q[torch.arange(k), torch.tensor(e.drafts)] = 1.0
+            parts.append(q)
+        return torch.cat(parts)
 
 
-def _to_host(seqs: list[Sequence], out) -> list[SampledToken]:
-    """The step's one host sync: picks (and logprobs when asked for) come back together."""
-    if out.logprobs is None:
-        return [SampledToken(s, t) for s, t in zip(seqs, out.token_ids.tolist(), strict=True)]
-    k = out.top_token_ids.shape[1]
-    packed = torch.cat(
-        [
-            out.token_ids[:, None].double(),
-            out.ranks[:, None].double(),
-            out.logprobs[:, None].double(),
-            out.top_token_ids.double(),
-            out.top_logprobs.double(),
-        ],
-        dim=1,
-    ).tolist()
-    result = []
-    for s, row in zip(seqs, packed, strict=True):
-        token = SampledToken(s, int(row[0]))
-        if s.params.logprobs is not None:
-            n = s.params.logprobs
-            token.rank, token.logprob = int(row[1]), row[2]
-            token.top = [(int(i), lp) for i, lp in zip(row[3 : 3 + n], row[3 + k : 3 + k + n])]
-        result.append(token)
+@dataclass
+class SeqVerdict:
+    """A sampling sequence's result: its verified drafts, how many were accepted, and the tokens
+    it emits (accepted drafts, then the target's own token), with logprobs when asked for."""
+
+    entry: ScheduledSeq
+    num_accepted: int
+    matches: list[bool]  # per draft, every position
+    tokens: list[SampledToken]
+
+    @property
+    def seq(self) -> Sequence:
+        return self.entry.seq
+
+
+@dataclass
+class StepOutput:
+    entries: list[ScheduledSeq]  # the entries that ran, in packed order
+    verdicts: list[SeqVerdict]  # one per sampling entry, in packed order
+    hidden: torch.Tensor  # [T, H] final hidden states of every packed row
+    row_ends: list[int]  # per entry, the end of its packed rows
+
+    @staticmethod
+    def merge(parts: list[StepOutput]) -> StepOutput:
+        """Concatenate the outputs of entries run separately (failure isolation)."""
+        ends, offset = [], 0
+        for part in parts:
+            ends += [offset + end for end in part.row_ends]
+            offset += part.row_ends[-1] if part.row_ends else 0
+        return StepOutput(
+            [e for p in parts for e in p.entries],
+            [v for p in parts for v in p.verdicts],
+            torch.cat([p.hidden for p in parts]) if parts else torch.empty(0),
+            ends,
+        )
+
+
+def _verdicts(entries: list[ScheduledSeq], acc) -> list[SeqVerdict]:
+    """The step's one host sync: every row's match, emitted token and logprob data together."""
+    cols = [acc.matches[:, None].double(), acc.emitted[:, None].double()]
+    k = 0
+    if acc.logprobs is not None:
+        k = acc.top_token_ids.shape[1]
+        cols += [
+            acc.ranks[:, None].double(),
+            acc.logprobs[:, None].double(),
+            acc.top_token_ids.double(),
+            acc.top_logprobs.double(),
+        ]
+    table = torch.cat(cols, dim=1).tolist()  # [R, 2 (+ 2 + 2k)]
+    result, row = [], 0
+    for e in entries:
+        rows = table[row : row + len(e.drafts) + 1]
+        row += len(rows)
+        matches = [bool(r[0]) for r in rows[:-1]]
+        accepted = next((i for i, m in enumerate(matches) if not m), len(matches))
+        tokens = []
+        for r in rows[: accepted + 1]:
+            token = SampledToken(e.seq, int(r[1]))
+            n = e.seq.params.logprobs
+            if n is not None:
+                token.rank, token.logprob = int(r[2]), r[3]
+                token.top = [(int(i), lp) for i, lp in zip(r[4 : 4 + n], r[4 + k : 4 + k + n])]
+            tokens.append(token)
+        result.append(SeqVerdict(e, accepted, matches, tokens))
     return result

@@ -32,6 +32,9 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by arrival
         self.running: list[Sequence] = []  # in admission order; the last is the newest
         self.num_preemptions = 0
+        # Slots of running sequences: bounded by max_num_seqs, lowest first (canonical verify
+        # order walks slots ascending, so low, dense slots keep runs contiguous).
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -49,7 +52,20 @@ class Scheduler:
         end = seq.num_computed_tokens + num_rows
         return end + (self.lookahead if end == seq.num_tokens else 0)
 
+    def _drafts_for(self, seq: Sequence, budget: int) -> list[int]:
+        """The drafts a decoding sequence verifies this step, cut to the row budget."""
+        if seq.draft is None or seq.num_tokens - seq.num_computed_tokens != 1:
+            return []
+        return seq.draft.tokens[: budget - 1]
+
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.slot >= 0:
+            self._free_slots.append(seq.slot)
+            seq.slot = -1
+
     def _preempt(self, seq: Sequence) -> None:
+        self._release_slot(seq)
+        seq.draft = None
         self.allocator.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -62,6 +78,7 @@ class Scheduler:
         if pages <= self.allocator.num_usable:
             return False
         self.allocator.free(seq)
+        self._release_slot(seq)
         seq.error = f"sequence needs {pages} KV pages, the pool has {self.allocator.num_usable}"
         return True
 
@@ -71,8 +88,14 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             seq = self.running[idx]
-            num_rows = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            drafts = self._drafts_for(seq, budget)
+            num_rows = min(seq.num_tokens - seq.num_computed_tokens, budget) + len(drafts)
             need = self._rows_needed(seq, num_rows)
+            if drafts and not self.allocator.can_fit(seq, need):
+                # Drafts are optional: drop them before evicting anyone for their rows.
+                num_rows -= len(drafts)
+                drafts, seq.draft = [], None
+                need = self._rows_needed(seq, num_rows)
             if self._never_fits(seq, need):
                 self.running.pop(idx)
                 batch.failed.append(seq)
@@ -87,7 +110,7 @@ class Scheduler:
                 batch.preempted.append(seq)
                 break
             self.allocator.reserve(seq, need)
-            batch.entries.append(ScheduledSeq(seq, num_rows))
+            batch.entries.append(ScheduledSeq(seq, num_rows, drafts))
             budget -= num_rows
             idx += 1
 
@@ -110,6 +133,7 @@ class Scheduler:
             self.waiting.pop(0)
             self.allocator.reserve(seq, need)
             seq.status = SequenceStatus.RUNNING
+            seq.slot = self._free_slots.pop()
             self.running.append(seq)
             batch.entries.append(ScheduledSeq(seq, num_rows))
             budget -= num_rows
@@ -122,5 +146,7 @@ class Scheduler:
                 self.running.remove(seq)
             elif seq in self.waiting:
                 self.waiting.remove(seq)
+            self._release_slot(seq)
             self.allocator.free(seq)
+            seq.draft = None
             seq.status = SequenceStatus.FINISHED

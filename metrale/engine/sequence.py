@@ -53,6 +53,11 @@ class Sequence:
     detokenizer: Any = None
     text: str = ""
     pending_text: str = ""  # decoded but held back (a stop string may be completing)
+    # state slot while running (verify keys and, for hybrid models, the recurrent state); -1 when
+    # not running
+    slot: int = -1
+    # drafts proposed for the next verify (a `metrale.spec.drafter.Draft`), cut to the planned depth
+    draft: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -86,14 +91,26 @@ class Sequence:
 
 @dataclass
 class ScheduledSeq:
+    """One sequence's rows in a step: `num_rows` rows from `seq.num_computed_tokens` on; when they
+    reach past the sequence's last token, the rows past it verify `drafts`."""
+
     seq: Sequence
-    num_rows: int  # rows computed this step, from seq.num_computed_tokens on
-    # The rows reach the sequence's last token, so this step emits a token for it. Fixed when
+    num_rows: int
+    drafts: list[int] = field(default_factory=list)
+    # The rows reach the sequence's last token, so this step emits tokens for it. Fixed when
     # scheduled: the sequence's counters move on once the step has run.
     samples: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.samples = self.seq.num_computed_tokens + self.num_rows == self.seq.num_tokens
+        end = self.seq.num_computed_tokens + self.num_rows
+        self.samples = end == self.seq.num_tokens + len(self.drafts)
+        if end > self.seq.num_tokens and not self.samples:
+            raise ValueError("draft rows must follow every token of the sequence")
+
+    def token_ids(self) -> list[int]:
+        start = self.seq.num_computed_tokens
+        end = min(start + self.num_rows, self.seq.num_tokens)
+        return self.seq.tokens(start, end) + self.drafts
 
 
 @dataclass
@@ -105,9 +122,8 @@ class Batch:
 
     @property
     def phase(self) -> Phase:
-        decodes = [e.samples and e.num_rows == 1 for e in self.entries]
-        if all(decodes):
-            return Phase.DECODE
+        if all(e.samples and e.num_rows == 1 + len(e.drafts) for e in self.entries):
+            return Phase.VERIFY if any(e.drafts for e in self.entries) else Phase.DECODE
         if not any(e.samples for e in self.entries):
             return Phase.PREFILL
         return Phase.MIXED

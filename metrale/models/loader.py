@@ -4,13 +4,16 @@ Weights are streamed tensor by tensor into parameters by HF name; fused paramete
 `packed_modules`) receive their shards at the right row offsets. Every parameter must be filled
 exactly once: a missing tensor, a wrong shape or an unreadable file fails with an error that names
 the tensor and the file.
+
+`renames` loads a sub-model stored under other names beside the target (the MTP heads, see
+`metrale.models.mtp`): checkpoint prefix -> parameter prefix, everything else skipped unread.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -19,7 +22,9 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-# Checkpoint tensors metrale does not (yet) consume; skipped without complaint.
+# Checkpoint tensors that are not the target's, skipped unread: the Qwen3-Next MTP heads (loaded by
+# `metrale.models.mtp`). DeepSeek-layout MTP blocks (`model.layers.{L >= num_hidden_layers}`)
+# name no target parameter, so they are skipped like any unknown tensor.
 IGNORED_PREFIXES = ("mtp.",)
 
 
@@ -47,16 +52,38 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor, Path]]:
+def iter_tensors(
+    files: list[Path], keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor, Path]]:
+    """(name, tensor, file) of every tensor; `keep` filters by name before a tensor is read."""
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
-                    yield name, f.get_tensor(name), path
+                    if keep is None or keep(name):
+                        yield name, f.get_tensor(name), path
         except Exception as e:  # safetensors raises its own error types
             if isinstance(e, CheckpointError):
                 raise
             raise CheckpointError(f"{path}: cannot read safetensors file ({e})") from e
+
+
+def _rename(name: str, renames: Mapping[str, str] | None) -> str | None:
+    """Checkpoint name -> parameter name (HF spelling, before fusing); None skips the tensor."""
+    if renames is None:
+        return None if name.startswith(IGNORED_PREFIXES) else name
+    for src, dst in renames.items():
+        if name.startswith(src):
+            return dst + name[len(src) :]
+    return None
+
+
+def _checkpoint_name(name: str, renames: Mapping[str, str] | None) -> str:
+    """The inverse of `_rename`, so that a missing tensor is named as the checkpoint spells it."""
+    for src, dst in (renames or {}).items():
+        if name.startswith(dst):
+            return src + name[len(dst) :]
+    return name
 
 
 def _target_of(name: str, packed: dict[str, list[tuple[str, int]]]) -> tuple[str, int | None]:
@@ -81,16 +108,22 @@ def _shard_rows(param: nn.Parameter, fused: str, shard: int, model: nn.Module, n
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, model_dir: str | Path) -> None:
-    """Fill every parameter of `model` from the checkpoint in `model_dir`."""
+def load_weights(
+    model: nn.Module, model_dir: str | Path, renames: Mapping[str, str] | None = None
+) -> None:
+    """Fill every parameter of `model` from the checkpoint in `model_dir`.
+
+    Without `renames`, parameter names are the checkpoint's (minus `IGNORED_PREFIXES`). With it,
+    only tensors under one of its checkpoint prefixes are read, each loaded into the parameter
+    whose name swaps that prefix for the mapped one; prefixes must not overlap.
+    """
     packed: dict[str, list[tuple[str, int]]] = getattr(model, "packed_modules", {})
     params = dict(model.named_parameters())
     # parameter name -> set of shards filled (None for unfused)
     filled: dict[str, set[int | None]] = {}
-    for hf_name, tensor, path in iter_tensors(checkpoint_files(model_dir)):
-        if hf_name.startswith(IGNORED_PREFIXES):
-            continue
-        target, shard = _target_of(hf_name, packed)
+    files = checkpoint_files(model_dir)
+    for hf_name, tensor, path in iter_tensors(files, lambda n: _rename(n, renames) is not None):
+        target, shard = _target_of(_rename(hf_name, renames), packed)
         param = params.get(target)
         if param is None:
             if hf_name.endswith("rotary_emb.inv_freq"):
@@ -121,6 +154,8 @@ def load_weights(model: nn.Module, model_dir: str | Path) -> None:
             missing = sorted(need - got)
             if missing:
                 hf = name.replace(f".{fused}.", f".{packed[fused][missing[0]][0]}.")
-                raise CheckpointError(f"{model_dir}: missing tensor {hf}")
+                raise CheckpointError(
+                    f"{model_dir}: missing tensor {_checkpoint_name(hf, renames)}"
+                )
         elif not got:
-            raise CheckpointError(f"{model_dir}: missing tensor {name}")
+            raise CheckpointError(f"{model_dir}: missing tensor {_checkpoint_name(name, renames)}")

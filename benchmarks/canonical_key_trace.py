@@ -1,0 +1,249 @@
+"""Measure where the canonical verify-key arm should start (`verify_key.CANONICAL_KEY_MIN_WIDTH`).
+
+Simulates a mixed serving trace: sequences arrive and finish so the batch width wanders over
+1..64, state slots come from a pool and are reused, each sequence has its own acceptance rate
+(Beta(2, 2)) decaying with draft position, and up to K = 4 drafts are available per step. Every step
+is planned by D-Cut (`spec.dcut.plan`) from per-sequence acceptance estimates, under each arm:
+canonical at every width, never, and canonical from widths 2, 4, 8, 16, 32. Per arm it counts the
+distinct verify graph keys (and the hit rate of a 256-entry LRU, the graph cache's size) and the
+expected emitted tokens per step under the true acceptance rates, also per unit of verify time.
+
+The trace (arrivals, lifetimes, slots, draft counts, match draws) is drawn once and replayed for
+every arm. With `--observe drafted` (default) the estimator sees the match of every drafted
+position, verified or not, so the estimates are the same in every arm and the arms differ only by
+the planning; `--observe verified` feeds back only verified positions, as the engine does, which
+lets each arm's plans steer its own estimates (a sequence cut to depth 0 stops being observed).
+
+Run from the repository root: `PYTHONPATH=. python benchmarks/canonical_key_trace.py`; a table
+goes to stderr and one JSON document is the last line of stdout. About 10 s on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from metrale.knobs import knobs
+from metrale.spec.dcut import AcceptanceEstimator, PlanInput, VerifyCostModel, plan
+from metrale.spec.verify_key import verify_graph_key
+
+K = 4
+MAX_WIDTH = 64
+GRAPH_CACHE = 256
+THRESHOLDS = (2, 4, 8, 16, 32)
+BUCKETS = (1, 2, 4, 8, 16, 32)  # width buckets [1, 2), [2, 4), ..., [32, 64]
+ENV = ("METRALE_NO_CANONICAL_VERIFY_KEY", "METRALE_CANONICAL_KEY_MIN_WIDTH")
+
+# ARCHITECTURE.md's H200 calibration: step time at q rows per sequence over q = 1, per batch size.
+H200_POINTS = {(1, 4): 1.15, (16, 4): 1.53, (64, 4): 2.74, (64, 16): 4.90}
+
+
+@dataclass(frozen=True)
+class Member:
+    """One sequence in one step of the trace: identity, slot, drafts and this step's draws."""
+
+    seq_id: int
+    slot: int
+    max_depth: int
+    accept: tuple[float, ...]  # true P(draft j+1 matches), independent across positions
+    draws: tuple[float, ...]  # uniforms: draft j+1 matches when draws[j] < accept[j]
+
+
+def make_trace(args: argparse.Namespace) -> list[list[Member]]:
+    rng = random.Random(args.seed)
+    free = list(range(MAX_WIDTH))
+    rng.shuffle(free)
+    live: dict[int, tuple[int, int, tuple[float, ...]]] = {}  # seq -> (slot, end step, accept)
+    next_id, target, trace = 0, 1, []
+    for step in range(args.steps):
+        for sid in [s for s, (_, end, _) in live.items() if end <= step]:
+            free.append(live.pop(sid)[0])
+        if step % 150 == 0:
+            # Load phases: a log-uniform target width, so narrow and wide batches both get time.
+            target = round(2 ** rng.uniform(0, 6))
+        for _ in range(min(target - len(live), rng.randint(0, 4))):
+            # A free list reuses the slot freed last; random picks model a fragmented pool.
+            slot = free.pop(rng.randrange(len(free)) if args.random_slots else -1)
+            alpha, decay = rng.betavariate(args.beta, args.beta), rng.uniform(0.75, 1.0)
+            accept = tuple(alpha * decay**j for j in range(K))
+            live[next_id] = (slot, step + 1 + int(rng.expovariate(1 / args.lifetime)), accept)
+            next_id += 1
+        members = []
+        for sid, (slot, _, accept) in live.items():
+            short = rng.random() < args.short_drafts
+            max_depth = rng.randint(0, K - 1) if short else K
+            draws = tuple(rng.random() for _ in range(K))
+            members.append(Member(sid, slot, max_depth, accept, draws))
+        trace.append(members)
+    return trace
+
+
+def set_arm(min_width: int | None) -> None:
+    """Select the arm through the real knobs: None = never canonical, else canonical from width."""
+    for name in ENV:
+        os.environ.pop(name, None)
+    if min_width is None:
+        os.environ["METRALE_NO_CANONICAL_VERIFY_KEY"] = "1"
+    else:
+        os.environ["METRALE_CANONICAL_KEY_MIN_WIDTH"] = str(min_width)
+    knobs.cache_clear()
+
+
+def _bucket(width: int) -> int:
+    return max(b for b in BUCKETS if b <= width)
+
+
+def run_slots(slots: list[int], depths: list[int]) -> tuple[int, int]:
+    """(sequences in runs of >= 2 equal depths, those of them in runs on consecutive slots).
+
+    The batched GDN verify path takes a run only when its state slots are consecutive."""
+    batched = contiguous = start = 0
+    for end in range(1, len(depths) + 1):
+        if end < len(depths) and depths[end] == depths[start]:
+            continue
+        if end - start > 1:
+            batched += end - start
+            if all(slots[j + 1] == slots[j] + 1 for j in range(start, end - 1)):
+                contiguous += end - start
+        start = end
+    return batched, contiguous
+
+
+def run_arm(
+    trace: list[list[Member]], cost: VerifyCostModel, width_cap: int, observe_all: bool
+) -> dict[str, Any]:
+    est = AcceptanceEstimator(max_positions=K)
+    keys: dict[int, set[tuple[int, ...]]] = {b: set() for b in BUCKETS}
+    tokens = {b: 0.0 for b in BUCKETS}
+    lru: OrderedDict[tuple[int, ...], None] = OrderedDict()
+    hits = verify_steps = padded = batched = contiguous = 0
+    total_time = 0.0
+    seen: set[int] = set()
+    for members in trace:
+        ids = {m.seq_id for m in members}
+        for sid in seen - ids:
+            est.forget(sid)
+        seen = ids
+        if not members:
+            continue
+        n = len(members)
+        inputs = [
+            PlanInput(m.slot, m.max_depth, est.estimate(m.seq_id, m.max_depth)) for m in members
+        ]
+        p = plan(inputs, cost, width_cap)
+        total_time += cost.step_time(p.rows, n)
+        for i, d in zip(p.order, p.depths):
+            m = members[i]
+            real = min(d, m.max_depth)  # the rest is padding, which never matches
+            padded += d - real
+            g, step_tokens = 1.0, 1.0
+            for a in m.accept[:real]:
+                g *= a
+                step_tokens += g
+            tokens[_bucket(n)] += step_tokens
+            seen_depth = m.max_depth if observe_all else real
+            if seen_depth:
+                est.observe(m.seq_id, [u < a for u, a in zip(m.draws[:seen_depth], m.accept)])
+        if p.rows == n:
+            continue  # all plain decode: a decode graph, no verify key
+        verify_steps += 1
+        key = verify_graph_key(
+            [(members[i].slot, d + 1) for i, d in zip(p.order, p.depths)], False, False
+        )
+        keys[_bucket(n)].add(key)
+        b, c = run_slots([members[i].slot for i in p.order], p.depths)
+        batched, contiguous = batched + b, contiguous + c
+        if key in lru:
+            hits += 1
+            lru.move_to_end(key)
+        else:
+            lru[key] = None
+            if len(lru) > GRAPH_CACHE:
+                lru.popitem(last=False)
+    n_steps = sum(1 for members in trace if members)
+    return {
+        "verify_steps": verify_steps,
+        # Keys of different widths never collide, so the buckets add up.
+        "distinct_keys": sum(len(k) for k in keys.values()),
+        "lru256_hit_rate": hits / max(verify_steps, 1),
+        "mean_expected_tokens": sum(tokens.values()) / n_steps,
+        "expected_tokens_per_cost": sum(tokens.values()) / total_time,
+        "padded_rows_per_step": padded / n_steps,
+        "contiguous_run_share": contiguous / max(batched, 1),
+        "by_width": {f">={b}": {"keys": len(keys[b]), "tokens": tokens[b]} for b in BUCKETS},
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cost", choices=("h200", "default"), default="h200")
+    ap.add_argument("--observe", choices=("drafted", "verified"), default="drafted")
+    ap.add_argument("--lifetime", type=float, default=120.0, help="mean sequence life in steps")
+    ap.add_argument("--random-slots", action="store_true")
+    ap.add_argument("--beta", type=float, default=2.0, help="acceptance ~ Beta(beta, beta)")
+    ap.add_argument("--short-drafts", type=float, default=0.2, help="P(fewer than K drafts)")
+    ap.add_argument("--width-cap", type=int, default=MAX_WIDTH)
+    args = ap.parse_args(argv)
+
+    cost = VerifyCostModel.from_points(H200_POINTS) if args.cost == "h200" else VerifyCostModel()
+    trace = make_trace(args)
+    widths = [len(m) for m in trace]
+    slot_sets = [frozenset(m.slot for m in members) for members in trace]
+    arms: dict[str, int | None] = {"always": 0, "never": None}
+    arms.update({f"from_{t}": t for t in THRESHOLDS})
+    saved = {name: os.environ.get(name) for name in ENV}
+    results, start = {}, time.perf_counter()
+    try:
+        for name, min_width in arms.items():
+            set_arm(min_width)
+            results[name] = run_arm(trace, cost, args.width_cap, args.observe == "drafted")
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
+        knobs.cache_clear()
+
+    never = results["never"]
+    head = ("arm", "keys", "keys/nev", "lru hit", "E/step", "E/never", "E/cost", "pad/step")
+    head += ("contig",)
+    print(("{:>9}" * len(head)).format(*head), file=sys.stderr)
+    for name, r in results.items():
+        r["keys_vs_never"] = r["distinct_keys"] / never["distinct_keys"]
+        r["tokens_vs_never"] = r["mean_expected_tokens"] / never["mean_expected_tokens"]
+        r["per_cost_vs_never"] = r["expected_tokens_per_cost"] / never["expected_tokens_per_cost"]
+        row = (r["distinct_keys"], r["keys_vs_never"], r["lru256_hit_rate"])
+        row += (r["mean_expected_tokens"], r["tokens_vs_never"], r["expected_tokens_per_cost"])
+        row += (r["padded_rows_per_step"], r["contiguous_run_share"])
+        print(
+            f"{name:>9}"
+            + "{:>9}{:>9.3f}{:>9.3f}{:>9.3f}{:>9.4f}{:>9.3f}{:>9.3f}{:>9.3f}".format(*row),
+            file=sys.stderr,
+        )
+    doc = {
+        "config": {**vars(args), "K": K, "max_width": MAX_WIDTH, "graph_cache": GRAPH_CACHE},
+        "trace": {
+            "steps": len(trace),
+            "mean_width": sum(widths) / len(widths),
+            "min_width": min(widths),
+            "max_width": max(widths),
+            "slot_set_changes_per_step": sum(a != b for a, b in zip(slot_sets, slot_sets[1:]))
+            / (len(trace) - 1),
+        },
+        "arms": results,
+        "seconds": time.perf_counter() - start,
+    }
+    print(json.dumps(doc))
+
+
+if __name__ == "__main__":
+    main()

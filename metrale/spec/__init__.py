@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters, verify ordering and keys, depth planning, acceptance."""

@@ -1,0 +1,170 @@
+"""The engine's speculative side: ask the drafter for drafts, cut them to planned depths, and
+feed verdicts back to the drafter, the acceptance estimator and the telemetry.
+
+Per step, before scheduling, `prepare(running)` leaves on each decoding sequence the drafts it will
+verify (`seq.draft`), within its caps (the engine's K, the request's `num_drafts`, the room left
+under `max_tokens` and `max_model_len`). After the verify, `observe(...)` records the verdicts.
+A drafter that raises fails only the sequences it was drafting for.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from metrale.config import SpecConfig
+from metrale.engine.sequence import Sequence
+from metrale.knobs import knobs
+from metrale.spec.dcut import AcceptanceEstimator, PlanInput, VerifyCostModel, plan
+from metrale.spec.drafter import Draft, Drafter, Verdict
+from metrale.spec.verify_key import canonical_assignment, verify_batch_order, verify_graph_key
+from metrale.telemetry import SpecTelemetry
+
+log = logging.getLogger(__name__)
+
+# Sequence-verifies between two per-width acceptance lines (METRALE_MTP_ACCEPT_DEBUG).
+ACCEPT_DEBUG_EVERY = 256
+
+
+def draft_caps(seq: Sequence, cfg: SpecConfig, max_model_len: int) -> int:
+    """How many drafts `seq` may verify now: every accepted draft plus the bonus token must fit
+    under `max_tokens` and `max_model_len`, so speculation never emits past either."""
+    params = seq.params
+    if not params.speculative or seq.is_prefilling:
+        return 0
+    k = cfg.num_drafts if params.num_drafts is None else min(cfg.num_drafts, params.num_drafts)
+    k = min(k, max_model_len - seq.num_tokens - 1)
+    if params.max_tokens is not None:
+        k = min(k, params.max_tokens - len(seq.output_token_ids) - 1)
+    return max(k, 0)
+
+
+def pad_draft(draft: Draft, depth: int, vocab_size: int) -> Draft:
+    """Extend a draft to `depth` rows by repeating its last token (or cut it). The canonical arm
+    may deal a sequence more rows than it drafted; a padded row is verified like any other, so
+    it costs a row and never breaks losslessness."""
+    if depth <= len(draft.tokens):
+        return draft.truncate(depth)
+    extra = depth - len(draft.tokens)
+    filler = draft.tokens[-1] if draft.tokens else 0
+    probs = draft.probs
+    if probs is not None:
+        pad = torch.zeros(extra, probs.shape[-1], dtype=probs.dtype, device=probs.device)
+        pad[:, filler] = 1.0
+        probs = torch.cat([probs, pad])
+    return Draft(draft.tokens + [filler] * extra, probs)
+
+
+class SpeculativeDecoder:
+    def __init__(
+        self,
+        cfg: SpecConfig,
+        drafter: Drafter,
+        telemetry: SpecTelemetry,
+        max_model_len: int,
+        vocab_size: int,
+        cost: VerifyCostModel | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.drafter = drafter
+        self.telemetry = telemetry
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.cost = cost or VerifyCostModel()
+        self.estimator = AcceptanceEstimator(
+            max_positions=max(cfg.num_drafts, 1), prior=cfg.dcut_prior
+        )
+        self._debug = knobs().mtp_accept_debug
+
+    def prepare(self, running: list[Sequence]) -> list[tuple[Sequence, str]]:
+        """Set `seq.draft` on every running sequence; returns sequences whose drafting failed."""
+        seqs, caps = [], []
+        for seq in running:
+            seq.draft = None
+            cap = draft_caps(seq, self.cfg, self.max_model_len)
+            if cap > 0:
+                seqs.append(seq)
+                caps.append(cap)
+        if not seqs:
+            return []
+        drafts, failed = self._propose(seqs, caps)
+        live = [(s, d) for s, d in zip(seqs, drafts, strict=True) if d is not None]
+        if not live:
+            return failed
+        if self.cfg.dcut:
+            self._cut(live)
+        else:
+            for seq, draft in live:
+                seq.draft = draft if draft.tokens else None
+        return failed
+
+    def _propose(self, seqs: list[Sequence], caps: list[int]):
+        try:
+            drafts = self.drafter.propose(seqs, caps)
+            return [self._checked(d, c) for d, c in zip(drafts, caps, strict=True)], []
+        except Exception:  # noqa: BLE001 (isolate: find the sequence(s) that make it fail)
+            if len(seqs) == 1:
+                log.exception("drafter %s failed for %s", self.drafter.name, seqs[0].request_id)
+                raise
+        drafts, failed = [], []
+        for seq, cap in zip(seqs, caps, strict=True):
+            try:
+                drafts.append(self._checked(self.drafter.propose([seq], [cap])[0], cap))
+            except Exception as e:  # noqa: BLE001
+                log.exception("drafter %s failed for %s", self.drafter.name, seq.request_id)
+                drafts.append(None)
+                failed.append((seq, f"drafter {self.drafter.name}: {type(e).__name__}: {e}"))
+        return drafts, failed
+
+    def _checked(self, draft: Draft, cap: int) -> Draft:
+        bad = [t for t in draft.tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"draft token {bad[0]} is outside the vocabulary ({self.vocab_size})")
+        return draft.truncate(cap)
+
+    def _cut(self, live: list[tuple[Sequence, Draft]]) -> None:
+        """D-Cut: per-sequence depths from the acceptance estimates and the verify cost."""
+        inputs = [
+            PlanInput(
+                slot=seq.slot,
+                max_depth=len(draft.tokens),
+                accept=self.estimator.estimate(seq.seq_id, len(draft.tokens)),
+            )
+            for seq, draft in live
+        ]
+        chosen = plan(inputs, self.cost, self.cfg.dcut_width_cap)
+        for idx, depth in zip(chosen.order, chosen.depths, strict=True):
+            seq, draft = live[idx]
+            seq.draft = pad_draft(draft, depth, self.vocab_size) if depth else None
+
+    def observe(self, verdicts: list[Verdict]) -> None:
+        """Record one step's verdicts (sequences that verified drafts and those that did not)."""
+        verified = [v for v in verdicts if v.drafts]
+        if verified:
+            slots = [v.seq.slot for v in verified]
+            ks = [len(v.drafts) for v in verified]
+            order, depths = verify_batch_order(slots, ks, canonical_assignment(len(verified)))
+            pairs = [(slots[i], d + 1) for i, d in zip(order, depths, strict=True)]
+            self.telemetry.record_key(verify_graph_key(pairs, True, False))
+        for v in verified:
+            self.telemetry.record(len(verified), v.matches, v.num_accepted)
+            self.estimator.observe(v.seq.seq_id, v.matches)
+            if self._debug and self.telemetry.num_drafts % ACCEPT_DEBUG_EVERY == 0:
+                for line in self.telemetry.width_lines():
+                    log.info("spec accept %s", line)
+        shadow = knobs().mtp_shadow_topk
+        if shadow > 0:
+            for v in verified:
+                log.info(
+                    "SHADOW_TGT base=%d v=%s drafts=%s",
+                    v.first_position + 1,
+                    v.extra.get("picks", v.emitted),
+                    v.drafts,
+                )
+        self.drafter.observe([v for v in verdicts if not v.seq.is_finished])
+
+    def release(self, seq: Sequence) -> None:
+        seq.draft = None
+        self.estimator.forget(seq.seq_id)
+        self.drafter.release(seq)

@@ -1,0 +1,319 @@
+"""D-Cut: how many of its drafts each sequence of one verify batch verifies.
+
+Step 3 of the engine loop. The scheduler gives each sequence's state slot, how many drafts it has
+and the estimated acceptance of each; D-Cut picks depths `d_i` (0 = plain decode, the sequence
+contributes `d_i + 1` rows) that maximise expected emitted tokens per unit of verify time,
+
+    sum_i E_i(d_i) / T(M = sum_i (d_i + 1), B = n),   E_i(d) = 1 + sum_{j<=d} prod_{m<=j} a_{i,m},
+
+then hands them to `verify_key.verify_batch_order`, so the plan and the dispatch use one order and
+one arm. Host-side Python: a batch is at most a few hundred sequences.
+
+Also here: the verify cost curve T (`VerifyCostModel`) and the per-sequence, per-position
+acceptance estimate the planner reads (`AcceptanceEstimator`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from metrale.spec.verify_key import canonical_assignment, verify_batch_order
+
+DEFAULT_KNEE_ROWS = 64.0
+
+# Relative margin a larger plan must win by: float noise in a sum must not buy a row.
+_TIE = 1e-12
+
+
+def _prob(a: float) -> float:
+    """A probability from an estimate; NaN (a broken drafter's confidence) counts as never."""
+    return min(float(a), 1.0) if a > 0.0 else 0.0
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys), len >= 2; the last segment extends past the end."""
+    i = min(max(bisect.bisect_right(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+class VerifyCostModel:
+    """Step time of a verify over `rows` rows and `width` sequences, as the ratio to a plain
+    decode step (one row per sequence) of the same width.
+
+    Only ratios at one width matter to the planner, because a plan never changes the width.
+
+    Default, when nothing was measured: a step reads the weights once and then pays per row
+    (attention over the cache, activations), t(M) = 1 + M / knee in weight-read units, so
+    `ratio = (1 + M/knee) / (1 + B/knee)`. With knee = 64 rows this is within about 10% of the H200
+    calibration in ARCHITECTURE.md at q = 4 rows per sequence (batch 1: 1.05 vs 1.15, 16: 1.60 vs
+    1.53, 64: 2.50 vs 2.74) and over-estimates deep tables (batch 64, q = 16: 8.5 vs 4.9), which
+    errs toward less speculation. The pure roofline `max(1, M/knee)` fits worse both ways (1.0 at
+    batch 16 and 4.0 at batch 64), and being flat up to the knee it would call any depth free for
+    small batches.
+
+    Measured (`from_points` / `from_json`): per batch size, piecewise linear in q = M / B through
+    the measured points and (q = 1, 1.0); a dip in q is raised to the running maximum (more rows
+    never cost less; a dip is noise the planner would chase), and past the last q the last segment
+    extends, so unmeasured depths never look free. Across batch sizes, linear between the two
+    measured neighbours, clamped to the nearest outside the measured range.
+    """
+
+    def __init__(
+        self,
+        knee_rows: float = DEFAULT_KNEE_ROWS,
+        measured: Mapping[tuple[int, float], float] | None = None,
+    ) -> None:
+        if not knee_rows > 0:
+            raise ValueError(f"knee_rows must be positive, got {knee_rows}")
+        self.knee_rows = float(knee_rows)
+        by_batch: dict[int, dict[float, float]] = {}
+        for (b, q), r in (measured or {}).items():
+            if b < 1 or not q >= 1 or not (math.isfinite(r) and r > 0):
+                raise ValueError(
+                    f"verify cost point (batch {b}, q {q}) = {r}: need b, q >= 1, r > 0"
+                )
+            by_batch.setdefault(int(b), {})[float(q)] = float(r)
+        self._batches: list[int] = sorted(by_batch)
+        self._curves: list[tuple[list[float], list[float]]] = []
+        for b in self._batches:
+            pts = {1.0: 1.0, **by_batch[b]}
+            if len(pts) < 2:
+                raise ValueError(f"verify cost curve for batch {b} has no point with q > 1")
+            qs = sorted(pts)
+            ratios = [pts[q] for q in qs]
+            for k in range(1, len(ratios)):
+                ratios[k] = max(ratios[k], ratios[k - 1])
+            self._curves.append((qs, ratios))
+
+    @classmethod
+    def from_points(cls, points: Mapping[tuple[int, float], float]) -> VerifyCostModel:
+        """`{(batch_size, q): ratio}`: step time at q rows per sequence over that at q = 1."""
+        if not points:
+            raise ValueError("a measured verify cost model needs at least one point")
+        return cls(measured=points)
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> VerifyCostModel:
+        """The `metrale bench` verify cost curve:
+
+        `{"batch_sizes": [1, 16, 64], "q": [1, 2, 4, 8], "ratio": [[1.0, 1.04, 1.15, null], ...]}`,
+        `ratio[b][k]` for `batch_sizes[b]` at `q[k]`; `null` marks a point not measured.
+        """
+        try:
+            batches, qs, table = doc["batch_sizes"], doc["q"], doc["ratio"]
+        except KeyError as e:
+            raise ValueError(f"verify cost curve JSON lacks {e.args[0]!r}") from None
+        if len(table) != len(batches) or any(len(row) != len(qs) for row in table):
+            raise ValueError(
+                f"verify cost curve JSON: ratio must be {len(batches)} rows of {len(qs)} values"
+            )
+        points = {
+            (int(b), float(q)): float(r)
+            for b, row in zip(batches, table)
+            for q, r in zip(qs, row)
+            if r is not None
+        }
+        return cls.from_points(points)
+
+    def step_time(self, rows: int, width: int) -> float:
+        if width < 1 or rows < width:
+            raise ValueError(
+                f"a verify of {width} sequences has at least that many rows, not {rows}"
+            )
+        if not self._batches:
+            return (1.0 + rows / self.knee_rows) / (1.0 + width / self.knee_rows)
+        q = rows / width
+        i = bisect.bisect_left(self._batches, width)
+        if i < len(self._batches) and self._batches[i] == width or i == 0:
+            return _interp(*self._curves[i], q)
+        if i == len(self._batches):
+            return _interp(*self._curves[-1], q)
+        b0, b1 = self._batches[i - 1], self._batches[i]
+        t = (width - b0) / (b1 - b0)
+        return (1 - t) * _interp(*self._curves[i - 1], q) + t * _interp(*self._curves[i], q)
+
+
+class AcceptanceEstimator:
+    """Per sequence, per draft position j: an EMA of whether draft j matched the target.
+
+    The engine records the match of every verified position, even past the first miss, so
+    position j's estimate is the frequency of draft j matching; the planner uses it as a_{i,j}.
+    A position not yet seen reads `prior`. Early on the prior counts as one observation and the
+    estimate is a plain mean (weight 1/(n+1) for the n-th), until that weight falls to `rate`, so a
+    new sequence leaves the prior in a few steps instead of 1/rate.
+
+    Memory is bounded: `max_positions` per sequence (deeper positions read the deepest tracked
+    one), and at most `max_sequences` sequences, the least recently observed evicted first, so a
+    sequence that ended without `forget` cannot make it grow.
+    """
+
+    def __init__(
+        self,
+        max_positions: int = 8,
+        prior: float = 0.5,
+        rate: float = 0.2,
+        max_sequences: int = 4096,
+    ) -> None:
+        if max_positions < 1 or max_sequences < 1:
+            raise ValueError("max_positions and max_sequences must be at least 1")
+        if not 0.0 < rate <= 1.0 or not 0.0 <= prior <= 1.0:
+            raise ValueError(f"need 0 < rate <= 1 and 0 <= prior <= 1, got {rate}, {prior}")
+        self.max_positions = max_positions
+        self.prior = prior
+        self.rate = rate
+        self.max_sequences = max_sequences
+        # Counts stop at the step where the weight reaches `rate`: beyond it they change nothing.
+        self._count_cap = math.ceil(1.0 / rate)
+        self._seqs: OrderedDict[Hashable, tuple[list[float], list[int]]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def observe(self, seq_id: Hashable, matches: Sequence[bool]) -> None:
+        """Record one verify of `seq_id`: `matches[j]` is whether draft j + 1 matched."""
+        stats = self._seqs.pop(seq_id, None)
+        if stats is None:
+            stats = ([self.prior] * self.max_positions, [0] * self.max_positions)
+            while len(self._seqs) >= self.max_sequences:
+                self._seqs.popitem(last=False)
+        self._seqs[seq_id] = stats
+        est, count = stats
+        for j, matched in enumerate(matches[: self.max_positions]):
+            count[j] = min(count[j] + 1, self._count_cap)
+            weight = max(self.rate, 1.0 / (count[j] + 1))
+            est[j] += weight * (float(bool(matched)) - est[j])
+
+    def estimate(
+        self, seq_id: Hashable, depth: int, probs: Sequence[float] | None = None
+    ) -> list[float]:
+        """a_{j+1} for j < depth; `probs[j]` (the drafter's confidence in draft j + 1, this step)
+        replaces the EMA where given."""
+        est = self._seqs[seq_id][0] if seq_id in self._seqs else None
+        out = []
+        for j in range(depth):
+            if probs is not None and j < len(probs):
+                out.append(_prob(probs[j]))
+            else:
+                out.append(self.prior if est is None else est[min(j, self.max_positions - 1)])
+        return out
+
+    def forget(self, seq_id: Hashable) -> None:
+        """Drop a finished (or aborted) sequence; unknown ids are fine."""
+        self._seqs.pop(seq_id, None)
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    """One sequence of the batch: its state slot, drafts available, and `accept[j]` = a for draft
+    j + 1 (probability it matches given drafts 1..j did); `len(accept) >= max_depth`."""
+
+    slot: int
+    max_depth: int
+    accept: Sequence[float]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The batch in dispatch order: `inputs[order[p]]` verifies `depths[p]` drafts.
+
+    Under the canonical arm the depth multiset is dealt to ascending slots, so `depths[p]` can
+    exceed that sequence's `max_depth`: the caller pads its drafts to the depth (rows are rows to
+    the kernel) and the padding is never accepted, which is how `expected_tokens` counts it.
+    `rows = sum(depths) + len(depths)`.
+    """
+
+    order: list[int]
+    depths: list[int]
+    expected_tokens: float
+    rows: int
+
+
+def _gains(inp: PlanInput) -> list[float]:
+    """g_j = prod_{m<=j} a_m for j = 1..max_depth: what draft j adds to the expected tokens."""
+    if inp.max_depth < 0 or len(inp.accept) < inp.max_depth:
+        raise ValueError(
+            f"slot {inp.slot}: max_depth {inp.max_depth} needs that many acceptance estimates, "
+            f"got {len(inp.accept)}"
+        )
+    out, g = [], 1.0
+    for a in inp.accept[: inp.max_depth]:
+        g *= _prob(a)
+        out.append(g)
+    return out
+
+
+def expected_tokens(inp: PlanInput, depth: int) -> float:
+    """E(depth) = 1 + sum_{j<=depth} g_j; positions past `max_depth` are padding, never accepted."""
+    return 1.0 + sum(_gains(inp)[:depth])
+
+
+def choose_depths(
+    inputs: Sequence[PlanInput],
+    cost: VerifyCostModel,
+    width_cap: int,
+    max_rows: int | None = None,
+) -> list[int]:
+    """Depth per input (batch order, before dispatch ordering) maximising E / T.
+
+    Up to `width_cap` sequences: greedy fill. Every sequence's g_j is non-increasing in j, so the
+    k largest gains (ties by sequence, then position) are a prefix of each sequence and the best
+    E for M = n + k rows; scanning every k for the best E / T(M) is therefore the exact optimum
+    for any cost curve, not only a convex one. k = 0 (all plain decode) is one candidate.
+
+    Above `width_cap`: one depth for all, up to the smallest `max_depth`, the best of those.
+
+    `max_rows` bounds the table (the widest the verify programs admit). A batch of more than
+    `max_rows` sequences gets all zeros: that is a plain decode, which no verify table carries.
+    """
+    n = len(inputs)
+    gains = [_gains(x) for x in inputs]
+    if width_cap < 0:
+        raise ValueError(f"width_cap must be >= 0, got {width_cap}")
+    spare = sum(len(g) for g in gains) if max_rows is None else max_rows - n
+    if n == 0 or spare <= 0:
+        return [0] * n
+    best_value = n / cost.step_time(n, n)
+    if n > width_cap:
+        best = 0
+        for d in range(1, min(min(len(g) for g in gains), spare // n) + 1):
+            value = sum(1.0 + sum(g[:d]) for g in gains) / cost.step_time(n * (d + 1), n)
+            if value > best_value * (1.0 + _TIE):
+                best, best_value = d, value
+        return [best] * n
+    ranked = sorted(
+        ((g, i, j) for i, gs in enumerate(gains) for j, g in enumerate(gs)),
+        key=lambda c: (-c[0], c[1], c[2]),
+    )
+    best_k, total = 0, float(n)
+    for k, (g, _, _) in enumerate(ranked[:spare], start=1):
+        if g <= 0.0:
+            break  # every later gain is zero too: rows that cannot pay
+        total += g
+        value = total / cost.step_time(n + k, n)
+        if value > best_value * (1.0 + _TIE):
+            best_k, best_value = k, value
+    depths = [0] * n
+    for _, i, _ in ranked[:best_k]:
+        depths[i] += 1
+    return depths
+
+
+def plan(
+    inputs: Sequence[PlanInput],
+    cost: VerifyCostModel,
+    width_cap: int,
+    max_rows: int | None = None,
+) -> Plan:
+    """Depths for one verify batch, in the dispatch order and arm verify_key uses for its width."""
+    depths = choose_depths(inputs, cost, width_cap, max_rows)
+    order, dealt = verify_batch_order(
+        [x.slot for x in inputs], depths, canonical_assignment(len(inputs))
+    )
+    expected = sum(expected_tokens(inputs[i], d) for i, d in zip(order, dealt))
+    return Plan(order=order, depths=dealt, expected_tokens=expected, rows=sum(dealt) + len(dealt))

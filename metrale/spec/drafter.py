@@ -1,0 +1,64 @@
+"""The drafter protocol: propose up to K tokens per sequence for a batch; observe each verdict.
+
+A drafter never changes what is emitted: the target verifies every draft, so a wrong or even
+malicious proposal only costs acceptance. The engine calls, per step:
+
+1. `propose(seqs, max_drafts)` for the running sequences that will decode next, before the
+   step is scheduled (so pages are reserved for the draft rows);
+2. `observe(verdicts)` after the verify forward, with the accepted count, the emitted tokens and
+   the target's hidden states of the committed rows (drafters that condition on the target, such
+   as MTP, catch up from them);
+3. `release(seq)` when a sequence ends or is preempted (its drafter state must go).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from metrale.engine.sequence import Sequence
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    # [len(tokens), V] float32 draft distribution q (after the request's logits pipeline), or
+    # None when the drafter is deterministic (one-hot q: accepted with probability p(token)).
+    probs: torch.Tensor | None = None
+
+    def truncate(self, depth: int) -> Draft:
+        probs = None if self.probs is None else self.probs[:depth]
+        return Draft(self.tokens[:depth], probs)
+
+
+@dataclass
+class Verdict:
+    """What the target decided about one sequence's drafts in one step."""
+
+    seq: Sequence
+    drafts: list[int]  # the drafts verified (after the depth cut)
+    num_accepted: int
+    emitted: list[int]  # accepted drafts then the bonus/correction token (stop may cut it)
+    matches: list[bool]  # per draft position, every position (even past the first miss)
+    # [num_committed_rows, H] target hidden states of the rows whose tokens are now committed, or
+    # None when the drafter did not ask for them.
+    hidden: torch.Tensor | None = None
+    # positions of those rows (the first is the row of the sequence's previous last token)
+    first_position: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class Drafter(Protocol):
+    name: str
+    # True when the drafter needs the target's hidden states in `observe`.
+    needs_hidden: bool
+
+    def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> list[Draft]:
+        """One Draft per sequence, each with at most `max_drafts[i]` tokens (0 is allowed)."""
+        ...
+
+    def observe(self, verdicts: list[Verdict]) -> None: ...
+
+    def release(self, seq: Sequence) -> None: ...
