@@ -1,21 +1,23 @@
 """Measure where the canonical verify-key arm should start (`verify_key.CANONICAL_KEY_MIN_WIDTH`).
 
 Simulates a mixed serving trace: sequences arrive and finish so the batch width wanders over
-1..64, state slots come from a pool and are reused, each sequence has its own acceptance rate
+1..64, state slots come from a free list and are reused, each sequence has its own acceptance rate
 (Beta(2, 2)) decaying with draft position, and up to K = 4 drafts are available per step. Every step
 is planned by D-Cut (`spec.dcut.plan`) from per-sequence acceptance estimates, under each arm:
 canonical at every width, never, and canonical from widths 2, 4, 8, 16, 32. Per arm it counts the
-distinct verify graph keys (and the hit rate of a 256-entry LRU, the graph cache's size) and the
-expected emitted tokens per step under the true acceptance rates, also per unit of verify time.
+distinct verify graph keys (and the hit rate of a 256-entry LRU, the graph cache's size), the
+expected emitted tokens per step under the true acceptance rates, also per unit of verify time
+(`E/cost`; plain decode scores the mean width there), padded rows, and the share of sequences in
+multi-sequence equal-depth runs whose slots are consecutive (what the batched GDN path needs).
 
-The trace (arrivals, lifetimes, slots, draft counts, match draws) is drawn once and replayed for
-every arm. With `--observe drafted` (default) the estimator sees the match of every drafted
-position, verified or not, so the estimates are the same in every arm and the arms differ only by
-the planning; `--observe verified` feeds back only verified positions, as the engine does, which
-lets each arm's plans steer its own estimates (a sequence cut to depth 0 stops being observed).
+Each trace (arrivals, lifetimes, slots, draft counts, match draws) is drawn once per seed and
+replayed for every arm; seeds are independent runs whose counts add up. With `--observe drafted`
+(default) the estimator sees the match of every drafted position, verified or not, so estimates
+are the same in every arm and arms differ only by planning; `--observe verified` feeds back only
+verified positions, as the engine does, so each arm's plans steer its own estimates.
 
 Run from the repository root: `PYTHONPATH=. python benchmarks/canonical_key_trace.py`; a table
-goes to stderr and one JSON document is the last line of stdout. About 10 s on two CPU cores.
+goes to stderr and one JSON document is the last line of stdout. About 30 s on two CPU cores.
 """
 
 from __future__ import annotations
@@ -26,9 +28,8 @@ import os
 import random
 import sys
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Any
 
 from metrale.knobs import knobs
 from metrale.spec.dcut import AcceptanceEstimator, PlanInput, VerifyCostModel, plan
@@ -56,10 +57,9 @@ class Member:
     draws: tuple[float, ...]  # uniforms: draft j+1 matches when draws[j] < accept[j]
 
 
-def make_trace(args: argparse.Namespace) -> list[list[Member]]:
-    rng = random.Random(args.seed)
-    free = list(range(MAX_WIDTH))
-    rng.shuffle(free)
+def make_trace(args: argparse.Namespace, seed: int) -> list[list[Member]]:
+    rng = random.Random(seed)
+    free = list(range(MAX_WIDTH - 1, -1, -1))  # a fresh pool hands out slots 0, 1, 2, ...
     live: dict[int, tuple[int, int, tuple[float, ...]]] = {}  # seq -> (slot, end step, accept)
     next_id, target, trace = 0, 1, []
     for step in range(args.steps):
@@ -69,7 +69,7 @@ def make_trace(args: argparse.Namespace) -> list[list[Member]]:
             # Load phases: a log-uniform target width, so narrow and wide batches both get time.
             target = round(2 ** rng.uniform(0, 6))
         for _ in range(min(target - len(live), rng.randint(0, 4))):
-            # A free list reuses the slot freed last; random picks model a fragmented pool.
+            # The free list reuses the slot freed last; random picks model a fragmented pool.
             slot = free.pop(rng.randrange(len(free)) if args.random_slots else -1)
             alpha, decay = rng.betavariate(args.beta, args.beta), rng.uniform(0.75, 1.0)
             accept = tuple(alpha * decay**j for j in range(K))
@@ -101,9 +101,7 @@ def _bucket(width: int) -> int:
 
 
 def run_slots(slots: list[int], depths: list[int]) -> tuple[int, int]:
-    """(sequences in runs of >= 2 equal depths, those of them in runs on consecutive slots).
-
-    The batched GDN verify path takes a run only when its state slots are consecutive."""
+    """(sequences in runs of >= 2 equal depths, those of them in runs on consecutive slots)."""
     batched = contiguous = start = 0
     for end in range(1, len(depths) + 1):
         if end < len(depths) and depths[end] == depths[start]:
@@ -118,13 +116,12 @@ def run_slots(slots: list[int], depths: list[int]) -> tuple[int, int]:
 
 def run_arm(
     trace: list[list[Member]], cost: VerifyCostModel, width_cap: int, observe_all: bool
-) -> dict[str, Any]:
+) -> Counter[str]:
+    """Sums over one trace: counts, tokens and step time, per width bucket where it matters."""
     est = AcceptanceEstimator(max_positions=K)
     keys: dict[int, set[tuple[int, ...]]] = {b: set() for b in BUCKETS}
-    tokens = {b: 0.0 for b in BUCKETS}
     lru: OrderedDict[tuple[int, ...], None] = OrderedDict()
-    hits = verify_steps = padded = batched = contiguous = 0
-    total_time = 0.0
+    tally: Counter[str] = Counter()
     seen: set[int] = set()
     for members in trace:
         ids = {m.seq_id for m in members}
@@ -138,53 +135,71 @@ def run_arm(
             PlanInput(m.slot, m.max_depth, est.estimate(m.seq_id, m.max_depth)) for m in members
         ]
         p = plan(inputs, cost, width_cap)
-        total_time += cost.step_time(p.rows, n)
+        tally["steps"] += 1
+        tally["width"] += n
+        tally["time"] += cost.step_time(p.rows, n)
         for i, d in zip(p.order, p.depths):
             m = members[i]
             real = min(d, m.max_depth)  # the rest is padding, which never matches
-            padded += d - real
-            g, step_tokens = 1.0, 1.0
+            tally["padded"] += d - real
+            g = 1.0
+            tally[f"tokens>={_bucket(n)}"] += 1.0
             for a in m.accept[:real]:
                 g *= a
-                step_tokens += g
-            tokens[_bucket(n)] += step_tokens
-            seen_depth = m.max_depth if observe_all else real
-            if seen_depth:
-                est.observe(m.seq_id, [u < a for u, a in zip(m.draws[:seen_depth], m.accept)])
+                tally[f"tokens>={_bucket(n)}"] += g
+            observed = m.max_depth if observe_all else real
+            if observed:
+                est.observe(m.seq_id, [u < a for u, a in zip(m.draws[:observed], m.accept)])
         if p.rows == n:
             continue  # all plain decode: a decode graph, no verify key
-        verify_steps += 1
+        tally["verify_steps"] += 1
         key = verify_graph_key(
             [(members[i].slot, d + 1) for i, d in zip(p.order, p.depths)], False, False
         )
         keys[_bucket(n)].add(key)
-        b, c = run_slots([members[i].slot for i in p.order], p.depths)
-        batched, contiguous = batched + b, contiguous + c
+        batched, contiguous = run_slots([members[i].slot for i in p.order], p.depths)
+        tally["batched"] += batched
+        tally["contiguous"] += contiguous
         if key in lru:
-            hits += 1
+            tally["hits"] += 1
             lru.move_to_end(key)
         else:
             lru[key] = None
             if len(lru) > GRAPH_CACHE:
                 lru.popitem(last=False)
-    n_steps = sum(1 for members in trace if members)
+    tally.update({f"keys>={b}": len(k) for b, k in keys.items()})
+    return tally
+
+
+def summarise(t: Counter[str], never: Counter[str]) -> dict[str, object]:
+    def tokens(c: Counter[str]) -> float:
+        return sum(c[f"tokens>={b}"] for b in BUCKETS)
+
+    def n_keys(c: Counter[str]) -> int:
+        return sum(c[f"keys>={b}"] for b in BUCKETS)
+
     return {
-        "verify_steps": verify_steps,
-        # Keys of different widths never collide, so the buckets add up.
-        "distinct_keys": sum(len(k) for k in keys.values()),
-        "lru256_hit_rate": hits / max(verify_steps, 1),
-        "mean_expected_tokens": sum(tokens.values()) / n_steps,
-        "expected_tokens_per_cost": sum(tokens.values()) / total_time,
-        "padded_rows_per_step": padded / n_steps,
-        "contiguous_run_share": contiguous / max(batched, 1),
-        "by_width": {f">={b}": {"keys": len(keys[b]), "tokens": tokens[b]} for b in BUCKETS},
+        "distinct_keys": n_keys(t),
+        "keys_vs_never": n_keys(t) / n_keys(never),
+        "lru256_hit_rate": t["hits"] / max(t["verify_steps"], 1),
+        "mean_expected_tokens": tokens(t) / t["steps"],
+        "tokens_vs_never": tokens(t) / tokens(never),
+        "expected_tokens_per_cost": tokens(t) / t["time"],
+        "speedup_vs_plain_decode": tokens(t) / t["time"] / (t["width"] / t["steps"]),
+        "padded_rows_per_step": t["padded"] / t["steps"],
+        "contiguous_run_share": t["contiguous"] / max(t["batched"], 1),
+        # Keys of different widths never collide, so the buckets add up to the total.
+        "by_width": {
+            f">={b}": {"keys": t[f"keys>={b}"], "tokens": round(t[f"tokens>={b}"], 3)}
+            for b in BUCKETS
+        },
     }
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=3000)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--cost", choices=("h200", "default"), default="h200")
     ap.add_argument("--observe", choices=("drafted", "verified"), default="drafted")
     ap.add_argument("--lifetime", type=float, default=120.0, help="mean sequence life in steps")
@@ -195,17 +210,19 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     cost = VerifyCostModel.from_points(H200_POINTS) if args.cost == "h200" else VerifyCostModel()
-    trace = make_trace(args)
-    widths = [len(m) for m in trace]
-    slot_sets = [frozenset(m.slot for m in members) for members in trace]
+    traces = [make_trace(args, seed) for seed in range(args.seeds)]
     arms: dict[str, int | None] = {"always": 0, "never": None}
     arms.update({f"from_{t}": t for t in THRESHOLDS})
     saved = {name: os.environ.get(name) for name in ENV}
-    results, start = {}, time.perf_counter()
+    tallies: dict[str, Counter[str]] = {}
+    start = time.perf_counter()
     try:
         for name, min_width in arms.items():
             set_arm(min_width)
-            results[name] = run_arm(trace, cost, args.width_cap, args.observe == "drafted")
+            tallies[name] = sum(
+                (run_arm(tr, cost, args.width_cap, args.observe == "drafted") for tr in traces),
+                Counter(),
+            )
     finally:
         for name, value in saved.items():
             os.environ.pop(name, None)
@@ -213,34 +230,28 @@ def main(argv: list[str] | None = None) -> None:
                 os.environ[name] = value
         knobs.cache_clear()
 
-    never = results["never"]
-    head = ("arm", "keys", "keys/nev", "lru hit", "E/step", "E/never", "E/cost", "pad/step")
-    head += ("contig",)
-    print(("{:>9}" * len(head)).format(*head), file=sys.stderr)
+    results = {name: summarise(t, tallies["never"]) for name, t in tallies.items()}
+    cols = {
+        "keys": "distinct_keys",
+        "keys/nev": "keys_vs_never",
+        "lru hit": "lru256_hit_rate",
+        "E/step": "mean_expected_tokens",
+        "E/never": "tokens_vs_never",
+        "E/cost": "expected_tokens_per_cost",
+        "speedup": "speedup_vs_plain_decode",
+        "pad/step": "padded_rows_per_step",
+        "contig": "contiguous_run_share",
+    }
+    print(f"{'arm':>9}" + "".join(f"{c:>9}" for c in cols), file=sys.stderr)
     for name, r in results.items():
-        r["keys_vs_never"] = r["distinct_keys"] / never["distinct_keys"]
-        r["tokens_vs_never"] = r["mean_expected_tokens"] / never["mean_expected_tokens"]
-        r["per_cost_vs_never"] = r["expected_tokens_per_cost"] / never["expected_tokens_per_cost"]
-        row = (r["distinct_keys"], r["keys_vs_never"], r["lru256_hit_rate"])
-        row += (r["mean_expected_tokens"], r["tokens_vs_never"], r["expected_tokens_per_cost"])
-        row += (r["padded_rows_per_step"], r["contiguous_run_share"])
-        print(
-            f"{name:>9}"
-            + "{:>9}{:>9.3f}{:>9.3f}{:>9.3f}{:>9.4f}{:>9.3f}{:>9.3f}{:>9.3f}".format(*row),
-            file=sys.stderr,
-        )
+        cells = "".join(f"{r[k]:>9.4g}" for k in cols.values())
+        print(f"{name:>9}{cells}", file=sys.stderr)
+    steps = sum(len(tr) for tr in traces)
     doc = {
         "config": {**vars(args), "K": K, "max_width": MAX_WIDTH, "graph_cache": GRAPH_CACHE},
-        "trace": {
-            "steps": len(trace),
-            "mean_width": sum(widths) / len(widths),
-            "min_width": min(widths),
-            "max_width": max(widths),
-            "slot_set_changes_per_step": sum(a != b for a, b in zip(slot_sets, slot_sets[1:]))
-            / (len(trace) - 1),
-        },
+        "trace": {"steps": steps, "mean_width": tallies["never"]["width"] / steps},
         "arms": results,
-        "seconds": time.perf_counter() - start,
+        "seconds": round(time.perf_counter() - start, 2),
     }
     print(json.dumps(doc))
 

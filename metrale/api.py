@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from metrale.config import EngineConfig, SamplingParams
 from metrale.engine.llm import LLMEngine
 from metrale.outputs import RequestOutput
+from metrale.spec.drafter import Drafter
 
 Prompt = str | list[int]
 
@@ -32,12 +33,16 @@ def engine_config_from(options: dict) -> EngineConfig:
 class LLM:
     """An engine over one model directory (the embedded default model when `model` is None)."""
 
-    def __init__(self, model: str | Path | None = None, **engine_options) -> None:
+    def __init__(
+        self, model: str | Path | None = None, drafter: Drafter | None = None, **engine_options
+    ) -> None:
+        """`engine_options` are EngineConfig fields (`spec=dict(method="ngram", num_drafts=4)`
+        turns speculation on); `drafter` plugs in a drafter object of your own."""
         if model is None:
             from metrale.default_model import default_model_dir
 
             model = default_model_dir()
-        self.engine = LLMEngine(model, engine_config_from(engine_options))
+        self.engine = LLMEngine(model, engine_config_from(engine_options), drafter)
         self._ids = itertools.count()
 
     @property

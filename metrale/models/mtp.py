@@ -164,9 +164,9 @@ def _tensor_files(model_dir: str | Path) -> dict[str, Path]:
 
 def _detect(names: list[str], cfg: ModelConfig, model_dir: str | Path) -> tuple[str, int] | None:
     n = cfg.num_hidden_layers
-    deepseek = {int(m.group(1)) for name in names if (m := _DEEPSEEK_MARKER.match(name))} - set(
-        range(n)
-    )
+    # Layer indices of DeepSeek MTP blocks: past the target's own layers.
+    marked = {int(m.group(1)) for name in names if (m := _DEEPSEEK_MARKER.match(name))}
+    deepseek = {i for i in marked if i >= n}
     if any(name.startswith("mtp.") for name in names):
         if deepseek:
             raise CheckpointError(
@@ -178,7 +178,7 @@ def _detect(names: list[str], cfg: ModelConfig, model_dir: str | Path) -> tuple[
         layout, first, found = DEEPSEEK, n, deepseek
     else:
         return None
-    if found != set(range(first, first + len(found))) or not found:
+    if not found or found != set(range(first, first + len(found))):
         where = "mtp.layers" if layout == QWEN3_NEXT else "model.layers"
         raise CheckpointError(
             f"{model_dir}: {layout} MTP layers must be {where}.{{{first}, {first}+1, ...}}, "

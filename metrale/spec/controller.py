@@ -89,14 +89,12 @@ class SpeculativeDecoder:
         if not seqs:
             return []
         drafts, failed = self._propose(seqs, caps)
-        live = [(s, d) for s, d in zip(seqs, drafts, strict=True) if d is not None]
-        if not live:
-            return failed
-        if self.cfg.dcut:
+        live = [(s, d) for s, d in zip(seqs, drafts, strict=True) if d is not None and d.tokens]
+        if self.cfg.dcut and live:
             self._cut(live)
         else:
             for seq, draft in live:
-                seq.draft = draft if draft.tokens else None
+                seq.draft = draft
         return failed
 
     def _propose(self, seqs: list[Sequence], caps: list[int]):

@@ -1,0 +1,57 @@
+"""Replay drafter: proposes a recorded continuation of each prompt, every position corrupted
+with probability 1 - alpha, so the engine runs at a known acceptance.
+
+`metrale bench` records the continuation from a run without speculation and replays it; tests use
+it as an oracle (alpha = 1: every draft right, a = K at every step; alpha = 0: every draft wrong,
+a = 0). Corruption is a deterministic function of (seed, sequence, position), so a run repeats.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+
+from metrale.engine.sequence import Sequence as Seq
+from metrale.spec.drafter import Draft, Verdict
+
+
+class ReplayDrafter:
+    name = "replay"
+    needs_hidden = False
+
+    def __init__(
+        self,
+        continuations: Mapping[tuple[int, ...], Sequence[int]],
+        alpha: float,
+        vocab_size: int,
+        seed: int = 0,
+    ) -> None:
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+        if vocab_size < 2:
+            raise ValueError(f"vocab_size must be >= 2 to corrupt a draft, got {vocab_size}")
+        self.continuations = {tuple(k): list(v) for k, v in continuations.items()}
+        self.alpha, self.vocab_size, self.seed = alpha, vocab_size, seed
+
+    def _corrupt(self, seq: Seq, pos: int, token: int) -> int:
+        rng = random.Random(f"{self.seed}:{seq.request_id}:{seq.seq_id}:{pos}")
+        if rng.random() < self.alpha:
+            return token
+        return (token + 1 + rng.randrange(self.vocab_size - 1)) % self.vocab_size  # never token
+
+    def propose(self, seqs: list[Seq], max_drafts: list[int]) -> list[Draft]:
+        drafts = []
+        for seq, k in zip(seqs, max_drafts, strict=True):
+            ref = self.continuations.get(tuple(seq.prompt_token_ids), [])
+            start = len(seq.output_token_ids)
+            # Off the recorded path (an earlier corruption was "accepted" by sampling), the
+            # recording no longer predicts anything; keep proposing it anyway.
+            truth = ref[start : start + k]
+            drafts.append(Draft([self._corrupt(seq, start + j, t) for j, t in enumerate(truth)]))
+        return drafts
+
+    def observe(self, verdicts: list[Verdict]) -> None:
+        pass
+
+    def release(self, seq: Seq) -> None:
+        pass

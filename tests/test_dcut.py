@@ -1,0 +1,354 @@
+"""D-Cut: depth planning against brute force, the arms of the dispatch, the acceptance estimator
+and the verify cost model."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from metrale.knobs import knobs
+from metrale.spec.dcut import (
+    AcceptanceEstimator,
+    PlanInput,
+    VerifyCostModel,
+    choose_depths,
+    expected_tokens,
+    plan,
+)
+from metrale.spec.verify_key import verify_batch_order
+
+
+@pytest.fixture
+def arm(monkeypatch):
+    """set(min_width): canonical from that width (0: always); set(None): never canonical."""
+
+    def set_arm(min_width: int | None) -> None:
+        monkeypatch.delenv("METRALE_NO_CANONICAL_VERIFY_KEY", raising=False)
+        monkeypatch.delenv("METRALE_CANONICAL_KEY_MIN_WIDTH", raising=False)
+        if min_width is None:
+            monkeypatch.setenv("METRALE_NO_CANONICAL_VERIFY_KEY", "0")
+        else:
+            monkeypatch.setenv("METRALE_CANONICAL_KEY_MIN_WIDTH", str(min_width))
+        knobs.cache_clear()
+
+    yield set_arm
+    knobs.cache_clear()
+
+
+def objective(inputs, depths, cost) -> float:
+    n = len(inputs)
+    tokens = sum(expected_tokens(x, d) for x, d in zip(inputs, depths))
+    return tokens / cost.step_time(n + sum(depths), n)
+
+
+def brute_force(inputs, cost, max_rows=None, uniform=False) -> float:
+    n = len(inputs)
+    if uniform:
+        top = min(x.max_depth for x in inputs)
+        space = [[d] * n for d in range(top + 1)]
+    else:
+        space = itertools.product(*(range(x.max_depth + 1) for x in inputs))
+    return max(
+        objective(inputs, ds, cost)
+        for ds in space
+        if max_rows is None or n + sum(ds) <= max_rows or not any(ds)
+    )
+
+
+probs = st.one_of(st.sampled_from([0.0, 1.0, 0.5]), st.floats(0.0, 1.0))
+
+
+@st.composite
+def batches(draw, max_n: int = 4, max_depth: int = 3):
+    n = draw(st.integers(1, max_n))
+    out = []
+    for slot in draw(st.lists(st.integers(0, 63), min_size=n, max_size=n, unique=True)):
+        d = draw(st.integers(0, max_depth))
+        out.append(PlanInput(slot, d, draw(st.lists(probs, min_size=d, max_size=d + 1))))
+    return out
+
+
+@st.composite
+def costs(draw):
+    """The default curve at some knee, or a measured curve with random (noisy) increments."""
+    if draw(st.booleans()):
+        return VerifyCostModel(knee_rows=draw(st.floats(0.05, 1000.0)))
+    points = {}
+    for b in (1, 2, 4):
+        ratio = 1.0
+        for q in (1.5, 2.0, 3.0, 4.0):
+            ratio += draw(st.floats(-0.05, 1.5))
+            points[(b, q)] = max(ratio, 0.5)
+    return VerifyCostModel.from_points(points)
+
+
+# --- optimality --------------------------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(batches(), costs(), st.one_of(st.none(), st.integers(1, 14)))
+def test_greedy_fill_matches_brute_force(inputs, cost, max_rows):
+    depths = choose_depths(inputs, cost, width_cap=64, max_rows=max_rows)
+    assert all(0 <= d <= x.max_depth for d, x in zip(depths, inputs))
+    if max_rows is not None and any(depths):
+        assert len(inputs) + sum(depths) <= max_rows
+    best = brute_force(inputs, cost, max_rows)
+    assert objective(inputs, depths, cost) == pytest.approx(best, rel=1e-9)
+
+
+@settings(max_examples=150, deadline=None)
+@given(batches(), costs())
+def test_uniform_depth_above_width_cap_is_the_best_uniform(inputs, cost):
+    depths = choose_depths(inputs, cost, width_cap=len(inputs) - 1)
+    assert len(set(depths)) == 1
+    best = brute_force(inputs, cost, uniform=True)
+    assert objective(inputs, depths, cost) == pytest.approx(best, rel=1e-9)
+
+
+def test_steps_in_the_cost_curve_do_not_stop_the_fill_early():
+    # Measured curves have steps (a kernel tile fills up): one more row can cost a lot and the
+    # next few nothing, so the fill must look past a drop in the objective.
+    stepped = VerifyCostModel.from_points({(1, 2.0): 2.5, (1, 4.0): 2.5})
+    assert choose_depths([PlanInput(0, 3, [1.0, 1.0, 1.0])], stepped, width_cap=8) == [3]
+    assert choose_depths([PlanInput(0, 3, [1.0, 1.0, 1.0])], stepped, width_cap=0) == [3]
+
+
+def test_no_speculation_when_it_cannot_pay():
+    inputs = [PlanInput(s, 4, [1e-6] * 4) for s in range(8)]
+    assert choose_depths(inputs, VerifyCostModel(), width_cap=64) == [0] * 8
+    # Rows cost as much as a whole decode step each (pure compute bound): never worth it.
+    steep = VerifyCostModel.from_points({(8, 2.0): 2.0, (8, 5.0): 5.0})
+    good = [PlanInput(s, 4, [0.95] * 4) for s in range(8)]
+    assert choose_depths(good, steep, width_cap=64) == [0] * 8
+    assert choose_depths(good, steep, width_cap=2) == [0] * 8
+
+
+def test_cheap_rows_take_every_draft_worth_anything():
+    flat = VerifyCostModel(knee_rows=1e9)
+    inputs = [PlanInput(0, 3, [0.2, 0.1, 0.0]), PlanInput(1, 2, [0.9, 0.9])]
+    assert choose_depths(inputs, flat, width_cap=64) == [2, 2]
+
+
+def test_high_acceptance_sequences_go_deeper(arm):
+    arm(None)
+    accept = [0.95, 0.3, 0.7, 0.05]
+    inputs = [PlanInput(slot, 4, [a * 0.97**j for j in range(4)]) for slot, a in enumerate(accept)]
+    cost = VerifyCostModel(knee_rows=16.0)
+    depths = choose_depths(inputs, cost, width_cap=64)
+    assert depths[0] > depths[2] > depths[1] >= depths[3]
+    p = plan(inputs, cost, width_cap=64)
+    assert [inputs[i].slot for i in p.order] == [0, 2, 1, 3]  # deepest first
+    assert p.depths == [depths[i] for i in p.order]
+
+
+def test_equal_depths_above_width_cap():
+    inputs = [PlanInput(s, 4, [0.9 - 0.2 * (s % 4)] * 4) for s in range(10)]
+    cost = VerifyCostModel()
+    assert len(set(choose_depths(inputs, cost, width_cap=10))) > 1
+    depths = choose_depths(inputs, cost, width_cap=9)
+    assert len(set(depths)) == 1 and depths[0] > 0
+    # The uniform depth stops at the shallowest sequence's drafts.
+    capped = [*inputs[:9], PlanInput(99, 1, [0.9])]
+    assert choose_depths(capped, cost, width_cap=9) == [1] * 10
+
+
+def test_max_rows_caps_the_table():
+    inputs = [PlanInput(s, 4, [0.99] * 4) for s in range(6)]
+    flat = VerifyCostModel(knee_rows=1e9)
+    for max_rows in range(6, 31):
+        depths = choose_depths(inputs, flat, width_cap=64, max_rows=max_rows)
+        assert len(inputs) + sum(depths) == min(max_rows, 30)
+        uniform = choose_depths(inputs, flat, width_cap=1, max_rows=max_rows)
+        assert uniform == [min((max_rows - 6) // 6, 4)] * 6
+    # Wider than any verify table: a plain decode batch.
+    assert choose_depths(inputs, flat, width_cap=64, max_rows=5) == [0] * 6
+
+
+def test_ties_go_to_the_lower_index():
+    inputs = [PlanInput(7, 2, [0.8, 0.8]), PlanInput(3, 2, [0.8, 0.8])]
+    flat = VerifyCostModel(knee_rows=1e9)
+    assert choose_depths(inputs, flat, width_cap=64, max_rows=3) == [1, 0]
+    assert choose_depths(inputs, flat, width_cap=64, max_rows=5) == [2, 1]
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="max_depth 3"):
+        choose_depths([PlanInput(0, 3, [0.5, 0.5])], VerifyCostModel(), width_cap=8)
+    with pytest.raises(ValueError, match="width_cap"):
+        choose_depths([PlanInput(0, 1, [0.5])], VerifyCostModel(), width_cap=-1)
+    # A NaN confidence (a broken drafter) reads as "never accepted", not as an error.
+    nan = [PlanInput(0, 2, [math.nan, 0.9]), PlanInput(1, 2, [0.9, 0.9])]
+    assert choose_depths(nan, VerifyCostModel(knee_rows=1e9), width_cap=8) == [0, 2]
+    assert plan([], VerifyCostModel(), width_cap=8).rows == 0
+
+
+# --- arms --------------------------------------------------------------------------------------
+
+
+@settings(max_examples=100, deadline=None)
+@given(batches(max_n=12, max_depth=4), st.sampled_from([None, 0, 3, 8]), st.booleans())
+def test_plan_is_verify_batch_order_of_the_chosen_depths(inputs, min_width, uniform):
+    knobs.cache_clear()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("METRALE_NO_CANONICAL_VERIFY_KEY", raising=False)
+        mp.delenv("METRALE_CANONICAL_KEY_MIN_WIDTH", raising=False)
+        if min_width is None:
+            mp.setenv("METRALE_NO_CANONICAL_VERIFY_KEY", "1")
+        else:
+            mp.setenv("METRALE_CANONICAL_KEY_MIN_WIDTH", str(min_width))
+        cost = VerifyCostModel(knee_rows=32.0)
+        cap = 0 if uniform else 64
+        chosen = choose_depths(inputs, cost, width_cap=cap)
+        p = plan(inputs, cost, width_cap=cap)
+        canonical = min_width is not None and len(inputs) >= min_width
+        assert (p.order, p.depths) == verify_batch_order(
+            [x.slot for x in inputs], chosen, canonical
+        )
+        assert p.rows == len(inputs) + sum(chosen)
+        assert p.expected_tokens == pytest.approx(
+            sum(expected_tokens(inputs[i], d) for i, d in zip(p.order, p.depths))
+        )
+        if canonical:
+            slots = [inputs[i].slot for i in p.order]
+            assert slots == sorted(slots) and p.depths == sorted(p.depths, reverse=True)
+        else:
+            assert p.depths == [chosen[i] for i in p.order]
+    knobs.cache_clear()
+
+
+def test_canonical_deal_can_exceed_max_depth_and_counts_padding_as_rejected(arm):
+    inputs = [PlanInput(5, 3, [0.9, 0.9, 0.9]), PlanInput(1, 0, [])]
+    flat = VerifyCostModel(knee_rows=1e9)
+    arm(None)
+    own = plan(inputs, flat, width_cap=64)
+    assert (own.order, own.depths) == ([0, 1], [3, 0])
+    assert own.expected_tokens == pytest.approx(2 + 0.9 + 0.81 + 0.729)
+    arm(0)
+    dealt = plan(inputs, flat, width_cap=64)
+    # Slot 1 is dealt the 3 drafts planned for slot 5; the caller pads, nothing is accepted.
+    assert (dealt.order, dealt.depths, dealt.rows) == ([1, 0], [3, 0], own.rows)
+    assert dealt.expected_tokens == pytest.approx(2.0)
+    arm(3)  # below the threshold width: each keeps its own depth
+    assert plan(inputs, flat, width_cap=64).depths == [3, 0]
+
+
+# --- acceptance estimator ----------------------------------------------------------------------
+
+
+def test_estimator_prior_and_update():
+    est = AcceptanceEstimator(max_positions=4, prior=0.4, rate=0.25)
+    assert est.estimate("a", 3) == [0.4, 0.4, 0.4]
+    est.observe("a", [True, False])
+    # The prior counts as one observation: a plain mean at first.
+    assert est.estimate("a", 3) == pytest.approx([0.7, 0.2, 0.4])
+    est.observe("a", [True, True, True])
+    assert est.estimate("a", 3) == pytest.approx([0.8, 1.4 / 3, 0.7])
+    for _ in range(3):
+        est.observe("a", [False])
+    # The n-th observation weighs 1 / (n + 1) until that reaches `rate`, from the 3rd on here.
+    assert est.estimate("a", 1)[0] == pytest.approx(0.8 * 0.75**3)
+    assert est.estimate("b", 2) == [0.4, 0.4]
+
+
+def test_estimator_learns_each_position():
+    est = AcceptanceEstimator(max_positions=3)
+    for i in range(200):
+        est.observe(0, [True, i % 2 == 0, False])
+    a = est.estimate(0, 3)
+    assert a[0] == pytest.approx(1.0, abs=1e-6)
+    assert 0.35 < a[1] < 0.65
+    assert a[2] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_estimator_is_bounded():
+    est = AcceptanceEstimator(max_positions=2, max_sequences=3)
+    est.observe("s", [True, True, False, False])  # positions past max_positions are not kept
+    assert est.estimate("s", 4) == pytest.approx([0.75, 0.75, 0.75, 0.75])
+    for sid in range(5):
+        est.observe(sid, [False])
+    assert len(est) == 3
+    assert est.estimate("s", 1) == [0.5]  # least recently observed: evicted
+    est.observe(2, [False])  # 2 is now the most recent, 3 the oldest
+    est.observe(9, [True])
+    assert est.estimate(3, 1) == [0.5] and est.estimate(2, 1) == pytest.approx([0.5 / 3])
+    est.forget(2)
+    est.forget("never seen")
+    assert len(est) == 2 and est.estimate(2, 1) == [0.5]
+
+
+def test_estimator_takes_draft_confidences():
+    est = AcceptanceEstimator(max_positions=4, prior=0.5)
+    est.observe(1, [False, False, False])
+    assert est.estimate(1, 3, probs=[0.9, math.nan]) == pytest.approx([0.9, 0.0, 0.25])
+    assert est.estimate(1, 2, probs=[1.5, -1.0]) == [1.0, 0.0]
+
+
+def test_estimator_rejects_bad_settings():
+    with pytest.raises(ValueError):
+        AcceptanceEstimator(rate=0.0)
+    with pytest.raises(ValueError):
+        AcceptanceEstimator(max_positions=0)
+    with pytest.raises(ValueError):
+        AcceptanceEstimator(prior=1.5)
+
+
+# --- cost model --------------------------------------------------------------------------------
+
+
+def test_default_cost_curve():
+    cost = VerifyCostModel()
+    for width in (1, 16, 64):
+        assert cost.step_time(width, width) == pytest.approx(1.0)
+    assert cost.step_time(64, 16) == pytest.approx(1.6)
+    assert cost.step_time(256, 64) == pytest.approx(2.5)
+    with pytest.raises(ValueError):
+        cost.step_time(3, 4)
+    with pytest.raises(ValueError):
+        VerifyCostModel(knee_rows=0)
+
+
+def test_measured_curve_interpolates_in_q_and_batch():
+    cost = VerifyCostModel.from_points(
+        {(1, 2): 1.1, (1, 4): 1.3, (16, 4): 1.5, (64, 4): 2.7, (64, 16): 4.9}
+    )
+    assert cost.step_time(1, 1) == pytest.approx(1.0)  # the implicit q = 1 point
+    assert cost.step_time(3, 1) == pytest.approx(1.2)
+    assert cost.step_time(6, 1) == pytest.approx(1.5)  # past the last q, the last segment goes on
+    assert cost.step_time(40, 16) == pytest.approx(1.25)  # q = 2.5 on (1, 1) .. (4, 1.5)
+    assert cost.step_time(4 * 40, 40) == pytest.approx(1.5 + (2.7 - 1.5) * 24 / 48)
+    assert cost.step_time(10 * 64, 64) == pytest.approx(2.7 + 2.2 / 2)
+    # Outside the measured batch sizes: the nearest curve.
+    assert cost.step_time(4 * 128, 128) == pytest.approx(2.7)
+    assert cost.step_time(2 * 64, 64) == pytest.approx(1 + 1.7 / 3)
+
+
+def test_measured_dips_are_ironed_out():
+    cost = VerifyCostModel.from_points({(8, 2): 1.4, (8, 3): 1.2, (8, 4): 1.6})
+    times = [cost.step_time(8 * q, 8) for q in (1, 2, 3, 4, 5)]
+    assert times == pytest.approx([1.0, 1.4, 1.4, 1.6, 1.8])
+
+
+def test_from_json():
+    doc = {
+        "batch_sizes": [1, 64],
+        "q": [1, 4, 16],
+        "ratio": [[1.0, 1.15, None], [1.0, 2.74, 4.9]],
+    }
+    cost = VerifyCostModel.from_json(doc)
+    assert cost.step_time(4, 1) == pytest.approx(1.15)
+    assert cost.step_time(16 * 64, 64) == pytest.approx(4.9)
+    assert cost.step_time(4 * 32, 32) == pytest.approx(1.15 + (2.74 - 1.15) * 31 / 63)
+    with pytest.raises(ValueError, match="'q'"):
+        VerifyCostModel.from_json({"batch_sizes": [1], "ratio": [[1.0]]})
+    with pytest.raises(ValueError, match="2 rows of 3"):
+        VerifyCostModel.from_json({**doc, "ratio": [[1.0, 1.1, 1.2]]})
+    with pytest.raises(ValueError, match="no point with q > 1"):
+        VerifyCostModel.from_json({**doc, "ratio": [[1.0, None, None], [1.0, 2.0, 3.0]]})
+    with pytest.raises(ValueError):
+        VerifyCostModel.from_points({(0, 2.0): 1.5})
+    with pytest.raises(ValueError):
+        VerifyCostModel.from_points({})
