@@ -65,15 +65,20 @@ class PageAllocator:
         seq.block_table.clear()
 
 
-def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one page across all layers (K and V)."""
+def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype, num_layers: int) -> int:
+    """Bytes of one page across `num_layers` attention layers (K and V)."""
     per_row = 2 * cfg.num_key_value_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
-    return per_row * page_size * cfg.num_hidden_layers
+    return per_row * page_size * num_layers
 
 
 def allocate_kv_cache(
-    cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device
+    cfg: ModelConfig,
+    num_pages: int,
+    page_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_layers: int,
 ) -> torch.Tensor:
     """[layers, 2, num_pages, page_size, Hkv, D], zeroed: the dummy page must hold finite values."""
-    shape = (cfg.num_hidden_layers, 2, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+    shape = (num_layers, 2, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)

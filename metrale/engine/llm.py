@@ -26,6 +26,7 @@ from metrale.knobs import knobs
 from metrale.outputs import RequestOutput
 from metrale.spec.controller import SpeculativeDecoder
 from metrale.spec.drafter import Drafter, Verdict
+from metrale.spec.mtp import MTPDrafter
 from metrale.spec.ngram import NgramDrafter
 from metrale.telemetry import Telemetry
 from metrale.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -63,15 +64,26 @@ class LLMEngine:
         self.model_config = ModelConfig.from_hf(self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.max_model_len = self._resolve_max_model_len()
+        spec_on = drafter is not None or self.config.spec.enabled
+        # Speculating sequences keep K rows reserved past their step: the next verify's drafts
+        # and a drafter's own KV rows land there.
+        self.lookahead = max(
+            self.config.num_lookahead_rows, self.config.spec.num_drafts if spec_on else 0
+        )
         self.runner = ModelRunner(
-            self.model_dir, self.model_config, self.config, self.max_model_len
+            self.model_dir,
+            self.model_config,
+            self.config,
+            self.max_model_len,
+            self.lookahead,
+            with_mtp=drafter is None and self.config.spec.method == "mtp",
         )
         self.allocator = PageAllocator(self.runner.num_pages, self.config.page_size)
         self.scheduler = Scheduler(
             self.allocator,
             self.config.max_num_seqs,
             self.config.max_num_batched_tokens,
-            lookahead=self.config.num_lookahead_rows,
+            lookahead=self.lookahead,
         )
         self.telemetry = Telemetry()
         self.eos_token_ids = tuple(
@@ -91,8 +103,8 @@ class LLMEngine:
                 return None
             if spec.method == "ngram":
                 drafter = NgramDrafter(spec.ngram_min, spec.ngram_max, spec.ngram_window)
-            else:
-                raise ValueError(f"spec.method {spec.method!r} needs a drafter this model lacks")
+            else:  # "mtp": the runner loaded the checkpoint's heads (or refused)
+                drafter = MTPDrafter(self.runner)
         return SpeculativeDecoder(
             spec, drafter, self.telemetry.spec, self.max_model_len, self.vocab_size
         )
@@ -125,7 +137,7 @@ class LLMEngine:
                 f"prompt: {len(token_ids)} tokens leave no room to generate under "
                 f"max_model_len={self.max_model_len}"
             )
-        pages = self.allocator.pages_for(len(token_ids) + 1 + self.config.num_lookahead_rows)
+        pages = self.allocator.pages_for(len(token_ids) + 1 + self.lookahead)
         if pages > self.allocator.num_usable:
             raise ValueError(
                 f"prompt: {len(token_ids)} tokens need {pages} KV pages; the pool has "

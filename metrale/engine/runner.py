@@ -18,6 +18,7 @@ from metrale.engine.sampler import SamplingBatch, SamplingRow
 from metrale.engine.sequence import Batch, ScheduledSeq, Sequence
 from metrale.models.attention import AttentionMetadata, TorchPagedAttention
 from metrale.models.loader import load_weights
+from metrale.models.mtp import load_mtp
 from metrale.models.qwen3 import Qwen3ForCausalLM
 from metrale.spec.verify import accept, build_layout
 
@@ -46,17 +47,21 @@ def default_dtype(dtype: torch.dtype):
 
 
 def num_pages_for(
-    model_cfg: ModelConfig, cfg: EngineConfig, max_model_len: int, dtype: torch.dtype
+    model_cfg: ModelConfig,
+    cfg: EngineConfig,
+    max_model_len: int,
+    dtype: torch.dtype,
+    lookahead: int,
+    num_layers: int,
 ) -> int:
     """Pool size: `num_kv_pages` if given, else room for `max_num_seqs` full-length sequences,
     capped by `kv_cache_memory_gb`; plus the dummy page."""
     if cfg.num_kv_pages is not None:
         return cfg.num_kv_pages
-    pages_per_seq = -(-(max_model_len + cfg.num_lookahead_rows) // cfg.page_size)
+    pages_per_seq = -(-(max_model_len + lookahead) // cfg.page_size)
     wanted = cfg.max_num_seqs * pages_per_seq
-    affordable = int(cfg.kv_cache_memory_gb * 2**30) // kv_page_bytes(
-        model_cfg, cfg.page_size, dtype
-    )
+    page_bytes = kv_page_bytes(model_cfg, cfg.page_size, dtype, num_layers)
+    affordable = int(cfg.kv_cache_memory_gb * 2**30) // page_bytes
     pages = min(wanted, affordable)
     if pages < pages_per_seq:
         raise ValueError(
@@ -73,7 +78,11 @@ class ModelRunner:
         model_cfg: ModelConfig,
         cfg: EngineConfig,
         max_model_len: int,
+        lookahead: int = 0,
+        with_mtp: bool = False,
     ) -> None:
+        """`lookahead`: rows reserved past each sampling sequence's step (drafts and drafter
+        KV). `with_mtp`: also load the checkpoint's MTP heads, with KV layers of their own."""
         self.device = cfg.resolve_device()
         self.dtype = cfg.resolve_dtype(model_cfg, self.device)
         self.model_cfg = model_cfg
@@ -83,11 +92,25 @@ class ModelRunner:
             self.model = Qwen3ForCausalLM(model_cfg, self.backend, max_model_len)
         load_weights(self.model, model_dir)
         self.model.eval()
-        self.num_pages = num_pages_for(model_cfg, cfg, max_model_len, self.dtype)
-        self.kv_cache = allocate_kv_cache(
-            model_cfg, self.num_pages, cfg.page_size, self.dtype, self.device
+        self.mtp = None
+        if with_mtp:
+            self.mtp = load_mtp(
+                model_dir, model_cfg, self.model.model.rotary, self.backend, self.device, self.dtype
+            )
+            if self.mtp is None:
+                raise ValueError(f"spec.method 'mtp': {model_dir} holds no MTP weights")
+        # NOTE: the MTP layers' KV sits after the target's, addressed by the same block tables:
+        # a drafter row at position p uses the page that holds the target's row p.
+        layers = self.model.attention_layers + (
+            [] if self.mtp is None else self.mtp.attention_layers
         )
-        for layer, cache in zip(self.model.attention_layers, self.kv_cache, strict=True):
+        self.num_pages = num_pages_for(
+            model_cfg, cfg, max_model_len, self.dtype, lookahead, len(layers)
+        )
+        self.kv_cache = allocate_kv_cache(
+            model_cfg, self.num_pages, cfg.page_size, self.dtype, self.device, len(layers)
+        )
+        for layer, cache in zip(layers, self.kv_cache, strict=True):
             layer.kv_cache = cache
         log.info(
             "model on %s (%s): %d KV pages of %d rows",

@@ -50,7 +50,7 @@ class Scheduler:
     def _rows_needed(self, seq: Sequence, num_rows: int) -> int:
         """Rows the block table must cover after this step (plus lookahead if it samples)."""
         end = seq.num_computed_tokens + num_rows
-        return end + (self.lookahead if end == seq.num_tokens else 0)
+        return end + (self.lookahead if end >= seq.num_tokens else 0)
 
     def _drafts_for(self, seq: Sequence, budget: int) -> list[int]:
         """The drafts a decoding sequence verifies this step, cut to the row budget."""

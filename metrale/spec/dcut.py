@@ -298,8 +298,6 @@ def choose_depths(
         value = total / cost.step_time(n + k, n)
         if value > best_value * (1.0 + _TIE):
             best_k, best_value = k, value
-        else:
-            break
     depths = [0] * n
     for _, i, _ in ranked[:best_k]:
         depths[i] += 1

@@ -1,0 +1,114 @@
+"""MTP drafter: the checkpoint's multi-token-prediction head(s) chained for K drafts.
+
+After every target forward, `observe` runs the MTP layer over the rows whose tokens are now
+committed (prefill chunks, the last token and the accepted drafts of a verify): the row at
+position p takes the target's hidden at p and the committed token at p+1, writes the MTP layer's
+KV at p, and the last row's output gives the first draft. `propose` chains the rest: draft j+1
+comes from the module fed with draft j and the previous step's own output hidden, one row per
+sequence per depth (module `j % num_layers`).
+
+NOTE: rollback: the chain writes MTP KV at positions past the committed ones; the next catch-up
+rewrites every position from the target's hiddens before any row reads it, so rejected drafts
+leave no trace. The MTP KV shares the target's block tables, so pages follow the sequence.
+Drafts are greedy (one-hot q): lossless at any temperature, as vLLM drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from metrale.engine.sequence import Sequence
+from metrale.spec.drafter import Draft, Verdict
+
+
+@dataclass
+class _State:
+    """Per sequence: the MTP output of its newest committed row and the draft it predicts."""
+
+    position: int  # the row's position p (it predicted the token at p + 2)
+    hidden: torch.Tensor  # [H] next_hidden of that row
+    first_draft: torch.Tensor  # [] int64 argmax of the head over that row
+
+
+class MTPDrafter:
+    name = "mtp"
+    needs_hidden = True
+
+    def __init__(self, runner) -> None:
+        if runner.mtp is None:
+            raise ValueError("the MTP drafter needs a model loaded with its MTP heads")
+        self.runner = runner
+        self.heads = runner.mtp
+        self._states: dict[int, _State] = {}
+
+    def _forward(self, step: int, spans, hidden: torch.Tensor):
+        """One MTP module over spans (block table, first position, tokens at p + 1)."""
+        input_ids, positions, meta = self.runner.span_metadata(spans)
+        module = self.heads.for_step(step)
+        logits_in, next_hidden = module(
+            input_ids, positions, hidden, meta, self.runner.model.model.embed_tokens
+        )
+        return logits_in, next_hidden, meta
+
+    @torch.inference_mode()
+    def observe(self, verdicts: list[Verdict]) -> None:
+        spans, hiddens, owners = [], [], []
+        for v in verdicts:
+            seq, rows = v.seq, 0 if v.hidden is None else v.hidden.shape[0]
+            if rows == 0 or not seq.params.speculative or seq.params.num_drafts == 0:
+                continue
+            first = v.first_position
+            # the committed token after each row's position: prompt, accepted drafts, bonus
+            spans.append((seq.block_table, first, seq.tokens(first + 1, first + 1 + rows)))
+            hiddens.append(v.hidden)
+            owners.append(seq)
+        if not spans:
+            return
+        logits_in, next_hidden, meta = self._forward(0, spans, torch.cat(hiddens))
+        last = meta.query_start_loc[1:] - 1  # [S] each span's newest row
+        firsts = self.runner.model.compute_logits(logits_in, last).argmax(dim=-1)  # [S]
+        for i, (seq, (_, first, tokens)) in enumerate(zip(owners, spans, strict=True)):
+            self._states[seq.seq_id] = _State(
+                first + len(tokens) - 1, next_hidden[last[i]], firsts[i]
+            )
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> list[Draft]:
+        live = [
+            (i, seq, k, self._states.get(seq.seq_id))
+            for i, (seq, k) in enumerate(zip(seqs, max_drafts, strict=True))
+        ]
+        # A state is current only if it sits on the sequence's newest committed row.
+        live = [
+            (i, s, k, st)
+            for i, s, k, st in live
+            if st is not None and k > 0 and st.position == s.num_tokens - 2
+        ]
+        drafts: list[Draft] = [Draft([]) for _ in seqs]
+        if not live:
+            return drafts
+        columns = [torch.stack([st.first_draft for *_, st in live])]  # [S]
+        hidden = torch.stack([st.hidden for *_, st in live])  # [S, H]
+        for j in range(1, max(k for _, _, k, _ in live)):
+            chain = [n for n, (_, _, k, _) in enumerate(live) if k > j]
+            tokens = columns[-1][chain]  # [C] draft j, the input of draft j + 1
+            spans = [(live[n][1].block_table, live[n][3].position + j, [0]) for n in chain]
+            input_ids, positions, meta = self.runner.span_metadata(spans)
+            module = self.heads.for_step(j)
+            logits_in, next_hidden = module(
+                tokens, positions, hidden[chain], meta, self.runner.model.model.embed_tokens
+            )
+            column = torch.full_like(columns[0], -1)
+            column[chain] = self.runner.model.compute_logits(logits_in).argmax(dim=-1)
+            columns.append(column)
+            hidden = hidden.clone()
+            hidden[chain] = next_hidden
+        table = torch.stack(columns, dim=1).tolist()  # [S, Kmax]: the propose's one host sync
+        for (i, _, k, _), row in zip(live, table, strict=True):
+            drafts[i] = Draft(row[:k])
+        return drafts
+
+    def release(self, seq: Sequence) -> None:
+        self._states.pop(seq.seq_id, None)

@@ -1,0 +1,63 @@
+"""The MTP drafter (random heads in both checkpoint layouts) leaves greedy output unchanged:
+alone, in a batch of 16 with D-Cut depths, and with preemption; a checkpoint without heads is
+refused with a clear error."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from metrale import LLM, SamplingParams
+from metrale.config import ModelConfig
+from metrale.models.mtp import write_mtp_weights
+from tests.test_spec_lossless import make_prompts, params_for
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "deepseek"])
+def mtp_model_dir(request, tiny_model_dir, tmp_path_factory):
+    dst = tmp_path_factory.mktemp(f"mtp-{request.param}") / "model"
+    shutil.copytree(tiny_model_dir, dst)
+    write_mtp_weights(dst, ModelConfig.from_hf(dst), request.param, num_layers=1, seed=4)
+    return dst
+
+
+def test_mtp_drafter_is_lossless(mtp_model_dir):
+    prompts = make_prompts(seed=2)
+    params = [params_for(i) for i in range(len(prompts))]
+    ref = LLM(mtp_model_dir, device="cpu").generate(prompts, params, use_tqdm=False)
+    expected = [o.outputs[0].token_ids for o in ref]
+    for engine in (
+        dict(spec={"method": "mtp", "num_drafts": 3}),
+        dict(
+            spec={"method": "mtp", "num_drafts": 2, "dcut": False},
+            page_size=4,
+            num_kv_pages=40,
+            max_num_batched_tokens=40,
+        ),
+    ):
+        llm = LLM(mtp_model_dir, device="cpu", **engine)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert llm.engine.telemetry.spec.num_draft_tokens > 0
+        assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
+        assert not llm.engine.spec.drafter._states  # every sequence's drafter state released
+    assert llm.engine.telemetry.preemptions > 0
+    alone = LLM(mtp_model_dir, device="cpu", spec={"method": "mtp", "num_drafts": 4})
+    out = alone.generate([prompts[3]], [params[3]], use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == expected[3]
+
+
+def test_mtp_needs_heads(tiny_model_dir):
+    with pytest.raises(ValueError, match="no MTP weights"):
+        LLM(tiny_model_dir, device="cpu", spec={"method": "mtp"})
+
+
+def test_seeded_sampling_with_mtp_is_reproducible(tiny_model_dir, tmp_path):
+    dst = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, dst)
+    write_mtp_weights(dst, ModelConfig.from_hf(dst), "qwen3_next", seed=1)
+    sp = SamplingParams(temperature=0.8, seed=9, max_tokens=12)
+    a = LLM(dst, device="cpu", spec={"method": "mtp"}).generate([[4, 5, 6]], sp, use_tqdm=False)
+    b = LLM(dst, device="cpu", spec={"method": "mtp"}).generate([[4, 5, 6]], sp, use_tqdm=False)
+    assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
