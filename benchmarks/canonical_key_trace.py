@@ -3,12 +3,16 @@
 Simulates a mixed serving trace: sequences arrive and finish so the batch width wanders over
 1..64, state slots come from a free list and are reused, each sequence has its own acceptance rate
 (Beta(2, 2)) decaying with draft position, and up to K = 4 drafts are available per step. Every step
-is planned by D-Cut (`spec.dcut.plan`) from per-sequence acceptance estimates, under each arm:
-canonical at every width, never, and canonical from widths 2, 4, 8, 16, 32. Per arm it counts the
-distinct verify graph keys (and the hit rate of a 256-entry LRU, the graph cache's size), the
+is planned by D-Cut (`spec.dcut.plan`, width cap 32 as in `SpecConfig`) from per-sequence
+acceptance estimates, under each arm: canonical at every width, never, and canonical from widths
+2, 4, 8, 16, 32. With `--deal`, depths are planned freely and the canonical arm deals them to the
+slots, as the reference system does, instead of D-Cut planning for the deal.
+
+Per arm: distinct verify graph keys (and the hit rate of a 256-entry LRU, the graph cache's size),
 expected emitted tokens per step under the true acceptance rates, also per unit of verify time
-(`E/cost`; plain decode scores the mean width there), padded rows, and the share of sequences in
-multi-sequence equal-depth runs whose slots are consecutive (what the batched GDN path needs).
+(`E/cost`; plain decode scores the mean width there, `speedup` is the ratio), padded rows, and the
+share of sequences in multi-sequence equal-depth runs whose slots are consecutive (what the
+batched GDN path needs).
 
 Each trace (arrivals, lifetimes, slots, draft counts, match draws) is drawn once per seed and
 replayed for every arm; seeds are independent runs whose counts add up. With `--observe drafted`
@@ -32,8 +36,14 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from metrale.knobs import knobs
-from metrale.spec.dcut import AcceptanceEstimator, PlanInput, VerifyCostModel, plan
-from metrale.spec.verify_key import verify_graph_key
+from metrale.spec.dcut import (
+    AcceptanceEstimator,
+    PlanInput,
+    VerifyCostModel,
+    choose_depths,
+    plan,
+)
+from metrale.spec.verify_key import canonical_assignment, verify_batch_order, verify_graph_key
 
 K = 4
 MAX_WIDTH = 64
@@ -114,8 +124,21 @@ def run_slots(slots: list[int], depths: list[int]) -> tuple[int, int]:
     return batched, contiguous
 
 
+def dispatch(
+    inputs: list[PlanInput], cost: VerifyCostModel, width_cap: int, deal: bool
+) -> tuple[list[int], list[int]]:
+    """(order, depths) of one step: D-Cut's plan, or with `deal` the reference system's way of
+    planning each depth freely and letting the canonical arm deal the multiset to the slots."""
+    if not deal:
+        p = plan(inputs, cost, width_cap)
+        return p.order, p.depths
+    depths = choose_depths(inputs, cost, width_cap)
+    canonical = canonical_assignment(len(inputs))
+    return verify_batch_order([x.slot for x in inputs], depths, canonical)
+
+
 def run_arm(
-    trace: list[list[Member]], cost: VerifyCostModel, width_cap: int, observe_all: bool
+    trace: list[list[Member]], cost: VerifyCostModel, args: argparse.Namespace
 ) -> Counter[str]:
     """Sums over one trace: counts, tokens and step time, per width bucket where it matters."""
     est = AcceptanceEstimator(max_positions=K)
@@ -134,11 +157,12 @@ def run_arm(
         inputs = [
             PlanInput(m.slot, m.max_depth, est.estimate(m.seq_id, m.max_depth)) for m in members
         ]
-        p = plan(inputs, cost, width_cap)
+        order, depths = dispatch(inputs, cost, args.width_cap, args.deal)
+        rows = n + sum(depths)
         tally["steps"] += 1
         tally["width"] += n
-        tally["time"] += cost.step_time(p.rows, n)
-        for i, d in zip(p.order, p.depths):
+        tally["time"] += cost.step_time(rows, n)
+        for i, d in zip(order, depths):
             m = members[i]
             real = min(d, m.max_depth)  # the rest is padding, which never matches
             tally["padded"] += d - real
@@ -147,17 +171,17 @@ def run_arm(
             for a in m.accept[:real]:
                 g *= a
                 tally[f"tokens>={_bucket(n)}"] += g
-            observed = m.max_depth if observe_all else real
+            observed = m.max_depth if args.observe == "drafted" else real
             if observed:
                 est.observe(m.seq_id, [u < a for u, a in zip(m.draws[:observed], m.accept)])
-        if p.rows == n:
+        if rows == n:
             continue  # all plain decode: a decode graph, no verify key
         tally["verify_steps"] += 1
         key = verify_graph_key(
-            [(members[i].slot, d + 1) for i, d in zip(p.order, p.depths)], False, False
+            [(members[i].slot, d + 1) for i, d in zip(order, depths)], False, False
         )
         keys[_bucket(n)].add(key)
-        batched, contiguous = run_slots([members[i].slot for i in p.order], p.depths)
+        batched, contiguous = run_slots([members[i].slot for i in order], depths)
         tally["batched"] += batched
         tally["contiguous"] += contiguous
         if key in lru:
@@ -206,7 +230,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--random-slots", action="store_true")
     ap.add_argument("--beta", type=float, default=2.0, help="acceptance ~ Beta(beta, beta)")
     ap.add_argument("--short-drafts", type=float, default=0.2, help="P(fewer than K drafts)")
-    ap.add_argument("--width-cap", type=int, default=MAX_WIDTH)
+    ap.add_argument("--width-cap", type=int, default=32, help="SpecConfig.dcut_width_cap")
+    ap.add_argument("--deal", action="store_true", help="plan freely, then deal (reference)")
     args = ap.parse_args(argv)
 
     cost = VerifyCostModel.from_points(H200_POINTS) if args.cost == "h200" else VerifyCostModel()
@@ -219,10 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for name, min_width in arms.items():
             set_arm(min_width)
-            tallies[name] = sum(
-                (run_arm(tr, cost, args.width_cap, args.observe == "drafted") for tr in traces),
-                Counter(),
-            )
+            tallies[name] = sum((run_arm(tr, cost, args) for tr in traces), Counter())
     finally:
         for name, value in saved.items():
             os.environ.pop(name, None)

@@ -24,6 +24,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-model-len", type=int, default=None, help="context length limit")
     p.add_argument("--page-size", type=int, default=16, help="KV rows per page")
+    p.add_argument(
+        "--spec",
+        choices=("ngram", "mtp"),
+        default=None,
+        help="speculative decoding drafter (output is unchanged; acceptance is printed at the end)",
+    )
+    p.add_argument("--num-drafts", type=int, default=4, help="drafts per verify at most (K)")
+    p.add_argument(
+        "--no-dcut",
+        action="store_true",
+        help="verify every sequence at full depth instead of D-Cut's per-sequence depths",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log engine start-up details")
 
 
@@ -70,12 +82,30 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 def _llm(args: argparse.Namespace):
     from metrale.api import LLM
 
+    spec = None
+    if args.spec is not None:
+        spec = {"method": args.spec, "num_drafts": args.num_drafts, "dcut": not args.no_dcut}
     return LLM(
         args.model,
         device=args.device,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         page_size=args.page_size,
+        spec=spec,
+    )
+
+
+def spec_summary(llm) -> str:
+    """One line of speculative-decoding statistics for the end of a run."""
+    tel = llm.engine.telemetry
+    spec = tel.spec
+    by_pos = " ".join(f"{a:.2f}" for a in spec.acceptance_by_position())
+    tokens_per_step = tel.decode_tokens / tel.steps if tel.steps else 0.0
+    return (
+        f"spec {llm.engine.spec.drafter.name}: {spec.num_drafts} verifies, "
+        f"{spec.num_draft_tokens} drafts, {spec.num_accepted_tokens} accepted, "
+        f"mean acceptance length {spec.mean_acceptance_length:.2f}, "
+        f"acceptance by position [{by_pos}], {tokens_per_step:.2f} tokens per step"
     )
 
 
@@ -89,6 +119,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out.write(final.outputs[0].delta_text)
         out.flush()
     out.write("\n")
+    if llm.engine.spec is not None:
+        print(spec_summary(llm), file=sys.stderr)
     completion = final.outputs[0]
     if completion.finish_reason == "error":
         print(f"error: {completion.error}", file=sys.stderr)
@@ -121,6 +153,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print(delta, end="", flush=True)
         print()
         messages.append({"role": "assistant", "content": reply})
+    if llm.engine.spec is not None:
+        print(spec_summary(llm), file=sys.stderr)
     return 0
 
 

@@ -223,6 +223,9 @@ class SpecConfig:
     dcut: bool = True
     dcut_width_cap: int = 32
     dcut_prior: float = 0.6  # acceptance assumed for a position never observed
+    # sequences the MTP drafter drafts for per step (None: all); 1 = single-sequence mode, where
+    # the METRALE_MTP_CATCHUP / _REFEED_* knobs apply
+    mtp_max_seqs: int | None = None
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in SPEC_METHODS:
@@ -242,6 +245,12 @@ class SpecConfig:
             raise ValueError(
                 f"spec.ngram_max must be an integer >= ngram_min={self.ngram_min}, "
                 f"got {self.ngram_max!r}"
+            )
+        if self.mtp_max_seqs is not None and (
+            not isinstance(self.mtp_max_seqs, int) or self.mtp_max_seqs < 1
+        ):
+            raise ValueError(
+                f"spec.mtp_max_seqs must be an integer >= 1, got {self.mtp_max_seqs!r}"
             )
         if not 0.0 <= self.dcut_prior <= 1.0:
             raise ValueError(f"spec.dcut_prior must be in [0, 1], got {self.dcut_prior!r}")

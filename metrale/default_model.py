@@ -24,7 +24,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from metrale.knobs import knobs
 
 # Bump the suffix whenever the files built below change, so old caches are not reused.
-DEFAULT_MODEL_NAME = "default-random-qwen3-v1"
+# v2: the checkpoint also holds a (random) MTP head, so `--spec mtp` runs on it.
+DEFAULT_MODEL_NAME = "default-random-qwen3-v2"
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -75,8 +76,16 @@ def default_model_dir() -> Path:
     """The default model's directory under `METRALE_HOME`, built there on first use."""
     target = knobs().home / "models" / DEFAULT_MODEL_NAME
     if not target.is_dir():
-        _build_atomically(target, build_random_qwen3)
+        _build_atomically(target, _build_default)
     return target
+
+
+def _build_default(path: Path) -> None:
+    from metrale.config import ModelConfig
+    from metrale.models.mtp import QWEN3_NEXT, write_mtp_weights
+
+    build_random_qwen3(path)
+    write_mtp_weights(path, ModelConfig.from_hf(path), QWEN3_NEXT, num_layers=1, seed=1)
 
 
 def _build_atomically(target: Path, build: Callable[[Path], object]) -> None:

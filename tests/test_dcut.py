@@ -45,11 +45,20 @@ def objective(inputs, depths, cost) -> float:
     return tokens / cost.step_time(n + sum(depths), n)
 
 
-def brute_force(inputs, cost, max_rows=None, uniform=False) -> float:
+def brute_force(inputs, cost, max_rows=None, uniform=False, canonical=False) -> float:
     n = len(inputs)
     if uniform:
         top = min(x.max_depth for x in inputs)
         space = [[d] * n for d in range(top + 1)]
+    elif canonical:
+        # Any depth up to the deepest drafts (padding allowed), never rising along the slots.
+        top = max(x.max_depth for x in inputs)
+        by_slot = sorted(range(n), key=lambda i: inputs[i].slot)
+        space = [
+            ds
+            for ds in itertools.product(range(top + 1), repeat=n)
+            if all(ds[a] >= ds[b] for a, b in itertools.pairwise(by_slot))
+        ]
     else:
         space = itertools.product(*(range(x.max_depth + 1) for x in inputs))
     return max(
@@ -97,6 +106,18 @@ def test_greedy_fill_matches_brute_force(inputs, cost, max_rows):
     if max_rows is not None and any(depths):
         assert len(inputs) + sum(depths) <= max_rows
     best = brute_force(inputs, cost, max_rows)
+    assert objective(inputs, depths, cost) == pytest.approx(best, rel=1e-9)
+
+
+@settings(max_examples=300, deadline=None)
+@given(batches(), costs(), st.one_of(st.none(), st.integers(1, 14)))
+def test_canonical_plan_matches_brute_force(inputs, cost, max_rows):
+    depths = choose_depths(inputs, cost, width_cap=64, max_rows=max_rows, canonical=True)
+    by_slot = [depths[i] for i in sorted(range(len(inputs)), key=lambda i: inputs[i].slot)]
+    assert by_slot == sorted(by_slot, reverse=True)
+    if max_rows is not None and any(depths):
+        assert len(inputs) + sum(depths) <= max_rows
+    best = brute_force(inputs, cost, max_rows, canonical=True)
     assert objective(inputs, depths, cost) == pytest.approx(best, rel=1e-9)
 
 
@@ -202,12 +223,14 @@ def test_plan_is_verify_batch_order_of_the_chosen_depths(inputs, min_width, unif
             mp.setenv("METRALE_CANONICAL_KEY_MIN_WIDTH", str(min_width))
         cost = VerifyCostModel(knee_rows=32.0)
         cap = 0 if uniform else 64
-        chosen = choose_depths(inputs, cost, width_cap=cap)
-        p = plan(inputs, cost, width_cap=cap)
         canonical = min_width is not None and len(inputs) >= min_width
+        chosen = choose_depths(inputs, cost, width_cap=cap, canonical=canonical)
+        p = plan(inputs, cost, width_cap=cap)
         assert (p.order, p.depths) == verify_batch_order(
             [x.slot for x in inputs], chosen, canonical
         )
+        # Under either arm every sequence verifies the depth planned for it.
+        assert p.depths == [chosen[i] for i in p.order]
         assert p.rows == len(inputs) + sum(chosen)
         assert p.expected_tokens == pytest.approx(
             sum(expected_tokens(inputs[i], d) for i, d in zip(p.order, p.depths))
@@ -215,25 +238,26 @@ def test_plan_is_verify_batch_order_of_the_chosen_depths(inputs, min_width, unif
         if canonical:
             slots = [inputs[i].slot for i in p.order]
             assert slots == sorted(slots) and p.depths == sorted(p.depths, reverse=True)
-        else:
-            assert p.depths == [chosen[i] for i in p.order]
     knobs.cache_clear()
 
 
-def test_canonical_deal_can_exceed_max_depth_and_counts_padding_as_rejected(arm):
-    inputs = [PlanInput(5, 3, [0.9, 0.9, 0.9]), PlanInput(1, 0, [])]
-    flat = VerifyCostModel(knee_rows=1e9)
+def test_canonical_plan_pads_a_low_slot_when_that_pays(arm):
+    deep, empty = PlanInput(5, 3, [0.9, 0.9, 0.9]), PlanInput(1, 0, [])
+    cost = VerifyCostModel()
     arm(None)
-    own = plan(inputs, flat, width_cap=64)
+    own = plan([deep, empty], cost, width_cap=64)
     assert (own.order, own.depths) == ([0, 1], [3, 0])
-    assert own.expected_tokens == pytest.approx(2 + 0.9 + 0.81 + 0.729)
     arm(0)
-    dealt = plan(inputs, flat, width_cap=64)
-    # Slot 1 is dealt the 3 drafts planned for slot 5; the caller pads, nothing is accepted.
-    assert (dealt.order, dealt.depths, dealt.rows) == ([1, 0], [3, 0], own.rows)
-    assert dealt.expected_tokens == pytest.approx(2.0)
-    arm(3)  # below the threshold width: each keeps its own depth
-    assert plan(inputs, flat, width_cap=64).depths == [3, 0]
+    # Slot 1 dispatches first and must be at least as deep: it is padded to 3 rows of nothing.
+    dealt = plan([deep, empty], cost, width_cap=64)
+    assert (dealt.order, dealt.depths, dealt.rows) == ([1, 0], [3, 3], 8)
+    assert dealt.expected_tokens == pytest.approx(own.expected_tokens)
+    assert dealt.expected_tokens == pytest.approx(2 + 0.9 + 0.81 + 0.729)
+    # When rows are dear, the padding does not pay and neither does the deep draft.
+    steep = VerifyCostModel(knee_rows=1.0)
+    assert plan([deep, empty], steep, width_cap=64).depths == [0, 0]
+    arm(3)  # below the threshold width: each keeps its own depth, unpadded
+    assert plan([deep, empty], cost, width_cap=64).depths == [3, 0]
 
 
 # --- acceptance estimator ----------------------------------------------------------------------
@@ -243,8 +267,9 @@ def test_estimator_prior_and_update():
     est = AcceptanceEstimator(max_positions=4, prior=0.4, rate=0.25)
     assert est.estimate("a", 3) == [0.4, 0.4, 0.4]
     est.observe("a", [True, False])
-    # The prior counts as one observation: a plain mean at first.
-    assert est.estimate("a", 3) == pytest.approx([0.7, 0.2, 0.4])
+    # The prior counts as one observation: a plain mean at first. Position 3, never verified,
+    # reads position 2's estimate.
+    assert est.estimate("a", 3) == pytest.approx([0.7, 0.2, 0.2])
     est.observe("a", [True, True, True])
     assert est.estimate("a", 3) == pytest.approx([0.8, 1.4 / 3, 0.7])
     for _ in range(3):

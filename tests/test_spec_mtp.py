@@ -61,3 +61,38 @@ def test_seeded_sampling_with_mtp_is_reproducible(tiny_model_dir, tmp_path):
     a = LLM(dst, device="cpu", spec={"method": "mtp"}).generate([[4, 5, 6]], sp, use_tqdm=False)
     b = LLM(dst, device="cpu", spec={"method": "mtp"}).generate([[4, 5, 6]], sp, use_tqdm=False)
     assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("shift", ["0", "1", "-2"])
+def test_single_sequence_refeed_knobs_stay_lossless(mtp_model_dir, monkeypatch, caplog, shift):
+    from metrale.knobs import knobs
+
+    for name, value in (
+        ("METRALE_MTP_CATCHUP", "1"),
+        ("METRALE_MTP_REFEED_ACCEPTED", "1"),
+        ("METRALE_MTP_REFEED_SHIFT", shift),
+        ("METRALE_MTP_REFEED_DEBUG", "1"),
+    ):
+        monkeypatch.setenv(name, value)
+    knobs.cache_clear()
+    try:
+        prompts = make_prompts(seed=5)[:4]
+        params = [params_for(i) for i in range(4)]
+        expected = [
+            o.outputs[0].token_ids
+            for o in LLM(mtp_model_dir, device="cpu").generate(prompts, params, use_tqdm=False)
+        ]
+        llm = LLM(
+            mtp_model_dir, device="cpu", spec={"method": "mtp", "num_drafts": 3, "mtp_max_seqs": 1}
+        )
+        assert llm.engine.spec.drafter.refeed
+        with caplog.at_level("INFO", logger="metrale.spec.mtp"):
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+        assert "MTP_REFEED" in caplog.text
+        # in multi-sequence mode the knobs are inert
+        multi = LLM(mtp_model_dir, device="cpu", spec={"method": "mtp", "mtp_max_seqs": 2})
+        assert not multi.engine.spec.drafter.refeed
+    finally:
+        monkeypatch.undo()
+        knobs.cache_clear()

@@ -327,6 +327,7 @@ def test_default_model_is_deterministic(home, tmp_path, monkeypatch):
         "config.json",
         "generation_config.json",
         "model.safetensors",
+        "mtp.safetensors",
         "tokenizer.json",
         "tokenizer_config.json",
     }

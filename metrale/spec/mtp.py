@@ -1,26 +1,42 @@
 """MTP drafter: the checkpoint's multi-token-prediction head(s) chained for K drafts.
 
-After every target forward, `observe` runs the MTP layer over the rows whose tokens are now
-committed (prefill chunks, the last token and the accepted drafts of a verify): the row at
+After every target forward, `observe` catches the MTP layer up on the rows whose tokens are
+now committed (prefill chunks, the last token and the accepted drafts of a verify): the row at
 position p takes the target's hidden at p and the committed token at p+1, writes the MTP layer's
 KV at p, and the last row's output gives the first draft. `propose` chains the rest: draft j+1
 comes from the module fed with draft j and the previous step's own output hidden, one row per
-sequence per depth (module `j % num_layers`).
+sequence per depth (module `j % num_layers`), writing the MTP KV of positions p+1, p+2, ...
 
-NOTE: rollback: the chain writes MTP KV at positions past the committed ones; the next catch-up
-rewrites every position from the target's hiddens before any row reads it, so rejected drafts
-leave no trace. The MTP KV shares the target's block tables, so pages follow the sequence.
-Drafts are greedy (one-hot q): lossless at any temperature, as vLLM drafts.
+Rows of accepted drafts were already written by the chain, with the drafter's own hidden. By
+default they are kept (one catch-up row per verify, as the reference system does); with
+`METRALE_MTP_CATCHUP=1` and `METRALE_MTP_REFEED_ACCEPTED=1`, and only while the drafter serves
+one sequence (`SpecConfig.mtp_max_seqs` = 1), they are re-fed with the target's hiddens,
+`METRALE_MTP_REFEED_SHIFT` pairing each token with the hidden that many rows earlier (a probe of
+the mapping; 0 is right) and `METRALE_MTP_REFEED_DEBUG=1` logging a fingerprint of each re-fed
+hidden. Rows the chain never wrote (prefill, plain decodes, the bonus row) are always fed.
+
+NOTE: rollback: chain rows of rejected drafts lie past the committed positions; the next
+catch-up rewrites them before any row reads them. The MTP KV shares the target's block tables,
+so pages follow the sequence. Drafts are greedy (one-hot q): lossless at any temperature.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from metrale.engine.sequence import Sequence
+from metrale.knobs import (
+    hidden_fingerprint,
+    knobs,
+    mtp_catchup_enabled,
+    mtp_refeed_accepted_enabled,
+)
 from metrale.spec.drafter import Draft, Verdict
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -30,17 +46,25 @@ class _State:
     position: int  # the row's position p (it predicted the token at p + 2)
     hidden: torch.Tensor  # [H] next_hidden of that row
     first_draft: torch.Tensor  # [] int64 argmax of the head over that row
+    # rows the last chain wrote: positions position + 1 .. position + chain_rows
+    chain_rows: int = 0
 
 
 class MTPDrafter:
     name = "mtp"
     needs_hidden = True
 
-    def __init__(self, runner) -> None:
+    def __init__(self, runner, max_seqs: int) -> None:
+        """`max_seqs`: sequences drafted per step at most (the MTP dispatch cap)."""
         if runner.mtp is None:
             raise ValueError("the MTP drafter needs a model loaded with its MTP heads")
         self.runner = runner
         self.heads = runner.mtp
+        self.max_seqs = max_seqs
+        k = knobs()
+        self.refeed = mtp_catchup_enabled(max_seqs, k) and mtp_refeed_accepted_enabled(max_seqs, k)
+        self.refeed_shift = k.mtp_refeed_shift if self.refeed else 0
+        self.refeed_debug = k.mtp_refeed_debug and self.refeed
         self._states: dict[int, _State] = {}
 
     def _forward(self, step: int, spans, hidden: torch.Tensor):
@@ -59,10 +83,10 @@ class MTPDrafter:
             seq, rows = v.seq, 0 if v.hidden is None else v.hidden.shape[0]
             if rows == 0 or not seq.params.speculative or seq.params.num_drafts == 0:
                 continue
-            first = v.first_position
+            hidden, first = self._rows_to_feed(v)
             # the committed token after each row's position: prompt, accepted drafts, bonus
-            spans.append((seq.block_table, first, seq.tokens(first + 1, first + 1 + rows)))
-            hiddens.append(v.hidden)
+            spans.append((seq.block_table, first, seq.tokens(first + 1, first + 1 + len(hidden))))
+            hiddens.append(hidden)
             owners.append(seq)
         if not spans:
             return
@@ -73,6 +97,25 @@ class MTPDrafter:
             self._states[seq.seq_id] = _State(
                 first + len(tokens) - 1, next_hidden[last[i]], firsts[i]
             )
+
+    def _rows_to_feed(self, v: Verdict) -> tuple[torch.Tensor, int]:
+        """The committed rows to run through the MTP layer: (target hiddens, first position)."""
+        state = self._states.get(v.seq.seq_id)
+        if not v.drafts or state is None or state.position + 1 != v.first_position:
+            return v.hidden, v.first_position
+        if self.refeed:
+            if self.refeed_shift:
+                rows = torch.arange(v.hidden.shape[0], device=v.hidden.device)
+                v.hidden = v.hidden[(rows - self.refeed_shift).clamp(0, v.hidden.shape[0] - 1)]
+            if self.refeed_debug:
+                for t, h in enumerate(v.hidden):
+                    log.info(
+                        "MTP_REFEED pos=%d fp=%016x", v.first_position + t, hidden_fingerprint(h)
+                    )
+            return v.hidden, v.first_position
+        # The chain's rows for accepted drafts hold the right tokens; keep them.
+        keep = min(v.num_accepted, state.chain_rows)
+        return v.hidden[keep:], v.first_position + keep
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> list[Draft]:
@@ -85,7 +128,7 @@ class MTPDrafter:
             (i, s, k, st)
             for i, s, k, st in live
             if st is not None and k > 0 and st.position == s.num_tokens - 2
-        ]
+        ][: self.max_seqs]
         drafts: list[Draft] = [Draft([]) for _ in seqs]
         if not live:
             return drafts
@@ -106,8 +149,9 @@ class MTPDrafter:
             hidden = hidden.clone()
             hidden[chain] = next_hidden
         table = torch.stack(columns, dim=1).tolist()  # [S, Kmax]: the propose's one host sync
-        for (i, _, k, _), row in zip(live, table, strict=True):
+        for (i, _, k, state), row in zip(live, table, strict=True):
             drafts[i] = Draft(row[:k])
+            state.chain_rows = k - 1
         return drafts
 
     def release(self, seq: Sequence) -> None:

@@ -26,8 +26,10 @@ def lookup(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
         grams = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
         hits = np.flatnonzero((grams == arr[length - n :]).all(axis=1))
         if hits.size:
-            # The most recent occurrence best predicts what comes next.
-            start = int(hits[-1]) + n
+            # The most recent occurrence best predicts what comes next, but in a repeating tail
+            # it is followed by a single token; prefer the latest one followed by k tokens.
+            full = hits[hits + n + k <= length]
+            start = int(full[-1] if full.size else hits[-1]) + n
             return tokens[start : start + k]
     return []
 
