@@ -226,6 +226,9 @@ class SpecConfig:
     # sequences the MTP drafter drafts for per step (None: all); 1 = single-sequence mode, where
     # the METRALE_MTP_CATCHUP / _REFEED_* knobs apply
     mtp_max_seqs: int | None = None
+    # Judge greedy drafts on the raw argmax (no penalties, bias or bans). Faster, and lossless
+    # only for requests without them: off unless asked for.
+    verify_raw_argmax: bool = False
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in SPEC_METHODS:

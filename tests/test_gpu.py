@@ -59,3 +59,23 @@ def test_cuda_bf16_default_model_generates(tmp_path, monkeypatch):
         len(o.outputs[0].token_ids) == 16 or o.outputs[0].finish_reason == "stop" for o in outs
     )
     knobs.cache_clear()
+
+
+def test_cuda_speculation_equals_plain_decoding(tiny_model_dir):
+    from tests.test_spec_lossless import make_prompts, params_for, replay
+
+    prompts = make_prompts(seed=3)
+    params = [params_for(i) for i in range(len(prompts))]
+    plain = LLM(tiny_model_dir, device="cuda", dtype="float32")
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    for drafter, spec in ((None, {"method": "ngram"}), (replay(prompts, ref, 0.7), {})):
+        llm = LLM(
+            tiny_model_dir,
+            drafter=drafter,
+            device="cuda",
+            dtype="float32",
+            spec={"num_drafts": 4, **spec},
+        )
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        assert llm.engine.telemetry.spec.num_drafts > 0

@@ -104,7 +104,10 @@ def test_forced_patterns_single_sequence_without_dcut(tiny_model_dir, prompts, r
         assert len(spec.drafted_per_pos) == 3
 
 
-def test_ngram_drafter_is_lossless_with_preemption(tiny_model_dir, prompts, reference):
+@pytest.mark.parametrize("canonical_arm", [True, False], indirect=True, ids=["canonical", "own"])
+def test_ngram_drafter_is_lossless_with_preemption(
+    tiny_model_dir, prompts, reference, canonical_arm
+):
     got, llm = run(tiny_model_dir, prompts, spec={"method": "ngram", "num_drafts": 4})
     assert got == reference
     assert llm.engine.telemetry.spec.num_drafts > 0

@@ -290,6 +290,7 @@ class LLMEngine:
                         matches=[] if v is None else v.matches,
                         hidden=out.hidden[row : row + committed] if needs_hidden else None,
                         first_position=first,
+                        picks=[] if v is None else v.picks,
                     )
                 )
         if self.spec is not None:

@@ -87,6 +87,7 @@ class ModelRunner:
         self.dtype = cfg.resolve_dtype(model_cfg, self.device)
         self.model_cfg = model_cfg
         self.page_size = cfg.page_size
+        self.verify_raw_argmax = cfg.spec.verify_raw_argmax
         self.backend = TorchPagedAttention()
         with torch.device(self.device), default_dtype(self.dtype):
             self.model = Qwen3ForCausalLM(model_cfg, self.backend, max_model_len)
@@ -200,7 +201,13 @@ class ModelRunner:
         layout = build_layout(
             [len(e.drafts) for e, _ in sampling], [e.drafts for e, _ in sampling], self.device
         )
-        acc = accept(logits, sb, layout, self._draft_probs([e for e, _ in sampling], logits))
+        acc = accept(
+            logits,
+            sb,
+            layout,
+            self._draft_probs([e for e, _ in sampling], logits),
+            raw_argmax=self.verify_raw_argmax,
+        )
         return StepOutput(batch.entries, _verdicts([e for e, _ in sampling], acc), hidden, ends)
 
     def _draft_probs(self, entries: list[ScheduledSeq], logits: torch.Tensor):
@@ -229,6 +236,7 @@ class SeqVerdict:
     num_accepted: int
     matches: list[bool]  # per draft, every position
     tokens: list[SampledToken]
+    picks: list[int]  # the target's token at every row, past the first miss too
 
     @property
     def seq(self) -> Sequence:
@@ -284,5 +292,5 @@ def _verdicts(entries: list[ScheduledSeq], acc) -> list[SeqVerdict]:
                 token.rank, token.logprob = int(r[2]), r[3]
                 token.top = [(int(i), lp) for i, lp in zip(r[4 : 4 + n], r[4 + k : 4 + k + n])]
             tokens.append(token)
-        result.append(SeqVerdict(e, accepted, matches, tokens))
+        result.append(SeqVerdict(e, accepted, matches, tokens, [int(r[1]) for r in rows]))
     return result

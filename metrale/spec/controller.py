@@ -76,6 +76,9 @@ class SpeculativeDecoder:
             max_positions=max(cfg.num_drafts, 1), prior=cfg.dcut_prior
         )
         self._debug = knobs().mtp_accept_debug
+        # seq_id -> (real drafts verified this step, the first draft proposed): padding is kept
+        # out of the estimates, and a sequence cut to depth 0 still learns from its first draft.
+        self._proposed: dict[int, tuple[int, int | None]] = {}
 
     def prepare(self, running: list[Sequence]) -> list[tuple[Sequence, str]]:
         """Set `seq.draft` on every running sequence; returns sequences whose drafting failed."""
@@ -95,6 +98,10 @@ class SpeculativeDecoder:
         else:
             for seq, draft in live:
                 seq.draft = draft
+        self._proposed = {
+            s.seq_id: (min(len(d.tokens), len(s.draft.tokens) if s.draft else 0), d.tokens[0])
+            for s, d in live
+        }
         return failed
 
     def _propose(self, seqs: list[Sequence], caps: list[int]):
@@ -145,19 +152,25 @@ class SpeculativeDecoder:
             order, depths = verify_batch_order(slots, ks, canonical_assignment(len(verified)))
             pairs = [(slots[i], d + 1) for i, d in zip(order, depths, strict=True)]
             self.telemetry.record_key(verify_graph_key(pairs, True, False))
-        for v in verified:
-            self.telemetry.record(len(verified), v.matches, v.num_accepted)
-            self.estimator.observe(v.seq.seq_id, v.matches)
-            if self._debug and self.telemetry.num_drafts % ACCEPT_DEBUG_EVERY == 0:
-                for line in self.telemetry.width_lines():
-                    log.info("spec accept %s", line)
+        for v in verdicts:
+            real, first = self._proposed.get(v.seq.seq_id, (len(v.drafts), None))
+            if v.drafts:
+                matches = v.matches[:real]
+                self.telemetry.record(len(verified), matches, min(v.num_accepted, real))
+                self.estimator.observe(v.seq.seq_id, matches)
+                if self._debug and self.telemetry.num_drafts % ACCEPT_DEBUG_EVERY == 0:
+                    for line in self.telemetry.width_lines():
+                        log.info("spec accept %s", line)
+            elif first is not None and v.emitted:
+                # Cut to depth 0: whether its first draft was the token it emitted anyway.
+                self.estimator.observe(v.seq.seq_id, [first == v.emitted[0]])
         shadow = knobs().mtp_shadow_topk
         if shadow > 0:
             for v in verified:
                 log.info(
                     "SHADOW_TGT base=%d v=%s drafts=%s",
                     v.first_position + 1,
-                    v.extra.get("picks", v.emitted),
+                    v.picks,
                     v.drafts,
                 )
         self.drafter.observe([v for v in verdicts if not v.seq.is_finished])

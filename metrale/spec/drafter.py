@@ -47,7 +47,8 @@ class Verdict:
     hidden: torch.Tensor | None = None
     # positions of those rows (the first is the row of the sequence's previous last token)
     first_position: int = 0
-    extra: dict = field(default_factory=dict)
+    # the target's token at every verify row (the draft where it matched), past the first miss too
+    picks: list[int] = field(default_factory=list)
 
 
 class Drafter(Protocol):

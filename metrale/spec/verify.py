@@ -80,13 +80,25 @@ def _race(probs: Tensor, batch: SamplingBatch, stream: int) -> Tensor:
 
 
 def accept(
-    logits: Tensor, batch: SamplingBatch, layout: RowLayout, draft_probs: Tensor | None = None
+    logits: Tensor,
+    batch: SamplingBatch,
+    layout: RowLayout,
+    draft_probs: Tensor | None = None,
+    raw_argmax: bool = False,
 ) -> Acceptance:
     """logits [R, V] raw float32, one row per verify row; draft_probs [R, V] (q on draft rows,
-    ignored elsewhere) or None for one-hot drafts. See the module docstring for the rule."""
+    ignored elsewhere) or None for one-hot drafts. See the module docstring for the rule.
+
+    `raw_argmax` judges greedy draft rows on the argmax of the raw logits, skipping penalties,
+    bias and bans (the reference system's block-drafter serve without masked verify); rows
+    without a draft and sampled rows keep the pipeline. It is only lossless for requests whose
+    pipeline leaves the argmax alone; the engine sets it only when asked
+    (`SpecConfig.verify_raw_argmax`)."""
     processed = apply_logits_pipeline(logits, batch)  # [R, V]
     drafts = layout.draft_of_row
     has_draft = drafts >= 0  # [R]
+    if raw_argmax:
+        processed = torch.where((has_draft & batch.greedy)[:, None], logits, processed)
     safe_drafts = drafts.clamp(min=0)[:, None]  # [R, 1]
     greedy_pick = processed.argmax(dim=-1)  # [R]
     if batch.all_greedy:

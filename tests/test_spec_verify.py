@@ -1,0 +1,158 @@
+"""The acceptance function and the verify step on their own: logprobs with speculation equal
+plain decoding's, sequences' KV and positions stay consistent under forced acceptance patterns,
+raw-argmax judging, and the CLI's speculative mode."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from metrale import LLM, SamplingParams
+from metrale.engine.sampler import SamplingBatch, SamplingRow
+from metrale.spec.verify import accept, build_layout
+from tests.test_spec_lossless import make_prompts, params_for, replay
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return make_prompts(seed=7)[:6]
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 1.0])
+def test_logprobs_with_speculation_equal_plain_decoding(tiny_model_dir, prompts, alpha):
+    params = [params_for(i, logprobs=3, repetition_penalty=1.2) for i in range(len(prompts))]
+    plain = LLM(tiny_model_dir, device="cpu").generate(prompts, params, use_tqdm=False)
+    ref = [o.outputs[0].token_ids for o in plain]
+    llm = LLM(
+        tiny_model_dir,
+        drafter=replay(prompts, ref, alpha),
+        device="cpu",
+        spec={"num_drafts": 3},
+    )
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(plain, spec, strict=True):
+        a, b = a.outputs[0], b.outputs[0]
+        assert a.token_ids == b.token_ids
+        assert len(a.logprobs) == len(b.logprobs)
+        for pa, pb in zip(a.logprobs, b.logprobs, strict=True):
+            assert list(pa) == list(pb)  # same tokens, same order
+            for tok in pa:
+                assert pa[tok].rank == pb[tok].rank
+                assert pa[tok].logprob == pytest.approx(pb[tok].logprob, abs=1e-5)
+        assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0])
+def test_positions_and_pages_stay_consistent(tiny_model_dir, prompts, alpha):
+    """After every step of a forced pattern, each running sequence has computed exactly its
+    tokens but the last, its pages cover them, and its KV rows equal a fresh prefill's."""
+    params = [params_for(i) for i in range(len(prompts))]
+    ref = [
+        o.outputs[0].token_ids
+        for o in LLM(tiny_model_dir, device="cpu").generate(prompts, params, use_tqdm=False)
+    ]
+    llm = LLM(
+        tiny_model_dir,
+        drafter=replay(prompts, ref, alpha),
+        device="cpu",
+        spec={"num_drafts": 4, "dcut": False},
+    )
+    engine = llm.engine
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"r{i}", p, sp)
+    checked = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for seq in engine.scheduler.running:
+            if seq.is_prefilling:
+                continue
+            assert seq.num_computed_tokens == seq.num_tokens - 1
+            assert len(seq.block_table) * engine.config.page_size >= seq.num_tokens
+            checked += 1
+            if checked == 8:  # mid-generation: the cached rows are exactly a prefill's
+                assert_kv_equals_fresh_prefill(tiny_model_dir, engine, seq)
+    assert checked > 8
+    assert engine.allocator.num_free == engine.allocator.num_usable
+
+
+def kv_rows(engine, seq, n: int) -> torch.Tensor:
+    """[layers, 2, n, Hkv, D] the KV rows of seq's first n positions."""
+    page = engine.config.page_size
+    slots = torch.tensor([seq.block_table[p // page] * page + p % page for p in range(n)])
+    cache = engine.runner.kv_cache
+    return cache.view(*cache.shape[:2], -1, *cache.shape[-2:])[:, :, slots]
+
+
+def assert_kv_equals_fresh_prefill(model_dir, engine, seq) -> None:
+    n = seq.num_computed_tokens
+    fresh = LLM(model_dir, device="cpu").engine
+    fresh.add_request("x", seq.tokens(0, n), SamplingParams(max_tokens=1))
+    batch = fresh.scheduler.schedule()
+    fresh.runner.all_logits(batch)
+    other = fresh.requests["x"].seqs[0]
+    torch.testing.assert_close(
+        kv_rows(engine, seq, n), kv_rows(fresh, other, n), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_raw_argmax_ignores_the_pipeline_on_draft_rows():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [0.0, 2.0, 1.0]])
+    # a bias that makes token 2 the processed argmax on both rows
+    sp = SamplingParams(temperature=0.0, logit_bias={2: 5.0})
+    rows = [SamplingRow(sp, 0, [0], out) for out in ([], [2])]
+    sb = SamplingBatch.build(rows, 3, torch.device("cpu"))
+    layout = build_layout([1], [[1]], torch.device("cpu"))
+    piped = accept(logits, sb, layout)
+    raw = accept(logits, sb, layout, raw_argmax=True)
+    assert piped.num_accepted.tolist() == [0] and piped.emitted.tolist() == [2, 2]
+    # the draft row judges on the raw argmax (1, accepted); the bonus row keeps the pipeline
+    assert raw.num_accepted.tolist() == [1] and raw.emitted.tolist() == [1, 2]
+
+
+def test_cli_prints_acceptance_statistics(tiny_model_dir, tmp_path):
+    env = {**os.environ, "METRALE_HOME": str(tmp_path)}
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "metrale.cli",
+            "generate",
+            "ab ab ab ab ab",
+            "--model",
+            str(tiny_model_dir),
+            "--spec",
+            "ngram",
+            "--num-drafts",
+            "3",
+            "--max-tokens",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "spec ngram:" in res.stderr and "mean acceptance length" in res.stderr
+    plain = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "metrale.cli",
+            "generate",
+            "ab ab ab ab ab",
+            "--model",
+            str(tiny_model_dir),
+            "--max-tokens",
+            "16",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert plain.stdout == res.stdout  # speculation leaves the text unchanged
