@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from metrale.default_model import build_random_qwen3
+from metrale.knobs import knobs
 
 TINY = dict(
     vocab_size=512,
@@ -61,6 +62,19 @@ def hf_qwen3_factory(tmp_path_factory, tokenizer_dir):
 @pytest.fixture(scope="session")
 def tiny_model_dir(hf_qwen3_factory) -> Path:
     return hf_qwen3_factory("tiny")
+
+
+@pytest.fixture
+def canonical_arm(request, monkeypatch):
+    """Run a test with the canonical verify-key arm at every width, or never."""
+    if request.param:
+        monkeypatch.setenv("METRALE_CANONICAL_KEY_MIN_WIDTH", "0")
+    else:
+        monkeypatch.setenv("METRALE_NO_CANONICAL_VERIFY_KEY", "1")
+    knobs.cache_clear()
+    yield request.param
+    monkeypatch.undo()
+    knobs.cache_clear()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -113,3 +113,25 @@ def test_max_model_len_ends_generation(tiny_model_dir):
     )[0]
     assert len(out.outputs[0].token_ids) == 6
     assert out.outputs[0].finish_reason == "length"
+
+
+def test_a_failing_forward_ends_only_its_sequence(tiny_model_dir, prompts, monkeypatch):
+    llm = LLM(tiny_model_dir, device="cpu")
+    runner = llm.engine.runner
+    real_execute = runner.execute
+
+    def execute(batch):
+        if any(e.seq.request_id == "req-2" for e in batch.entries):
+            raise RuntimeError("NaN in the forward")
+        return real_execute(batch)
+
+    monkeypatch.setattr(runner, "execute", execute)
+    params = [params_for(i, sampled=False) for i in range(5)]
+    outs = llm.generate(prompts[:5], params, use_tqdm=False)
+    assert outs[2].outputs[0].finish_reason == "error"
+    assert "NaN in the forward" in outs[2].outputs[0].error
+    monkeypatch.undo()
+    expected = alone(tiny_model_dir, prompts[:5], params)
+    for i in (0, 1, 3, 4):
+        assert outs[i].outputs[0].token_ids == expected[i]
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable

@@ -70,3 +70,11 @@ def test_bad_options_exit_with_a_named_error(tiny_model_dir, tmp_path, args, fie
 def test_help_lists_options(tmp_path):
     res = metrale("generate", "--help", home=tmp_path)
     assert res.returncode == 0 and "--temperature" in res.stdout and "--model" in res.stdout
+
+
+def test_generate_with_speculation_prints_acceptance(tiny_model_dir, tmp_path):
+    args = ("generate", "ab ab ab ab ab", "--model", str(tiny_model_dir), "--max-tokens", "16")
+    spec = metrale(*args, "--spec", "ngram", "--num-drafts", "3", home=tmp_path)
+    assert spec.returncode == 0, spec.stderr
+    assert "spec ngram:" in spec.stderr and "mean acceptance length" in spec.stderr
+    assert spec.stdout == metrale(*args, home=tmp_path).stdout  # the text is unchanged

@@ -10,7 +10,6 @@ import random
 import pytest
 
 from metrale import LLM, SamplingParams
-from metrale.knobs import knobs
 from metrale.spec.drafter import Draft
 from metrale.spec.replay import ReplayDrafter
 
@@ -45,19 +44,6 @@ def reference(tiny_model_dir, prompts):
     llm = LLM(tiny_model_dir, device="cpu")
     outs = llm.generate(prompts, [params_for(i) for i in range(NUM_PROMPTS)], use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
-
-
-@pytest.fixture
-def canonical_arm(request, monkeypatch):
-    """Run a test with the canonical verify-key arm at every width, or never."""
-    if request.param:
-        monkeypatch.setenv("METRALE_CANONICAL_KEY_MIN_WIDTH", "0")
-    else:
-        monkeypatch.setenv("METRALE_NO_CANONICAL_VERIFY_KEY", "1")
-    knobs.cache_clear()
-    yield request.param
-    monkeypatch.undo()
-    knobs.cache_clear()
 
 
 def run(model_dir, prompts, drafter=None, spec=None, index=None, **engine):

@@ -22,7 +22,8 @@ def mtp_model_dir(request, tiny_model_dir, tmp_path_factory):
     return dst
 
 
-def test_mtp_drafter_is_lossless(mtp_model_dir):
+@pytest.mark.parametrize("canonical_arm", [True, False], indirect=True, ids=["canonical", "own"])
+def test_mtp_drafter_is_lossless(mtp_model_dir, canonical_arm):
     prompts = make_prompts(seed=2)
     params = [params_for(i) for i in range(len(prompts))]
     ref = LLM(mtp_model_dir, device="cpu").generate(prompts, params, use_tqdm=False)

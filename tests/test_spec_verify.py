@@ -4,10 +4,6 @@ raw-argmax judging, and the CLI's speculative mode."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -111,48 +107,3 @@ def test_raw_argmax_ignores_the_pipeline_on_draft_rows():
     assert piped.num_accepted.tolist() == [0] and piped.emitted.tolist() == [2, 2]
     # the draft row judges on the raw argmax (1, accepted); the bonus row keeps the pipeline
     assert raw.num_accepted.tolist() == [1] and raw.emitted.tolist() == [1, 2]
-
-
-def test_cli_prints_acceptance_statistics(tiny_model_dir, tmp_path):
-    env = {**os.environ, "METRALE_HOME": str(tmp_path)}
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "metrale.cli",
-            "generate",
-            "ab ab ab ab ab",
-            "--model",
-            str(tiny_model_dir),
-            "--spec",
-            "ngram",
-            "--num-drafts",
-            "3",
-            "--max-tokens",
-            "16",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert res.returncode == 0, res.stderr
-    assert "spec ngram:" in res.stderr and "mean acceptance length" in res.stderr
-    plain = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "metrale.cli",
-            "generate",
-            "ab ab ab ab ab",
-            "--model",
-            str(tiny_model_dir),
-            "--max-tokens",
-            "16",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert plain.stdout == res.stdout  # speculation leaves the text unchanged
