@@ -1,4 +1,4 @@
-"""`metrale generate | chat`: the command line. Later issues add `serve`, `bench` and `train`.
+"""`metrale generate | chat | bench`: the command line. Later issues add `serve` and `train`.
 
 `generate` streams one completion to the terminal; `chat` is a multi-turn loop over the model's
 chat template, reading user turns from standard input. Without `--model` both run the embedded
@@ -63,7 +63,57 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     _add_engine_args(chat)
     _add_sampling_args(chat, max_tokens=256)
+    bench = sub.add_parser("bench", help="step times vs roofline, verify cost, speculation speedup")
+    bench.add_argument("--model", default=None, help="HF checkpoint directory (else --shape)")
+    bench.add_argument(
+        "--shape",
+        default="tiny",
+        help="qwen3-8b | qwen3-1.7b | qwen3-0.6b | tiny "
+        "(random bf16 weights of the published shape)",
+    )
+    bench.add_argument("--device", default="auto", help="torch device")
+    bench.add_argument("--dtype", default="auto", help="auto: bf16 on GPU, float32 on CPU")
+    bench.add_argument("--batch-sizes", type=_int_list, default=[1, 4], help="e.g. 1,8,64,256")
+    bench.add_argument(
+        "--q", type=_int_list, default=[1, 2, 4], help="rows per sequence, 1,2,4,8,16"
+    )
+    bench.add_argument("--context", type=int, default=128, help="cached tokens per sequence")
+    bench.add_argument("--alpha", type=float, default=0.8, help="replayed draft acceptance")
+    bench.add_argument("--num-drafts", type=int, default=3, help="K for the end-to-end run")
+    bench.add_argument("--max-tokens", type=int, default=32, help="tokens per end-to-end request")
+    bench.add_argument("--e2e-batch-sizes", type=_int_list, default=[1, 4], help="e.g. 1,8,64")
+    bench.add_argument("--max-num-batched-tokens", type=int, default=8192, help="rows per step")
+    bench.add_argument("--kv-cache-memory-gb", type=float, default=4.0, help="KV pool size")
+    bench.add_argument("--out", default="bench-out", help="folder for bench.json and bench.png")
     return parser
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from metrale.bench import plot, run, table
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = run(args)
+    (out / "bench.json").write_text(json.dumps(result, indent=2))
+    result["plot"] = str(out / "bench.png") if plot(result, out / "bench.png") else None
+    print(table(result))
+    print(json.dumps(result))
+    return 0
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
@@ -161,10 +211,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
+        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    handler = {"generate": cmd_generate, "chat": cmd_chat}[args.command]
+    handler = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench}[args.command]
     try:
         return handler(args)
     except (ValueError, FileNotFoundError) as e:

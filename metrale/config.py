@@ -282,6 +282,9 @@ class EngineConfig:
     num_lookahead_rows: int = 0
     seed: int = 0
     spec: SpecConfig | dict | None = None
+    # "safetensors": the checkpoint's weights; "dummy": random weights of the config's shape
+    # (benchmarks of published shapes without their weights, as vLLM's load_format=dummy)
+    load_format: str = "safetensors"
 
     def __post_init__(self) -> None:
         spec = self.spec
@@ -313,6 +316,10 @@ class EngineConfig:
             )
         if self.dtype != "auto":
             parse_dtype(self.dtype)
+        if self.load_format not in ("safetensors", "dummy"):
+            raise ValueError(
+                f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}"
+            )
         if not (self.kv_cache_memory_gb > 0):
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
 

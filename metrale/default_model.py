@@ -244,6 +244,11 @@ def build_random_qwen3(
         str(path / "model.safetensors"),
         metadata={"format": "pt"},
     )
-    tok.save(str(path / "tokenizer.json"))
-    _write_json(path / "tokenizer_config.json", _tokenizer_config())
+    write_tokenizer(path)
     return path
+
+
+def write_tokenizer(path: str | Path) -> None:
+    """The default byte-level tokenizer's files, to pair with any checkpoint shape."""
+    build_tokenizer().save(str(Path(path) / "tokenizer.json"))
+    _write_json(Path(path) / "tokenizer_config.json", _tokenizer_config())

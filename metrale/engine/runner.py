@@ -71,6 +71,17 @@ def num_pages_for(
     return pages + 1
 
 
+@torch.no_grad()
+def dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Random weights for `load_format="dummy"`: N(0, 0.02) matrices, unit norms, seeded."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=gen)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -91,7 +102,10 @@ class ModelRunner:
         self.backend = TorchPagedAttention()
         with torch.device(self.device), default_dtype(self.dtype):
             self.model = Qwen3ForCausalLM(model_cfg, self.backend, max_model_len)
-        load_weights(self.model, model_dir)
+        if cfg.load_format == "dummy":
+            dummy_weights(self.model, cfg.seed)
+        else:
+            load_weights(self.model, model_dir)
         self.model.eval()
         self.mtp = None
         if with_mtp:
@@ -213,14 +227,14 @@ class ModelRunner:
     def _draft_probs(self, entries: list[ScheduledSeq], logits: torch.Tensor):
         """[R, V] draft distributions (zeros on rows without a draft), or None when every drafter
         was deterministic (one-hot q)."""
-        if not any(e.drafts and e.seq.draft.probs is not None for e in entries):
+        if not any(e.draft_probs is not None for e in entries):
             return None
         parts = []
         for e in entries:
             k = len(e.drafts)
             q = torch.zeros(k + 1, logits.shape[-1], device=self.device)
-            if k and e.seq.draft.probs is not None:
-                q[:k] = e.seq.draft.probs[:k].to(self.device, torch.float32)
+            if k and e.draft_probs is not None:
+                q[:k] = e.draft_probs.to(self.device, torch.float32)
             elif k:
                 q[torch.arange(k), torch.tensor(e.drafts)] = 1.0
             parts.append(q)

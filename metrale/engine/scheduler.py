@@ -110,7 +110,10 @@ class Scheduler:
                 batch.preempted.append(seq)
                 break
             self.allocator.reserve(seq, need)
-            batch.entries.append(ScheduledSeq(seq, num_rows, drafts))
+            probs = None if not drafts else seq.draft.probs
+            batch.entries.append(
+                ScheduledSeq(seq, num_rows, drafts, None if probs is None else probs[: len(drafts)])
+            )
             budget -= num_rows
             idx += 1
 

@@ -97,6 +97,8 @@ class ScheduledSeq:
     seq: Sequence
     num_rows: int
     drafts: list[int] = field(default_factory=list)
+    # [len(drafts), V] the drafter's q for these drafts, or None (one-hot drafts)
+    draft_probs: Any = None
     # The rows reach the sequence's last token, so this step emits tokens for it. Fixed when
     # scheduled: the sequence's counters move on once the step has run.
     samples: bool = field(init=False)

@@ -1,0 +1,53 @@
+"""`metrale bench` end to end on a tiny shape on CPU: a table, a JSON document as the last stdout
+line (and in bench.json) whose verify cost curve the D-Cut planner can read, and a PNG plot."""
+
+from __future__ import annotations
+
+import json
+
+from metrale.cli import main
+from metrale.spec.dcut import VerifyCostModel
+
+
+def test_bench_writes_table_json_and_png(tmp_path, capsys):
+    out = tmp_path / "bench"
+    rc = main(
+        [
+            "bench",
+            "--shape",
+            "tiny",
+            "--device",
+            "cpu",
+            "--batch-sizes",
+            "1,3",
+            "--q",
+            "1,2,4",
+            "--context",
+            "24",
+            "--e2e-batch-sizes",
+            "2",
+            "--max-tokens",
+            "12",
+            "--alpha",
+            "0.7",
+            "--num-drafts",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    stdout = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(stdout[-1])
+    assert json.loads((out / "bench.json").read_text())["verify_cost"] == result["verify_cost"]
+    assert any("x_roofline" in line for line in stdout)
+    assert [d["batch"] for d in result["decode"]] == [1, 3]
+    assert all(d["ms"] > 0 and d["roofline_ratio"] > 0 for d in result["decode"])
+    cost = result["verify_cost"]
+    assert cost["q"] == [1, 2, 3, 4]  # K + 1 = 3 is always measured
+    assert all(row[0] == 1.0 for row in cost["ratio"])
+    VerifyCostModel.from_json(cost).step_time(6, 3)  # the planner reads it
+    (e2e,) = result["e2e"]
+    assert e2e["batch"] == 2 and e2e["speedup"] > 0 and e2e["ideal_speedup"] > 0
+    assert 1.0 <= e2e["mean_acceptance_length"] <= 3.0
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
