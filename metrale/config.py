@@ -285,6 +285,9 @@ class EngineConfig:
     # "safetensors": the checkpoint's weights; "dummy": random weights of the config's shape
     # (benchmarks of published shapes without their weights, as vLLM's load_format=dummy)
     load_format: str = "safetensors"
+    # CUDA graphs for decode and verify steps (CUDA only); tables of more rows run eagerly
+    cuda_graphs: bool = True
+    graph_max_rows: int = 256
 
     def __post_init__(self) -> None:
         spec = self.spec

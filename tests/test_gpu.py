@@ -79,3 +79,27 @@ def test_cuda_speculation_equals_plain_decoding(tiny_model_dir):
         outs = llm.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == ref
         assert llm.engine.telemetry.spec.num_drafts > 0
+
+
+def test_cuda_graph_replay_equals_eager(tiny_model_dir):
+    from tests.test_spec_lossless import make_prompts, params_for, replay
+
+    prompts = make_prompts(seed=4)
+    params = [params_for(i) for i in range(len(prompts))]
+    eager = LLM(tiny_model_dir, device="cuda", dtype="float32", cuda_graphs=False)
+    ref = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    graphed = LLM(tiny_model_dir, device="cuda", dtype="float32")
+    outs = graphed.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    spec = LLM(
+        tiny_model_dir,
+        drafter=replay(prompts, ref, 0.7),
+        device="cuda",
+        dtype="float32",
+        spec={"num_drafts": 3},
+    )
+    outs = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    for llm in (graphed, spec):
+        stats = llm.engine.runner.graphs.cache.stats()
+        assert stats["hits"] > 0 and stats["cached"] > 0

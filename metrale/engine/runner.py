@@ -13,13 +13,15 @@ from pathlib import Path
 import torch
 
 from metrale.config import EngineConfig, ModelConfig
+from metrale.engine.graphs import GraphRunner
 from metrale.engine.kv_cache import DUMMY_PAGE, allocate_kv_cache, kv_page_bytes
 from metrale.engine.sampler import SamplingBatch, SamplingRow
-from metrale.engine.sequence import Batch, ScheduledSeq, Sequence
+from metrale.engine.sequence import Batch, Phase, ScheduledSeq, Sequence
 from metrale.models.attention import AttentionMetadata, TorchPagedAttention
 from metrale.models.loader import load_weights
 from metrale.models.mtp import load_mtp
 from metrale.models.qwen3 import Qwen3ForCausalLM
+from metrale.spec.row_table import RowTable
 from metrale.spec.verify import accept, build_layout
 
 log = logging.getLogger(__name__)
@@ -127,6 +129,12 @@ class ModelRunner:
         )
         for layer, cache in zip(layers, self.kv_cache, strict=True):
             layer.kv_cache = cache
+        self.graphs = None
+        if cfg.cuda_graphs and self.device.type == "cuda":
+            self.graphs = GraphRunner(
+                self.model, cfg.graph_max_rows, max_model_len, cfg.page_size, self.device
+            )
+        self.graph_refusals = 0
         log.info(
             "model on %s (%s): %d KV pages of %d rows",
             self.device,
@@ -188,15 +196,40 @@ class ModelRunner:
     def execute(self, batch: Batch) -> StepOutput:
         """Run one step: the forward over every row, then acceptance of every sampling sequence's
         drafts (k = 0 is a plain decode). One host sync copies the verdicts back."""
+        graphed = self.graphs is not None and batch.phase in (Phase.DECODE, Phase.VERIFY)
+        if graphed:
+            # One order for any permutation of the same depths: deepest first, then by slot.
+            batch = Batch(sorted(batch.entries, key=lambda e: (-e.num_rows, e.seq.slot)))
         input_ids, positions, meta = self._metadata(batch)
-        hidden = self.model(input_ids, positions, meta)  # [T, H]
         ends = list(itertools.accumulate(e.num_rows for e in batch.entries))
+        all_logits = None
+        if graphed:
+            table = RowTable.from_dispatch(range(len(ends)), [e.num_rows for e in batch.entries])
+            try:
+                hidden, all_logits = self.graphs.run(
+                    table,
+                    input_ids,
+                    positions,
+                    meta.slot_mapping,
+                    meta.query_start_loc,
+                    meta.seq_lens,
+                    meta.block_tables,
+                    meta.max_seq_len,
+                )
+            except ValueError:  # refused (too wide): this step runs eagerly
+                self.graph_refusals += 1
+                graphed = False
+        if not graphed:
+            hidden = self.model(input_ids, positions, meta)  # [T, H]
         sampling = [(e, end) for e, end in zip(batch.entries, ends, strict=True) if e.samples]
         if not sampling:
             return StepOutput(batch.entries, [], hidden, ends)
         # The last 1 + k rows of each sampling sequence: its last token, then its k drafts.
         rows = [r for e, end in sampling for r in range(end - 1 - len(e.drafts), end)]
-        logits = self.model.compute_logits(hidden, torch.tensor(rows, device=self.device))
+        if all_logits is not None:  # decode/verify: every row samples, in order
+            logits = all_logits
+        else:
+            logits = self.model.compute_logits(hidden, torch.tensor(rows, device=self.device))
         sb = SamplingBatch.build(
             [
                 SamplingRow(

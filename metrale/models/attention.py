@@ -90,7 +90,10 @@ class TorchPagedAttention:
         q_lens = meta.query_start_loc[1:] - starts  # [B]
         total_rows = meta.slot_mapping.shape[0]
         # Row -> (sequence, offset within the sequence's rows).
-        row_seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)
+        # output_size: no host sync, so this also runs inside a CUDA graph capture
+        row_seq = torch.repeat_interleave(
+            torch.arange(num_seqs, device=device), q_lens, output_size=total_rows
+        )
         row_offset = torch.arange(total_rows, device=device) - starts[row_seq]
         max_q = max(meta.max_query_len, 1)
         offs = torch.arange(max_q, device=device)

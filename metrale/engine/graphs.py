@@ -1,0 +1,206 @@
+"""CUDA graphs for decode and verify steps: one captured program per row table, kept in a bounded
+LRU cache, all laid out in one workspace of static buffers sized at start-up.
+
+`ProgramCache` is the device-independent part (seed 001): a program is built the first time its
+table is met, at most `CACHE_CAP` are kept (least recently used evicted), and the workspace is
+sized for the widest table admitted (`max_rows`) over `sizing_tables(max_rows)`. A wider table, or
+one that needs more workspace than was sized, is refused with an error naming both numbers; the
+runner then runs that step eagerly.
+
+`GraphRunner` captures the target's forward and logits for one (row table, KV bucket) key. The
+reference attention gathers every key up to a fixed length inside the graph, so the key carries
+the KV length rounded up to a power of two; a paged kernel would drop it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import torch
+
+from metrale.engine.kv_cache import DUMMY_PAGE
+from metrale.models.attention import AttentionMetadata
+from metrale.spec.row_table import RowTable, sizing_tables
+
+CACHE_CAP = 256
+P = TypeVar("P")
+
+
+@dataclass(frozen=True)
+class Workspace:
+    rows: int
+    seqs: int
+
+    @staticmethod
+    def of(table: RowTable) -> Workspace:
+        return Workspace(table.rows(), table.num_seqs)
+
+
+class ProgramCache(Generic[P]):
+    """Programs keyed by (row table, extra key), built by `build` on a miss."""
+
+    def __init__(
+        self, build: Callable[[RowTable, Hashable], P], max_rows: int, cap: int = CACHE_CAP
+    ) -> None:
+        if max_rows < 1 or cap < 1:
+            raise ValueError(f"max_rows and cap must be >= 1, got {max_rows}, {cap}")
+        self.build, self.max_rows, self.cap = build, max_rows, cap
+        tables = sizing_tables(max_rows) or [
+            RowTable.from_dispatch(range(max_rows), [1] * max_rows)
+        ]
+        # NOTE: every program lays its rows and sequences out from the workspace base, so the
+        # workspace must hold the widest sizing table in both dimensions.
+        self.workspace = Workspace(max(t.rows() for t in tables), max(t.num_seqs for t in tables))
+        self._programs: OrderedDict[tuple[RowTable, Hashable], P] = OrderedDict()
+        self.hits = self.misses = self.evictions = 0
+
+    def get(self, table: RowTable, extra: Hashable = None) -> P:
+        rows = table.rows()
+        if rows > self.max_rows:
+            raise ValueError(
+                f"a batched verify of {rows} rows is past the {self.max_rows} this cache was "
+                f"sized for"
+            )
+        key = (table, extra)
+        program = self._programs.get(key)
+        if program is not None:
+            self.hits += 1
+            self._programs.move_to_end(key)
+            return program
+        need = Workspace.of(table)
+        if need.rows > self.workspace.rows or need.seqs > self.workspace.seqs:
+            raise ValueError(
+                f"the batched verify of `{table}` needs {need.rows} rows and {need.seqs} "
+                f"sequences of workspace; the build sized {self.workspace.rows} and "
+                f"{self.workspace.seqs}"
+            )
+        self.misses += 1
+        program = self.build(table, extra)
+        self._programs[key] = program
+        if len(self._programs) > self.cap:
+            self._programs.popitem(last=False)
+            self.evictions += 1
+        return program
+
+    def cached(self) -> int:
+        return len(self._programs)
+
+    def stats(self) -> dict:
+        return {
+            "hits": self.hits,
+            "misses": self.misses,
+            "evictions": self.evictions,
+            "cached": self.cached(),
+        }
+
+
+def kv_bucket(max_seq_len: int, limit: int) -> int:
+    """Keys gathered per sequence inside a graph: the next power of two >= the longest sequence
+    (at least 128), capped at the model length."""
+    bucket = 128
+    while bucket < max_seq_len:
+        bucket *= 2
+    return min(bucket, limit)
+
+
+class GraphRunner:
+    """Captures and replays the target forward (+ logits of every row) on CUDA."""
+
+    def __init__(
+        self, model, max_rows: int, max_model_len: int, page_size: int, device: torch.device
+    ) -> None:
+        self.model, self.page_size, self.device = model, page_size, device
+        self.max_model_len = max_model_len
+        self.cache: ProgramCache = ProgramCache(self._capture, max_rows)
+        ws = self.cache.workspace
+        pages = -(-max_model_len // page_size) + 1
+
+        def zeros(*shape, dtype=torch.long):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        # The workspace: static inputs every program reads, outputs it writes.
+        self.input_ids, self.positions, self.slots = zeros(ws.rows), zeros(ws.rows), zeros(ws.rows)
+        self.query_start_loc, self.seq_lens = zeros(ws.seqs + 1), zeros(ws.seqs)
+        self.block_tables = zeros(ws.seqs, pages)
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def _meta(self, table: RowTable, bucket: int) -> AttentionMetadata:
+        rows, seqs = table.rows(), table.num_seqs
+        return AttentionMetadata(
+            slot_mapping=self.slots[:rows],
+            positions=self.positions[:rows],
+            query_start_loc=self.query_start_loc[: seqs + 1],
+            seq_lens=self.seq_lens[:seqs],
+            block_tables=self.block_tables[:seqs],
+            max_query_len=max(run.k for run in table.runs),
+            max_seq_len=bucket,
+            page_size=self.page_size,
+        )
+
+    def _capture(self, table: RowTable, bucket: int):
+        """(graph, hidden [R, H], logits [R, V]): the outputs live in the graph's pool and are
+        rewritten by every replay of this program."""
+        self._fill_dummy(table)
+        run = self._forward_fn(table, bucket)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm up outside the graph (lazy inits, autotuning)
+            run()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            hidden, logits = run()
+        return graph, hidden, logits
+
+    def _forward_fn(self, table: RowTable, bucket: int):
+        rows = table.rows()
+
+        def run():
+            meta = self._meta(table, bucket)
+            hidden = self.model(self.input_ids[:rows], self.positions[:rows], meta)
+            return hidden, self.model.compute_logits(hidden)
+
+        return run
+
+    def _fill_dummy(self, table: RowTable) -> None:
+        """Capture-time inputs: every row on the dummy page, each sequence one row long."""
+        seqs = table.num_seqs
+        self.input_ids.zero_()
+        self.positions.zero_()
+        self.slots.fill_(DUMMY_PAGE * self.page_size)
+        starts = [0]
+        for run in table.runs:
+            for _ in range(run.count):
+                starts.append(starts[-1] + run.k)
+        self.query_start_loc[: seqs + 1] = torch.tensor(starts, device=self.device)
+        self.seq_lens.fill_(1)
+        self.block_tables.fill_(DUMMY_PAGE)
+
+    def run(
+        self,
+        table: RowTable,
+        input_ids,
+        positions,
+        slots,
+        starts,
+        seq_lens,
+        tables,
+        max_seq_len: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy the step's inputs into the workspace and replay the table's program. Raises
+        ValueError (from the cache) when the table is refused."""
+        bucket = kv_bucket(max_seq_len, self.max_model_len)
+        graph, hidden, logits = self.cache.get(table, bucket)
+        rows, seqs = table.rows(), table.num_seqs
+        self.input_ids[:rows].copy_(input_ids, non_blocking=True)
+        self.positions[:rows].copy_(positions, non_blocking=True)
+        self.slots[:rows].copy_(slots, non_blocking=True)
+        self.query_start_loc[: seqs + 1].copy_(starts, non_blocking=True)
+        self.seq_lens[:seqs].copy_(seq_lens, non_blocking=True)
+        self.block_tables[:seqs].fill_(DUMMY_PAGE)
+        self.block_tables[:seqs, : tables.shape[1]].copy_(tables, non_blocking=True)
+        graph.replay()
+        return hidden, logits
