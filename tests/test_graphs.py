@@ -71,3 +71,19 @@ def test_kv_bucket():
     assert kv_bucket(129, 4096) == 256
     assert kv_bucket(3000, 4096) == 4096
     assert kv_bucket(3000, 3100) == 3100
+
+
+def test_decode_bucket():
+    from metrale.engine.graphs import decode_bucket
+
+    assert [decode_bucket(n) for n in (1, 2, 3, 5, 8, 9, 17, 64, 65)] == [
+        1,
+        2,
+        4,
+        8,
+        8,
+        16,
+        24,
+        64,
+        72,
+    ]

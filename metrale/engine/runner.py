@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from metrale.config import EngineConfig, ModelConfig
-from metrale.engine.graphs import GraphRunner
+from metrale.engine.graphs import GraphRunner, decode_bucket
 from metrale.engine.kv_cache import DUMMY_PAGE, allocate_kv_cache, kv_page_bytes
 from metrale.engine.sampler import SamplingBatch, SamplingRow
 from metrale.engine.sequence import Batch, Phase, ScheduledSeq, Sequence
@@ -204,7 +204,11 @@ class ModelRunner:
         ends = list(itertools.accumulate(e.num_rows for e in batch.entries))
         all_logits = None
         if graphed:
-            table = RowTable.from_dispatch(range(len(ends)), [e.num_rows for e in batch.entries])
+            depths = [e.num_rows for e in batch.entries]
+            pad = 0
+            if batch.phase is Phase.DECODE:
+                pad = decode_bucket(len(depths)) - len(depths)
+            table = RowTable.from_dispatch(range(len(depths) + pad), depths + [1] * pad)
             try:
                 hidden, all_logits = self.graphs.run(
                     table,
@@ -215,6 +219,7 @@ class ModelRunner:
                     meta.seq_lens,
                     meta.block_tables,
                     meta.max_seq_len,
+                    pad,
                 )
             except ValueError:  # refused (too wide): this step runs eagerly
                 self.graph_refusals += 1
