@@ -1,10 +1,9 @@
 """Engine counters and histograms. Host-side only: recording never touches the GPU, so it adds no
-synchronisation to a step. Later issues add speculative counters and Prometheus export."""
+synchronisation to a step. Prometheus export comes with the server."""
 
 from __future__ import annotations
 
 import bisect
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -152,14 +151,3 @@ class Telemetry:
             "tokens_per_step": self.decode_tokens / self.steps if self.steps else 0.0,
             "spec": self.spec.snapshot(),
         }
-
-
-class StepTimer:
-    """`with StepTimer() as t: ...; t.seconds` (host wall time of the step)."""
-
-    def __enter__(self) -> StepTimer:
-        self.start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.seconds = time.perf_counter() - self.start

@@ -43,10 +43,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     def _rows_needed(self, seq: Sequence, num_rows: int) -> int:
         """Rows the block table must cover after this step (plus lookahead if it samples)."""
         end = seq.num_computed_tokens + num_rows

@@ -67,10 +67,6 @@ class Sequence:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
-    def token_at(self, index: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
-
     def tokens(self, start: int, stop: int) -> list[int]:
         n = len(self.prompt_token_ids)
         if stop <= n:
