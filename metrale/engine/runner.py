@@ -21,6 +21,7 @@ from metrale.models.attention import AttentionMetadata, TorchPagedAttention
 from metrale.models.loader import load_weights
 from metrale.models.mtp import load_mtp
 from metrale.models.qwen3 import Qwen3ForCausalLM
+from metrale.models.triton_attention import TritonPagedAttention, triton_available
 from metrale.spec.row_table import RowTable
 from metrale.spec.verify import accept, build_layout
 
@@ -101,7 +102,8 @@ class ModelRunner:
         self.model_cfg = model_cfg
         self.page_size = cfg.page_size
         self.verify_raw_argmax = cfg.spec.verify_raw_argmax
-        self.backend = TorchPagedAttention()
+        use_kernel = self.device.type == "cuda" and triton_available(model_cfg.head_dim)
+        self.backend = TritonPagedAttention() if use_kernel else TorchPagedAttention()
         with torch.device(self.device), default_dtype(self.dtype):
             self.model = Qwen3ForCausalLM(model_cfg, self.backend, max_model_len)
         if cfg.load_format == "dummy":

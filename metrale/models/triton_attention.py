@@ -1,0 +1,161 @@
+"""Paged attention for decode and verify rows on CUDA, as a Triton kernel.
+
+One program per (sequence, KV head) reads that head's pages once, for all of the sequence's query
+rows (a decode row, or the last token plus its drafts) and all query heads sharing the KV head
+(GQA): the tile is [BLOCK_Q rows x GROUP heads, D] against each [PAGE, D] page, with an online
+softmax, and row r sees keys up to its own position (causal within the verify rows). Prefill
+chunks (many rows per sequence) stay on the torch reference path, which is also this kernel's
+test oracle.
+
+Nothing here runs without CUDA and Triton; `TritonPagedAttention` falls back to the reference for
+what it does not cover.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metrale.models.attention import AttentionMetadata, TorchPagedAttention, write_kv
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU machines: the reference path serves
+    triton = None
+
+# Rows per sequence the kernel takes (a verify of K = 15 drafts); more rows go to the reference.
+MAX_KERNEL_ROWS = 16
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_attention_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        out_ptr,
+        tables_ptr,
+        starts_ptr,
+        lens_ptr,
+        scale,
+        stride_qt,
+        stride_qh,
+        stride_cp,
+        stride_co,
+        stride_ch,
+        stride_bt,
+        stride_ot,
+        stride_oh,
+        GROUP: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        D: tl.constexpr,
+        PAGE: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        kvh = tl.program_id(1)
+        start = tl.load(starts_ptr + seq)
+        q_len = tl.load(starts_ptr + seq + 1) - start
+        seq_len = tl.load(lens_ptr + seq)
+        m_idx = tl.arange(0, BLOCK_Q * GROUP)  # tile row = query row * GROUP + head in group
+        row = m_idx // GROUP
+        head = kvh * GROUP + m_idx % GROUP
+        row_ok = row < q_len
+        pos = seq_len - q_len + row  # each query row's position
+        d = tl.arange(0, D)
+        q = tl.load(
+            q_ptr + (start + row)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+        )
+        m_i = tl.full([BLOCK_Q * GROUP], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_Q * GROUP], tl.float32)
+        acc = tl.zeros([BLOCK_Q * GROUP, D], tl.float32)
+        n = tl.arange(0, PAGE)
+        for p in range(0, tl.cdiv(seq_len, PAGE)):
+            page = tl.load(tables_ptr + seq * stride_bt + p)
+            base = page * stride_cp + kvh * stride_ch
+            k = tl.load(k_ptr + base + n[:, None] * stride_co + d[None, :])  # [PAGE, D]
+            v = tl.load(v_ptr + base + n[:, None] * stride_co + d[None, :])
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+            key_pos = p * PAGE + n
+            visible = (key_pos[None, :] <= pos[:, None]) & row_ok[:, None]
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            probs = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(probs, axis=1)
+            pv = tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + pv.to(tl.float32)
+            m_i = m_new
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            out_ptr + (start + row)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None],
+        )
+
+
+def triton_available(head_dim: int) -> bool:
+    """The kernel runs here for this head size (CUDA, Triton, a power of two >= 16)."""
+    return (
+        triton is not None
+        and torch.cuda.is_available()
+        and head_dim >= 16
+        and head_dim & (head_dim - 1) == 0
+    )
+
+
+class TritonPagedAttention(TorchPagedAttention):
+    """The Triton kernel for batches of at most MAX_KERNEL_ROWS rows per sequence; the torch
+    reference (this class's parent) for prefill chunks."""
+
+    def _kernel_covers(self, meta: AttentionMetadata) -> bool:
+        # tl.dot tiles need 16+ keys per page; head_dim a power of two >= 16 (checked at init).
+        return (
+            meta.max_query_len <= MAX_KERNEL_ROWS
+            and meta.page_size >= 16
+            and meta.page_size & (meta.page_size - 1) == 0
+            and meta.slot_mapping.is_cuda
+        )
+
+    def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
+        return meta if self._kernel_covers(meta) else super().prepare(meta)
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if not self._kernel_covers(meta):
+            return super().forward(q, k, v, kv_cache, meta, scale)
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+        group = heads // kv_heads
+        block_q = max(
+            triton.next_power_of_2(meta.max_query_len), triton.next_power_of_2(max(1, 16 // group))
+        )
+        out = torch.empty_like(q)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]  # [pages, page, Hkv, D]
+        q = q.to(k_cache.dtype)
+        _paged_attention_kernel[(meta.num_seqs, kv_heads)](
+            q,
+            k_cache,
+            v_cache,
+            out,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            scale,
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            meta.block_tables.stride(0),
+            out.stride(0),
+            out.stride(1),
+            GROUP=group,
+            BLOCK_Q=block_q,
+            D=dim,
+            PAGE=k_cache.shape[1],
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        )
+        return out
