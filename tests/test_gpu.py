@@ -111,7 +111,7 @@ def test_triton_paged_attention_matches_reference(dtype, heads, kv_heads):
     from metrale.models.triton_attention import TritonPagedAttention
 
     torch.manual_seed(0)
-    dim, page, pages = 128, 16, 64
+    dim, page, pages = 128, 16, 128
     q_lens, seq_lens = [1, 4, 16, 3, 1, 7], [1, 37, 100, 16, 250, 64]
     tables = torch.randperm(pages - 1)[: 6 * 16].view(6, 16) + 1  # shuffled, never the dummy
     rows = sum(q_lens)
