@@ -224,4 +224,7 @@ class GraphRunner:
             )
             self.seq_lens[seqs:total_seqs].fill_(1)
         graph.replay()
-        return hidden[:rows], logits[:rows]
+        # NOTE: the outputs live in the program's pool and the next replay of the same program
+        # overwrites them; hidden states outlive this step's acceptance (drafters read them
+        # after every entry ran), so they are copied out. Logits are consumed before that.
+        return hidden[:rows].clone(), logits[:rows]

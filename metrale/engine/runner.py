@@ -204,30 +204,11 @@ class ModelRunner:
             batch = Batch(sorted(batch.entries, key=lambda e: (-e.num_rows, e.seq.slot)))
         input_ids, positions, meta = self._metadata(batch)
         ends = list(itertools.accumulate(e.num_rows for e in batch.entries))
-        all_logits = None
-        if graphed:
-            depths = [e.num_rows for e in batch.entries]
-            pad = 0
-            if batch.phase is Phase.DECODE:
-                pad = decode_bucket(len(depths)) - len(depths)
-            table = RowTable.from_dispatch(range(len(depths) + pad), depths + [1] * pad)
-            try:
-                hidden, all_logits = self.graphs.run(
-                    table,
-                    input_ids,
-                    positions,
-                    meta.slot_mapping,
-                    meta.query_start_loc,
-                    meta.seq_lens,
-                    meta.block_tables,
-                    meta.max_seq_len,
-                    pad,
-                )
-            except ValueError:  # refused (too wide): this step runs eagerly
-                self.graph_refusals += 1
-                graphed = False
-        if not graphed:
-            hidden = self.model(input_ids, positions, meta)  # [T, H]
+        replayed = self._replay(batch, input_ids, positions, meta) if graphed else None
+        if replayed is None:
+            hidden, all_logits = self.model(input_ids, positions, meta), None  # [T, H]
+        else:
+            hidden, all_logits = replayed
         sampling = [(e, end) for e, end in zip(batch.entries, ends, strict=True) if e.samples]
         if not sampling:
             return StepOutput(batch.entries, [], hidden, ends)
@@ -263,6 +244,28 @@ class ModelRunner:
             raw_argmax=self.verify_raw_argmax,
         )
         return StepOutput(batch.entries, _verdicts([e for e, _ in sampling], acc), hidden, ends)
+
+    def _replay(self, batch: Batch, input_ids, positions, meta: AttentionMetadata):
+        """(hidden [T, H], logits [T, V]) from the batch's CUDA-graph program, or None when the
+        cache refuses its table (the caller then runs eagerly)."""
+        depths = [e.num_rows for e in batch.entries]
+        pad = decode_bucket(len(depths)) - len(depths) if batch.phase is Phase.DECODE else 0
+        table = RowTable.from_dispatch(range(len(depths) + pad), depths + [1] * pad)
+        try:
+            return self.graphs.run(
+                table,
+                input_ids,
+                positions,
+                meta.slot_mapping,
+                meta.query_start_loc,
+                meta.seq_lens,
+                meta.block_tables,
+                meta.max_seq_len,
+                pad,
+            )
+        except ValueError:  # refused: too wide for the workspace
+            self.graph_refusals += 1
+            return None
 
     def _draft_probs(self, entries: list[ScheduledSeq], logits: torch.Tensor):
         """[R, V] draft distributions (zeros on rows without a draft), or None when every drafter
