@@ -8,8 +8,8 @@ one that needs more workspace than was sized, is refused with an error naming bo
 runner then runs that step eagerly.
 
 `GraphRunner` captures the target's forward and logits for one (row table, KV bucket) key. The
-reference attention gathers every key up to a fixed length inside the graph, so the key carries
-the KV length rounded up to a power of two; a paged kernel would drop it.
+reference attention gathers every key up to a fixed length inside the graph, so with it the key
+carries the KV length rounded up to a power of two; with the Triton paged kernel it does not.
 """
 
 from __future__ import annotations
@@ -118,10 +118,19 @@ class GraphRunner:
     """Captures and replays the target forward (+ logits of every row) on CUDA."""
 
     def __init__(
-        self, model, max_rows: int, max_model_len: int, page_size: int, device: torch.device
+        self,
+        model,
+        max_rows: int,
+        max_model_len: int,
+        page_size: int,
+        device: torch.device,
+        paged_kernel: bool = False,
     ) -> None:
+        """`paged_kernel`: the attention reads pages itself (no gather to a fixed length), so
+        programs need no KV bucket in their key."""
         self.model, self.page_size, self.device = model, page_size, device
         self.max_model_len = max_model_len
+        self.paged_kernel = paged_kernel
         self.cache: ProgramCache = ProgramCache(self._capture, max_rows)
         ws = self.cache.workspace
         pages = -(-max_model_len // page_size) + 1
@@ -203,7 +212,11 @@ class GraphRunner:
         hidden states and logits of the real rows. `pad_seqs` one-row sequences on the dummy
         page fill the table past the real ones (decode buckets). Raises ValueError (from the
         cache) when the table is refused."""
-        bucket = kv_bucket(max_seq_len, self.max_model_len)
+        # Without a bucket, a table the kernel does not cover still runs the reference inside the
+        # graph, gathering max_model_len keys: slower, never wrong.
+        bucket = (
+            self.max_model_len if self.paged_kernel else kv_bucket(max_seq_len, self.max_model_len)
+        )
         graph, hidden, logits = self.cache.get(table, bucket)
         rows, seqs = input_ids.shape[0], seq_lens.shape[0]
         total_rows, total_seqs = rows + pad_seqs, seqs + pad_seqs

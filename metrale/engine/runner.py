@@ -134,7 +134,12 @@ class ModelRunner:
         self.graphs = None
         if cfg.cuda_graphs and self.device.type == "cuda":
             self.graphs = GraphRunner(
-                self.model, cfg.graph_max_rows, max_model_len, cfg.page_size, self.device
+                self.model,
+                cfg.graph_max_rows,
+                max_model_len,
+                cfg.page_size,
+                self.device,
+                paged_kernel=isinstance(self.backend, TritonPagedAttention),
             )
         self.graph_refusals = 0
         log.info(
