@@ -1,4 +1,4 @@
-"""`metrale generate | chat | bench`: the command line. Later issues add `serve` and `train`.
+"""`metrale generate | chat | serve | bench`: the command line. A later issue adds `train`.
 
 `generate` streams one completion to the terminal; `chat` is a multi-turn loop over the model's
 chat template, reading user turns from standard input. Without `--model` both run the embedded
@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     _add_engine_args(chat)
     _add_sampling_args(chat, max_tokens=256)
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, ...)")
+    _add_engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    srv.add_argument("--port", type=int, default=8000, help="TCP port")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    srv.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
     bench = sub.add_parser("bench", help="step times vs roofline, verify cost, speculation speedup")
     bench.add_argument("--model", default=None, help="HF checkpoint directory (else --shape)")
     bench.add_argument(
@@ -98,6 +104,27 @@ def _int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from metrale.server import serve
+
+    spec = None
+    if args.spec is not None:
+        spec = {"method": args.spec, "num_drafts": args.num_drafts, "dcut": not args.no_dcut}
+    serve(
+        args.model,
+        args.host,
+        args.port,
+        args.api_key,
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        page_size=args.page_size,
+        max_num_seqs=args.max_num_seqs,
+        spec=spec,
+    )
+    return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -214,7 +241,12 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    handler = {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench}[args.command]
+    handler = {
+        "generate": cmd_generate,
+        "chat": cmd_chat,
+        "bench": cmd_bench,
+        "serve": cmd_serve,
+    }[args.command]
     try:
         return handler(args)
     except (ValueError, FileNotFoundError) as e:

@@ -23,6 +23,9 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None
+    # speculative decoding of this output: drafts verified and accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     # what this output gained since the previous RequestOutput of the same request (streaming)
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)

@@ -64,6 +64,8 @@ class Emitter:
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                     error=seq.error,
+                    num_draft_tokens=seq.num_draft_tokens,
+                    num_accepted_tokens=seq.num_accepted_tokens,
                     delta_text=delta_text,
                     delta_token_ids=delta_ids,
                 )

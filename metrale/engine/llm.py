@@ -124,12 +124,11 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
-    ) -> None:
-        params = params or SamplingParams()
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+    def validate(
+        self, prompt: str | list[int], params: SamplingParams
+    ) -> tuple[str | None, list[int]]:
+        """Check a request against this engine without touching its state (so another thread,
+        such as the HTTP server's, may call it): (prompt text or None, prompt token ids)."""
         text, token_ids = self._tokenize(prompt)
         params.check_vocab(self.vocab_size)
         if len(token_ids) >= self.max_model_len:
@@ -143,6 +142,15 @@ class LLMEngine:
                 f"prompt: {len(token_ids)} tokens need {pages} KV pages; the pool has "
                 f"{self.allocator.num_usable}"
             )
+        return text, token_ids
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, token_ids = self.validate(prompt, params)
         seqs = []
         for i in range(params.n):
             if params.seed is None:
@@ -273,6 +281,8 @@ class LLMEngine:
             seq.num_computed_tokens += committed
             tokens: list[int] = []
             if v is not None:
+                seq.num_draft_tokens += len(entry.drafts)
+                seq.num_accepted_tokens += accepted
                 delta = self.emitter.emit(seq, v.tokens)
                 tokens = delta[1]
                 emitted += len(tokens)

@@ -56,6 +56,9 @@ class Sequence:
     # state slot while running (verify keys and, for hybrid models, the recurrent state); -1 when
     # not running
     slot: int = -1
+    # speculative decoding of this sequence: drafts verified and accepted so far
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     # drafts proposed for the next verify (a `metrale.spec.drafter.Draft`), cut to the planned depth
     draft: Any = None
 

@@ -1,0 +1,122 @@
+"""The engine on its own thread, fed through queues, so the HTTP event loop never waits on a step.
+
+Handlers validate a request on their own thread (`LLMEngine.validate` reads no engine state),
+then `submit` it; the engine thread adds it before its next step and pushes every RequestOutput
+of it to the request's asyncio queue. `abort` ends a request from any thread (a client that went
+away), and the waiting queue is bounded: past `max_waiting` requests, `submit` raises `Busy`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+from metrale.config import SamplingParams
+from metrale.engine.llm import LLMEngine
+from metrale.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class Busy(Exception):
+    """The waiting queue is full; the client should retry later."""
+
+
+@dataclass
+class _Pending:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    outputs: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, max_waiting: int = 256) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", _Pending) | ("abort", id)
+        self._live: dict[str, _Pending] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="metrale-engine", daemon=True)
+        # Guards the telemetry/allocator reads of /metrics against the engine thread's writes.
+        self.lock = threading.Lock()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Abort what is in flight (clients see finish_reason "abort") and join the thread."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def new_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def submit(self, request_id: str, prompt: list[int], params: SamplingParams) -> asyncio.Queue:
+        """Queue an already validated request; returns the queue its outputs arrive on."""
+        if len(self._live) >= self.max_waiting + self.engine.config.max_num_seqs:
+            raise Busy(f"{len(self._live)} requests in flight; retry later")
+        pending = _Pending(request_id, prompt, params, asyncio.Queue(), asyncio.get_running_loop())
+        self._live[request_id] = pending
+        self._inbox.put(("add", pending))
+        self._wake.set()
+        return pending.outputs
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def _deliver(self, pending: _Pending, item: RequestOutput | Exception) -> None:
+        pending.loop.call_soon_threadsafe(pending.outputs.put_nowait, item)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    self.engine.add_request(item.request_id, item.prompt, item.params)
+                except ValueError as e:  # validated already; a race with the pool, say
+                    self._live.pop(item.request_id, None)
+                    self._deliver(item, e)
+            else:
+                out = self.engine.abort_request(item)
+                pending = self._live.pop(item, None)
+                if pending is not None and out is not None:
+                    self._deliver(pending, out)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox()
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                with self.lock:
+                    outputs = self.engine.step()
+            except Exception:  # noqa: BLE001 (the engine isolates sequences; this is a last net)
+                log.exception("engine step failed")
+                continue
+            for out in outputs:
+                pending = self._live.get(out.request_id)
+                if pending is None:
+                    continue
+                self._deliver(pending, out)
+                if out.finished:
+                    self._live.pop(out.request_id, None)
+        for request_id in list(self._live):
+            out = self.engine.abort_request(request_id)
+            pending = self._live.pop(request_id)
+            if out is not None:
+                self._deliver(pending, out)

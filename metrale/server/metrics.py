@@ -1,0 +1,90 @@
+"""Prometheus metrics of the server: requests, tokens, latency, KV-pool use, graph programs and
+the speculative counters (named as vLLM's `spec_decode_*`), in a registry of the app's own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from metrale.server.engine_loop import EngineLoop
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class _EngineCollector:
+    """Reads the engine's telemetry at scrape time (under the engine loop's lock)."""
+
+    def __init__(self, loop: EngineLoop) -> None:
+        self.loop = loop
+
+    def collect(self):
+        engine = self.loop.engine
+        with self.loop.lock:
+            tel, spec, alloc = engine.telemetry, engine.telemetry.spec, engine.allocator
+            graphs = engine.runner.graphs
+            yield CounterMetricFamily(
+                "metrale:prompt_tokens", "Prompt rows run", value=tel.prefill_tokens
+            )
+            yield CounterMetricFamily(
+                "metrale:generation_tokens", "Tokens emitted", value=tel.decode_tokens
+            )
+            yield CounterMetricFamily(
+                "metrale:num_preemptions", "Sequences preempted", value=tel.preemptions
+            )
+            yield GaugeMetricFamily(
+                "metrale:kv_cache_usage_perc",
+                "Share of KV pages in use",
+                value=1.0 - alloc.num_free / alloc.num_usable,
+            )
+            yield GaugeMetricFamily(
+                "metrale:num_requests_running",
+                "Sequences running",
+                value=len(engine.scheduler.running),
+            )
+            yield GaugeMetricFamily(
+                "metrale:num_requests_waiting",
+                "Sequences waiting",
+                value=len(engine.scheduler.waiting),
+            )
+            for name, value, doc in (
+                ("num_drafts", spec.num_drafts, "Sequence-verifies with drafts"),
+                ("num_draft_tokens", spec.num_draft_tokens, "Draft tokens verified"),
+                ("num_accepted_tokens", spec.num_accepted_tokens, "Draft tokens accepted"),
+            ):
+                yield CounterMetricFamily(f"metrale:spec_decode_{name}", doc, value=value)
+            per_pos = CounterMetricFamily(
+                "metrale:spec_decode_num_accepted_tokens_per_pos",
+                "Accepted draft tokens by position",
+                labels=["position"],
+            )
+            for pos, count in enumerate(spec.accepted_per_pos):
+                per_pos.add_metric([str(pos)], count)
+            yield per_pos
+            if graphs is not None:
+                stats = graphs.cache.stats()
+                for key in ("hits", "misses", "evictions"):
+                    yield CounterMetricFamily(
+                        f"metrale:graph_{key}", f"Graph program {key}", value=stats[key]
+                    )
+
+
+class ServerMetrics:
+    def __init__(self, loop: EngineLoop) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "metrale:requests",
+            "HTTP requests by endpoint and status",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "metrale:e2e_request_latency_seconds",
+            "Request latency",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_EngineCollector(loop))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
