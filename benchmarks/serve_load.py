@@ -44,6 +44,7 @@ def main() -> None:
     app, loop = build(
         args.model,
         device=args.device,
+        dtype=args.dtype,
         max_num_seqs=args.clients,
         spec={"method": args.spec, "num_drafts": 3},
     )
