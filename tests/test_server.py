@@ -99,6 +99,11 @@ def test_openai_client_models_completion_chat_and_stream(client, server):
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    two = client.completions.create(
+        model="tiny", prompt="ab", max_tokens=6, n=2, seed=3, temperature=1.0
+    )
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    assert two.usage.completion_tokens == 12
     raw = httpx.post(
         server.url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 5, "stream": True}
     )
