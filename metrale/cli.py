@@ -109,9 +109,7 @@ def _int_list(text: str) -> list[int]:
 def cmd_serve(args: argparse.Namespace) -> int:
     from metrale.server import serve
 
-    spec = None
-    if args.spec is not None:
-        spec = {"method": args.spec, "num_drafts": args.num_drafts, "dcut": not args.no_dcut}
+    spec = _spec(args)
     serve(
         args.model,
         args.host,
@@ -156,12 +154,16 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
     )
 
 
+def _spec(args: argparse.Namespace) -> dict | None:
+    if args.spec is None:
+        return None
+    return {"method": args.spec, "num_drafts": args.num_drafts, "dcut": not args.no_dcut}
+
+
 def _llm(args: argparse.Namespace):
     from metrale.api import LLM
 
-    spec = None
-    if args.spec is not None:
-        spec = {"method": args.spec, "num_drafts": args.num_drafts, "dcut": not args.no_dcut}
+    spec = _spec(args)
     return LLM(
         args.model,
         device=args.device,
