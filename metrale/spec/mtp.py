@@ -104,15 +104,16 @@ class MTPDrafter:
         if not v.drafts or state is None or state.position + 1 != v.first_position:
             return v.hidden, v.first_position
         if self.refeed:
+            hidden = v.hidden
             if self.refeed_shift:
-                rows = torch.arange(v.hidden.shape[0], device=v.hidden.device)
-                v.hidden = v.hidden[(rows - self.refeed_shift).clamp(0, v.hidden.shape[0] - 1)]
+                rows = torch.arange(hidden.shape[0], device=hidden.device)
+                hidden = hidden[(rows - self.refeed_shift).clamp(0, hidden.shape[0] - 1)]
             if self.refeed_debug:
-                for t, h in enumerate(v.hidden):
+                for t, h in enumerate(hidden):
                     log.info(
                         "MTP_REFEED pos=%d fp=%016x", v.first_position + t, hidden_fingerprint(h)
                     )
-            return v.hidden, v.first_position
+            return hidden, v.first_position
         # The chain's rows for accepted drafts hold the right tokens; keep them.
         keep = min(v.num_accepted, state.chain_rows)
         return v.hidden[keep:], v.first_position + keep
