@@ -168,6 +168,12 @@ class Knobs:
         "present with any value: never use the canonical verify depth assignment",
         empty_is_unset=False,
     )
+    no_fused_kernels: bool = _knob(
+        "METRALE_NO_FUSED_KERNELS",
+        _is_one,
+        bool,
+        "=1: run RMSNorm, QK-norm + rotary and SwiGLU as plain torch ops on CUDA too (A/B runs)",
+    )
     # `METRALE_*` names that no knob reads: almost always a typo worth a line in the log.
     unrecognised: tuple[str, ...] = field(default=(), compare=False)
 

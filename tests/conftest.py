@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+# Without CUDA, Triton kernels run under its interpreter on CPU tensors (tests/test_kernels.py);
+# this must be set before anything imports the kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from metrale.default_model import build_random_qwen3
 from metrale.knobs import knobs

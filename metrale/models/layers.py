@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from metrale.config import RopeConfig
+from metrale.models import triton_fused
 
 
 class RMSNorm(nn.Module):
@@ -25,6 +26,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if triton_fused.fused_enabled(x):
+            return triton_fused.add_rmsnorm(x, None, self.weight, self.eps)[0]
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -33,7 +36,9 @@ class RMSNorm(nn.Module):
     def forward_residual(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add the residual, then normalise: (normed, new residual). The place to fuse later."""
+        """Add the residual, then normalise: (normed, new residual)."""
+        if triton_fused.fused_enabled(x):
+            return triton_fused.add_rmsnorm(x, residual, self.weight, self.eps)
         residual = x + residual
         return self(residual), residual
 
@@ -143,5 +148,8 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if triton_fused.fused_enabled(gate_up):
+            return self.down_proj(triton_fused.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

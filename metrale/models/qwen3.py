@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from metrale.config import ModelConfig
+from metrale.models import triton_fused
 from metrale.models.attention import AttentionBackend, AttentionMetadata
 from metrale.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 
@@ -48,11 +49,26 @@ class Qwen3Attention(nn.Module):
         self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         rows = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(rows, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(rows, self.num_kv_heads, self.head_dim))
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         v = v.view(rows, self.num_kv_heads, self.head_dim)
-        q, k = self._rotary[0](positions, q, k)
+        rotary = self._rotary[0]
+        if triton_fused.fused_enabled(qkv) and self.head_dim & (self.head_dim - 1) == 0:
+            q, k = triton_fused.qk_norm_rope(
+                qkv,
+                self.q_norm.weight,
+                self.k_norm.weight,
+                rotary.cos,
+                rotary.sin,
+                positions,
+                self.num_heads,
+                self.num_kv_heads,
+                self.q_norm.eps,
+            )
+        else:
+            q = self.q_norm(q.view(rows, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(rows, self.num_kv_heads, self.head_dim))
+            q, k = rotary(positions, q, k)
         if self.kv_cache is None:
             raise RuntimeError("attention layer has no KV cache bound; the runner binds it")
         out = self._backend.forward(q, k, v, self.kv_cache, meta, self.scale)  # [T, Hq, D]

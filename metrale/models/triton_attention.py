@@ -3,7 +3,9 @@
 One program per (sequence, KV head) reads that head's pages once, for all of the sequence's query
 rows (a decode row, or the last token plus its drafts) and all query heads sharing the KV head
 (GQA): the tile is [BLOCK_Q rows x GROUP heads, D] against each [PAGE, D] page, with an online
-softmax, and row r sees keys up to its own position (causal within the verify rows). Prefill
+softmax, and row r sees keys up to its own position (causal within the verify rows). When few
+sequences run, each (sequence, head) is split over its pages into `num_splits` programs
+(flash-decoding) and a second kernel combines their partial softmaxes. Prefill
 chunks (many rows per sequence) stay on the torch reference path, which is also this kernel's
 test oracle.
 
@@ -12,6 +14,9 @@ what it does not cover.
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 
@@ -23,6 +28,8 @@ try:
 except ImportError:  # CPU machines: the reference path serves
     triton = None
 
+# Under the Triton interpreter the kernels run on CPU tensors (the CPU tests use it).
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Rows per sequence the kernel takes (a verify of K = 15 drafts); more rows go to the reference.
 MAX_KERNEL_ROWS = 16
 
@@ -34,6 +41,8 @@ if triton is not None:
         k_ptr,
         v_ptr,
         out_ptr,
+        part_ml_ptr,
+        part_acc_ptr,
         tables_ptr,
         starts_ptr,
         lens_ptr,
@@ -46,14 +55,18 @@ if triton is not None:
         stride_bt,
         stride_ot,
         stride_oh,
+        NUM_HEADS: tl.constexpr,
         GROUP: tl.constexpr,
         BLOCK_Q: tl.constexpr,
         D: tl.constexpr,
         PAGE: tl.constexpr,
+        SPLITS: tl.constexpr,
         PRECISION: tl.constexpr,
+        DOT_F32: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
+        split = tl.program_id(2)
         start = tl.load(starts_ptr + seq)
         q_len = tl.load(starts_ptr + seq + 1) - start
         seq_len = tl.load(lens_ptr + seq)
@@ -68,15 +81,23 @@ if triton is not None:
             mask=row_ok[:, None],
             other=0.0,
         )
+        if DOT_F32:
+            q = q.to(tl.float32)
         m_i = tl.full([BLOCK_Q * GROUP], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_Q * GROUP], tl.float32)
         acc = tl.zeros([BLOCK_Q * GROUP, D], tl.float32)
         n = tl.arange(0, PAGE)
-        for p in range(0, tl.cdiv(seq_len, PAGE)):
+        # This program's share of the sequence's pages (all of them when SPLITS == 1).
+        num_pages = tl.cdiv(seq_len, PAGE)
+        per_split = tl.cdiv(num_pages, SPLITS)
+        first = split * per_split
+        for p in range(first, tl.minimum(first + per_split, num_pages)):
             page = tl.load(tables_ptr + seq * stride_bt + p)
             base = page * stride_cp + kvh * stride_ch
             k = tl.load(k_ptr + base + n[:, None] * stride_co + d[None, :])  # [PAGE, D]
             v = tl.load(v_ptr + base + n[:, None] * stride_co + d[None, :])
+            if DOT_F32:  # the interpreter's bf16 dot is wrong; float32 operands are exact
+                k, v = k.to(tl.float32), v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
             key_pos = p * PAGE + n
             visible = (key_pos[None, :] <= pos[:, None]) & row_ok[:, None]
@@ -89,12 +110,71 @@ if triton is not None:
             pv = tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
             acc = acc * alpha[:, None] + pv.to(tl.float32)
             m_i = m_new
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(
-            out_ptr + (start + row)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_ok[:, None],
-        )
+        if SPLITS == 1:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(
+                out_ptr
+                + (start + row)[:, None] * stride_ot
+                + head[:, None] * stride_oh
+                + d[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=row_ok[:, None],
+            )
+        else:
+            # Partial results: (running max, normaliser) and the unnormalised accumulator,
+            # combined over the splits by `_combine_splits_kernel`.
+            part = ((start + row) * NUM_HEADS + head) * SPLITS + split  # [tile]
+            tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+            tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+            tl.store(part_acc_ptr + part[:, None] * D + d[None, :], acc, mask=row_ok[:, None])
+
+    @triton.jit
+    def _combine_splits_kernel(
+        part_ml_ptr,
+        part_acc_ptr,
+        out_ptr,
+        stride_ot,
+        stride_oh,
+        NUM_HEADS: tl.constexpr,
+        D: tl.constexpr,
+        SPLITS: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        s = tl.arange(0, SPLITS)
+        d = tl.arange(0, D)
+        part = (row * NUM_HEADS + head) * SPLITS + s
+        m = tl.load(part_ml_ptr + part * 2)
+        l_s = tl.load(part_ml_ptr + part * 2 + 1)
+        acc = tl.load(part_acc_ptr + part[:, None] * D + d[None, :])
+        m_max = tl.max(m, axis=0)  # finite: the first split always sees key 0
+        w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
+        total = tl.sum(l_s * w, axis=0)
+        out = tl.sum(acc * w[:, None], axis=0) / total
+        tl.store(out_ptr + row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+# Programs a step should launch at least, per streaming multiprocessor (latency hiding).
+PROGRAMS_PER_SM = 2
+MAX_SPLITS = 16
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # an H100/H200's count, for interpreted runs on CPU
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_splits(num_seqs: int, kv_heads: int, device: torch.device) -> int:
+    """KV splits per (sequence, KV head): a power of two that fills the GPU when few sequences
+    run (one program per sequence and head would leave most multiprocessors idle at batch 1).
+
+    NOTE: it depends on the batch only through next_pow2(num_seqs), which a padded decode bucket
+    leaves unchanged, so an eager step and its graph replay split, and round, alike."""
+    programs = (1 << (num_seqs - 1).bit_length()) * kv_heads
+    wanted = -(-PROGRAMS_PER_SM * _multiprocessors(device) // programs)
+    return min(1 << (wanted - 1).bit_length() if wanted > 1 else 1, MAX_SPLITS)
 
 
 def triton_available(head_dim: int) -> bool:
@@ -117,7 +197,7 @@ class TritonPagedAttention(TorchPagedAttention):
             meta.max_query_len <= MAX_KERNEL_ROWS
             and meta.page_size >= 16
             and meta.page_size & (meta.page_size - 1) == 0
-            and meta.slot_mapping.is_cuda
+            and (meta.slot_mapping.is_cuda or INTERPRETED)
         )
 
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
@@ -135,11 +215,20 @@ class TritonPagedAttention(TorchPagedAttention):
         out = torch.empty_like(q)
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [pages, page, Hkv, D]
         q = q.to(k_cache.dtype)
-        _paged_attention_kernel[(meta.num_seqs, kv_heads)](
+        splits = num_splits(meta.num_seqs, kv_heads, q.device)
+        rows = q.shape[0]
+        if splits > 1:
+            part_ml = torch.empty(rows, heads, splits, 2, dtype=torch.float32, device=q.device)
+            part_acc = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=q.device)
+        else:
+            part_ml = part_acc = out  # unused
+        _paged_attention_kernel[(meta.num_seqs, kv_heads, splits)](
             q,
             k_cache,
             v_cache,
             out,
+            part_ml,
+            part_acc,
             meta.block_tables,
             meta.query_start_loc,
             meta.seq_lens,
@@ -152,10 +241,24 @@ class TritonPagedAttention(TorchPagedAttention):
             meta.block_tables.stride(0),
             out.stride(0),
             out.stride(1),
+            NUM_HEADS=heads,
             GROUP=group,
             BLOCK_Q=block_q,
             D=dim,
             PAGE=k_cache.shape[1],
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            SPLITS=splits,
+            PRECISION="ieee" if q.dtype == torch.float32 or INTERPRETED else "tf32",
+            DOT_F32=INTERPRETED,
         )
+        if splits > 1:
+            _combine_splits_kernel[(rows, heads)](
+                part_ml,
+                part_acc,
+                out,
+                out.stride(0),
+                out.stride(1),
+                NUM_HEADS=heads,
+                D=dim,
+                SPLITS=splits,
+            )
         return out

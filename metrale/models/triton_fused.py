@@ -1,0 +1,206 @@
+"""Fused Triton kernels for the per-layer glue of a decode/verify step: residual add + RMSNorm,
+QK-norm + rotary, and SiLU(gate) * up.
+
+Why: at small batch a step is a chain of small kernels; the unfused torch ops cost ~60 launches
+per layer (an RMSNorm alone is seven), each a few microseconds of fixed latency that CUDA graphs
+do not remove. These kernels do each piece in one launch.
+
+Rounding: each kernel rounds to the activation dtype where the torch reference does (after the
+residual add, after normalising, after the weight, after each rotary product), so the fused and
+reference paths agree to within reduction-order rounding; the torch reference in `layers.py`
+stays the CPU path and the oracle of the tests. Kernels also run under `TRITON_INTERPRET=1` on
+CPU tensors, which is how CI tests them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metrale.knobs import knobs
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU machines without Triton: the torch reference serves
+    triton = None
+
+
+def fused_enabled(x: torch.Tensor) -> bool:
+    """Use the fused kernels for this activation: on CUDA with Triton, unless switched off."""
+    return triton is not None and x.is_cuda and not knobs().no_fused_kernels
+
+
+if triton is not None:
+
+    @triton.jit
+    def _round(x, DT: tl.constexpr):
+        """x rounded to the activation dtype and back to float32 (what a torch op on DT does)."""
+        return x.to(DT).to(tl.float32)
+
+    @triton.jit
+    def _add_rmsnorm_kernel(
+        x_ptr,
+        res_ptr,
+        w_ptr,
+        out_ptr,
+        res_out_ptr,
+        stride_x,
+        stride_r,
+        n,
+        eps,
+        HAS_RES: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        dt = out_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+            x = _round(x + r, dt)
+            tl.store(res_out_ptr + row * n + cols, x.to(dt), mask=mask)
+        inv = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * n + cols, (w * _round(x * inv, dt)).to(dt), mask=mask)
+
+    @triton.jit
+    def _qk_norm_rope_kernel(
+        qkv_ptr,
+        qw_ptr,
+        kw_ptr,
+        cos_ptr,
+        sin_ptr,
+        pos_ptr,
+        q_ptr,
+        k_ptr,
+        stride_row,
+        stride_cos,
+        eps,
+        NUM_Q: tl.constexpr,
+        NUM_KV: tl.constexpr,
+        D: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        head = tl.program_id(1)  # q heads first, then k heads
+        half = tl.arange(0, D // 2)
+        dt = q_ptr.dtype.element_ty
+        src = qkv_ptr + row * stride_row + head * D
+        x1 = tl.load(src + half).to(tl.float32)
+        x2 = tl.load(src + D // 2 + half).to(tl.float32)
+        inv = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+        if head < NUM_Q:
+            w1 = tl.load(qw_ptr + half).to(tl.float32)
+            w2 = tl.load(qw_ptr + D // 2 + half).to(tl.float32)
+        else:
+            w1 = tl.load(kw_ptr + half).to(tl.float32)
+            w2 = tl.load(kw_ptr + D // 2 + half).to(tl.float32)
+        y1 = _round(w1 * _round(x1 * inv, dt), dt)
+        y2 = _round(w2 * _round(x2 * inv, dt), dt)
+        pos = tl.load(pos_ptr + row)
+        cos = _round(tl.load(cos_ptr + pos * stride_cos + half), dt)
+        sin = _round(tl.load(sin_ptr + pos * stride_cos + half), dt)
+        o1 = _round(_round(y1 * cos, dt) - _round(y2 * sin, dt), dt)
+        o2 = _round(_round(y2 * cos, dt) + _round(y1 * sin, dt), dt)
+        if head < NUM_Q:
+            dst = q_ptr + (row * NUM_Q + head) * D
+        else:
+            dst = k_ptr + (row * NUM_KV + head - NUM_Q) * D
+        tl.store(dst + half, o1.to(dt))
+        tl.store(dst + D // 2 + half, o2.to(dt))
+
+    @triton.jit
+    def _silu_mul_kernel(x_ptr, out_ptr, stride_x, n, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n
+        dt = out_ptr.dtype.element_ty
+        gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0).to(tl.float32)
+        act = _round(gate * tl.sigmoid(gate), dt)
+        tl.store(out_ptr + row * n + cols, (act * up).to(dt), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, n] with unit stride along n (a view when it can be)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * norm(x + residual), x + residual); with residual None, (weight * norm(x), x)."""
+    x2 = _rows(x)
+    rows, n = x2.shape
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    res2 = _rows(residual) if residual is not None else x2
+    res_out = torch.empty_like(out) if residual is not None else out
+    block = triton.next_power_of_2(n)
+    _add_rmsnorm_kernel[(rows,)](
+        x2,
+        res2,
+        weight,
+        out,
+        res_out,
+        x2.stride(0),
+        res2.stride(0),
+        n,
+        eps,
+        HAS_RES=residual is not None,
+        BLOCK=block,
+        num_warps=min(max(block // 512, 1), 16),
+    )
+    new_residual = res_out.view(x.shape) if residual is not None else x
+    return out.view(x.shape), new_residual
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    num_q: int,
+    num_kv: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """qkv [T, (num_q + 2 num_kv) D] -> (q [T, num_q, D], k [T, num_kv, D]): per-head RMSNorm
+    with the q/k weights, then rotary (rotate-half) at each row's position. v is untouched."""
+    rows = qkv.shape[0]
+    dim = q_weight.shape[0]
+    q = torch.empty(rows, num_q, dim, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(rows, num_kv, dim, dtype=qkv.dtype, device=qkv.device)
+    if rows:
+        _qk_norm_rope_kernel[(rows, num_q + num_kv)](
+            qkv,
+            q_weight,
+            k_weight,
+            cos,
+            sin,
+            positions,
+            q,
+            k,
+            qkv.stride(0),
+            cos.stride(0),
+            eps,
+            NUM_Q=num_q,
+            NUM_KV=num_kv,
+            D=dim,
+            num_warps=1,
+        )
+    return q, k
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] (gate then up) -> silu(gate) * up [..., I]."""
+    x2 = _rows(x)
+    rows, n = x2.shape[0], x2.shape[1] // 2
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    block = min(triton.next_power_of_2(n), 1024)
+    if rows:
+        _silu_mul_kernel[(rows, triton.cdiv(n, block))](
+            x2, out, x2.stride(0), n, BLOCK=block, num_warps=4
+        )
+    return out.view(*x.shape[:-1], n)

@@ -1,0 +1,152 @@
+"""Triton kernels against their torch references: paged attention (one program per head, and
+split over the KV pages), residual add + RMSNorm, QK-norm + rotary, SiLU * up.
+
+On CUDA they run on the GPU; without it, under the Triton interpreter on CPU tensors (conftest
+sets TRITON_INTERPRET=1), so CI checks the kernels' logic too. Skipped when Triton is missing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from metrale.config import RopeConfig  # noqa: E402
+from metrale.models import triton_attention, triton_fused  # noqa: E402
+from metrale.models.attention import AttentionMetadata, TorchPagedAttention  # noqa: E402
+from metrale.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and not triton_attention.INTERPRETED:
+    pytest.skip("no CUDA and TRITON_INTERPRET is not set", allow_module_level=True)
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    """Equal up to rounding: float32 tightly; bf16 by the relative error of the whole tensor
+    (element-wise, a difference of rounded products can cancel to a large relative error). The
+    interpreter truncates to bf16 instead of rounding to nearest, which about doubles and biases
+    the error of a chain of roundings, hence its looser bound."""
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert err < (8e-3 if DEVICE == "cuda" else 2e-2), err
+
+
+@pytest.fixture
+def reference_ops(monkeypatch):
+    """Force the torch path (what CPU runs) for building references on CUDA too."""
+
+    def use_reference():
+        monkeypatch.setattr(triton_fused, "fused_enabled", lambda x: False)
+
+    return use_reference
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads", [(8, 8), (32, 8), (16, 2)])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_paged_attention_matches_reference(dtype, heads, kv_heads, splits, monkeypatch):
+    monkeypatch.setattr(triton_attention, "num_splits", lambda *args: splits)
+    torch.manual_seed(0)
+    dim, page, pages = 64, 16, 128
+    q_lens, seq_lens = [1, 4, 16, 3, 1, 7], [1, 37, 100, 16, 250, 64]
+    tables = torch.randperm(pages - 1)[: 6 * 16].view(6, 16) + 1  # shuffled, never the dummy
+    rows = sum(q_lens)
+    positions, slots, starts = [], [], [0]
+    for b, (ql, sl) in enumerate(zip(q_lens, seq_lens)):
+        for p in range(sl - ql, sl):
+            positions.append(p)
+            slots.append(int(tables[b, p // page]) * page + p % page)
+        starts.append(starts[-1] + ql)
+
+    def meta():
+        def t(x):
+            return torch.as_tensor(x, dtype=torch.long, device=DEVICE)
+
+        return AttentionMetadata(
+            t(slots), t(positions), t(starts), t(seq_lens), t(tables), max(q_lens), 250, page
+        )
+
+    cache = torch.randn(2, pages, page, kv_heads, dim, device=DEVICE, dtype=dtype)
+    q = torch.randn(rows, heads, dim, device=DEVICE, dtype=dtype)
+    k = torch.randn(rows, kv_heads, dim, device=DEVICE, dtype=dtype)
+    v = torch.randn(rows, kv_heads, dim, device=DEVICE, dtype=dtype)
+    ref_cache, kernel_cache = cache.clone(), cache.clone()
+    ref_backend, kernel_backend = TorchPagedAttention(), triton_attention.TritonPagedAttention()
+    ref = ref_backend.forward(q, k, v, ref_cache, ref_backend.prepare(meta()), dim**-0.5)
+    out = kernel_backend.forward(q, k, v, kernel_cache, kernel_backend.prepare(meta()), dim**-0.5)
+    torch.testing.assert_close(kernel_cache, ref_cache)  # the same rows written
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
+
+
+def test_num_splits_fills_the_gpu_and_ignores_decode_padding():
+    cpu = torch.device("cpu")  # counted as 132 multiprocessors
+    assert triton_attention.num_splits(1, 8, cpu) == triton_attention.MAX_SPLITS
+    assert triton_attention.num_splits(64, 8, cpu) == 1
+    assert triton_attention.num_splits(16, 8, cpu) == 4
+    # A decode of 5 sequences is replayed padded to 8: both must split alike.
+    assert triton_attention.num_splits(5, 8, cpu) == triton_attention.num_splits(8, 8, cpu)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("hidden", [64, 96])
+def test_add_rmsnorm_matches_reference(dtype, with_residual, hidden, reference_ops):
+    torch.manual_seed(1)
+    norm = RMSNorm(hidden, 1e-6).to(DEVICE, dtype)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.1)
+    x = torch.randn(5, hidden, device=DEVICE, dtype=dtype) * 3
+    res = torch.randn(5, hidden, device=DEVICE, dtype=dtype) if with_residual else None
+    out, new_res = triton_fused.add_rmsnorm(x, res, norm.weight, norm.eps)
+    reference_ops()
+    if with_residual:
+        ref, ref_res = norm.forward_residual(x, res)
+        if DEVICE == "cuda":  # one rounding of the sum: exact (the interpreter truncates bf16)
+            torch.testing.assert_close(new_res, ref_res, rtol=0, atol=0)
+        _close(new_res, ref_res, dtype)
+    else:
+        ref = norm(x)
+        assert new_res is x
+    _close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rope_type", ["default", "yarn"])
+def test_qk_norm_rope_matches_reference(dtype, rope_type, reference_ops):
+    torch.manual_seed(2)
+    rows, num_q, num_kv, dim = 7, 4, 2, 32
+    rope = RopeConfig(rope_type, 10000.0, 4.0, original_max_position_embeddings=128)
+    rotary = RotaryEmbedding(rope, dim, 512).to(DEVICE)
+    q_norm, k_norm = RMSNorm(dim, 1e-6).to(DEVICE, dtype), RMSNorm(dim, 1e-6).to(DEVICE, dtype)
+    with torch.no_grad():
+        q_norm.weight.normal_(1.0, 0.1)
+        k_norm.weight.normal_(1.0, 0.1)
+    qkv = torch.randn(rows, (num_q + 2 * num_kv) * dim, device=DEVICE, dtype=dtype)
+    positions = torch.tensor([0, 1, 5, 100, 101, 300, 511], device=DEVICE)
+    args = (rotary.cos, rotary.sin, positions, num_q, num_kv, 1e-6)
+    q, k = triton_fused.qk_norm_rope(qkv, q_norm.weight, k_norm.weight, *args)
+    reference_ops()
+    q_ref, k_ref, _ = qkv.split([num_q * dim, num_kv * dim, num_kv * dim], dim=-1)
+    q_ref = q_norm(q_ref.reshape(rows, num_q, dim))
+    k_ref = k_norm(k_ref.reshape(rows, num_kv, dim))
+    q_ref, k_ref = rotary(positions, q_ref, k_ref)
+    _close(q, q_ref, dtype)
+    _close(k, k_ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_reference(dtype, reference_ops):
+    torch.manual_seed(3)
+    mlp = SwiGLUMLP(32, 48).to(DEVICE, dtype)
+    gate_up = torch.randn(6, 96, device=DEVICE, dtype=dtype) * 4
+    out = triton_fused.silu_mul(gate_up)
+    reference_ops()
+    gate, up = gate_up.split(48, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    _close(out, ref, dtype)
+    assert mlp.down_proj(out).shape == (6, 32)
