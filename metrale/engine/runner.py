@@ -17,6 +17,7 @@ from metrale.engine.graphs import GraphRunner, decode_bucket
 from metrale.engine.kv_cache import DUMMY_PAGE, allocate_kv_cache, kv_page_bytes
 from metrale.engine.sampler import SamplingBatch, SamplingRow
 from metrale.engine.sequence import Batch, Phase, ScheduledSeq, Sequence
+from metrale.engine.staging import to_device_packed
 from metrale.models.attention import AttentionMetadata, TorchPagedAttention
 from metrale.models.loader import load_weights
 from metrale.models.mtp import load_mtp
@@ -170,22 +171,23 @@ class ModelRunner:
             starts.append(starts[-1] + len(tokens))
             seq_lens.append(end)
         width = max(len(table) for table, _, _ in spans)
-        tables = [table + [DUMMY_PAGE] * (width - len(table)) for table, _, _ in spans]
-
-        def t(values) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=self.device)
-
+        tables = itertools.chain.from_iterable(
+            table + [DUMMY_PAGE] * (width - len(table)) for table, _, _ in spans
+        )
+        ids_t, pos_t, slots_t, starts_t, lens_t, tables_t = to_device_packed(
+            [input_ids, positions, slots, starts, seq_lens, list(tables)], self.device
+        )
         meta = AttentionMetadata(
-            slot_mapping=t(slots),
-            positions=t(positions),
-            query_start_loc=t(starts),
-            seq_lens=t(seq_lens),
-            block_tables=t(tables),
+            slot_mapping=slots_t,
+            positions=pos_t,
+            query_start_loc=starts_t,
+            seq_lens=lens_t,
+            block_tables=tables_t.view(len(spans), width),
             max_query_len=max(len(tokens) for _, _, tokens in spans),
             max_seq_len=max(seq_lens),
             page_size=page,
         )
-        return t(input_ids), meta.positions, meta
+        return ids_t, meta.positions, meta
 
     def _metadata(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         return self.span_metadata(

@@ -31,6 +31,7 @@ from metrale.engine.sampler import (
     apply_logits_pipeline,
     seeded_uniform,
 )
+from metrale.engine.staging import to_device_packed
 
 # Independent uniform streams for the accept test and the residual sample (see seeded_uniform).
 ACCEPT_STREAM = 1
@@ -67,10 +68,11 @@ def build_layout(depths: list[int], drafts: list[list[int]], device: torch.devic
         pad.append(list(range(row, row + k + 1)) + [-1] * (kmax - k))
         row += k + 1
 
-    def t(x) -> Tensor:
-        return torch.tensor(x, dtype=torch.int64, device=device)
-
-    return RowLayout(t(seq_of_row), t(draft_of_row), t(pad).view(len(depths), kmax + 1), t(depths))
+    pad_flat = [r for rows in pad for r in rows]
+    seq_t, draft_t, pad_t, depths_t = to_device_packed(
+        [seq_of_row, draft_of_row, pad_flat, depths], device
+    )
+    return RowLayout(seq_t, draft_t, pad_t.view(len(depths), kmax + 1), depths_t)
 
 
 def _race(probs: Tensor, batch: SamplingBatch, stream: int) -> Tensor:
