@@ -1,8 +1,8 @@
-"""`metrale generate | chat | serve | bench`: the command line. A later issue adds `train`.
+"""`metrale generate | chat | serve | bench | train`: the command line.
 
 `generate` streams one completion to the terminal; `chat` is a multi-turn loop over the model's
 chat template, reading user turns from standard input. Without `--model` both run the embedded
-default model.
+default model. `train tokenizer | target | mtp` runs the training stages of `metrale.train`.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import logging
 import sys
 
 from metrale.config import SamplingParams
+from metrale.train.cli import add_train_parsers, cmd_train
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -91,6 +92,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-num-batched-tokens", type=int, default=8192, help="rows per step")
     bench.add_argument("--kv-cache-memory-gb", type=float, default=4.0, help="KV pool size")
     bench.add_argument("--out", default="bench-out", help="folder for bench.json and bench.png")
+    bench.add_argument(
+        "--acceptance",
+        action="store_true",
+        help="instead: per-position acceptance of each drafter on held-out text, greedy "
+        "(default model unless --model)",
+    )
+    bench.add_argument(
+        "--heldout", default=None, help="held-out text: a folder or file (default: the stdlib)"
+    )
+    bench.add_argument("--num-prompts", type=int, default=16, help="held-out prompts")
+    bench.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt")
+    bench.add_argument("--ks", type=_int_list, default=[1, 2, 3, 4, 5], help="draft depths K")
+    bench.add_argument("--drafters", default="mtp,ngram", help="drafters to report")
+    add_train_parsers(sub)
     return parser
 
 
@@ -133,6 +148,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.acceptance:
+        from metrale.acceptance import format_report, run_acceptance
+
+        report = run_acceptance(args)
+        (out / "acceptance.json").write_text(json.dumps(report, indent=2))
+        print(format_report(report))
+        print(json.dumps(report))
+        return 0
     result = run(args)
     (out / "bench.json").write_text(json.dumps(result, indent=2))
     result["plot"] = str(out / "bench.png") if plot(result, out / "bench.png") else None
@@ -248,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         "chat": cmd_chat,
         "bench": cmd_bench,
         "serve": cmd_serve,
+        "train": cmd_train,
     }[args.command]
     try:
         return handler(args)
