@@ -9,6 +9,8 @@ acceptance estimates, under each arm: canonical at every width, never, and canon
 slots, as the reference system does, instead of D-Cut planning for the deal.
 
 Per arm: distinct verify graph keys (and the hit rate of a 256-entry LRU, the graph cache's size),
+the same for the dense runner's program keys (bucketed sequence counts per depth; `dense hit` is
+its LRU hit rate after the first 10% of each trace's steps, the warm-up),
 expected emitted tokens per step under the true acceptance rates, also per unit of verify time
 (`E/cost`; plain decode scores the mean width there, `speedup` is the ratio), padded rows, and the
 share of sequences in multi-sequence equal-depth runs whose slots are consecutive (what the
@@ -35,6 +37,7 @@ import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
+from metrale.engine.graphs import decode_bucket
 from metrale.knobs import knobs
 from metrale.spec.dcut import (
     AcceptanceEstimator,
@@ -48,6 +51,8 @@ from metrale.spec.verify_key import canonical_assignment, verify_batch_order, ve
 K = 4
 MAX_WIDTH = 64
 GRAPH_CACHE = 256
+WARMUP_SHARE = 0.1  # of each trace's steps, before the dense runner's hit rate is counted
+BUCKET_FN = decode_bucket  # the padded count of one depth's sequences
 THRESHOLDS = (2, 4, 8, 16, 32)
 BUCKETS = (1, 2, 4, 8, 16, 32)  # width buckets [1, 2), [2, 4), ..., [32, 64]
 ENV = ("METRALE_NO_CANONICAL_VERIFY_KEY", "METRALE_CANONICAL_KEY_MIN_WIDTH")
@@ -144,9 +149,13 @@ def run_arm(
     est = AcceptanceEstimator(max_positions=K)
     keys: dict[int, set[tuple[int, ...]]] = {b: set() for b in BUCKETS}
     lru: OrderedDict[tuple[int, ...], None] = OrderedDict()
+    # The dense runner's program key: bucketed sequence counts per depth (runner._replay).
+    dense_lru: OrderedDict[tuple[tuple[int, int], ...], None] = OrderedDict()
+    dense_keys: set[tuple[tuple[int, int], ...]] = set()
+    warm_after = len(trace) * WARMUP_SHARE
     tally: Counter[str] = Counter()
     seen: set[int] = set()
-    for members in trace:
+    for step, members in enumerate(trace):
         ids = {m.seq_id for m in members}
         for sid in seen - ids:
             est.forget(sid)
@@ -184,6 +193,19 @@ def run_arm(
         batched, contiguous = run_slots([members[i].slot for i in order], depths)
         tally["batched"] += batched
         tally["contiguous"] += contiguous
+        counts = Counter(d + 1 for d in depths)
+        dense = tuple((q, BUCKET_FN(c)) for q, c in sorted(counts.items(), reverse=True))
+        dense_keys.add(dense)
+        warm = step >= warm_after
+        tally["warm_verify_steps"] += warm
+        if dense in dense_lru:
+            tally["dense_hits"] += 1
+            tally["dense_warm_hits"] += warm
+            dense_lru.move_to_end(dense)
+        else:
+            dense_lru[dense] = None
+            if len(dense_lru) > GRAPH_CACHE:
+                dense_lru.popitem(last=False)
         if key in lru:
             tally["hits"] += 1
             lru.move_to_end(key)
@@ -192,6 +214,7 @@ def run_arm(
             if len(lru) > GRAPH_CACHE:
                 lru.popitem(last=False)
     tally.update({f"keys>={b}": len(k) for b, k in keys.items()})
+    tally["dense_keys"] = len(dense_keys)
     return tally
 
 
@@ -206,6 +229,9 @@ def summarise(t: Counter[str], never: Counter[str]) -> dict[str, object]:
         "distinct_keys": n_keys(t),
         "keys_vs_never": n_keys(t) / n_keys(never),
         "lru256_hit_rate": t["hits"] / max(t["verify_steps"], 1),
+        "dense_keys": t["dense_keys"],
+        "dense_lru256_hit_rate": t["dense_hits"] / max(t["verify_steps"], 1),
+        "dense_warm_hit_rate": t["dense_warm_hits"] / max(t["warm_verify_steps"], 1),
         "mean_expected_tokens": tokens(t) / t["steps"],
         "tokens_vs_never": tokens(t) / tokens(never),
         "expected_tokens_per_cost": tokens(t) / t["time"],
@@ -257,6 +283,8 @@ def main(argv: list[str] | None = None) -> None:
         "keys": "distinct_keys",
         "keys/nev": "keys_vs_never",
         "lru hit": "lru256_hit_rate",
+        "dense": "dense_keys",
+        "dense hit": "dense_warm_hit_rate",
         "E/step": "mean_expected_tokens",
         "E/never": "tokens_vs_never",
         "E/cost": "expected_tokens_per_cost",

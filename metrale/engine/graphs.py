@@ -98,8 +98,9 @@ class ProgramCache(Generic[P]):
 
 
 def decode_bucket(num_seqs: int) -> int:
-    """Decode batches are padded to a few sizes (1, 2, 4, 8, then multiples of 8) so that a
-    shrinking or growing batch reuses a handful of programs instead of one per size."""
+    """The padded count of sequences of one depth in a graphed step: 1, 2, 4, 8, then multiples
+    of 8, so that a shrinking or growing batch reuses a handful of programs instead of one per
+    size (decode), and a verify of mixed depths one per combination of bucketed counts."""
     if num_seqs <= 8:
         return 1 << (num_seqs - 1).bit_length()
     return -(-num_seqs // 8) * 8
@@ -206,12 +207,11 @@ class GraphRunner:
         seq_lens,
         tables,
         max_seq_len: int,
-        pad_seqs: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy the step's inputs into the workspace and replay the table's program; returns the
-        hidden states and logits of the real rows. `pad_seqs` one-row sequences on the dummy
-        page fill the table past the real ones (decode buckets). Raises ValueError (from the
-        cache) when the table is refused."""
+        """Copy the step's inputs (laid out as `table` says, padding included) into the
+        workspace and replay the table's program; returns the hidden states and logits of every
+        row, in the program's pool (the next replay of the same program overwrites them).
+        Raises ValueError (from the cache) when the table is refused."""
         # Without a bucket, a table the kernel does not cover still runs the reference inside the
         # graph, gathering max_model_len keys: slower, never wrong.
         bucket = (
@@ -219,25 +219,12 @@ class GraphRunner:
         )
         graph, hidden, logits = self.cache.get(table, bucket)
         rows, seqs = input_ids.shape[0], seq_lens.shape[0]
-        total_rows, total_seqs = rows + pad_seqs, seqs + pad_seqs
         self.input_ids[:rows].copy_(input_ids, non_blocking=True)
         self.positions[:rows].copy_(positions, non_blocking=True)
         self.slots[:rows].copy_(slots, non_blocking=True)
         self.query_start_loc[: seqs + 1].copy_(starts, non_blocking=True)
         self.seq_lens[:seqs].copy_(seq_lens, non_blocking=True)
-        self.block_tables[:total_seqs].fill_(DUMMY_PAGE)
+        self.block_tables[:seqs].fill_(DUMMY_PAGE)
         self.block_tables[:seqs, : tables.shape[1]].copy_(tables, non_blocking=True)
-        if pad_seqs:
-            # NOTE: padding rows write their K/V to the dummy page and see only it.
-            self.input_ids[rows:total_rows].zero_()
-            self.positions[rows:total_rows].zero_()
-            self.slots[rows:total_rows].fill_(DUMMY_PAGE * self.page_size)
-            self.query_start_loc[seqs + 1 : total_seqs + 1].copy_(
-                starts[-1] + torch.arange(1, pad_seqs + 1, device=self.device)
-            )
-            self.seq_lens[seqs:total_seqs].fill_(1)
         graph.replay()
-        # NOTE: the outputs live in the program's pool and the next replay of the same program
-        # overwrites them; hidden states outlive this step's acceptance (drafters read them
-        # after every entry ran), so they are copied out. Logits are consumed before that.
-        return hidden[:rows].clone(), logits[:rows]
+        return hidden, logits

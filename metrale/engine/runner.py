@@ -209,10 +209,10 @@ class ModelRunner:
         if graphed:
             # One order for any permutation of the same depths: deepest first, then by slot.
             batch = Batch(sorted(batch.entries, key=lambda e: (-e.num_rows, e.seq.slot)))
-        input_ids, positions, meta = self._metadata(batch)
         ends = list(itertools.accumulate(e.num_rows for e in batch.entries))
-        replayed = self._replay(batch, input_ids, positions, meta) if graphed else None
+        replayed = self._replay(batch) if graphed else None
         if replayed is None:
+            input_ids, positions, meta = self._metadata(batch)
             hidden, all_logits = self.model(input_ids, positions, meta), None  # [T, H]
         else:
             hidden, all_logits = replayed
@@ -252,14 +252,32 @@ class ModelRunner:
         )
         return StepOutput(batch.entries, _verdicts([e for e, _ in sampling], acc), hidden, ends)
 
-    def _replay(self, batch: Batch, input_ids, positions, meta: AttentionMetadata):
-        """(hidden [T, H], logits [T, V]) from the batch's CUDA-graph program, or None when the
-        cache refuses its table (the caller then runs eagerly)."""
-        depths = [e.num_rows for e in batch.entries]
-        pad = decode_bucket(len(depths)) - len(depths) if batch.phase is Phase.DECODE else 0
-        table = RowTable.from_dispatch(range(len(depths) + pad), depths + [1] * pad)
+    def _replay(self, batch: Batch):
+        """(hidden [T, H], logits [T, V]) of the batch's rows from a CUDA-graph program, or None
+        when the cache refuses its table (the caller then runs eagerly).
+
+        The sequences of each depth are padded to a bucket count (`decode_bucket`) with dummy
+        sequences on the dummy page, so that the program key is a few bucketed counts per depth
+        rather than every mix of depths: a 64-sequence trace of mixed depths then meets a few
+        dozen tables instead of thousands, and replays after warm-up."""
+        spans, depths, real_rows = [], [], []
+        row = 0
+        for q, group in itertools.groupby(batch.entries, key=lambda e: e.num_rows):
+            group = list(group)
+            for e in group:
+                spans.append((e.seq.block_table, e.seq.num_computed_tokens, e.token_ids()))
+                real_rows.extend(range(row, row + q))
+                row += q
+            # NOTE: padding rows write their K/V to the dummy page and see only it.
+            dummy_table = [DUMMY_PAGE] * -(-q // self.page_size)
+            for _ in range(decode_bucket(len(group)) - len(group)):
+                spans.append((dummy_table, 0, [0] * q))
+                row += q
+            depths += [q] * decode_bucket(len(group))
+        input_ids, positions, meta = self.span_metadata(spans)
+        table = RowTable.from_dispatch(range(len(depths)), depths)
         try:
-            return self.graphs.run(
+            hidden, logits = self.graphs.run(
                 table,
                 input_ids,
                 positions,
@@ -268,11 +286,14 @@ class ModelRunner:
                 meta.seq_lens,
                 meta.block_tables,
                 meta.max_seq_len,
-                pad,
             )
         except ValueError:  # refused: too wide for the workspace
             self.graph_refusals += 1
             return None
+        if len(real_rows) == hidden.shape[0]:
+            return hidden.clone(), logits
+        (index,) = to_device_packed([real_rows], self.device)
+        return hidden.index_select(0, index), logits.index_select(0, index)
 
     def _draft_probs(self, entries: list[ScheduledSeq], logits: torch.Tensor):
         """[R, V] draft distributions (zeros on rows without a draft), or None when every drafter

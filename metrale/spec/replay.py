@@ -3,12 +3,15 @@ with probability 1 - alpha, so the engine runs at a known acceptance.
 
 `metrale bench` records the continuation from a run without speculation and replays it; tests use
 it as an oracle (alpha = 1: every draft right, a = K at every step; alpha = 0: every draft wrong,
-a = 0). Corruption is a deterministic function of (seed, sequence, position), so a run repeats.
+a = 0). Corruption is a deterministic function of (seed, prompt, position), so a
+run repeats.
 """
 
 from __future__ import annotations
 
 import random
+import zlib
+from array import array
 from collections.abc import Mapping, Sequence
 
 from metrale.engine.sequence import Sequence as Seq
@@ -34,7 +37,10 @@ class ReplayDrafter:
         self.alpha, self.vocab_size, self.seed = alpha, vocab_size, seed
 
     def _corrupt(self, seq: Seq, pos: int, token: int) -> int:
-        rng = random.Random(f"{self.seed}:{seq.request_id}:{seq.seq_id}:{pos}")
+        # Keyed by the prompt, not the request id: a second generate of the same prompts gets
+        # the same corruptions, so a warm-up run meets every verify shape the timed run will.
+        prompt = zlib.crc32(array("q", seq.prompt_token_ids).tobytes())
+        rng = random.Random(f"{self.seed}:{prompt}:{pos}")
         if rng.random() < self.alpha:
             return token
         return (token + 1 + rng.randrange(self.vocab_size - 1)) % self.vocab_size  # never token
