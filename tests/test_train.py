@@ -370,3 +370,18 @@ def test_bad_input_is_named(tmp_path, tok_dir, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["train", "target", "--tokenizer", str(tok_dir), "--out", "x", "--steps", "-1"])
     assert exc.value.code == 2 and "expected a positive integer" in capsys.readouterr().err
+
+
+def test_max_seconds_ends_the_run_with_a_checkpoint(corpus, tok_dir, tmp_path, monkeypatch):
+    """A run past `max_seconds` finishes as if done: the checkpoint is written, no resume state
+    is left, and the summary says it was truncated."""
+    from metrale.train import loop
+
+    clock = iter(range(0, 10**6, 10))  # each reading is 10 s after the previous one
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: float(next(clock)))
+    opts = replace(OPTS, max_seconds=35)
+    summary = train_target(tok_dir, tmp_path, corpus, SHAPE, opts)
+    assert summary["truncated"] and summary["completed"]
+    assert 1 <= summary["steps"] < OPTS.steps
+    assert (tmp_path / "model.safetensors").is_file()
+    assert not (tmp_path / "train_state.pt").exists()

@@ -76,6 +76,12 @@ def _add_optim_args(p: argparse.ArgumentParser, steps: int, lr: float) -> None:
         "--time-limit", type=float, default=None, help="stop after this many seconds (state saved)"
     )
     p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="end the run here as if its steps were done (checkpoint written)",
+    )
+    p.add_argument(
         "--keep-state", action="store_true", help="keep the resume state after completing"
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

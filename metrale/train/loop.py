@@ -62,6 +62,9 @@ class TrainOptions:
     resume: bool = False
     stop_at: int | None = None  # stop (and save) after this step, to split a run into sessions
     time_limit: float | None = None  # seconds; stop (and save) once a step ends past it
+    # seconds; the run ends once a step ends past it as if its steps were done (checkpoint
+    # written, summary `truncated`): a bound for a machine lent by the minute
+    max_seconds: float | None = None
     keep_state: bool = False  # keep the state file after the run completes
     progress: bool = True
 
@@ -82,8 +85,9 @@ class TrainOptions:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if self.stop_at is not None and self.stop_at < 1:
             raise ValueError(f"stop_at must be >= 1, got {self.stop_at}")
-        if self.time_limit is not None and self.time_limit <= 0:
-            raise ValueError(f"time_limit must be > 0 seconds, got {self.time_limit}")
+        for name in ("time_limit", "max_seconds"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
 
     def trajectory(self) -> dict:
         """The options that decide the weights; a resumed run must repeat them exactly."""
@@ -267,7 +271,7 @@ def run_training(
     bar = tqdm(
         total=opts.steps, initial=step, desc=stage, disable=not opts.progress, dynamic_ncols=True
     )
-    stopped_early = False
+    stopped_early = truncated = False
     while step < opts.steps:
         batch = data.sample(opts.batch_size, gen)
         with autocast(device):
@@ -293,6 +297,13 @@ def run_training(
         if step < opts.steps and ((opts.stop_at and step >= opts.stop_at) or out_of_time):
             stopped_early = True
             break
+        over_budget = (
+            opts.max_seconds is not None and time.perf_counter() - session_start >= opts.max_seconds
+        )
+        if step < opts.steps and over_budget:
+            truncated = True
+            _log(f"{stage}: max_seconds reached at step {step} of {opts.steps}; finishing")
+            break
         if opts.save_every and step % opts.save_every == 0 and step < opts.steps:
             save()
     flush()
@@ -313,6 +324,7 @@ def run_training(
     last = history[-FINAL_LOSS_STEPS:]
     return {
         "completed": completed,
+        "truncated": truncated,
         "steps": step,
         "tokens_seen": tokens,
         "initial_train_loss": round(history[0], 6) if history else None,
