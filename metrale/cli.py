@@ -105,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt")
     bench.add_argument("--ks", type=_int_list, default=[1, 2, 3, 4, 5], help="draft depths K")
     bench.add_argument("--drafters", default="mtp,ngram", help="drafters to report")
+    bench.add_argument(
+        "--e2e-drafter",
+        choices=("mtp", "ngram"),
+        default=None,
+        help="instead: real tokens/s with and without this drafter on --model, held-out prompts",
+    )
     add_train_parsers(sub)
     return parser
 
@@ -155,6 +161,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         (out / "acceptance.json").write_text(json.dumps(report, indent=2))
         print(format_report(report))
         print(json.dumps(report))
+        return 0
+    if args.e2e_drafter:
+        from metrale.bench_drafter import drafter_e2e, format_drafter_e2e
+
+        result = drafter_e2e(args)
+        (out / "drafter_e2e.json").write_text(json.dumps(result, indent=2))
+        print(format_drafter_e2e(result))
+        print(json.dumps(result))
         return 0
     result = run(args)
     (out / "bench.json").write_text(json.dumps(result, indent=2))

@@ -1,9 +1,13 @@
-"""metrale's default model: a tiny random-weight Qwen3 checkpoint, built on first use.
+"""metrale's default models: the trained one it ships, and a tiny random one for tests.
 
-Until a trained default model ships, this gives every command and test a real HF-format
-checkpoint (config, bf16 safetensors, byte-level tokenizer with a ChatML template) without any
-download. The build is deterministic, so two machines, or two runs, get byte-identical files, and
-transformers loads the result, so it doubles as a reference for parity tests.
+- `default_model_dir()`: the code model trained with `metrale train` and committed under
+  `metrale/assets/default-model` (its MODEL_CARD.md says how): an 11M-parameter Qwen3 with its
+  MTP head, what `metrale generate`, `chat`, `serve` and `bench` run when no model is named.
+- `random_model_dir()`: a tiny random-weight Qwen3 (with a random MTP head) built on first use
+  under `METRALE_HOME`, for tests that want a real HF-format checkpoint (config, bf16
+  safetensors, byte-level tokenizer with a ChatML template) that runs in milliseconds. The build
+  is deterministic, so two machines, or two runs, get byte-identical files, and transformers
+  loads the result, so it doubles as a reference for parity tests.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from metrale.knobs import knobs
 
 # Bump the suffix whenever the files built below change, so old caches are not reused.
 # v2: the checkpoint also holds a (random) MTP head, so `--spec mtp` runs on it.
-DEFAULT_MODEL_NAME = "default-random-qwen3-v2"
+RANDOM_MODEL_NAME = "default-random-qwen3-v2"
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -72,9 +76,22 @@ DEFAULT_CONFIG: dict[str, Any] = {
 _INIT_STD = 0.02
 
 
+SHIPPED_MODEL_DIR = Path(__file__).parent / "assets" / "default-model"
+
+
 def default_model_dir() -> Path:
-    """The default model's directory under `METRALE_HOME`, built there on first use."""
-    target = knobs().home / "models" / DEFAULT_MODEL_NAME
+    """The shipped default model's directory (package data, nothing downloaded or built)."""
+    if not (SHIPPED_MODEL_DIR / "config.json").is_file():
+        raise FileNotFoundError(
+            f"the default model is missing from {SHIPPED_MODEL_DIR}: reinstall metrale, or "
+            "name a model with --model"
+        )
+    return SHIPPED_MODEL_DIR
+
+
+def random_model_dir() -> Path:
+    """The tiny random model's directory under `METRALE_HOME`, built there on first use."""
+    target = knobs().home / "models" / RANDOM_MODEL_NAME
     if not target.is_dir():
         _build_atomically(target, _build_default)
     return target

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from metrale.cli import main
+from metrale.default_model import default_model_dir
 from metrale.spec.dcut import VerifyCostModel
 
 
@@ -51,3 +52,25 @@ def test_bench_writes_table_json_and_png(tmp_path, capsys):
     assert e2e["batch"] == 2 and e2e["speedup"] > 0 and e2e["ideal_speedup"] > 0
     assert 1.0 <= e2e["mean_acceptance_length"] <= 3.0
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_e2e_drafter_on_the_default_model(tmp_path, capsys):
+    """`--e2e-drafter mtp`: real tokens/s with and without the shipped model's MTP head on
+    held-out prompts; float32 on CPU, so speculative output equals plain output."""
+    heldout = tmp_path / "heldout"
+    heldout.mkdir()
+    body = "".join(f"def f_{i}(x):\n    return x * {i} + 1\n\n\n" for i in range(40))
+    (heldout / "mod.py").write_text(body)
+    out = tmp_path / "bench"
+    args = ["bench", "--model", str(default_model_dir()), "--e2e-drafter", "mtp"]
+    args += ["--device", "cpu", "--dtype", "float32", "--e2e-batch-sizes", "1,2"]
+    args += ["--max-tokens", "16", "--prompt-tokens", "32", "--num-drafts", "3"]
+    args += ["--heldout", str(heldout), "--out", str(out)]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result == json.loads((out / "drafter_e2e.json").read_text())
+    assert [r["batch"] for r in result["e2e"]] == [1, 2]
+    for row in result["e2e"]:
+        assert row["identical_outputs"] == 1.0
+        assert 1.0 < row["mean_acceptance_length"] <= 4.0  # the trained head is sometimes right
+        assert row["tokens_per_s_plain"] > 0 and row["tokens_per_s_spec"] > 0

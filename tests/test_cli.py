@@ -1,5 +1,5 @@
 """The command line as a user meets it: `metrale generate` and `metrale chat` in a subprocess, on
-the embedded default model (built into a fresh METRALE_HOME) and on a given checkpoint."""
+the shipped default model and on a given checkpoint."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_generate_on_the_default_model(tmp_path):
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("def fibonacci(n):")
     assert len(res.stdout) > len("def fibonacci(n):\n")
-    assert (tmp_path / "models").is_dir()  # the default model was written on first use
+    assert not (tmp_path / "models").exists()  # the shipped model: nothing built or downloaded
 
 
 def test_generate_is_deterministic_when_greedy(tiny_model_dir, tmp_path):

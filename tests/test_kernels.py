@@ -46,7 +46,7 @@ def reference_ops(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads, kv_heads", [(8, 8), (32, 8), (16, 2)])
+@pytest.mark.parametrize("heads, kv_heads", [(8, 8), (32, 8), (16, 2), (12, 4)])
 @pytest.mark.parametrize("splits", [1, 4])
 def test_paged_attention_matches_reference(dtype, heads, kv_heads, splits, monkeypatch):
     monkeypatch.setattr(triton_attention, "num_splits", lambda *args: splits)

@@ -14,13 +14,13 @@ import tokenizers
 
 from metrale.config import ModelConfig
 from metrale.default_model import (
-    DEFAULT_MODEL_NAME,
     ENDOFTEXT_ID,
     IM_END_ID,
     IM_START_ID,
+    RANDOM_MODEL_NAME,
     _build_atomically,
     build_random_qwen3,
-    default_model_dir,
+    random_model_dir,
 )
 from metrale.knobs import Knobs, knobs
 from metrale.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -307,20 +307,20 @@ def test_missing_chat_template(model_dir, tmp_path):
         t.apply_chat_template(MESSAGES[0])
 
 
-# --- the default model -------------------------------------------------------------------------
+# --- the random test model ------------------------------------------------------------------------
 
 
 def _digests(path: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
 
 
-def test_default_model_is_deterministic(home, tmp_path, monkeypatch):
-    first = default_model_dir()
-    assert first == home.absolute() / "models" / DEFAULT_MODEL_NAME
-    assert default_model_dir() == first  # second call reuses it
+def test_random_model_is_deterministic(home, tmp_path, monkeypatch):
+    first = random_model_dir()
+    assert first == home.absolute() / "models" / RANDOM_MODEL_NAME
+    assert random_model_dir() == first  # second call reuses it
     monkeypatch.setenv("METRALE_HOME", str(tmp_path / "other"))
     knobs.cache_clear()
-    second = default_model_dir()
+    second = random_model_dir()
     assert second != first
     assert _digests(first) == _digests(second)
     assert set(_digests(first)) == {
@@ -339,7 +339,7 @@ def test_concurrent_builds_leave_one_valid_dir(home):
 
     def build():
         try:
-            default_model_dir()
+            random_model_dir()
         except BaseException as e:  # noqa: BLE001 - surfaced by the assert below
             errors.append(e)
 
@@ -350,8 +350,8 @@ def test_concurrent_builds_leave_one_valid_dir(home):
         t.join()
     assert not errors
     models = home / "models"
-    assert [p.name for p in models.iterdir()] == [DEFAULT_MODEL_NAME]  # no temp dirs left
-    Tokenizer.from_dir(models / DEFAULT_MODEL_NAME)
+    assert [p.name for p in models.iterdir()] == [RANDOM_MODEL_NAME]  # no temp dirs left
+    Tokenizer.from_dir(models / RANDOM_MODEL_NAME)
 
 
 def test_losing_the_race_keeps_the_winner(tmp_path):

@@ -57,6 +57,7 @@ if triton is not None:
         stride_oh,
         NUM_HEADS: tl.constexpr,
         GROUP: tl.constexpr,
+        GROUP_P: tl.constexpr,
         BLOCK_Q: tl.constexpr,
         D: tl.constexpr,
         PAGE: tl.constexpr,
@@ -70,10 +71,11 @@ if triton is not None:
         start = tl.load(starts_ptr + seq)
         q_len = tl.load(starts_ptr + seq + 1) - start
         seq_len = tl.load(lens_ptr + seq)
-        m_idx = tl.arange(0, BLOCK_Q * GROUP)  # tile row = query row * GROUP + head in group
-        row = m_idx // GROUP
-        head = kvh * GROUP + m_idx % GROUP
-        row_ok = row < q_len
+        # tile row = query row * GROUP_P + head in group (GROUP padded to a power of two)
+        m_idx = tl.arange(0, BLOCK_Q * GROUP_P)
+        row = m_idx // GROUP_P
+        head = kvh * GROUP + m_idx % GROUP_P
+        row_ok = (row < q_len) & (m_idx % GROUP_P < GROUP)
         pos = seq_len - q_len + row  # each query row's position
         d = tl.arange(0, D)
         q = tl.load(
@@ -83,9 +85,9 @@ if triton is not None:
         )
         if DOT_F32:
             q = q.to(tl.float32)
-        m_i = tl.full([BLOCK_Q * GROUP], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_Q * GROUP], tl.float32)
-        acc = tl.zeros([BLOCK_Q * GROUP, D], tl.float32)
+        m_i = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
+        acc = tl.zeros([BLOCK_Q * GROUP_P, D], tl.float32)
         n = tl.arange(0, PAGE)
         # This program's share of the sequence's pages (all of them when SPLITS == 1).
         num_pages = tl.cdiv(seq_len, PAGE)
@@ -209,9 +211,9 @@ class TritonPagedAttention(TorchPagedAttention):
         write_kv(kv_cache, k, v, meta.slot_mapping)
         heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
         group = heads // kv_heads
-        block_q = max(
-            triton.next_power_of_2(meta.max_query_len), triton.next_power_of_2(max(1, 16 // group))
-        )
+        group_p = triton.next_power_of_2(group)
+        # tl.dot needs 16+ tile rows: with few heads per group, pad the query rows.
+        block_q = max(triton.next_power_of_2(meta.max_query_len), max(1, 16 // group_p))
         out = torch.empty_like(q)
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [pages, page, Hkv, D]
         q = q.to(k_cache.dtype)
@@ -243,6 +245,7 @@ class TritonPagedAttention(TorchPagedAttention):
             out.stride(1),
             NUM_HEADS=heads,
             GROUP=group,
+            GROUP_P=group_p,
             BLOCK_Q=block_q,
             D=dim,
             PAGE=k_cache.shape[1],

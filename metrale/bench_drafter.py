@@ -1,0 +1,103 @@
+"""`metrale bench --e2e-drafter mtp|ngram`: real tokens/s of a real drafter on a real checkpoint.
+
+The replay drafter of `bench.py` fixes the acceptance to measure the engine; this measures the
+model: held-out prompts (`acceptance.heldout_prompts`), greedy, one engine with the drafter, each
+batch size run with `SamplingParams(speculative=False)` and then with speculation, each timed as
+the second of two identical runs (graphs captured, caches warm). Reports tokens/s both ways, the
+speedup, the mean acceptance length, and how many outputs equal the non-speculative ones (bf16
+verify rows round differently from decode rows, so near-ties may flip; float32 never does).
+"""
+
+from __future__ import annotations
+
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+from metrale.acceptance import heldout_prompts
+from metrale.api import LLM
+from metrale.config import SamplingParams
+
+
+def _timed(llm: LLM, prompts, params) -> tuple[list, float]:
+    llm.generate(prompts, params, use_tqdm=False)
+    if llm.engine.runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    if llm.engine.runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    return outs, time.perf_counter() - start
+
+
+def drafter_e2e(args) -> dict:
+    """Fields of `args`: model, e2e_drafter, num_drafts, e2e_batch_sizes, max_tokens,
+    prompt_tokens, heldout, device, dtype, kv_cache_memory_gb."""
+    if args.model is None:
+        raise ValueError("--e2e-drafter needs --model (a trained checkpoint)")
+    llm = LLM(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=args.prompt_tokens + args.max_tokens + 64,
+        max_num_seqs=max(args.e2e_batch_sizes),
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        spec={"method": args.e2e_drafter, "num_drafts": args.num_drafts},
+    )
+    heldout = args.heldout or sysconfig.get_paths()["stdlib"]
+    prompts_all = heldout_prompts(
+        Path(heldout), llm.tokenizer, max(args.e2e_batch_sizes), args.prompt_tokens
+    )
+    rows = []
+    for batch in args.e2e_batch_sizes:
+        prompts = prompts_all[:batch]
+        base = dict(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+        plain, t_plain = _timed(llm, prompts, SamplingParams(**base, speculative=False))
+        tel = llm.engine.telemetry.spec
+        before = (tel.num_drafts, tel.num_accepted_tokens)
+        spec, t_spec = _timed(llm, prompts, SamplingParams(**base))
+        # The counters cover both timed-helper runs, which are identical.
+        drafts, accepted = tel.num_drafts - before[0], tel.num_accepted_tokens - before[1]
+        tokens = batch * args.max_tokens
+        rows.append(
+            {
+                "batch": batch,
+                "tokens_per_s_plain": tokens / t_plain,
+                "tokens_per_s_spec": tokens / t_spec,
+                "speedup": t_plain / t_spec,
+                "mean_acceptance_length": 1 + accepted / max(drafts, 1),
+                "identical_outputs": sum(
+                    a.outputs[0].token_ids == b.outputs[0].token_ids
+                    for a, b in zip(plain, spec, strict=True)
+                )
+                / batch,
+            }
+        )
+    return {
+        "model": str(args.model),
+        "drafter": args.e2e_drafter,
+        "num_drafts": args.num_drafts,
+        "device": str(llm.engine.runner.device),
+        "dtype": str(llm.engine.runner.dtype),
+        "prompt_tokens": args.prompt_tokens,
+        "max_tokens": args.max_tokens,
+        "heldout": str(heldout),
+        "e2e": rows,
+    }
+
+
+def format_drafter_e2e(result: dict) -> str:
+    lines = [
+        f"{result['drafter']} K={result['num_drafts']} on {result['model']} "
+        f"({result['device']}, {result['dtype']})",
+        "batch  plain_tok_s  spec_tok_s  speedup  accept_len  identical",
+    ]
+    for r in result["e2e"]:
+        lines.append(
+            f"{r['batch']:5d}  {r['tokens_per_s_plain']:11.1f}  {r['tokens_per_s_spec']:10.1f}  "
+            f"{r['speedup']:7.2f}  {r['mean_acceptance_length']:10.2f}  "
+            f"{r['identical_outputs']:9.2f}"
+        )
+    return "\n".join(lines)
