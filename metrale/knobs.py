@@ -174,6 +174,12 @@ class Knobs:
         bool,
         "=1: run RMSNorm, QK-norm + rotary and SwiGLU as plain torch ops on CUDA too (A/B runs)",
     )
+    no_mtp_chain_graphs: bool = _knob(
+        "METRALE_NO_MTP_CHAIN_GRAPHS",
+        _is_one,
+        bool,
+        "=1: run the MTP drafter's chained steps eagerly on CUDA too (A/B runs)",
+    )
     # `METRALE_*` names that no knob reads: almost always a typo worth a line in the log.
     unrecognised: tuple[str, ...] = field(default=(), compare=False)
 

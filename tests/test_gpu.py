@@ -102,3 +102,17 @@ def test_cuda_graph_replay_equals_eager(tiny_model_dir):
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert graphed.engine.runner.graphs.cache.stats()["hits"] > 0
     assert spec.engine.runner.graphs.cache.stats()["misses"] > 0  # verify steps were graphed
+
+
+def test_cuda_mtp_chain_graphs_are_lossless():
+    """The shipped model's MTP drafter on CUDA: chain steps replay captured programs, and the
+    speculative output equals plain greedy output (float32)."""
+    llm = LLM(device="cuda", dtype="float32", spec={"method": "mtp", "num_drafts": 3})
+    prompts = ["def fibonacci(n):", "import os\n\n\ndef main():\n", "class Stack:\n"] * 3
+    params = dict(temperature=0, max_tokens=48, ignore_eos=True)
+    plain = llm.generate(prompts, SamplingParams(**params, speculative=False), use_tqdm=False)
+    spec = llm.generate(prompts, SamplingParams(**params), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    drafter = llm.engine.spec.drafter
+    assert drafter.chain_graphs is not None and drafter.chain_graphs._programs
+    assert llm.engine.telemetry.spec.num_accepted_tokens > 48

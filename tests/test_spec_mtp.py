@@ -97,3 +97,86 @@ def test_single_sequence_refeed_knobs_stay_lossless(mtp_model_dir, monkeypatch, 
     finally:
         monkeypatch.undo()
         knobs.cache_clear()
+
+
+def _running_seq(seq_id: int, max_tokens: int, outputs: int):
+    from metrale.engine.sequence import Sequence
+
+    seq = Sequence(
+        seq_id,
+        f"r{seq_id}",
+        [5, 6, 7],
+        SamplingParams(temperature=0, max_tokens=max_tokens),
+        0,
+        (),
+        arrival=seq_id,
+        slot=seq_id,
+    )
+    seq.output_token_ids = [9] * outputs
+    seq.num_computed_tokens = seq.num_tokens - 1
+    return seq
+
+
+def test_dcut_padding_stays_within_each_cap(monkeypatch):
+    """The canonical deal may pad a draft to a deeper shared depth; never past the sequence's
+    cap, or an accepted padded row would emit past `max_tokens` (and write KV past
+    `max_model_len`)."""
+    from types import SimpleNamespace
+
+    from metrale.config import SpecConfig
+    from metrale.spec import controller
+    from metrale.spec.drafter import Draft
+    from metrale.telemetry import SpecTelemetry
+
+    class Fixed:
+        name, needs_hidden = "fixed", False
+
+        def propose(self, seqs, caps):
+            return [Draft([11] * c) for c in caps]
+
+    seqs = [_running_seq(i, max_tokens=10, outputs=o) for i, o in enumerate([2, 7, 8, 3])]
+    # caps: min(K = 4, max_tokens - outputs - 1) = 4, 2, 1, 4
+    deep = SimpleNamespace(order=[0, 1, 2, 3], depths=[4, 4, 4, 4])
+    monkeypatch.setattr(controller, "plan", lambda inputs, cost, cap: deep)
+    spec = controller.SpeculativeDecoder(
+        SpecConfig(num_drafts=4), Fixed(), SpecTelemetry(), max_model_len=64, vocab_size=32
+    )
+    spec.prepare(seqs)
+    assert [len(s.draft.tokens) for s in seqs] == [4, 2, 1, 4]
+
+
+def test_finished_sequences_are_not_observed():
+    """A sequence that finished this step still has its RUNNING status while the step's
+    verdicts go out; the drafter must not be fed its rows."""
+    from metrale.config import SpecConfig
+    from metrale.spec.controller import SpeculativeDecoder
+    from metrale.spec.drafter import Verdict
+    from metrale.telemetry import SpecTelemetry
+
+    seen = []
+
+    class Recorder:
+        name, needs_hidden = "recorder", False
+
+        def observe(self, verdicts):
+            seen.extend(v.seq.seq_id for v in verdicts)
+
+    done, going = _running_seq(0, 10, 9), _running_seq(1, 10, 3)
+    done.finish_reason = "length"
+    spec = SpeculativeDecoder(SpecConfig(num_drafts=2), Recorder(), SpecTelemetry(), 64, 32)
+    spec.observe(
+        [
+            Verdict(
+                seq=s,
+                drafts=[],
+                num_accepted=0,
+                emitted=[9],
+                matches=[],
+                hidden=None,
+                first_position=s.num_tokens - 2,
+                picks=[],
+            )
+            for s in (done, going)
+        ]
+    )
+    assert seen == [1]

@@ -115,6 +115,20 @@ def kv_bucket(max_seq_len: int, limit: int) -> int:
     return min(bucket, limit)
 
 
+def capture(fn, pool, device: torch.device):
+    """(graph, outputs) of `fn()` captured into `pool`, after one warm-up run on a side stream
+    (lazy initialisation and Triton autotuning must not land inside the capture)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = fn()
+    return graph, outputs
+
+
 class GraphRunner:
     """Captures and replays the target forward (+ logits of every row) on CUDA."""
 
@@ -162,15 +176,7 @@ class GraphRunner:
         """(graph, hidden [R, H], logits [R, V]): the outputs live in the graph's pool and are
         rewritten by every replay of this program."""
         self._fill_dummy(table)
-        run = self._forward_fn(table, bucket)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # warm up outside the graph (lazy inits, autotuning)
-            run()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            hidden, logits = run()
+        graph, (hidden, logits) = capture(self._forward_fn(table, bucket), self.pool, self.device)
         return graph, hidden, logits
 
     def _forward_fn(self, table: RowTable, bucket: int):

@@ -94,7 +94,8 @@ class SpeculativeDecoder:
         drafts, failed = self._propose(seqs, caps)
         live = [(s, d) for s, d in zip(seqs, drafts, strict=True) if d is not None and d.tokens]
         if self.cfg.dcut and live:
-            self._cut(live)
+            cap_of = {s.seq_id: c for s, c in zip(seqs, caps, strict=True)}
+            self._cut(live, cap_of)
         else:
             for seq, draft in live:
                 seq.draft = draft
@@ -128,8 +129,13 @@ class SpeculativeDecoder:
             raise ValueError(f"draft token {bad[0]} is outside the vocabulary ({self.vocab_size})")
         return draft.truncate(cap)
 
-    def _cut(self, live: list[tuple[Sequence, Draft]]) -> None:
-        """D-Cut: per-sequence depths from the acceptance estimates and the verify cost."""
+    def _cut(self, live: list[tuple[Sequence, Draft]], cap_of: dict[int, int]) -> None:
+        """D-Cut: per-sequence depths from the acceptance estimates and the verify cost.
+
+        NOTE: the canonical deal may give a sequence more rows than it drafted (padded rows);
+        never more than its cap, or an accepted padded row would emit past `max_tokens` or
+        write KV past `max_model_len`. That sequence then breaks the canonical table: correct
+        output first."""
         inputs = [
             PlanInput(
                 slot=seq.slot,
@@ -141,6 +147,7 @@ class SpeculativeDecoder:
         chosen = plan(inputs, self.cost, self.cfg.dcut_width_cap)
         for idx, depth in zip(chosen.order, chosen.depths, strict=True):
             seq, draft = live[idx]
+            depth = min(depth, cap_of[seq.seq_id])
             seq.draft = pad_draft(draft, depth, self.vocab_size) if depth else None
 
     def observe(self, verdicts: list[Verdict]) -> None:
@@ -173,7 +180,8 @@ class SpeculativeDecoder:
                     v.picks,
                     v.drafts,
                 )
-        self.drafter.observe([v for v in verdicts if not v.seq.is_finished])
+        # A sequence that finished this step (its status changes after) has nothing to draft.
+        self.drafter.observe([v for v in verdicts if v.seq.finish_reason is None])
 
     def release(self, seq: Sequence) -> None:
         seq.draft = None

@@ -15,6 +15,9 @@ one sequence (`SpecConfig.mtp_max_seqs` = 1), they are re-fed with the target's 
 the mapping; 0 is right) and `METRALE_MTP_REFEED_DEBUG=1` logging a fingerprint of each re-fed
 hidden. Rows the chain never wrote (prefill, plain decodes, the bonus row) are always fed.
 
+On CUDA with graphs, the chain steps replay captured programs (`mtp_graphs.py`); the catch-up,
+whose rows vary per sequence, runs eagerly.
+
 NOTE: rollback: chain rows of rejected drafts lie past the committed positions; the next
 catch-up rewrites them before any row reads them. The MTP KV shares the target's block tables,
 so pages follow the sequence. Drafts are greedy (one-hot q): lossless at any temperature.
@@ -35,6 +38,7 @@ from metrale.knobs import (
     mtp_refeed_accepted_enabled,
 )
 from metrale.spec.drafter import Draft, Verdict
+from metrale.spec.mtp_graphs import DraftChainGraphs
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +70,12 @@ class MTPDrafter:
         self.refeed_shift = k.mtp_refeed_shift if self.refeed else 0
         self.refeed_debug = k.mtp_refeed_debug and self.refeed
         self._states: dict[int, _State] = {}
+        graphs = runner.graphs
+        self.chain_graphs = (
+            DraftChainGraphs(runner, self.heads, max_seqs, graphs.max_model_len)
+            if graphs is not None and graphs.paged_kernel and not k.no_mtp_chain_graphs
+            else None
+        )
 
     def _forward(self, step: int, spans, hidden: torch.Tensor):
         """One MTP module over spans (block table, first position, tokens at p + 1)."""
@@ -139,13 +149,20 @@ class MTPDrafter:
             chain = [n for n, (_, _, k, _) in enumerate(live) if k > j]
             tokens = columns[-1][chain]  # [C] draft j, the input of draft j + 1
             spans = [(live[n][1].block_table, live[n][3].position + j, [0]) for n in chain]
-            input_ids, positions, meta = self.runner.span_metadata(spans)
-            module = self.heads.for_step(j)
-            logits_in, next_hidden = module(
-                tokens, positions, hidden[chain], meta, self.runner.model.model.embed_tokens
-            )
             column = torch.full_like(columns[0], -1)
-            column[chain] = self.runner.model.compute_logits(logits_in).argmax(dim=-1)
+            graphed = None
+            if self.chain_graphs is not None:
+                index = j % self.heads.num_layers  # the module `for_step(j)` returns
+                graphed = self.chain_graphs.step(index, tokens, hidden[chain], spans)
+            if graphed is not None:
+                column[chain], next_hidden = graphed
+            else:
+                _, positions, meta = self.runner.span_metadata(spans)
+                module = self.heads.for_step(j)
+                logits_in, next_hidden = module(
+                    tokens, positions, hidden[chain], meta, self.runner.model.model.embed_tokens
+                )
+                column[chain] = self.runner.model.compute_logits(logits_in).argmax(dim=-1)
             columns.append(column)
             hidden = hidden.clone()
             hidden[chain] = next_hidden
