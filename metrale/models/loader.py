@@ -7,12 +7,18 @@ the tensor and the file.
 
 `renames` loads a sub-model stored under other names beside the target (the MTP heads, see
 `metrale.models.mtp`): checkpoint prefix -> parameter prefix, everything else skipped unread.
+
+Routed experts stacked into one parameter per projection (`...experts.gate_up_proj` [E, 2I, H],
+`...experts.down_proj` [E, H, I], as in `metrale.models.qwen3_next_moe`) are filled from the
+per-expert tensors `...experts.{e}.{gate,up,down}_proj.weight`, or from stacked tensors of the
+same name and shape.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -26,6 +32,16 @@ log = logging.getLogger(__name__)
 # `metrale.models.mtp`). DeepSeek-layout MTP blocks (`model.layers.{L >= num_hidden_layers}`)
 # name no target parameter, so they are skipped like any unknown tensor.
 IGNORED_PREFIXES = ("mtp.",)
+
+
+# A per-expert tensor: (the experts module, expert index, projection).
+_EXPERT_TENSOR = re.compile(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+# projection -> (stacked parameter, shard: gate rows first, then up rows)
+_EXPERT_PIECES = {
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
 
 
 class CheckpointError(ValueError):
@@ -107,6 +123,42 @@ def _shard_rows(param: nn.Parameter, fused: str, shard: int, model: nn.Module, n
     return start, sizes[shard]
 
 
+def _stacked_expert(
+    name: str, params: dict[str, nn.Parameter], path: Path
+) -> tuple[str, torch.Tensor, tuple[int, int]] | None:
+    """A per-expert tensor bound for a stacked parameter -> (parameter name, destination view,
+    (expert, shard)); None when the model keeps no stacked parameter for it."""
+    m = _EXPERT_TENSOR.fullmatch(name)
+    if m is None:
+        return None
+    stacked, shard = _EXPERT_PIECES[m.group(3)]
+    target = f"{m.group(1)}.{stacked}"
+    param = params.get(target)
+    if param is None or param.dim() != 3:
+        return None
+    expert = int(m.group(2))
+    if expert >= param.shape[0]:
+        raise CheckpointError(
+            f"{path.name}: tensor {name} names expert {expert} of {param.shape[0]}"
+        )
+    rows = param.shape[1] // 2 if stacked == "gate_up_proj" else param.shape[1]
+    return target, param[expert, shard * rows : (shard + 1) * rows], (expert, shard)
+
+
+def _missing_expert(name: str, param: nn.Parameter, got: set) -> str | None:
+    """The first per-expert tensor a stacked parameter still lacks (None: complete, or not a
+    stacked expert parameter)."""
+    head, _, stacked = name.rpartition(".")
+    if not head.endswith(".experts") or param.dim() != 3 or None in got:
+        return None
+    pieces = [p for p, (s, _) in _EXPERT_PIECES.items() if s == stacked]
+    for expert in range(param.shape[0]):
+        for piece in pieces:
+            if (expert, _EXPERT_PIECES[piece][1]) not in got:
+                return f"{head}.{expert}.{piece}.weight"
+    return None
+
+
 @torch.no_grad()
 def load_weights(
     model: nn.Module, model_dir: str | Path, renames: Mapping[str, str] | None = None
@@ -123,6 +175,19 @@ def load_weights(
     filled: dict[str, set[int | None]] = {}
     files = checkpoint_files(model_dir)
     for hf_name, tensor, path in iter_tensors(files, lambda n: _rename(n, renames) is not None):
+        expert = _stacked_expert(_rename(hf_name, renames), params, path)
+        if expert is not None:
+            target, dest, key = expert
+            if not tensor.dtype.is_floating_point:
+                raise CheckpointError(f"{path.name}: tensor {hf_name} has dtype {tensor.dtype}")
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise CheckpointError(
+                    f"{path.name}: tensor {hf_name} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            filled.setdefault(target, set()).add(key)
+            continue
         target, shard = _target_of(_rename(hf_name, renames), packed)
         param = params.get(target)
         if param is None:
@@ -146,9 +211,13 @@ def load_weights(
         dest.copy_(tensor)
         filled.setdefault(target, set()).add(shard)
 
-    for name in params:
+    for name, param in params.items():
         got = filled.get(name, set())
         fused = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+        if (missing_expert := _missing_expert(name, param, got)) is not None:
+            raise CheckpointError(
+                f"{model_dir}: missing tensor {_checkpoint_name(missing_expert, renames)}"
+            )
         if fused in packed:
             need = {s for _, s in packed[fused]}
             missing = sorted(need - got)

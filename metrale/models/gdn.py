@@ -1,0 +1,344 @@
+"""Gated DeltaNet (GDN) in plain torch: the delta-rule kernels, the causal conv over a carried
+window, the gated RMSNorm, and the recurrent state a hybrid target carries between steps.
+
+Per value head the state S is a [dk, dv] float32 matrix. Row t (after the conv, q and k
+L2-normalised, q scaled by dk^-0.5) updates and reads it:
+
+    S_t = exp(g_t) S_{t-1} + k_t u_t^T,   u_t = beta_t (v_t - exp(g_t) S_{t-1}^T k_t)
+    o_t = S_t^T q_t
+
+`recurrent_gated_delta_rule` runs this row by row and can return the state after every row (what
+verify needs: the committed state is the one after the last accepted row).
+`chunk_gated_delta_rule` computes the same thing 64 rows at a time (the WY form, see there), for
+prefill. Both take padded batches [B, T, ...]; a row with g = 0 and beta = 0 leaves the state as
+it is, so padding past a sequence's end never changes its state. These are the references that
+GPU kernels are tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+L2NORM_EPS = 1e-6  # as fla and HF: x * rsqrt(sum(x^2) + eps)
+CHUNK_SIZE = 64
+
+
+class DeltaRuleOutput(NamedTuple):
+    out: torch.Tensor  # [B, T, Hv, dv], in v's dtype
+    state: torch.Tensor  # [B, Hv, dk, dv] float32: after the last row
+    states: torch.Tensor | None  # [B, T, Hv, dk, dv] float32: after each row (when asked)
+
+
+class ConvOutput(NamedTuple):
+    out: torch.Tensor  # [B, T, D]
+    window: torch.Tensor  # [B, D, K-1]: the last K-1 inputs, oldest first
+    windows: torch.Tensor | None  # [B, T, D, K-1]: the window after each row (when asked)
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+
+
+def _heads_first(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None,
+    l2norm_qk: bool,
+) -> tuple[torch.Tensor, ...]:
+    """[B, T, H, d] / [B, T, H] -> float32 [B, Hv, T, d] / [B, Hv, T]; key heads repeated over
+    their group of value heads (value head j reads key head j // (Hv / Hk)); q, k normalised."""
+    hk, hv = q.shape[2], v.shape[2]
+    if hv % hk:
+        raise ValueError(f"{hv} value heads are not a multiple of {hk} key heads")
+    if hk != hv:
+        q, k = (x.repeat_interleave(hv // hk, dim=2) for x in (q, k))
+    q, k, v, g, beta = (x.transpose(1, 2).float() for x in (q, k, v, g, beta))
+    if l2norm_qk:
+        q, k = l2norm(q), l2norm(k)
+    return q * (q.shape[-1] ** -0.5 if scale is None else scale), k, v, g, beta
+
+
+def _initial_state(state: torch.Tensor | None, v: torch.Tensor, dk: int) -> torch.Tensor:
+    b, h, _, dv = v.shape
+    if state is None:
+        return v.new_zeros(b, h, dk, dv)
+    return state.float().clone()
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    l2norm_qk: bool = True,
+    output_all_states: bool = False,
+) -> DeltaRuleOutput:
+    """The delta rule row by row. q, k [B, T, Hk, dk]; v [B, T, Hv, dv]; g (log-decay, <= 0) and
+    beta [B, T, Hv]; state [B, Hv, dk, dv] (None: zeros; never modified); T >= 1."""
+    dtype = v.dtype
+    q, k, v, g, beta = _heads_first(q, k, v, g, beta, scale, l2norm_qk)
+    s = _initial_state(state, v, q.shape[-1])
+    outs, states = [], []
+    for t in range(q.shape[2]):
+        k_t = k[:, :, t]  # [B, H, dk]
+        s = s * g[:, :, t].exp()[..., None, None]
+        u = (v[:, :, t] - torch.einsum("bhk,bhkv->bhv", k_t, s)) * beta[:, :, t, None]
+        s = s + k_t[..., :, None] * u[..., None, :]  # rank-1 write of the correction
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], s))
+        states.append(s)
+    out = torch.stack(outs, dim=1)  # [B, T, H, dv]
+    all_states = torch.stack(states, dim=1) if output_all_states else None
+    return DeltaRuleOutput(out.to(dtype), s, all_states)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    l2norm_qk: bool = True,
+    chunk_size: int = CHUNK_SIZE,
+) -> DeltaRuleOutput:
+    """The delta rule a chunk of C rows at a time; same arguments and results as the recurrent
+    form (no per-row states).
+
+    Inside a chunk, with G the cumulative log-decay and Gamma_ij = exp(G_i - G_j) (i >= j),
+    unrolling the recurrence from the chunk's start state S0 gives, for the corrections u_t:
+
+        (I + L) U_all = diag(beta) V - diag(beta exp(G)) K S0
+        L = strict_lower(diag(beta) K K^T o Gamma)
+
+    so with the WY tables U = (I + L)^-1 diag(beta) V and W = (I + L)^-1 diag(beta exp(G)) K:
+
+        U_all = U - W S0
+        O     = diag(exp(G)) Q S0 + ((Q K^T) o Gamma o causal) U_all
+        S_C   = exp(G_C) S0 + (diag(exp(G_C - G)) K)^T U_all
+
+    The chunk touches S0 through matmuls only; the rows are padded with g = beta = 0 (identity).
+    """
+    dtype = v.dtype
+    q, k, v, g, beta = _heads_first(q, k, v, g, beta, scale, l2norm_qk)
+    b, h, t, dk = q.shape
+    s = _initial_state(state, v, dk)
+    pad = (-t) % chunk_size
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    n = (t + pad) // chunk_size
+    q, k, v = (x.reshape(b, h, n, chunk_size, -1) for x in (q, k, v))
+    g, beta = (x.reshape(b, h, n, chunk_size) for x in (g, beta))
+
+    cum = g.cumsum(-1)  # G [B, H, n, C]
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    # Gamma, masked before exp: G_i - G_j > 0 above the diagonal and may overflow.
+    gamma = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    k_beta = k * beta[..., None]
+    eye = torch.eye(chunk_size, dtype=q.dtype, device=q.device)
+    system = eye + ((k_beta @ k.transpose(-1, -2)) * gamma).tril(-1)  # I + L
+    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False)
+    w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False)
+    attn = (q @ k.transpose(-1, -2)) * gamma  # causal, diagonal included
+    q_decayed = q * cum.exp()[..., None]
+    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # [B, H, n, 1, 1]
+
+    out = torch.empty_like(v)
+    for i in range(n):
+        corr = u[:, :, i] - w[:, :, i] @ s  # U_all [B, H, C, dv]
+        out[:, :, i] = q_decayed[:, :, i] @ s + attn[:, :, i] @ corr
+        s = s * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ corr
+    out = out.reshape(b, h, n * chunk_size, -1)[:, :, :t].transpose(1, 2)
+    return DeltaRuleOutput(out.to(dtype), s, None)
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    window: torch.Tensor | None = None,
+    *,
+    bias: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
+    activation: bool = True,
+    output_all_windows: bool = False,
+) -> ConvOutput:
+    """Causal depthwise conv of kernel K over T rows that continue a carried window.
+
+    x [B, T, D]; weight [D, K]; window [B, D, K-1] (the K-1 inputs before row 0, oldest first;
+    None: zeros); lengths [B] (real rows per sequence, the rest is padding; None: all T). Row t's
+    output is sum_j weight[:, j] * input[t - K + 1 + j], then SiLU. The new window holds each
+    sequence's last K-1 real inputs, so a prefill and then single-row updates equal one pass over
+    the whole sequence. Prefill and decode are the same call with T rows or one.
+    """
+    b, t, d = x.shape
+    k = weight.shape[-1]
+    if window is None:
+        window = x.new_zeros(b, d, k - 1)
+    seq = torch.cat([window.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, D, K-1+T]
+    out = F.conv1d(seq.to(weight.dtype), weight[:, None, :], bias, groups=d)  # [B, D, T]
+    if activation:
+        out = F.silu(out)
+    out = out.to(x.dtype).transpose(1, 2)
+    views = seq.unfold(-1, k - 1, 1)  # [B, D, T+1, K-1]: view j = the window after j rows
+    ends = torch.full((b,), t, device=x.device) if lengths is None else lengths
+    new_window = views.gather(2, ends.view(b, 1, 1, 1).expand(b, d, 1, k - 1)).squeeze(2)
+    windows = None
+    if output_all_windows:
+        # after row j; past a sequence's end its last window again (padding shifts nothing in)
+        after = torch.arange(1, t + 1, device=x.device).minimum(ends[:, None])  # [B, T]
+        windows = views.gather(2, after[:, None, :, None].expand(b, d, t, k - 1))
+        windows = windows.permute(0, 2, 1, 3)  # [B, T, D, K-1]
+    return ConvOutput(out, new_window.contiguous(), windows)
+
+
+def gated_rms_norm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """weight * rmsnorm(x) * silu(gate) over the last dim, numerics of HF `Qwen3NextRMSNormGated`
+    (the norm in float32, the weight applied in x's dtype, the gate in float32)."""
+    dtype = x.dtype
+    x32 = x.float()
+    normed = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return (normed * F.silu(gate.float())).to(dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """`gated_rms_norm` with its weight (plain, not zero-centred: initialised to ones)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return gated_rms_norm(x, gate, self.weight, self.eps)
+
+
+class RowLayout(NamedTuple):
+    """Packed rows (sequence b owns rows query_start_loc[b]:query_start_loc[b+1]) <-> a padded
+    [B, T] view, T = the longest sequence's rows. Built once per forward."""
+
+    index: torch.Tensor  # [B, T] packed row of each padded position (0 for padding)
+    valid: torch.Tensor  # [B, T] bool
+    lengths: torch.Tensor  # [B] rows per sequence
+    row_seq: torch.Tensor  # [N] sequence of each packed row
+    row_offset: torch.Tensor  # [N] position of each packed row within its sequence
+
+    @classmethod
+    def build(cls, query_start_loc: torch.Tensor, max_query_len: int, num_rows: int) -> RowLayout:
+        device = query_start_loc.device
+        starts = query_start_loc[:-1]
+        lengths = query_start_loc[1:] - starts
+        offs = torch.arange(max(max_query_len, 1), device=device)
+        valid = offs[None, :] < lengths[:, None]
+        index = torch.where(valid, starts[:, None] + offs[None, :], 0)
+        # output_size: no host sync
+        row_seq = torch.repeat_interleave(
+            torch.arange(lengths.shape[0], device=device), lengths, output_size=num_rows
+        )
+        row_offset = torch.arange(num_rows, device=device) - starts[row_seq]
+        return cls(index, valid, lengths, row_seq, row_offset)
+
+    def pad(self, rows: torch.Tensor) -> torch.Tensor:
+        """[N, ...] packed -> [B, T, ...] padded with zeros."""
+        valid = self.valid.view(*self.valid.shape, *([1] * (rows.dim() - 1)))
+        return torch.where(valid, rows[self.index], 0)
+
+    def unpad(self, padded: torch.Tensor) -> torch.Tensor:
+        """[B, T, ...] padded -> [N, ...] packed."""
+        return padded[self.row_seq, self.row_offset]
+
+
+@dataclass
+class GDNState:
+    """The recurrent state of every GDN layer of a hybrid target, for the sequences of a batch.
+
+    Entry i of `conv` / `ssm` belongs to the i-th GDN layer (in layer order):
+      conv[i] [S, conv_dim, K-1]  the last K-1 conv inputs (oldest first), activation dtype
+      ssm[i]  [S, Hv, dk, dv]     the delta-rule state, float32
+    Batch sequence b (packed rows query_start_loc[b]:query_start_loc[b+1]) owns entry
+    `slots[b]` of every layer; `slots=None` means entry b (then S = B). A new sequence's entries
+    must be zero (`reset`).
+
+    A forward reads each sequence's entries as the state before its first row. With
+    `keep_rows=False` it writes back the state after its last row (prefill chunks, decode).
+    With `keep_rows=True` (verify) it leaves the entries as they were and fills `conv_rows[i]`
+    [B, T, conv_dim, K-1] and `ssm_rows[i]` [B, T, Hv, dk, dv] with the state after each row
+    (rows past a sequence's own count repeat its last state); `commit(rows)` then writes the
+    state after row `rows[b]` of each sequence (write-on-accept).
+    """
+
+    conv: list[torch.Tensor]
+    ssm: list[torch.Tensor]
+    slots: torch.Tensor | None = None
+    keep_rows: bool = False
+    conv_rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    ssm_rows: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def zeros(
+        cls,
+        num_layers: int,
+        num_entries: int,
+        conv_shape: tuple[int, int],
+        ssm_shape: tuple[int, int, int],
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> GDNState:
+        """conv_shape (conv_dim, K-1), ssm_shape (Hv, dk, dv)."""
+        return cls(
+            conv=[
+                torch.zeros(num_entries, *conv_shape, dtype=dtype, device=device)
+                for _ in range(num_layers)
+            ],
+            ssm=[
+                torch.zeros(num_entries, *ssm_shape, dtype=torch.float32, device=device)
+                for _ in range(num_layers)
+            ],
+        )
+
+    def entries(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv windows [B, conv_dim, K-1], states [B, Hv, dk, dv]) of the batch's sequences."""
+        if self.slots is None:
+            return self.conv[layer], self.ssm[layer]
+        return self.conv[layer][self.slots], self.ssm[layer][self.slots]
+
+    def write(self, layer: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """Store the batch's new windows [B, ...] and states [B, ...] in their entries."""
+        if self.slots is None:
+            self.conv[layer].copy_(conv)
+            self.ssm[layer].copy_(ssm)
+        else:
+            self.conv[layer].index_copy_(0, self.slots, conv.to(self.conv[layer].dtype))
+            self.ssm[layer].index_copy_(0, self.slots, ssm)
+
+    def keep(self, layer: int, conv_rows: torch.Tensor, ssm_rows: torch.Tensor) -> None:
+        """Store the batch's per-row windows [B, T, ...] and states [B, T, ...] (verify)."""
+        self.conv_rows[layer], self.ssm_rows[layer] = conv_rows, ssm_rows
+
+    def commit(self, rows: torch.Tensor) -> None:
+        """After a `keep_rows` forward: entry of sequence b <- its state after row rows[b]
+        (0-based: rows[b] = a when a drafts were accepted after the verified last token)."""
+        batch = torch.arange(rows.shape[0], device=rows.device)
+        for layer in range(len(self.ssm)):
+            self.write(layer, self.conv_rows[layer][batch, rows], self.ssm_rows[layer][batch, rows])
+
+    def reset(self, entries: torch.Tensor) -> None:
+        """Zero the given entries (a sequence starting from its first token)."""
+        for conv, ssm in zip(self.conv, self.ssm, strict=True):
+            conv.index_fill_(0, entries, 0)
+            ssm.index_fill_(0, entries, 0)

@@ -1,0 +1,325 @@
+"""The hybrid Qwen3-Next target (HF `Qwen3NextForCausalLM`): Gated DeltaNet layers and gated
+full-attention layers (`layer_types`), each followed by a sparse MoE block or a dense MLP.
+
+`forward(input_ids, positions, meta, state) -> hidden` runs the packed rows of one step: the
+attention layers over the paged KV cache (`meta`, as in `qwen3.py`), the GDN layers over the
+recurrent state (`state`, a `metrale.models.gdn.GDNState`; batch sequence b, the rows
+meta.query_start_loc[b]:[b+1], owns entry state.slots[b] of every GDN layer).
+`compute_logits(hidden, rows)` projects only the rows that need logits.
+
+Parameter names follow HF's; q/k/v and gate/up are fused as in `qwen3.py` (`PACKED_MODULES`),
+and the routed experts are stacked (see `qwen3_next_moe.py`). Unlike Qwen3, every RMSNorm outside
+the GDN layers scales by (1 + weight): the checkpoints store the weights centred on zero.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from metrale.config import ModelConfig
+from metrale.models.attention import AttentionBackend, AttentionMetadata
+from metrale.models.gdn import (
+    GatedRMSNorm,
+    GDNState,
+    RowLayout,
+    causal_conv1d,
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_rule,
+)
+from metrale.models.layers import RotaryEmbedding, SwiGLUMLP
+from metrale.models.qwen3 import PACKED_MODULES
+from metrale.models.qwen3_next_moe import Qwen3NextSparseMoeBlock
+
+
+class ZeroCentredRMSNorm(nn.Module):
+    """y = (1 + w) * x / rms(x), in float32 then cast back (HF `Qwen3NextRMSNorm`)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+    def forward_residual(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add the residual, then normalise: (normed, new residual)."""
+        residual = x + residual
+        return self(residual), residual
+
+
+class Qwen3NextAttention(nn.Module):
+    """GQA with QK-norm, rotary on the leading dims of each head only, and an output gate:
+    q_proj yields, per head, the query then a gate g; the output is o_proj(attn * sigmoid(g))."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = 2 * self.num_heads * self.head_dim  # q_proj rows (queries and gates)
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        )
+        self.o_proj = nn.Linear(
+            self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.attention_bias
+        )
+        self.q_norm = ZeroCentredRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = ZeroCentredRMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self._rotary = (rotary,)  # shared, not owned (see qwen3.py)
+        self._backend = backend
+        self.kv_cache: torch.Tensor | None = None  # [2, pages, page_size, Hkv, D], bound by runner
+
+    def _rope(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rotary = self._rotary[0]
+        dim = 2 * rotary.cos.shape[-1]  # the rotated leading dims; the rest pass through
+        q_rot, k_rot = rotary(positions, q[..., :dim], k[..., :dim])
+        return torch.cat([q_rot, q[..., dim:]], -1), torch.cat([k_rot, k[..., dim:]], -1)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        rows = hidden.shape[0]
+        qg, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], -1)
+        q, gate = qg.view(rows, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(k.view(rows, self.num_kv_heads, self.head_dim))
+        q, k = self._rope(positions, q, k)
+        v = v.view(rows, self.num_kv_heads, self.head_dim)
+        if self.kv_cache is None:
+            raise RuntimeError("attention layer has no KV cache bound; the runner binds it")
+        out = self._backend.forward(q, k, v, self.kv_cache, meta, self.scale)  # [T, Hq, D]
+        out = out.reshape(rows, -1) * torch.sigmoid(gate.reshape(rows, -1))
+        return self.o_proj(out)
+
+
+class Qwen3NextGatedDeltaNet(nn.Module):
+    """One GDN layer (HF `Qwen3NextGatedDeltaNet`); `state_index` is its entry in `GDNState`.
+
+    in_proj_qkvz and in_proj_ba are grouped by key head: for each of the Hk key heads,
+    [q (dk), k (dk), v (r*dv), z (r*dv)] and [b (r), a (r)], r = Hv / Hk value heads per key
+    head. The conv runs over the channels [q of all heads, k of all heads, v of all heads].
+    """
+
+    def __init__(self, cfg: ModelConfig, state_index: int) -> None:
+        super().__init__()
+        hybrid = cfg.hybrid
+        assert hybrid is not None
+        self.state_index = state_index
+        self.num_k_heads = hybrid.linear_num_key_heads
+        self.num_v_heads = hybrid.linear_num_value_heads
+        self.head_k_dim = hybrid.linear_key_head_dim
+        self.head_v_dim = hybrid.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        kernel = hybrid.linear_conv_kernel_dim
+        h = cfg.hidden_size
+        self.in_proj_qkvz = nn.Linear(h, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(h, 2 * self.num_v_heads, bias=False)
+        # HF's parameter [conv_dim, 1, K]; the module is only its holder (see causal_conv1d)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, kernel, groups=self.conv_dim, bias=False
+        )
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+
+    def _split(self, qkvz: torch.Tensor, ba: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per-key-head groups -> mixed qkv [N, conv_dim], z [N, Hv, dv], b, a [N, Hv]."""
+        n, hk = qkvz.shape[0], self.num_k_heads
+        r_dv = self.num_v_heads // hk * self.head_v_dim
+        q, k, v, z = qkvz.view(n, hk, -1).split([self.head_k_dim, self.head_k_dim, r_dv, r_dv], -1)
+        b, a = ba.view(n, hk, -1).chunk(2, dim=-1)
+        mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
+        hv = self.num_v_heads
+        return mixed, z.reshape(n, hv, self.head_v_dim), b.reshape(n, hv), a.reshape(n, hv)
+
+    def forward(self, hidden: torch.Tensor, layout: RowLayout, state: GDNState) -> torch.Tensor:
+        rows = hidden.shape[0]
+        mixed, z, b, a = self._split(self.in_proj_qkvz(hidden), self.in_proj_ba(hidden))
+        window, ssm = state.entries(self.state_index)  # [B, conv_dim, K-1], [B, Hv, dk, dv]
+        conv = causal_conv1d(
+            layout.pad(mixed),  # [B, T, conv_dim]
+            self.conv1d.weight[:, 0],
+            window,
+            lengths=layout.lengths,
+            output_all_windows=state.keep_rows,
+        )
+        bsz, t = conv.out.shape[:2]
+        q, k, v = conv.out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.view(bsz, t, self.num_k_heads, self.head_k_dim)
+        k = k.view(bsz, t, self.num_k_heads, self.head_k_dim)
+        v = v.view(bsz, t, self.num_v_heads, self.head_v_dim)
+        # NOTE: padded rows get g = beta = 0, which leaves the state unchanged.
+        beta = layout.pad(b.sigmoid())  # [B, T, Hv]
+        g = layout.pad(-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias))
+        if state.keep_rows or t == 1:
+            res = recurrent_gated_delta_rule(
+                q, k, v, g, beta, ssm, output_all_states=state.keep_rows
+            )
+        else:
+            res = chunk_gated_delta_rule(q, k, v, g, beta, ssm)
+        if state.keep_rows:
+            state.keep(self.state_index, conv.windows, res.states)
+        else:
+            state.write(self.state_index, conv.window, res.state)
+        out = self.norm(layout.unpad(res.out), z)  # [N, Hv, dv]
+        return self.out_proj(out.reshape(rows, self.value_dim))
+
+
+class Qwen3NextDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer: int,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+    ) -> None:
+        super().__init__()
+        hybrid = cfg.hybrid
+        assert hybrid is not None
+        self.layer_type = hybrid.layer_types[layer]
+        if self.layer_type == "linear_attention":
+            self.linear_attn = Qwen3NextGatedDeltaNet(cfg, hybrid.gdn_layers.index(layer))
+        else:
+            self.self_attn = Qwen3NextAttention(cfg, rotary, backend)
+        if hybrid.is_moe_layer(layer):
+            self.mlp: nn.Module = Qwen3NextSparseMoeBlock(cfg)
+        else:
+            self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+        layout: RowLayout,
+        state: GDNState,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.forward_residual(hidden, residual)
+        if self.layer_type == "linear_attention":
+            hidden = self.linear_attn(hidden, layout, state)
+        else:
+            hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm.forward_residual(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class Qwen3NextModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int):
+        super().__init__()
+        assert cfg.hybrid is not None
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary_dim = int(cfg.head_dim * cfg.hybrid.partial_rotary_factor)
+        self.rotary = RotaryEmbedding(cfg.rope, rotary_dim, max_positions)
+        self.layers = nn.ModuleList(
+            Qwen3NextDecoderLayer(cfg, i, self.rotary, backend)
+            for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        layout: RowLayout,
+        state: GDNState,
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta, layout, state)
+        hidden, _ = self.norm.forward_residual(hidden, residual)
+        return hidden
+
+
+class Qwen3NextForCausalLM(nn.Module):
+    """The hybrid target. `forward` returns final-normed hidden states [T, H] of every packed row
+    and advances `state` (see `GDNState` for the slots and the verify mode)."""
+
+    packed_modules = PACKED_MODULES
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int):
+        super().__init__()
+        if cfg.hybrid is None:
+            raise ValueError(f"{cfg.architecture} is not a hybrid (Qwen3-Next) config")
+        self.config = cfg
+        self.backend = backend
+        self.model = Qwen3NextModel(cfg, backend, max_positions)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def attention_layers(self) -> list[Qwen3NextAttention]:
+        """The full-attention layers only, in order: one KV-cache layer each."""
+        return [m.self_attn for m in self.model.layers if m.layer_type == "full_attention"]
+
+    @property
+    def gdn_layers(self) -> list[Qwen3NextGatedDeltaNet]:
+        """The GDN layers in order; the i-th owns entry i of `GDNState.conv` / `.ssm`."""
+        return [m.linear_attn for m in self.model.layers if m.layer_type == "linear_attention"]
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """[V, H] output projection (the embedding when tied); drafters share it."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def make_state(self, num_entries: int) -> GDNState:
+        """A zeroed `GDNState` of `num_entries` entries per GDN layer, on the model's device;
+        conv windows in the activation dtype, delta-rule states in float32."""
+        hybrid = self.config.hybrid
+        assert hybrid is not None
+        weight = self.model.embed_tokens.weight
+        return GDNState.zeros(
+            len(hybrid.gdn_layers),
+            num_entries,
+            (hybrid.conv_dim, hybrid.linear_conv_kernel_dim - 1),
+            (
+                hybrid.linear_num_value_heads,
+                hybrid.linear_key_head_dim,
+                hybrid.linear_value_head_dim,
+            ),
+            weight.dtype,
+            weight.device,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        state: GDNState,
+    ) -> torch.Tensor:
+        meta = self.backend.prepare(meta)
+        layout = RowLayout.build(meta.query_start_loc, meta.max_query_len, input_ids.shape[0])
+        return self.model(input_ids, positions, meta, layout, state)
+
+    def compute_logits(
+        self, hidden: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """hidden [T, H], rows [R] (None = all) -> float32 logits [R, V]."""
+        if rows is not None:
+            hidden = hidden.index_select(0, rows)
+        return torch.nn.functional.linear(hidden, self.head_weight).float()
