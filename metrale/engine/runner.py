@@ -18,10 +18,12 @@ from metrale.engine.kv_cache import DUMMY_PAGE, allocate_kv_cache, kv_page_bytes
 from metrale.engine.sampler import SamplingBatch, SamplingRow
 from metrale.engine.sequence import Batch, Phase, ScheduledSeq, Sequence
 from metrale.engine.staging import to_device_packed
+from metrale.engine.state_cache import StateSlots
 from metrale.models.attention import AttentionMetadata, TorchPagedAttention
 from metrale.models.loader import load_weights
 from metrale.models.mtp import load_mtp
 from metrale.models.qwen3 import Qwen3ForCausalLM
+from metrale.models.qwen3_next import Qwen3NextForCausalLM
 from metrale.models.triton_attention import TritonPagedAttention, triton_available
 from metrale.spec.row_table import RowTable
 from metrale.spec.verify import accept, build_layout
@@ -105,8 +107,12 @@ class ModelRunner:
         self.verify_raw_argmax = cfg.spec.verify_raw_argmax
         use_kernel = self.device.type == "cuda" and triton_available(model_cfg.head_dim)
         self.backend = TritonPagedAttention() if use_kernel else TorchPagedAttention()
+        self.hybrid = model_cfg.hybrid is not None
+        if self.hybrid and with_mtp:
+            raise ValueError("spec.method 'mtp' is not supported on Qwen3-Next targets yet")
+        target_cls = Qwen3NextForCausalLM if self.hybrid else Qwen3ForCausalLM
         with torch.device(self.device), default_dtype(self.dtype):
-            self.model = Qwen3ForCausalLM(model_cfg, self.backend, max_model_len)
+            self.model = target_cls(model_cfg, self.backend, max_model_len)
         if cfg.load_format == "dummy":
             dummy_weights(self.model, cfg.seed)
         else:
@@ -132,8 +138,10 @@ class ModelRunner:
         )
         for layer, cache in zip(layers, self.kv_cache, strict=True):
             layer.kv_cache = cache
+        self.states = StateSlots(self.model, cfg.max_num_seqs) if self.hybrid else None
         self.graphs = None
-        if cfg.cuda_graphs and self.device.type == "cuda":
+        # NOTE: hybrid targets run eagerly until their state slots are graph inputs too.
+        if cfg.cuda_graphs and self.device.type == "cuda" and not self.hybrid:
             self.graphs = GraphRunner(
                 self.model,
                 cfg.graph_max_rows,
@@ -199,12 +207,28 @@ class ModelRunner:
         """Run the batch and return float32 logits of every packed row [T, V] (prompt logprobs,
         acceptance studies, tests). Writes KV like `execute`; samples nothing."""
         input_ids, positions, meta = self._metadata(batch)
-        return self.model.compute_logits(self.model(input_ids, positions, meta))
+        return self.model.compute_logits(self._forward(batch, input_ids, positions, meta))
+
+    def _forward(self, batch: Batch, input_ids, positions, meta, keep_rows: bool = False):
+        """The target's eager forward; a hybrid target also takes its sequences' state slots
+        (`keep_rows`: keep every row's state for write-on-accept)."""
+        if self.states is None:
+            return self.model(input_ids, positions, meta)
+        state = self.states.bind(batch.entries, keep_rows)
+        return self.model(input_ids, positions, meta, state)
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> StepOutput:
         """Run one step: the forward over every row, then acceptance of every sampling sequence's
         drafts (k = 0 is a plain decode). One host sync copies the verdicts back."""
+        if self.hybrid:
+            prefill = [e for e in batch.entries if not e.drafts and e.num_rows > 1]
+            verifies = any(e.drafts for e in batch.entries)
+            if prefill and verifies and len(prefill) < len(batch.entries):
+                # Keep per-row states only for the verify rows: prefill chunks run on their own.
+                rest = [e for e in batch.entries if e.drafts or e.num_rows == 1]
+                return StepOutput.merge([self.execute(Batch(prefill)), self.execute(Batch(rest))])
+        keep_rows = self.hybrid and any(e.drafts for e in batch.entries)
         graphed = self.graphs is not None and batch.phase in (Phase.DECODE, Phase.VERIFY)
         if graphed:
             # One order for any permutation of the same depths: deepest first, then by slot.
@@ -213,11 +237,14 @@ class ModelRunner:
         replayed = self._replay(batch) if graphed else None
         if replayed is None:
             input_ids, positions, meta = self._metadata(batch)
-            hidden, all_logits = self.model(input_ids, positions, meta), None  # [T, H]
+            hidden = self._forward(batch, input_ids, positions, meta, keep_rows)  # [T, H]
+            all_logits = None
         else:
             hidden, all_logits = replayed
         sampling = [(e, end) for e, end in zip(batch.entries, ends, strict=True) if e.samples]
         if not sampling:
+            if keep_rows:  # unreachable: drafts only come with sampling entries
+                raise RuntimeError("a verify step without sampling entries")
             return StepOutput(batch.entries, [], hidden, ends)
         # The last 1 + k rows of each sampling sequence: its last token, then its k drafts.
         rows = [r for e, end in sampling for r in range(end - 1 - len(e.drafts), end)]
@@ -250,7 +277,14 @@ class ModelRunner:
             self._draft_probs([e for e, _ in sampling], logits),
             raw_argmax=self.verify_raw_argmax,
         )
-        return StepOutput(batch.entries, _verdicts([e for e, _ in sampling], acc), hidden, ends)
+        verdicts = _verdicts([e for e, _ in sampling], acc)
+        if keep_rows:
+            # Write-on-accept: each sequence's state after its last token + accepted drafts.
+            accepted = {id(v.entry): v.num_accepted for v in verdicts}
+            self.states.commit(
+                [e.num_rows - 1 - len(e.drafts) + accepted.get(id(e), 0) for e in batch.entries]
+            )
+        return StepOutput(batch.entries, verdicts, hidden, ends)
 
     def _replay(self, batch: Batch):
         """(hidden [T, H], logits [T, V]) of the batch's rows from a CUDA-graph program, or None

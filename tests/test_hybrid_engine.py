@@ -1,0 +1,103 @@
+"""The engine on a hybrid (Qwen3-Next, Gated DeltaNet) target, on CPU in float32: greedy output
+equals transformers', a batch equals each sequence alone (chunked prefill, preemption), and
+speculative decoding is lossless with the recurrent state written on accept: outputs equal plain
+decoding and the committed state equals the state plain decoding reaches."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from metrale import LLM, SamplingParams
+from metrale.spec.replay import ReplayDrafter
+from tests.test_qwen3_next import TINY_NEXT, randomize, transformers
+
+PROMPTS = [[(11 * i + 5 * j) % 250 + 3 for j in range(6 + 5 * i)] for i in range(5)]
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory, tokenizer_dir):
+    cfg = transformers.Qwen3NextConfig(**{**TINY_NEXT, "vocab_size": 320})
+    torch.manual_seed(0)
+    hf = transformers.Qwen3NextForCausalLM(cfg).eval()
+    randomize(hf, seed=3)
+    path = tmp_path_factory.mktemp("hybrid")
+    hf.save_pretrained(path, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, path / name)
+    return path
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def llm_for(path, **kw) -> LLM:
+    return LLM(path, device="cpu", dtype="float32", **kw)
+
+
+def test_greedy_matches_transformers(hybrid_dir):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hybrid_dir, dtype=torch.float32).eval()
+    out = llm_for(hybrid_dir).generate([PROMPTS[1]], greedy(24))
+    with torch.no_grad():
+        ref = hf.generate(
+            torch.tensor([PROMPTS[1]]),
+            max_new_tokens=24,
+            min_new_tokens=24,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    assert out[0].outputs[0].token_ids == ref[0, len(PROMPTS[1]) :].tolist()
+
+
+def test_batch_equals_alone_with_chunked_prefill_and_preemption(hybrid_dir):
+    alone = [llm_for(hybrid_dir).generate([p], greedy(20))[0].outputs[0].token_ids for p in PROMPTS]
+    tight = llm_for(hybrid_dir, page_size=4, num_kv_pages=20, max_num_batched_tokens=16)
+    outs = tight.generate(PROMPTS, greedy(20))
+    assert tight.engine.telemetry.preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == alone
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("dcut", [False, True])
+def test_speculation_is_lossless_and_commits_the_accepted_state(hybrid_dir, alpha, dcut):
+    plain_llm = llm_for(hybrid_dir)
+    plain = plain_llm.generate(PROMPTS, greedy(24))
+    truth = {tuple(p): o.outputs[0].token_ids for p, o in zip(PROMPTS, plain, strict=True)}
+    drafter = ReplayDrafter(truth, alpha, vocab_size=320, seed=7)
+    # A small token budget mixes prefill chunks with verify rows in one step.
+    spec_llm = llm_for(
+        hybrid_dir, drafter=drafter, spec={"num_drafts": 3, "dcut": dcut}, max_num_batched_tokens=24
+    )
+    spec = spec_llm.generate(PROMPTS, greedy(24))
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    tel = spec_llm.engine.telemetry.spec
+    if alpha == 1.0:
+        assert tel.num_accepted_tokens == tel.num_draft_tokens > 0
+    if alpha == 0.0:
+        assert tel.num_accepted_tokens == 0 and tel.num_draft_tokens > 0
+    # One prompt alone in each engine: both end in slot 0 with the state after the same tokens.
+    one = [PROMPTS[3]]
+    assert plain_llm.generate(one, greedy(24))[0].outputs[0].token_ids == truth[tuple(one[0])]
+    assert spec_llm.generate(one, greedy(24))[0].outputs[0].token_ids == truth[tuple(one[0])]
+    for layer in range(3):
+        ref_conv, ref_ssm = plain_llm.engine.runner.states.entry(0, layer)
+        conv, ssm = spec_llm.engine.runner.states.entry(0, layer)
+        torch.testing.assert_close(conv, ref_conv, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(ssm, ref_ssm, rtol=1e-4, atol=1e-5)
+
+
+def test_ngram_speculation_is_lossless(hybrid_dir):
+    prompts = [p * 3 for p in PROMPTS[:3]]  # repeats: the n-gram drafter finds matches
+    plain = llm_for(hybrid_dir).generate(prompts, greedy(24))
+    spec_llm = llm_for(hybrid_dir, spec={"method": "ngram", "num_drafts": 4})
+    spec = spec_llm.generate(prompts, greedy(24))
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert spec_llm.engine.telemetry.spec.num_draft_tokens > 0
+
+
+def test_mtp_on_a_hybrid_target_is_refused_clearly(hybrid_dir):
+    with pytest.raises(ValueError, match="not supported on Qwen3-Next"):
+        llm_for(hybrid_dir, spec={"method": "mtp"})
