@@ -3,8 +3,8 @@ build the RequestOutputs a step returns."""
 
 from __future__ import annotations
 
-from metrale.engine.runner import SampledToken
 from metrale.engine.sequence import Sequence
+from metrale.engine.step_output import SampledToken
 from metrale.engine.stop import check_stop
 from metrale.outputs import CompletionOutput, Logprob, RequestOutput
 from metrale.tokenizer import Tokenizer

@@ -19,9 +19,10 @@ import torch
 from metrale.config import EngineConfig, ModelConfig, SamplingParams
 from metrale.engine.emitter import Emitter
 from metrale.engine.kv_cache import PageAllocator
-from metrale.engine.runner import ModelRunner, StepOutput
+from metrale.engine.runner import ModelRunner
 from metrale.engine.scheduler import Scheduler
 from metrale.engine.sequence import Batch, Sequence
+from metrale.engine.step_output import StepOutput
 from metrale.knobs import knobs
 from metrale.outputs import RequestOutput
 from metrale.spec.controller import SpeculativeDecoder

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,9 +15,10 @@ from metrale.config import EngineConfig, ModelConfig
 from metrale.engine.graphs import GraphRunner, decode_bucket
 from metrale.engine.kv_cache import DUMMY_PAGE, allocate_kv_cache, kv_page_bytes
 from metrale.engine.sampler import SamplingBatch, SamplingRow
-from metrale.engine.sequence import Batch, Phase, ScheduledSeq, Sequence
+from metrale.engine.sequence import Batch, Phase, ScheduledSeq
 from metrale.engine.staging import to_device_packed
 from metrale.engine.state_cache import StateSlots
+from metrale.engine.step_output import StepOutput, verdicts_of
 from metrale.models.attention import AttentionMetadata, TorchPagedAttention
 from metrale.models.loader import load_weights
 from metrale.models.mtp import load_mtp
@@ -29,17 +29,6 @@ from metrale.spec.row_table import RowTable
 from metrale.spec.verify import accept, build_layout
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SampledToken:
-    """One emitted token of one sequence, with its logprob information when asked for."""
-
-    seq: Sequence
-    token_id: int
-    logprob: float | None = None
-    rank: int | None = None
-    top: list[tuple[int, float]] | None = None  # (token id, logprob), best first
 
 
 @contextlib.contextmanager
@@ -277,7 +266,7 @@ class ModelRunner:
             self._draft_probs([e for e, _ in sampling], logits),
             raw_argmax=self.verify_raw_argmax,
         )
-        verdicts = _verdicts([e for e, _ in sampling], acc)
+        verdicts = verdicts_of([e for e, _ in sampling], acc)
         if keep_rows:
             # Write-on-accept: each sequence's state after its last token + accepted drafts.
             accepted = {id(v.entry): v.num_accepted for v in verdicts}
@@ -344,72 +333,3 @@ class ModelRunner:
                 q[torch.arange(k), torch.tensor(e.drafts)] = 1.0
             parts.append(q)
         return torch.cat(parts)
-
-
-@dataclass
-class SeqVerdict:
-    """A sampling sequence's result: its verified drafts, how many were accepted, and the tokens
-    it emits (accepted drafts, then the target's own token), with logprobs when asked for."""
-
-    entry: ScheduledSeq
-    num_accepted: int
-    matches: list[bool]  # per draft, every position
-    tokens: list[SampledToken]
-    picks: list[int]  # the target's token at every row, past the first miss too
-
-    @property
-    def seq(self) -> Sequence:
-        return self.entry.seq
-
-
-@dataclass
-class StepOutput:
-    entries: list[ScheduledSeq]  # the entries that ran, in packed order
-    verdicts: list[SeqVerdict]  # one per sampling entry, in packed order
-    hidden: torch.Tensor  # [T, H] final hidden states of every packed row
-    row_ends: list[int]  # per entry, the end of its packed rows
-
-    @staticmethod
-    def merge(parts: list[StepOutput]) -> StepOutput:
-        """Concatenate the outputs of entries run separately (failure isolation)."""
-        ends, offset = [], 0
-        for part in parts:
-            ends += [offset + end for end in part.row_ends]
-            offset += part.row_ends[-1] if part.row_ends else 0
-        return StepOutput(
-            [e for p in parts for e in p.entries],
-            [v for p in parts for v in p.verdicts],
-            torch.cat([p.hidden for p in parts]) if parts else torch.empty(0),
-            ends,
-        )
-
-
-def _verdicts(entries: list[ScheduledSeq], acc) -> list[SeqVerdict]:
-    """The step's one host sync: every row's match, emitted token and logprob data together."""
-    cols = [acc.matches[:, None].double(), acc.emitted[:, None].double()]
-    k = 0
-    if acc.logprobs is not None:
-        k = acc.top_token_ids.shape[1]
-        cols += [
-            acc.ranks[:, None].double(),
-            acc.logprobs[:, None].double(),
-            acc.top_token_ids.double(),
-            acc.top_logprobs.double(),
-        ]
-    table = torch.cat(cols, dim=1).tolist()  # [R, 2 (+ 2 + 2k)]
-    result, row = [], 0
-    for e in entries:
-        rows = table[row : row + len(e.drafts) + 1]
-        row += len(rows)
-        matches = [bool(r[0]) for r in rows[:-1]]
-        accepted = next((i for i, m in enumerate(matches) if not m), len(matches))
-        tokens = []
-        for r in rows[: accepted + 1]:
-            token = SampledToken(e.seq, int(r[1]))
-            n = e.seq.params.logprobs
-            if n is not None:
-                token.rank, token.logprob = int(r[2]), r[3]
-                token.top = [(int(i), lp) for i, lp in zip(r[4 : 4 + n], r[4 + k : 4 + k + n])]
-            tokens.append(token)
-        result.append(SeqVerdict(e, accepted, matches, tokens, [int(r[1]) for r in rows]))
-    return result

@@ -1,0 +1,91 @@
+"""What one model step returns: every entry's packed rows and hidden states, and for each sampling
+sequence its verdict (accepted drafts, emitted tokens with logprobs), copied back in one sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from metrale.engine.sequence import ScheduledSeq, Sequence
+
+
+@dataclass
+class SampledToken:
+    """One emitted token of one sequence, with its logprob information when asked for."""
+
+    seq: Sequence
+    token_id: int
+    logprob: float | None = None
+    rank: int | None = None
+    top: list[tuple[int, float]] | None = None  # (token id, logprob), best first
+
+
+@dataclass
+class SeqVerdict:
+    """A sampling sequence's result: its verified drafts, how many were accepted, and the tokens
+    it emits (accepted drafts, then the target's own token), with logprobs when asked for."""
+
+    entry: ScheduledSeq
+    num_accepted: int
+    matches: list[bool]  # per draft, every position
+    tokens: list[SampledToken]
+    picks: list[int]  # the target's token at every row, past the first miss too
+
+    @property
+    def seq(self) -> Sequence:
+        return self.entry.seq
+
+
+@dataclass
+class StepOutput:
+    entries: list[ScheduledSeq]  # the entries that ran, in packed order
+    verdicts: list[SeqVerdict]  # one per sampling entry, in packed order
+    hidden: torch.Tensor  # [T, H] final hidden states of every packed row
+    row_ends: list[int]  # per entry, the end of its packed rows
+
+    @staticmethod
+    def merge(parts: list[StepOutput]) -> StepOutput:
+        """Concatenate the outputs of entries run separately (failure isolation)."""
+        ends, offset = [], 0
+        for part in parts:
+            ends += [offset + end for end in part.row_ends]
+            offset += part.row_ends[-1] if part.row_ends else 0
+        return StepOutput(
+            [e for p in parts for e in p.entries],
+            [v for p in parts for v in p.verdicts],
+            torch.cat([p.hidden for p in parts]) if parts else torch.empty(0),
+            ends,
+        )
+
+
+def verdicts_of(entries: list[ScheduledSeq], acc) -> list[SeqVerdict]:
+    """The step's one host sync: every row's match, emitted token and logprob data together."""
+    cols = [acc.matches[:, None].double(), acc.emitted[:, None].double()]
+    k = 0
+    if acc.logprobs is not None:
+        k = acc.top_token_ids.shape[1]
+        cols += [
+            acc.ranks[:, None].double(),
+            acc.logprobs[:, None].double(),
+            acc.top_token_ids.double(),
+            acc.top_logprobs.double(),
+        ]
+    table = torch.cat(cols, dim=1).tolist()  # [R, 2 (+ 2 + 2k)]
+    result, row = [], 0
+    for e in entries:
+        rows = table[row : row + len(e.drafts) + 1]
+        row += len(rows)
+        matches = [bool(r[0]) for r in rows[:-1]]
+        accepted = next((i for i, m in enumerate(matches) if not m), len(matches))
+        tokens = []
+        for r in rows[: accepted + 1]:
+            token = SampledToken(e.seq, int(r[1]))
+            n = e.seq.params.logprobs
+            if n is not None:
+                token.rank, token.logprob = int(r[2]), r[3]
+                token.top = [(int(i), lp) for i, lp in zip(r[4 : 4 + n], r[4 + k : 4 + k + n])]
+            tokens.append(token)
+        result.append(SeqVerdict(e, accepted, matches, tokens, [int(r[1]) for r in rows]))
+    return result
