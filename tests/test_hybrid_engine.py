@@ -9,10 +9,11 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from metrale import LLM, SamplingParams
 from metrale.spec.replay import ReplayDrafter
-from tests.test_qwen3_next import TINY_NEXT, randomize, transformers
+from tests.test_qwen3_next import TINY_NEXT, hf_next, randomize, transformers
 
 PROMPTS = [[(11 * i + 5 * j) % 250 + 3 for j in range(6 + 5 * i)] for i in range(5)]
 
@@ -98,6 +99,42 @@ def test_ngram_speculation_is_lossless(hybrid_dir):
     assert spec_llm.engine.telemetry.spec.num_draft_tokens > 0
 
 
-def test_mtp_on_a_hybrid_target_is_refused_clearly(hybrid_dir):
-    with pytest.raises(ValueError, match="not supported on Qwen3-Next"):
-        llm_for(hybrid_dir, spec={"method": "mtp"})
+@pytest.fixture(scope="module")
+def hybrid_mtp_dir(hybrid_dir, tmp_path_factory):
+    """The hybrid checkpoint plus a random MTP head in the Qwen3-Next layout: `mtp.fc`, its
+    (1 + w) norms, and `mtp.layers.0`, a full-attention decoder layer with the sparse MoE (the
+    tensors of transformers' own layer class)."""
+    path = tmp_path_factory.mktemp("hybrid-mtp")
+    for f in hybrid_dir.iterdir():
+        shutil.copy(f, path / f.name)
+    cfg = transformers.AutoConfig.from_pretrained(hybrid_dir)
+    full = cfg.layer_types.index("full_attention")
+    layer = hf_next.Qwen3NextDecoderLayer(cfg, full)
+    randomize(layer, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    h = cfg.hidden_size
+    tensors = {f"mtp.layers.0.{k}": v.contiguous() for k, v in layer.state_dict().items()}
+    tensors["mtp.fc.weight"] = torch.randn(h, 2 * h, generator=gen) / (2 * h) ** 0.5
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{name}.weight"] = torch.randn(h, generator=gen) * 0.1
+    save_file(tensors, str(path / "mtp.safetensors"))
+    return path
+
+
+def test_mtp_speculation_on_a_hybrid_target_is_lossless(hybrid_mtp_dir):
+    plain = llm_for(hybrid_mtp_dir).generate(PROMPTS, greedy(20))
+    spec_llm = llm_for(hybrid_mtp_dir, spec={"method": "mtp", "num_drafts": 3})
+    heads = spec_llm.engine.runner.mtp
+    assert heads is not None and heads.depths[0].layer.layer_type == "full_attention"
+    saved = load_file(str(hybrid_mtp_dir / "mtp.safetensors"))
+    module = heads.depths[0]
+    torch.testing.assert_close(module.fc.weight, saved["mtp.fc.weight"], rtol=0, atol=0)
+    experts = module.layer.mlp.experts.down_proj
+    torch.testing.assert_close(
+        experts, saved["mtp.layers.0.mlp.experts.down_proj"].view_as(experts), rtol=0, atol=0
+    )
+    # The random head is never right: this pins the drafter's catch-up and chain on the hybrid
+    # target (its KV, the target's hiddens); the accept path is pinned by the replay tests.
+    spec = spec_llm.generate(PROMPTS, greedy(20))
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert spec_llm.engine.telemetry.spec.num_draft_tokens > 0

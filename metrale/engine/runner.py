@@ -97,8 +97,6 @@ class ModelRunner:
         use_kernel = self.device.type == "cuda" and triton_available(model_cfg.head_dim)
         self.backend = TritonPagedAttention() if use_kernel else TorchPagedAttention()
         self.hybrid = model_cfg.hybrid is not None
-        if self.hybrid and with_mtp:
-            raise ValueError("spec.method 'mtp' is not supported on Qwen3-Next targets yet")
         target_cls = Qwen3NextForCausalLM if self.hybrid else Qwen3ForCausalLM
         with torch.device(self.device), default_dtype(self.dtype):
             self.model = target_cls(model_cfg, self.backend, max_model_len)

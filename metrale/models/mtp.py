@@ -35,6 +35,7 @@ from metrale.models.attention import AttentionBackend, AttentionMetadata
 from metrale.models.layers import RMSNorm, RotaryEmbedding
 from metrale.models.loader import CheckpointError, checkpoint_files, load_weights
 from metrale.models.qwen3 import PACKED_MODULES, Qwen3Attention, Qwen3DecoderLayer
+from metrale.models.qwen3_next import Qwen3NextDecoderLayer, ZeroCentredRMSNorm
 
 QWEN3_NEXT = "qwen3_next"
 DEEPSEEK = "deepseek"
@@ -70,11 +71,18 @@ class MTPModule(nn.Module):
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.chain_pre_norm = chain_pre_norm
         self._backend = backend
-        self.pre_fc_norm_embedding = shared.pre_fc_norm_embedding if shared else RMSNorm(h, eps)
-        self.pre_fc_norm_hidden = shared.pre_fc_norm_hidden if shared else RMSNorm(h, eps)
+        # A hybrid (Qwen3-Next) target's heads use its (1 + w) norms and its decoder layer.
+        norm = RMSNorm if cfg.hybrid is None else ZeroCentredRMSNorm
+        self.pre_fc_norm_embedding = shared.pre_fc_norm_embedding if shared else norm(h, eps)
+        self.pre_fc_norm_hidden = shared.pre_fc_norm_hidden if shared else norm(h, eps)
         self.fc = shared.fc if shared else nn.Linear(2 * h, h, bias=False)
-        self.layer = Qwen3DecoderLayer(cfg, rotary, backend)
-        self.norm = shared.norm if shared else RMSNorm(h, eps)
+        if cfg.hybrid is None:
+            self.layer: nn.Module = Qwen3DecoderLayer(cfg, rotary, backend)
+            self._layer_args: tuple = ()
+        else:
+            self.layer = Qwen3NextDecoderLayer(cfg, 0, rotary, backend, mtp=True)
+            self._layer_args = (None, None)  # no GDN rows or state: a full-attention layer
+        self.norm = shared.norm if shared else norm(h, eps)
 
     def forward(
         self,
@@ -90,7 +98,7 @@ class MTPModule(nn.Module):
         meta = self._backend.prepare(meta)
         emb = self.pre_fc_norm_embedding(embed(input_ids))  # [T, H]
         u = self.fc(torch.cat([emb, self.pre_fc_norm_hidden(hidden)], dim=-1))  # [T, 2H] -> [T, H]
-        mlp_out, residual = self.layer(positions, u, None, meta)
+        mlp_out, residual = self.layer(positions, u, None, meta, *self._layer_args)
         out, x = self.norm.forward_residual(mlp_out, residual)  # x: the layer output, pre-norm
         return out, (x if self.chain_pre_norm else out)
 
@@ -113,6 +121,8 @@ class MTPHeads(nn.Module):
             raise ValueError(f"unknown MTP layout {layout!r}; expected one of {LAYOUTS}")
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        if cfg.hybrid is not None and layout != QWEN3_NEXT:
+            raise ValueError(f"a Qwen3-Next target's MTP heads use the {QWEN3_NEXT!r} layout")
         self.layout = layout
         self.depths = nn.ModuleList()
         for i in range(num_layers):

@@ -186,16 +186,19 @@ class Qwen3NextDecoderLayer(nn.Module):
         layer: int,
         rotary: RotaryEmbedding,
         backend: AttentionBackend,
+        mtp: bool = False,
     ) -> None:
+        """`mtp`: the layer of an MTP depth module (`mtp.layers.{i}`), outside the target's
+        layer list: full attention, with the sparse MoE when the model has experts."""
         super().__init__()
         hybrid = cfg.hybrid
         assert hybrid is not None
-        self.layer_type = hybrid.layer_types[layer]
+        self.layer_type = "full_attention" if mtp else hybrid.layer_types[layer]
         if self.layer_type == "linear_attention":
             self.linear_attn = Qwen3NextGatedDeltaNet(cfg, hybrid.gdn_layers.index(layer))
         else:
             self.self_attn = Qwen3NextAttention(cfg, rotary, backend)
-        if hybrid.is_moe_layer(layer):
+        if (hybrid.num_experts > 0) if mtp else hybrid.is_moe_layer(layer):
             self.mlp: nn.Module = Qwen3NextSparseMoeBlock(cfg)
         else:
             self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
