@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from metrale import LLM, SamplingParams
 from metrale.spec.replay import ReplayDrafter
+from metrale.spec.verify_key import verify_graph_key
 from tests.test_qwen3_next import TINY_NEXT, hf_next, randomize, transformers
 
 PROMPTS = [[(11 * i + 5 * j) % 250 + 3 for j in range(6 + 5 * i)] for i in range(5)]
@@ -79,6 +80,10 @@ def test_speculation_is_lossless_and_commits_the_accepted_state(hybrid_dir, alph
         assert tel.num_accepted_tokens == tel.num_draft_tokens > 0
     if alpha == 0.0:
         assert tel.num_accepted_tokens == 0 and tel.num_draft_tokens > 0
+    # Verify keys carry the write-on-accept variant's sentinel (no WY tables in verify).
+    assert tel.verify_keys and {key[-1] for key in tel.verify_keys} == {
+        verify_graph_key([], wy_tables_null=True, write_on_accept=True)[-1]
+    }
     # One prompt alone in each engine: both end in slot 0 with the state after the same tokens.
     one = [PROMPTS[3]]
     assert plain_llm.generate(one, greedy(24))[0].outputs[0].token_ids == truth[tuple(one[0])]

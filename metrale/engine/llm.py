@@ -107,7 +107,12 @@ class LLMEngine:
             else:  # "mtp": the runner loaded the checkpoint's heads (or refused)
                 drafter = MTPDrafter(self.runner, spec.mtp_max_seqs or self.config.max_num_seqs)
         return SpeculativeDecoder(
-            spec, drafter, self.telemetry.spec, self.max_model_len, self.vocab_size
+            spec,
+            drafter,
+            self.telemetry.spec,
+            self.max_model_len,
+            self.vocab_size,
+            write_on_accept=self.runner.hybrid,
         )
 
     def _resolve_max_model_len(self) -> int:

@@ -65,13 +65,17 @@ class SpeculativeDecoder:
         max_model_len: int,
         vocab_size: int,
         cost: VerifyCostModel | None = None,
+        write_on_accept: bool = False,
     ) -> None:
+        """`write_on_accept`: the target keeps recurrent state and commits it after acceptance
+        (hybrid targets); it selects that variant's verify graph keys."""
         self.cfg = cfg
         self.drafter = drafter
         self.telemetry = telemetry
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.cost = cost or VerifyCostModel()
+        self.write_on_accept = write_on_accept
         self.estimator = AcceptanceEstimator(
             max_positions=max(cfg.num_drafts, 1), prior=cfg.dcut_prior
         )
@@ -158,7 +162,8 @@ class SpeculativeDecoder:
             ks = [len(v.drafts) for v in verified]
             order, depths = verify_batch_order(slots, ks, canonical_assignment(len(verified)))
             pairs = [(slots[i], d + 1) for i, d in zip(order, depths, strict=True)]
-            self.telemetry.record_key(verify_graph_key(pairs, True, False))
+            # Verify never uses WY tables here (the recurrent form runs the verify rows).
+            self.telemetry.record_key(verify_graph_key(pairs, True, self.write_on_accept))
         for v in verdicts:
             real, first = self._proposed.get(v.seq.seq_id, (len(v.drafts), None))
             if v.drafts:
