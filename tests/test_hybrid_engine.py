@@ -143,3 +143,28 @@ def test_mtp_speculation_on_a_hybrid_target_is_lossless(hybrid_mtp_dir):
     spec = spec_llm.generate(PROMPTS, greedy(20))
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     assert spec_llm.engine.telemetry.spec.num_draft_tokens > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gdn_triton", [False, True])
+def test_cuda_hybrid_speculation_equals_cpu(hybrid_dir, gdn_triton, monkeypatch):
+    """On CUDA (float32), with the torch delta rule or the Triton kernel: plain and replayed
+    speculative greedy outputs equal the CPU's."""
+    from metrale.knobs import knobs
+
+    monkeypatch.setenv("METRALE_GDN_TRITON", "1" if gdn_triton else "0")
+    knobs.cache_clear()
+    try:
+        cpu = llm_for(hybrid_dir).generate(PROMPTS, greedy(24))
+        truth = {tuple(p): o.outputs[0].token_ids for p, o in zip(PROMPTS, cpu, strict=True)}
+        plain = LLM(hybrid_dir, device="cuda", dtype="float32").generate(PROMPTS, greedy(24))
+        drafter = ReplayDrafter(truth, 0.6, vocab_size=320)
+        spec_llm = LLM(
+            hybrid_dir, device="cuda", dtype="float32", drafter=drafter, spec={"num_drafts": 3}
+        )
+        spec = spec_llm.generate(PROMPTS, greedy(24))
+    finally:
+        knobs.cache_clear()
+    want = [o.outputs[0].token_ids for o in cpu]
+    assert [o.outputs[0].token_ids for o in plain] == want
+    assert [o.outputs[0].token_ids for o in spec] == want

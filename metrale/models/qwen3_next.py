@@ -21,6 +21,7 @@ from torch import nn
 from metrale.config import ModelConfig
 from metrale.models.attention import AttentionBackend, AttentionMetadata
 from metrale.models.gdn import (
+    DeltaRuleOutput,
     GatedRMSNorm,
     GDNState,
     RowLayout,
@@ -31,6 +32,7 @@ from metrale.models.gdn import (
 from metrale.models.layers import RotaryEmbedding, SwiGLUMLP
 from metrale.models.qwen3 import PACKED_MODULES
 from metrale.models.qwen3_next_moe import Qwen3NextSparseMoeBlock
+from metrale.models.triton_gdn import recurrent_gated_delta_rule_triton, triton_gdn_enabled
 
 
 class ZeroCentredRMSNorm(nn.Module):
@@ -165,7 +167,13 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         # NOTE: padded rows get g = beta = 0, which leaves the state unchanged.
         beta = layout.pad(b.sigmoid())  # [B, T, Hv]
         g = layout.pad(-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias))
-        if state.keep_rows or t == 1:
+        if (state.keep_rows or t == 1) and triton_gdn_enabled(v):
+            res = DeltaRuleOutput(
+                *recurrent_gated_delta_rule_triton(
+                    q, k, v, g, beta, ssm, output_all_states=state.keep_rows
+                )
+            )
+        elif state.keep_rows or t == 1:
             res = recurrent_gated_delta_rule(
                 q, k, v, g, beta, ssm, output_all_states=state.keep_rows
             )
