@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from metrale.cli import main
 from metrale.default_model import default_model_dir
 from metrale.spec.dcut import VerifyCostModel
@@ -51,6 +53,10 @@ def test_bench_writes_table_json_and_png(tmp_path, capsys):
     (e2e,) = result["e2e"]
     assert e2e["batch"] == 2 and e2e["speedup"] > 0 and e2e["ideal_speedup"] > 0
     assert 1.0 <= e2e["mean_acceptance_length"] <= 3.0
+    # Both ideals price one verify the same way: they differ by the acceptance length only.
+    ratio = e2e["ideal_speedup_at_measured_acceptance"] / e2e["ideal_speedup"]
+    expected = (1 - 0.7**3) / (1 - 0.7)  # alpha 0.7, K = 2
+    assert ratio == pytest.approx(e2e["mean_acceptance_length"] / expected)
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
