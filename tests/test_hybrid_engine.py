@@ -168,3 +168,39 @@ def test_cuda_hybrid_speculation_equals_cpu(hybrid_dir, gdn_triton, monkeypatch)
     want = [o.outputs[0].token_ids for o in cpu]
     assert [o.outputs[0].token_ids for o in plain] == want
     assert [o.outputs[0].token_ids for o in spec] == want
+
+
+def test_a_failure_mid_forward_ends_only_its_sequence_and_corrupts_no_state(
+    hybrid_dir, monkeypatch
+):
+    """A forward that raises after two GDN layers advanced their state (a NaN check, say): the
+    failing sequence ends with an error, and the others, whose state those layers had already
+    advanced, go on to exactly the output they have alone."""
+    llm = llm_for(hybrid_dir)
+    runner, layer = llm.engine.runner, llm.engine.runner.model.model.layers[2]
+    real_execute, real_layer = runner.execute, layer.forward
+    current: list = []
+
+    def execute(batch):
+        current[:] = [e.seq.request_id for e in batch.entries]
+        return real_execute(batch)
+
+    calls = iter(range(10**6))
+
+    def failing_layer(*args, **kwargs):
+        # Runs after layers 0 and 1 (GDN) wrote their new states; fails mid-generation (not at
+        # the first prefill), and from then on whenever req-2 runs, batched or alone.
+        if "req-2" in current and next(calls) >= 3:
+            raise RuntimeError("NaN in layer 2")
+        return real_layer(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", execute)
+    monkeypatch.setattr(layer, "forward", failing_layer)
+    outs = llm.generate(PROMPTS, greedy(16))
+    monkeypatch.undo()
+    assert outs[2].outputs[0].finish_reason == "error"
+    assert "NaN in layer 2" in outs[2].outputs[0].error
+    for i in (0, 1, 3, 4):
+        alone = llm_for(hybrid_dir).generate([PROMPTS[i]], greedy(16))[0].outputs[0].token_ids
+        assert outs[i].outputs[0].token_ids == alone, i
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable

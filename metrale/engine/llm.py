@@ -21,7 +21,7 @@ from metrale.engine.emitter import Emitter
 from metrale.engine.kv_cache import PageAllocator
 from metrale.engine.runner import ModelRunner
 from metrale.engine.scheduler import Scheduler
-from metrale.engine.sequence import Batch, Sequence
+from metrale.engine.sequence import Batch, ScheduledSeq, Sequence
 from metrale.engine.step_output import StepOutput
 from metrale.knobs import knobs
 from metrale.outputs import RequestOutput
@@ -266,7 +266,30 @@ class LLMEngine:
                 log.exception("sequence %s failed", batch.entries[0].seq.request_id)
                 self._fail(batch.entries[0].seq, f"{type(e).__name__}: {e}")
                 return StepOutput([], [], torch.empty(0), [])
-        return StepOutput.merge([self._run(Batch(entries=[e])) for e in batch.entries])
+        parts = []
+        for entry in batch.entries:
+            if self.runner.hybrid and not self._rebuild_state(entry):
+                continue
+            parts.append(self._run(Batch(entries=[entry])))
+        return StepOutput.merge(parts)
+
+    def _rebuild_state(self, entry: ScheduledSeq) -> bool:
+        """A hybrid forward that failed may have advanced some layers' recurrent state: rebuild
+        the sequence's state by re-running its computed rows from its first token (their KV is
+        rewritten identically). False when that fails too (the sequence is then ended)."""
+        seq, done = entry.seq, entry.seq.num_computed_tokens
+        if done == 0:
+            return True  # its state is reset before it runs anyway
+        seq.num_computed_tokens = 0
+        try:
+            self.runner.execute(Batch(entries=[ScheduledSeq(seq, done)]))
+        except Exception as e:  # noqa: BLE001 (isolation, as in _run)
+            log.exception("sequence %s failed", seq.request_id)
+            self._fail(seq, f"{type(e).__name__}: {e}")
+            return False
+        finally:
+            seq.num_computed_tokens = done
+        return True
 
     def _commit(self, out: StepOutput, changed: dict) -> int:
         """Advance every sequence past its committed rows, emit its tokens, feed the drafter.
