@@ -55,6 +55,51 @@ SHAPES = {
         num_key_value_heads=8,
         tie_word_embeddings=True,
     ),
+    # Qwen3-Next-80B-A3B's published layout with 64 of its 512 experts (the same experts per
+    # token, so the same bytes per token at small batch; 19 GB of bf16 weights instead of 160).
+    "qwen3-next-a3b-64e": dict(
+        architectures=["Qwen3NextForCausalLM"],
+        model_type="qwen3_next",
+        hidden_size=2048,
+        intermediate_size=5120,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        full_attention_interval=4,
+        num_experts=64,
+        num_experts_per_tok=10,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        partial_rotary_factor=0.25,
+        rope_theta=10000000.0,
+        tie_word_embeddings=False,
+    ),
+    "qwen3-next-tiny": dict(
+        architectures=["Qwen3NextForCausalLM"],
+        model_type="qwen3_next",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        vocab_size=512,
+        tie_word_embeddings=True,
+    ),
     "tiny": dict(
         hidden_size=64,
         intermediate_size=128,
@@ -116,11 +161,18 @@ def bandwidth(device: torch.device) -> float:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one batch-1 step reads: every weight once (tied ones once), except that
+    a sparse MoE block's routed experts count only `num_experts_per_tok` of `num_experts`."""
     seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
+    for name, p in model.named_parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        size = p.numel() * p.element_size()
+        hybrid = getattr(getattr(model, "config", None), "hybrid", None)
+        if hybrid is not None and ".experts." in name + "." and hybrid.num_experts:
+            size = size * hybrid.num_experts_per_tok // hybrid.num_experts
+        total += size
     return total
 
 

@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from metrale.api import LLM
+from metrale.bench import SHAPES, write_shape
 from metrale.cli import main
 from metrale.default_model import default_model_dir
 from metrale.spec.dcut import VerifyCostModel
@@ -80,3 +82,26 @@ def test_bench_e2e_drafter_on_the_default_model(tmp_path, capsys):
         assert row["identical_outputs"] == 1.0
         assert 1.0 < row["mean_acceptance_length"] <= 4.0  # the trained head is sometimes right
         assert row["tokens_per_s_plain"] > 0 and row["tokens_per_s_spec"] > 0
+
+
+def test_bench_runs_a_hybrid_shape(tmp_path, capsys):
+    """A Qwen3-Next-shaped random model: decode and verify cost curves and the end-to-end run,
+    with a roofline that counts the experts a batch-1 token reads, not all of them."""
+    out = tmp_path / "bench"
+    args = ["bench", "--shape", "qwen3-next-tiny", "--device", "cpu", "--batch-sizes", "1,2"]
+    args += ["--q", "1,3", "--context", "20", "--e2e-batch-sizes", "2", "--max-tokens", "10"]
+    args += ["--num-drafts", "2", "--out", str(out)]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [d["batch"] for d in result["decode"]] == [1, 2]
+    assert result["verify_cost"]["q"] == [1, 3]
+    (e2e,) = result["e2e"]
+    assert e2e["speedup"] > 0 and 1.0 <= e2e["mean_acceptance_length"] <= 3.0
+    shape = SHAPES["qwen3-next-tiny"]
+    experts = shape["num_hidden_layers"] * shape["num_experts"] * 3 * 64 * 32 * 4  # float32
+    active = experts * shape["num_experts_per_tok"] // shape["num_experts"]
+    assert result["weight_bytes"] > 0
+    # all weights = counted weights + the routed experts a token does not read
+    llm = LLM(write_shape("qwen3-next-tiny", tmp_path / "s"), load_format="dummy", device="cpu")
+    total = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    assert total - result["weight_bytes"] == experts - active

@@ -23,7 +23,7 @@ from metrale.models.attention import AttentionMetadata, TorchPagedAttention
 from metrale.models.loader import load_weights
 from metrale.models.mtp import load_mtp
 from metrale.models.qwen3 import Qwen3ForCausalLM
-from metrale.models.qwen3_next import Qwen3NextForCausalLM
+from metrale.models.qwen3_next import Qwen3NextForCausalLM, ZeroCentredRMSNorm
 from metrale.models.triton_attention import TritonPagedAttention, triton_available
 from metrale.spec.row_table import RowTable
 from metrale.spec.verify import accept, build_layout
@@ -68,13 +68,17 @@ def num_pages_for(
 
 @torch.no_grad()
 def dummy_weights(model: torch.nn.Module, seed: int) -> None:
-    """Random weights for `load_format="dummy"`: N(0, 0.02) matrices, unit norms, seeded."""
+    """Random weights for `load_format="dummy"`: N(0, 0.02) matrices, unit norms (a (1 + w)
+    norm's w = 0), seeded."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         else:
             param.normal_(0.0, 0.02, generator=gen)
+    for module in model.modules():
+        if isinstance(module, ZeroCentredRMSNorm):
+            module.weight.zero_()
 
 
 class ModelRunner:
