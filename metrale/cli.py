@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--shape",
         default="tiny",
-        help="qwen3-8b | qwen3-1.7b | qwen3-0.6b | tiny "
+        help="qwen3-8b | qwen3-1.7b | qwen3-0.6b | qwen3-next-a3b-64e | qwen3-next-tiny | tiny "
         "(random bf16 weights of the published shape)",
     )
     bench.add_argument("--device", default="auto", help="torch device")
