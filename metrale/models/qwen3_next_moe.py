@@ -4,7 +4,8 @@ SwiGLU MLP, plus one shared SwiGLU expert scaled by a sigmoid gate of its own.
 
 The experts are stacked as HF 5.x keeps them (`experts.gate_up_proj` [E, 2I, H] with gate rows
 first, `experts.down_proj` [E, H, I]); the loader fills them from per-expert checkpoint tensors
-(`experts.{e}.gate_proj.weight`, ...) as well. The expert loop is the torch reference.
+(`experts.{e}.gate_proj.weight`, ...) as well. Small batches (decode, verify) gather each row's
+experts and run batched matmuls without a host sync; larger ones loop over the experts.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ from torch import nn
 
 from metrale.config import ModelConfig
 from metrale.models.layers import SwiGLUMLP
+
+# Up to this many (row, expert) pairs, the experts' weights are gathered per row (sync-free,
+# but each pair copies its expert's weights); above it, the loop reads each expert once.
+GATHER_MAX_PAIRS = 64
 
 
 class Qwen3NextExperts(nn.Module):
@@ -30,6 +35,24 @@ class Qwen3NextExperts(nn.Module):
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """x [N, H]; experts, weights [N, k] (expert ids and their routing weights) -> [N, H]."""
+        if experts.numel() <= GATHER_MAX_PAIRS:
+            return self._gathered(x, experts, weights)
+        return self._looped(x, experts, weights)
+
+    def _gathered(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Each row's k experts gathered and applied as batched matmuls: no host sync, so decode
+        and verify steps keep their one sync per step (and can be graph-captured)."""
+        gate_up = torch.einsum("nh,nkoh->nko", x, self.gate_up_proj[experts])  # [N, k, 2I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = torch.einsum("nki,nkhi->nkh", F.silu(gate) * up, self.down_proj[experts])
+        return (y * weights[..., None]).sum(dim=1).to(x.dtype)
+
+    def _looped(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """One pass per expert over the rows routed to it (prefill-sized batches)."""
         out = torch.zeros_like(x)
         for e in range(self.num_experts):
             rows, pick = torch.where(experts == e)  # NOTE: a host sync; reference path
