@@ -170,13 +170,14 @@ def test_cuda_hybrid_speculation_equals_cpu(hybrid_dir, gdn_triton, monkeypatch)
     assert [o.outputs[0].token_ids for o in spec] == want
 
 
+@pytest.mark.parametrize("budget", [None, 8])  # 8: prefill and the state rebuild in chunks
 def test_a_failure_mid_forward_ends_only_its_sequence_and_corrupts_no_state(
-    hybrid_dir, monkeypatch
+    hybrid_dir, budget, monkeypatch
 ):
     """A forward that raises after two GDN layers advanced their state (a NaN check, say): the
     failing sequence ends with an error, and the others, whose state those layers had already
     advanced, go on to exactly the output they have alone."""
-    llm = llm_for(hybrid_dir)
+    llm = llm_for(hybrid_dir, **({"max_num_batched_tokens": budget} if budget else {}))
     runner, layer = llm.engine.runner, llm.engine.runner.model.model.layers[2]
     real_execute, real_layer = runner.execute, layer.forward
     current: list = []

@@ -182,3 +182,50 @@ def test_recurrent_delta_rule_kernel_matches_reference(dtype, all_states, with_s
         torch.testing.assert_close(states[1, 3:], states[1, 2:3].expand(2, -1, -1, -1))
     else:
         assert states is None
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_attention_ignores_nan_past_the_sequence_and_rows_without_keys(splits, monkeypatch):
+    """Both backends with NaN parked past every sequence's end (a stale page, the dummy page):
+    the output stays finite and equals a clean cache's; a row that sees no key at all (only a
+    capture-time dummy row can) gets 0, not 0 / 0, whatever the number of splits."""
+    monkeypatch.setattr(triton_attention, "num_splits", lambda *args: splits)
+    torch.manual_seed(5)
+    page, pages, heads, kv_heads, dim = 16, 8, 4, 2, 16
+    seq_lens, q_lens = [20, 5], [2, 1]
+    tables = [[1, 2], [3, 0]]  # the second sequence's padding entry is the dummy page
+    positions, slots, starts = [], [], [0]
+    for b, (ql, sl) in enumerate(zip(q_lens, seq_lens)):
+        for p in range(sl - ql, sl):
+            positions.append(p)
+            slots.append(tables[b][p // page] * page + p % page)
+        starts.append(starts[-1] + ql)
+
+    def meta(lens=seq_lens):
+        def t(x):
+            return torch.as_tensor(x, dtype=torch.long, device=DEVICE)
+
+        return AttentionMetadata(
+            t(slots), t(positions), t(starts), t(lens), t(tables), max(q_lens), max(lens), page
+        )
+
+    clean = torch.randn(2, pages, page, kv_heads, dim, device=DEVICE)
+    dirty = clean.clone()
+    dirty[:, 0] = float("nan")  # the dummy page
+    dirty[:, 2, 4:] = float("nan")  # sequence 0 ends at position 19: page 2, offset 3
+    dirty[:, 3, 5:] = float("nan")  # sequence 1 ends at position 4: page 3, offset 4
+    q = torch.randn(3, heads, dim, device=DEVICE)
+    k, v = (
+        torch.randn(3, kv_heads, dim, device=DEVICE),
+        torch.randn(3, kv_heads, dim, device=DEVICE),
+    )
+    for backend in (TorchPagedAttention(), triton_attention.TritonPagedAttention()):
+        want = backend.forward(q, k, v, clean.clone(), backend.prepare(meta()), dim**-0.5)
+        got = backend.forward(q, k, v, dirty.clone(), backend.prepare(meta()), dim**-0.5)
+        assert torch.isfinite(got).all(), type(backend).__name__
+        torch.testing.assert_close(got, want)
+    # Rows whose positions precede every key (seq_len 1 for 2 rows: the first sees nothing).
+    kernel = triton_attention.TritonPagedAttention()
+    out = kernel.forward(q, k, v, clean.clone(), kernel.prepare(meta([1, 5])), dim**-0.5)
+    assert torch.isfinite(out).all()
+    assert out[0].abs().max() == 0

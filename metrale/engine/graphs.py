@@ -190,17 +190,23 @@ class GraphRunner:
         return run
 
     def _fill_dummy(self, table: RowTable) -> None:
-        """Capture-time inputs: every row on the dummy page, each sequence one row long."""
+        """Capture-time inputs: every sequence on the dummy page, its k rows at positions
+        0..k-1 (the capture's warm-up really runs: every row must see a key, or its output
+        would be 0 / 0 and its K/V would poison the dummy page)."""
         seqs = table.num_seqs
         self.input_ids.zero_()
-        self.positions.zero_()
         self.slots.fill_(DUMMY_PAGE * self.page_size)
-        starts = [0]
+        starts, lens, positions = [0], [], []
         for run in table.runs:
             for _ in range(run.count):
                 starts.append(starts[-1] + run.k)
+                lens.append(run.k)
+                positions.extend(range(run.k))
         self.query_start_loc[: seqs + 1] = torch.tensor(starts, device=self.device)
-        self.seq_lens.fill_(1)
+        self.seq_lens[:seqs] = torch.tensor(lens, device=self.device)
+        self.positions[: len(positions)] = torch.tensor(positions, device=self.device)
+        # NOTE: slots stay inside the dummy page whatever k is (every row's table is dummy).
+        self.slots[: len(positions)] += self.positions[: len(positions)] % self.page_size
         self.block_tables.fill_(DUMMY_PAGE)
 
     def run(

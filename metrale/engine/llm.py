@@ -275,14 +275,18 @@ class LLMEngine:
 
     def _rebuild_state(self, entry: ScheduledSeq) -> bool:
         """A hybrid forward that failed may have advanced some layers' recurrent state: rebuild
-        the sequence's state by re-running its computed rows from its first token (their KV is
-        rewritten identically). False when that fails too (the sequence is then ended)."""
+        the sequence's state by re-running its computed rows from its first token, in chunks of
+        the step budget (their KV is rewritten identically). False when that fails too (the
+        sequence is then ended)."""
         seq, done = entry.seq, entry.seq.num_computed_tokens
         if done == 0:
             return True  # its state is reset before it runs anyway
-        seq.num_computed_tokens = 0
+        chunk = self.config.max_num_batched_tokens  # the step budget bounds each re-run
         try:
-            self.runner.execute(Batch(entries=[ScheduledSeq(seq, done)]))
+            for start in range(0, done, chunk):
+                seq.num_computed_tokens = start
+                rows = min(chunk, done - start)
+                self.runner.execute(Batch(entries=[ScheduledSeq(seq, rows)]))
         except Exception as e:  # noqa: BLE001 (isolation, as in _run)
             log.exception("sequence %s failed", seq.request_id)
             self._fail(seq, f"{type(e).__name__}: {e}")

@@ -136,7 +136,8 @@ class ModelRunner:
             self.graphs = GraphRunner(
                 self.model,
                 cfg.graph_max_rows,
-                max_model_len,
+                # a sequence's block table may reach `lookahead` rows past the model length
+                max_model_len + lookahead,
                 cfg.page_size,
                 self.device,
                 paged_kernel=isinstance(self.backend, TritonPagedAttention),

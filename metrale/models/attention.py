@@ -44,6 +44,7 @@ class AttentionMetadata:
     q_index: torch.Tensor | None = None  # [B, max_q] row of each padded query (0 for padding)
     q_valid: torch.Tensor | None = None  # [B, max_q] bool
     kv_slots: torch.Tensor | None = None  # [B, max_kv] flat slot of each key (0 for padding)
+    kv_valid: torch.Tensor | None = None  # [B, max_kv] bool: a real key (not padding)
     mask: torch.Tensor | None = None  # [B, 1, max_q, max_kv] bool: key visible to query
     row_seq: torch.Tensor | None = None  # [T] sequence index of each packed row
     row_offset: torch.Tensor | None = None  # [T] index of each row within its sequence
@@ -114,6 +115,7 @@ class TorchPagedAttention:
         # Padded query rows see key 0 so SDPA never normalises an empty row (NaN); they are dropped.
         mask = mask | (~q_valid[:, :, None] & (kv_pos == 0)[None, None, :])
         meta.q_index, meta.q_valid, meta.kv_slots = q_index, q_valid, kv_slots
+        meta.kv_valid = kv_valid
         meta.mask = mask.unsqueeze(1)
         meta.row_seq, meta.row_offset = row_seq, row_offset
         return meta
@@ -132,6 +134,10 @@ class TorchPagedAttention:
         flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
         keys = flat[0][meta.kv_slots].to(q.dtype)  # [B, max_kv, Hkv, D]
         values = flat[1][meta.kv_slots].to(q.dtype)
+        # Padded key positions read the dummy page: zero them, or a NaN parked there would
+        # reach every row through 0 * NaN (a masked score does not stop it in the values).
+        valid = meta.kv_valid[:, :, None, None]
+        keys, values = keys.masked_fill(~valid, 0.0), values.masked_fill(~valid, 0.0)
         queries = q[meta.q_index]  # [B, max_q, Hq, D]
         out = F.scaled_dot_product_attention(
             queries.transpose(1, 2),

@@ -97,7 +97,13 @@ if triton is not None:
             page = tl.load(tables_ptr + seq * stride_bt + p)
             base = page * stride_cp + kvh * stride_ch
             k = tl.load(k_ptr + base + n[:, None] * stride_co + d[None, :])  # [PAGE, D]
-            v = tl.load(v_ptr + base + n[:, None] * stride_co + d[None, :])
+            # Keys past the sequence's end are masked out of the scores; their values must be
+            # zeroed too, or a stale NaN there (an old occupant's page, the dummy page) would
+            # reach the output through 0 * NaN.
+            in_seq = (p * PAGE + n) < seq_len
+            v = tl.load(
+                v_ptr + base + n[:, None] * stride_co + d[None, :], mask=in_seq[:, None], other=0.0
+            )
             if DOT_F32:  # the interpreter's bf16 dot is wrong; float32 operands are exact
                 k, v = k.to(tl.float32), v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
@@ -149,10 +155,12 @@ if triton is not None:
         m = tl.load(part_ml_ptr + part * 2)
         l_s = tl.load(part_ml_ptr + part * 2 + 1)
         acc = tl.load(part_acc_ptr + part[:, None] * D + d[None, :])
-        m_max = tl.max(m, axis=0)  # finite: the first split always sees key 0
+        m_max = tl.max(m, axis=0)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # no split saw a key
         w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
         total = tl.sum(l_s * w, axis=0)
-        out = tl.sum(acc * w[:, None], axis=0) / total
+        # A row that sees no key (only a capture-time dummy row can) gets 0, not 0 / 0.
+        out = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
         tl.store(out_ptr + row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
@@ -173,7 +181,8 @@ def num_splits(num_seqs: int, kv_heads: int, device: torch.device) -> int:
     run (one program per sequence and head would leave most multiprocessors idle at batch 1).
 
     NOTE: it depends on the batch only through next_pow2(num_seqs), which a padded decode bucket
-    leaves unchanged, so an eager step and its graph replay split, and round, alike."""
+    leaves unchanged, so a decode step splits, and rounds, alike eagerly and replayed. A verify
+    padded per depth may not (the eager path only serves tables the graph cache refused)."""
     programs = (1 << (num_seqs - 1).bit_length()) * kv_heads
     wanted = -(-PROGRAMS_PER_SM * _multiprocessors(device) // programs)
     return min(1 << (wanted - 1).bit_length() if wanted > 1 else 1, MAX_SPLITS)
