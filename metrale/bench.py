@@ -6,8 +6,9 @@ end-to-end speed with and without speculation at a known acceptance, in one proc
   last token plus q - 1 drafts) through the engine's step (forward, acceptance, the host copy);
   the verify cost curve is T(q) / T(1) per B, in the JSON shape `VerifyCostModel.from_json` reads.
 - End to end: generate without speculation and record the continuations, then replay them as
-  drafts corrupted with probability 1 - alpha, timing the second of two runs of each (graphs
-  captured, caches warm); the speedup is set against the ideal
+  drafts corrupted with probability 1 - alpha (`--dcut`: D-Cut plans the depths, from the verify
+  cost curve just measured; without it every verify has K drafts), timing the second of two
+  runs of each (graphs captured, caches warm); the speedup is set against the ideal
   (1 - alpha^(K+1)) / (1 - alpha) x T(1) / T(K+1).
 
 It prints a table, writes JSON (also the last stdout line) and a PNG plot. Tiny shapes run on CPU.
@@ -27,6 +28,7 @@ from metrale.api import LLM
 from metrale.config import SamplingParams
 from metrale.default_model import write_tokenizer
 from metrale.engine.sequence import Batch, ScheduledSeq, Sequence
+from metrale.spec.dcut import VerifyCostModel
 from metrale.spec.replay import ReplayDrafter
 
 # Published config numbers of the Qwen3 family (HF config.json), and a tiny shape for CPU runs.
@@ -276,7 +278,7 @@ def run(args) -> dict:
         max_num_seqs=max(args.batch_sizes),
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
-        spec={"num_drafts": args.num_drafts, "dcut": False},
+        spec={"num_drafts": args.num_drafts, "dcut": getattr(args, "dcut", False)},
     )
     drafter.vocab_size = llm.engine.vocab_size
     if device.type == "cuda":
@@ -306,7 +308,11 @@ def run(args) -> dict:
         "e2e": [],
         "alpha": args.alpha,
         "num_drafts": args.num_drafts,
+        "dcut": llm.engine.spec.cfg.dcut,
     }
+    if result["dcut"]:
+        # D-Cut plans the end-to-end runs with the verify cost curve just measured.
+        llm.engine.spec.cost = VerifyCostModel.from_json(result["verify_cost"])
     a, k = args.alpha, args.num_drafts
     expected = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1
     for b in args.e2e_batch_sizes:

@@ -89,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--num-drafts", type=int, default=3, help="K for the end-to-end run")
     bench.add_argument("--max-tokens", type=int, default=32, help="tokens per end-to-end request")
     bench.add_argument("--e2e-batch-sizes", type=_int_list, default=[1, 4], help="e.g. 1,8,64")
+    bench.add_argument(
+        "--dcut",
+        action="store_true",
+        help="end-to-end runs let D-Cut pick depths (from the measured verify cost curve)",
+    )
     bench.add_argument("--max-num-batched-tokens", type=int, default=8192, help="rows per step")
     bench.add_argument("--kv-cache-memory-gb", type=float, default=4.0, help="KV pool size")
     bench.add_argument("--out", default="bench-out", help="folder for bench.json and bench.png")

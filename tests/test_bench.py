@@ -105,3 +105,27 @@ def test_bench_runs_a_hybrid_shape(tmp_path, capsys):
     llm = LLM(write_shape("qwen3-next-tiny", tmp_path / "s"), load_format="dummy", device="cpu")
     total = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
     assert total - result["weight_bytes"] == experts - active
+
+
+def test_bench_dcut_plans_with_the_measured_curve(tmp_path, capsys, monkeypatch):
+    """`--dcut`: the end-to-end runs let D-Cut choose depths, and it plans with the verify cost
+    curve the same run measured. At alpha = 0 (every draft wrong) it learns to stop drafting, so
+    far fewer draft rows are verified than K per step."""
+    from metrale.spec import controller
+
+    seen = []
+    real_plan = controller.plan
+    monkeypatch.setattr(
+        controller, "plan", lambda i, cost, cap: seen.append(cost) or real_plan(i, cost, cap)
+    )
+    out = tmp_path / "bench"
+    args = ["bench", "--shape", "tiny", "--device", "cpu", "--batch-sizes", "1,2", "--q", "1,3"]
+    args += ["--context", "16", "--e2e-batch-sizes", "2", "--max-tokens", "24", "--alpha", "0"]
+    args += ["--num-drafts", "2", "--dcut", "--out", str(out)]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["dcut"] is True and seen
+    measured = VerifyCostModel.from_json(result["verify_cost"])
+    assert all(c.step_time(6, 2) == measured.step_time(6, 2) for c in seen)
+    (e2e,) = result["e2e"]
+    assert e2e["verify_steps"] < 12  # without --dcut: 22 (every step verifies K drafts)
