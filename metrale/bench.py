@@ -165,13 +165,13 @@ def bandwidth(device: torch.device) -> float:
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights one batch-1 step reads: every weight once (tied ones once), except that
     a sparse MoE block's routed experts count only `num_experts_per_tok` of `num_experts`."""
+    hybrid = getattr(getattr(model, "config", None), "hybrid", None)
     seen, total = set(), 0
     for name, p in model.named_parameters():
         if p.data_ptr() in seen:
             continue
         seen.add(p.data_ptr())
         size = p.numel() * p.element_size()
-        hybrid = getattr(getattr(model, "config", None), "hybrid", None)
         if hybrid is not None and ".experts." in name + "." and hybrid.num_experts:
             size = size * hybrid.num_experts_per_tok // hybrid.num_experts
         total += size
@@ -212,6 +212,17 @@ def step_times(llm: LLM, batch_sizes, qs, context: int) -> dict[int, dict[int, f
     return out
 
 
+def timed_generate(llm: LLM, prompts, params) -> tuple[list, float]:
+    """(outputs, seconds) of the second of two identical runs: graphs captured, caches warm."""
+    device = llm.engine.runner.device
+    llm.generate(prompts, params, use_tqdm=False)
+    _sync(device)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    _sync(device)
+    return outs, time.perf_counter() - start
+
+
 def end_to_end(llm: LLM, drafter: ReplayDrafter, batch: int, max_tokens: int, alpha: float):
     rng = random.Random(batch)
     prompts = [[rng.randrange(llm.engine.vocab_size) for _ in range(32)] for _ in range(batch)]
@@ -219,16 +230,7 @@ def end_to_end(llm: LLM, drafter: ReplayDrafter, batch: int, max_tokens: int, al
     drafter.continuations, drafter.alpha = {}, alpha  # no drafts: plain decoding
     device = llm.engine.runner.device
 
-    def timed_generate():
-        """The second of two identical runs: graphs captured, caches warm."""
-        llm.generate(prompts, params, use_tqdm=False)
-        _sync(device)
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        _sync(device)
-        return outs, time.perf_counter() - start
-
-    plain, t_plain = timed_generate()
+    plain, t_plain = timed_generate(llm, prompts, params)
     drafter.continuations = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain)}
     spec_tel = llm.engine.telemetry.spec
     llm.generate(prompts, params, use_tqdm=False)  # warm-up, outside the counters below

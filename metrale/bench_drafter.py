@@ -11,25 +11,12 @@ verify rows round differently from decode rows, so near-ties may flip; float32 n
 from __future__ import annotations
 
 import sysconfig
-import time
 from pathlib import Path
-
-import torch
 
 from metrale.acceptance import heldout_prompts
 from metrale.api import LLM
+from metrale.bench import timed_generate
 from metrale.config import SamplingParams
-
-
-def _timed(llm: LLM, prompts, params) -> tuple[list, float]:
-    llm.generate(prompts, params, use_tqdm=False)
-    if llm.engine.runner.device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    if llm.engine.runner.device.type == "cuda":
-        torch.cuda.synchronize()
-    return outs, time.perf_counter() - start
 
 
 def drafter_e2e(args) -> dict:
@@ -54,10 +41,10 @@ def drafter_e2e(args) -> dict:
     for batch in args.e2e_batch_sizes:
         prompts = prompts_all[:batch]
         base = dict(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-        plain, t_plain = _timed(llm, prompts, SamplingParams(**base, speculative=False))
+        plain, t_plain = timed_generate(llm, prompts, SamplingParams(**base, speculative=False))
         tel = llm.engine.telemetry.spec
         before = (tel.num_drafts, tel.num_accepted_tokens)
-        spec, t_spec = _timed(llm, prompts, SamplingParams(**base))
+        spec, t_spec = timed_generate(llm, prompts, SamplingParams(**base))
         # The counters cover both timed-helper runs, which are identical.
         drafts, accepted = tel.num_drafts - before[0], tel.num_accepted_tokens - before[1]
         tokens = batch * args.max_tokens
