@@ -110,8 +110,15 @@ def test_bench_runs_a_hybrid_shape(tmp_path, capsys):
 def test_bench_dcut_plans_with_the_measured_curve(tmp_path, capsys, monkeypatch):
     """`--dcut`: the end-to-end runs let D-Cut choose depths, and it plans with the verify cost
     curve the same run measured. At alpha = 0 (every draft wrong) it learns to stop drafting, so
-    far fewer draft rows are verified than K per step."""
+    far fewer draft rows are verified than K per step. The step times are fixed here (rows cost
+    more with q) so that the plan does not depend on a tiny CPU model's timing noise."""
+    from metrale import bench
     from metrale.spec import controller
+
+    def fixed_step_times(llm, batch_sizes, qs, context):
+        return {b: {q: 1e-3 * (1 + 0.1 * (q - 1)) for q in qs} for b in batch_sizes}
+
+    monkeypatch.setattr(bench, "step_times", fixed_step_times)
 
     seen = []
     real_plan = controller.plan
