@@ -4,11 +4,16 @@ SwiGLU MLP, plus one shared SwiGLU expert scaled by a sigmoid gate of its own.
 
 The experts are stacked as HF 5.x keeps them (`experts.gate_up_proj` [E, 2I, H] with gate rows
 first, `experts.down_proj` [E, H, I]); the loader fills them from per-expert checkpoint tensors
-(`experts.{e}.gate_proj.weight`, ...) as well. Small batches (decode, verify) gather each row's
-experts and run batched matmuls without a host sync; larger ones loop over the experts.
+(`experts.{e}.gate_proj.weight`, ...) as well. Where `torch._grouped_mm` runs without a host sync
+(bf16 on sm90/sm100 GPUs, any float dtype on CPU, 16-byte aligned dims), every batch sorts its
+(row, expert) pairs by expert and runs two grouped GEMMs that read each touched expert once.
+Elsewhere small batches (decode, verify) gather each row's experts and run batched matmuls, still
+sync-free, and larger ones loop over the experts.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -17,9 +22,32 @@ from torch import nn
 from metrale.config import ModelConfig
 from metrale.models.layers import SwiGLUMLP
 
-# Up to this many (row, expert) pairs, the experts' weights are gathered per row (sync-free,
-# but each pair copies its expert's weights); above it, the loop reads each expert once.
+# Without the grouped GEMM: up to this many (row, expert) pairs, the experts' weights are gathered
+# per row (sync-free, but each pair copies its expert's weights); above it, the loop reads each
+# expert once but syncs once per expert.
 GATHER_MAX_PAIRS = 64
+
+
+@functools.cache
+def _grouped_mm_syncless(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` runs on this device and dtype without a host sync. On CUDA only
+    its CUTLASS kernel does (bf16 on sm90/sm100): any other GPU or dtype falls back to one matmul
+    per group after copying `offs` to the host. On CPU that fallback is all there is, and costs
+    no sync (torch >= 2.9; 2.8 had no CPU kernel)."""
+    try:
+        if not torch._C._dispatch_has_computed_kernel_for_dispatch_key(
+            "aten::_grouped_mm", device.type.upper()
+        ):
+            return False
+    except RuntimeError:  # torch < 2.8: no such operator
+        return False
+    if device.type == "cuda":
+        return (
+            dtype == torch.bfloat16
+            and torch.version.hip is None
+            and torch.cuda.get_device_capability(device)[0] in (9, 10)
+        )
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16)
 
 
 class Qwen3NextExperts(nn.Module):
@@ -35,9 +63,53 @@ class Qwen3NextExperts(nn.Module):
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """x [N, H]; experts, weights [N, k] (expert ids and their routing weights) -> [N, H]."""
-        if experts.numel() <= GATHER_MAX_PAIRS:
-            return self._gathered(x, experts, weights)
-        return self._looped(x, experts, weights)
+        return self._path(x, experts)(x, experts, weights)
+
+    def _path(self, x: torch.Tensor, experts: torch.Tensor):
+        """The grouped GEMM wherever it runs sync-free: it reads each touched expert's weights
+        once at any batch size and keeps decode/verify steps graph-capturable. Otherwise the
+        gather for small batches (no sync, but a weight copy per pair) and the loop for the rest.
+        """
+        w, down = self.gate_up_proj, self.down_proj
+        # `_grouped_mm` wants every stride a multiple of 16 bytes (TMA on CUDA; checked on CPU
+        # too): H for x and the transposed gate_up, I for the activations and transposed down.
+        # The CUTLASS kernel takes at most 1023 groups.
+        align = 16 // x.element_size()
+        if (
+            x.dtype == w.dtype == down.dtype
+            and _grouped_mm_syncless(x.device, x.dtype)
+            and w.is_contiguous()
+            and down.is_contiguous()
+            and w.shape[2] % align == 0
+            and down.shape[2] % align == 0
+            and self.num_experts < 1024
+        ):
+            return self._grouped
+        # NOTE: a CUDA-graph capture cannot sync, so it gathers at any size.
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if experts.numel() <= GATHER_MAX_PAIRS or capturing:
+            return self._gathered
+        return self._looped
+
+    def _grouped(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The (row, expert) pairs sorted by expert, so that each expert's rows make one group of
+        two grouped GEMMs (gate_up, then down); no host sync: the group sizes stay on the device.
+        """
+        n, k = experts.shape
+        ids, order = experts.reshape(-1).sort(stable=True)  # pair p = row p // k, slot p % k
+        # offs[e]: where expert e's group ends = pairs routed to experts <= e (bincount, nonzero
+        # and friends would sync to size their output)
+        expert_ids = torch.arange(self.num_experts, device=ids.device, dtype=ids.dtype)
+        offs = torch.searchsorted(ids, expert_ids, right=True, out_int32=True)
+        gate_up = torch._grouped_mm(x[order // k], self.gate_up_proj.transpose(1, 2), offs=offs)
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+        # Back to (row, slot) order, then each row's weighted sum as one small matmul: accumulated
+        # in float32 and rounded once, and deterministic (index_add_ on CUDA adds in atomic order).
+        y = torch.empty_like(y).index_copy_(0, order, y).view(n, k, y.shape[1])
+        return torch.einsum("nk,nkh->nh", weights.to(y.dtype), y)
 
     def _gathered(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
@@ -52,7 +124,8 @@ class Qwen3NextExperts(nn.Module):
     def _looped(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        """One pass per expert over the rows routed to it (prefill-sized batches)."""
+        """One pass per expert over the rows routed to it: the reference path, and the one for
+        larger batches where the grouped GEMM cannot run."""
         out = torch.zeros_like(x)
         for e in range(self.num_experts):
             rows, pick = torch.where(experts == e)  # NOTE: a host sync; reference path
