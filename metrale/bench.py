@@ -281,6 +281,7 @@ def run(args) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         spec={"num_drafts": args.num_drafts, "dcut": getattr(args, "dcut", False)},
+        hybrid_verify_state=getattr(args, "hybrid_verify_state", "write_on_accept"),
     )
     drafter.vocab_size = llm.engine.vocab_size
     if device.type == "cuda":
@@ -331,6 +332,9 @@ def run(args) -> dict:
     result["peak_memory_bytes"] = (
         torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     )
+    if runner.states is not None:
+        result["hybrid_verify_state"] = llm.engine.config.hybrid_verify_state
+        result["state_pool_bytes"] = runner.states.nbytes()
     return result
 
 
@@ -353,6 +357,13 @@ def table(result: dict) -> str:
             f"(ideal {e['ideal_speedup']:.2f}, {e['ideal_speedup_at_measured_acceptance']:.2f} "
             f"at the measured acceptance), acceptance length "
             f"{e['mean_acceptance_length']:.2f}, {e['distinct_verify_keys']} verify keys"
+        )
+    if "state_pool_bytes" in result:
+        peak = result["peak_memory_bytes"]
+        lines.append(
+            f"hybrid verify state {result['hybrid_verify_state']}: state pool "
+            f"{result['state_pool_bytes'] / 2**30:.2f} GiB"
+            + ("" if peak is None else f", peak memory {peak / 2**30:.2f} GiB")
         )
     return "\n".join(lines)
 

@@ -11,7 +11,7 @@ import argparse
 import logging
 import sys
 
-from metrale.config import SamplingParams
+from metrale.config import HYBRID_VERIFY_STATES, SamplingParams
 from metrale.train.cli import add_train_parsers, cmd_train
 
 
@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="end-to-end runs let D-Cut pick depths (from the measured verify cost curve)",
     )
     bench.add_argument("--max-num-batched-tokens", type=int, default=8192, help="rows per step")
+    bench.add_argument(
+        "--hybrid-verify-state",
+        choices=HYBRID_VERIFY_STATES,
+        default="write_on_accept",
+        help="hybrid targets: how a verify writes the recurrent state",
+    )
     bench.add_argument("--kv-cache-memory-gb", type=float, default=4.0, help="KV pool size")
     bench.add_argument("--out", default="bench-out", help="folder for bench.json and bench.png")
     bench.add_argument(

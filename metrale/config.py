@@ -220,6 +220,9 @@ class ModelConfig:
 SPEC_METHODS = ("ngram", "mtp")
 
 
+HYBRID_VERIFY_STATES = ("write_on_accept", "per_row_slots")
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding for an engine: which drafter, how deep, how depths are planned.
@@ -303,6 +306,11 @@ class EngineConfig:
     # CUDA graphs for decode and verify steps (CUDA only); tables of more rows run eagerly
     cuda_graphs: bool = True
     graph_max_rows: int = 256
+    # How a hybrid target's verify treats the recurrent state (HYBRID_VERIFY_STATES, see
+    # `models/gdn_state.py`): "write_on_accept" writes it once, for the accepted rows;
+    # "per_row_slots" writes every row's state into K+1 entries per sequence and commits by
+    # pointing at one (no second pass, K+1 times the state memory).
+    hybrid_verify_state: str = "write_on_accept"
 
     def __post_init__(self) -> None:
         spec = self.spec
@@ -337,6 +345,11 @@ class EngineConfig:
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(
                 f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}"
+            )
+        if self.hybrid_verify_state not in HYBRID_VERIFY_STATES:
+            raise ValueError(
+                f"hybrid_verify_state must be one of {HYBRID_VERIFY_STATES}, "
+                f"got {self.hybrid_verify_state!r}"
             )
         if not (self.kv_cache_memory_gb > 0):
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")

@@ -180,11 +180,11 @@ class Knobs:
         bool,
         "=1: run the MTP drafter's chained steps eagerly on CUDA too (A/B runs)",
     )
-    gdn_triton: bool = _knob(
-        "METRALE_GDN_TRITON",
+    no_gdn_triton: bool = _knob(
+        "METRALE_NO_GDN_TRITON",
         _is_one,
         bool,
-        "=1: run the hybrid target's recurrent delta rule as the Triton kernel on CUDA",
+        "=1: run the hybrid target's recurrent delta rule as torch ops on CUDA too (A/B runs)",
     )
     # `METRALE_*` names that no knob reads: almost always a typo worth a line in the log.
     unrecognised: tuple[str, ...] = field(default=(), compare=False)

@@ -64,14 +64,19 @@ def test_batch_equals_alone_with_chunked_prefill_and_preemption(hybrid_dir):
 
 @pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("dcut", [False, True])
-def test_speculation_is_lossless_and_commits_the_accepted_state(hybrid_dir, alpha, dcut):
+@pytest.mark.parametrize("variant", ["write_on_accept", "per_row_slots"])
+def test_speculation_is_lossless_and_commits_the_accepted_state(hybrid_dir, alpha, dcut, variant):
     plain_llm = llm_for(hybrid_dir)
     plain = plain_llm.generate(PROMPTS, greedy(24))
     truth = {tuple(p): o.outputs[0].token_ids for p, o in zip(PROMPTS, plain, strict=True)}
     drafter = ReplayDrafter(truth, alpha, vocab_size=320, seed=7)
     # A small token budget mixes prefill chunks with verify rows in one step.
     spec_llm = llm_for(
-        hybrid_dir, drafter=drafter, spec={"num_drafts": 3, "dcut": dcut}, max_num_batched_tokens=24
+        hybrid_dir,
+        drafter=drafter,
+        spec={"num_drafts": 3, "dcut": dcut},
+        max_num_batched_tokens=24,
+        hybrid_verify_state=variant,
     )
     spec = spec_llm.generate(PROMPTS, greedy(24))
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
@@ -80,10 +85,14 @@ def test_speculation_is_lossless_and_commits_the_accepted_state(hybrid_dir, alph
         assert tel.num_accepted_tokens == tel.num_draft_tokens > 0
     if alpha == 0.0:
         assert tel.num_accepted_tokens == 0 and tel.num_draft_tokens > 0
-    # Verify keys carry the write-on-accept variant's sentinel (no WY tables in verify).
+    # Verify keys carry the variant's sentinel (no WY tables in verify).
+    woa = variant == "write_on_accept"
     assert tel.verify_keys and {key[-1] for key in tel.verify_keys} == {
-        verify_graph_key([], wy_tables_null=True, write_on_accept=True)[-1]
+        verify_graph_key([], wy_tables_null=True, write_on_accept=woa)[-1]
     }
+    # Per-row slots hold K + 1 = 4 states per sequence, write-on-accept one (+ the dummy).
+    seqs = spec_llm.engine.config.max_num_seqs
+    assert spec_llm.engine.runner.states.pool.ssm[0].shape[0] == 1 + seqs * (1 if woa else 4)
     # One prompt alone in each engine: both end in slot 0 with the state after the same tokens.
     one = [PROMPTS[3]]
     assert plain_llm.generate(one, greedy(24))[0].outputs[0].token_ids == truth[tuple(one[0])]
@@ -147,12 +156,13 @@ def test_mtp_speculation_on_a_hybrid_target_is_lossless(hybrid_mtp_dir):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gdn_triton", [False, True])
-def test_cuda_hybrid_speculation_equals_cpu(hybrid_dir, gdn_triton, monkeypatch):
-    """On CUDA (float32), with the torch delta rule or the Triton kernel: plain and replayed
-    speculative greedy outputs equal the CPU's."""
+@pytest.mark.parametrize("variant", ["write_on_accept", "per_row_slots"])
+def test_cuda_hybrid_speculation_equals_cpu(hybrid_dir, gdn_triton, variant, monkeypatch):
+    """On CUDA (float32), with the torch delta rule or the Triton kernel, in both verify
+    variants, graphed: plain and replayed speculative greedy outputs equal the CPU's."""
     from metrale.knobs import knobs
 
-    monkeypatch.setenv("METRALE_GDN_TRITON", "1" if gdn_triton else "0")
+    monkeypatch.setenv("METRALE_NO_GDN_TRITON", "0" if gdn_triton else "1")
     knobs.cache_clear()
     try:
         cpu = llm_for(hybrid_dir).generate(PROMPTS, greedy(24))
@@ -160,7 +170,12 @@ def test_cuda_hybrid_speculation_equals_cpu(hybrid_dir, gdn_triton, monkeypatch)
         plain = LLM(hybrid_dir, device="cuda", dtype="float32").generate(PROMPTS, greedy(24))
         drafter = ReplayDrafter(truth, 0.6, vocab_size=320)
         spec_llm = LLM(
-            hybrid_dir, device="cuda", dtype="float32", drafter=drafter, spec={"num_drafts": 3}
+            hybrid_dir,
+            device="cuda",
+            dtype="float32",
+            drafter=drafter,
+            spec={"num_drafts": 3},
+            hybrid_verify_state=variant,
         )
         spec = spec_llm.generate(PROMPTS, greedy(24))
     finally:

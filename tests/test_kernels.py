@@ -184,6 +184,50 @@ def test_recurrent_delta_rule_kernel_matches_reference(dtype, all_states, with_s
         assert states is None
 
 
+@pytest.mark.parametrize("mode", ["final", "rows", "read_only"])
+def test_delta_rule_kernel_addresses_the_pool_in_place(mode):
+    """The kernel on a state pool: sequences read non-adjacent entries; `final` writes the state
+    after the last row back into the entry read, `rows` the state after row t into its own entry
+    (row 0 over the entry read; padding rows to the dummy entry 0), `read_only` writes nothing.
+    Every other entry is left alone."""
+    from metrale.models.gdn import recurrent_gated_delta_rule
+    from metrale.models.triton_gdn import delta_rule_in_pool
+
+    torch.manual_seed(6)
+    b, t, hk, hv, dk, dv = 2, 3, 1, 2, 16, 8
+    q, k = (torch.randn(b, t, hk, dk, device=DEVICE) for _ in range(2))
+    v = torch.randn(b, t, hv, dv, device=DEVICE)
+    g, beta = -torch.rand(b, t, hv, device=DEVICE), torch.rand(b, t, hv, device=DEVICE)
+    g[1, 2], beta[1, 2] = 0.0, 0.0  # sequence 1: two rows, then padding
+    pool = torch.randn(9, hv, dk, dv, device=DEVICE)
+    before = pool.clone()
+    read = torch.tensor([6, 2], device=DEVICE)
+    rows = torch.tensor([[6, 7, 8], [2, 4, 0]], device=DEVICE)
+    ref = recurrent_gated_delta_rule(q, k, v, g, beta, before[read], output_all_states=True)
+    out = delta_rule_in_pool(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        pool,
+        read,
+        final=read if mode == "final" else None,
+        rows=rows if mode == "rows" else None,
+    )
+    torch.testing.assert_close(out, ref.out, rtol=1e-4, atol=1e-4)
+    touched: list[int] = []
+    if mode == "final":
+        torch.testing.assert_close(pool[read], ref.state, rtol=1e-4, atol=1e-4)
+        touched = [6, 2]
+    elif mode == "rows":
+        torch.testing.assert_close(pool[[6, 7, 8]], ref.states[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(pool[[2, 4]], ref.states[1, :2], rtol=1e-4, atol=1e-4)
+        touched = [0, 2, 4, 6, 7, 8]
+    rest = [i for i in range(9) if i not in touched]
+    assert torch.equal(pool[rest], before[rest])
+
+
 @pytest.mark.parametrize("splits", [1, 4])
 def test_attention_ignores_nan_past_the_sequence_and_rows_without_keys(splits, monkeypatch):
     """Both backends with NaN parked past every sequence's end (a stale page, the dummy page):

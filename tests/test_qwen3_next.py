@@ -16,12 +16,13 @@ from safetensors.torch import load_file, save_file
 from metrale.config import ModelConfig
 from metrale.models.attention import AttentionMetadata, TorchPagedAttention
 from metrale.models.gdn import (
-    GDNState,
     causal_conv1d,
     chunk_gated_delta_rule,
     gated_rms_norm,
     recurrent_gated_delta_rule,
+    window_after,
 )
+from metrale.models.gdn_state import GDNState, StateMode
 from metrale.models.loader import CheckpointError, load_weights
 from metrale.models.qwen3_next import Qwen3NextForCausalLM
 
@@ -146,8 +147,14 @@ class Harness:
     def entry(self, seq: int) -> int:
         return self.num_seqs - seq
 
-    def step(self, rows: list[tuple[int, list[int], int]], keep_rows: bool = False):
-        """rows: (sequence, its tokens this step, position of the first) -> logits [N, V]."""
+    def step(
+        self,
+        rows: list[tuple[int, list[int], int]],
+        mode: StateMode = StateMode.WRITE,
+        row_entries: list[list[int]] | None = None,
+    ):
+        """rows: (sequence, its tokens this step, position of the first) -> logits [N, V];
+        `mode` / `row_entries` ([B, T] entries, ROWS only): how the state is written."""
         ids, pos, qsl, lens = [], [], [0], []
         for _, tokens, start in rows:
             ids += tokens
@@ -168,10 +175,11 @@ class Harness:
             max_seq_len=max(lens),
             page_size=PAGE,
         )
-        self.state.slots = torch.tensor([self.entry(s) for s, _, _ in rows])
-        self.state.keep_rows = keep_rows
+        read = torch.tensor([self.entry(s) for s, _, _ in rows])
+        row_t = None if row_entries is None else torch.tensor(row_entries)
+        self.bound = self.state.view(read, mode, row_t)
         with torch.no_grad():
-            hidden = self.model(torch.tensor(ids), positions, meta, self.state)
+            hidden = self.model(torch.tensor(ids), positions, meta, self.bound)
             return self.model.compute_logits(hidden)
 
 
@@ -224,24 +232,60 @@ def test_step_by_step_decode_matches_transformers(next_ckpt):
     torch.testing.assert_close(torch.cat(got_b), hf_logits(hf, b[:33]), atol=ATOL, rtol=0)
 
 
-def test_verify_rows_then_commit_matches_transformers(next_ckpt):
-    """A keep_rows forward of K+1 rows leaves the state entries alone and keeps the state after
-    every row; committing row `a` continues exactly as if only rows 0..a had run."""
+def test_write_on_accept_verify_then_commit_matches_transformers(next_ckpt):
+    """A DEFER (write-on-accept) forward of K+1 rows leaves the state entries alone; committing
+    a + 1 rows continues exactly as if only rows 0..a had run."""
     model_dir, hf = next_ckpt
     a, b = prompts(2, [30, 30], seed=3)
     ref_a, ref_b = hf_logits(hf, a), hf_logits(hf, b)
     h = Harness(model_dir)
     h.step([(0, a[:20], 0), (1, b[:20], 0)])
     before = [t.clone() for t in h.state.conv + h.state.ssm]
-    out = h.step([(0, a[20:24], 20), (1, b[20:22], 20)], keep_rows=True)  # depths 3 and 1
+    out = h.step([(0, a[20:24], 20), (1, b[20:22], 20)], StateMode.DEFER)  # depths 3 and 1
     torch.testing.assert_close(out[:4], ref_a[20:24], atol=ATOL, rtol=0)
     torch.testing.assert_close(out[4:], ref_b[20:22], atol=ATOL, rtol=0)
     for x, y in zip(before, h.state.conv + h.state.ssm, strict=True):
         assert torch.equal(x, y)
-    h.state.commit(torch.tensor([1, 1]))  # A accepts one draft (rows 0..1), B all of its rows
+    h.bound.commit(torch.tensor([2, 2]))  # A accepts one draft (rows 0..1), B all of its rows
     out = h.step([(0, a[22:25], 22), (1, b[22:25], 22)])
     torch.testing.assert_close(out[:3], ref_a[22:25], atol=ATOL, rtol=0)
     torch.testing.assert_close(out[3:], ref_b[22:25], atol=ATOL, rtol=0)
+
+
+def test_per_row_slot_verify_matches_transformers(next_ckpt):
+    """A ROWS forward writes the state after each row into its own entry; continuing from the
+    entry of the last accepted row equals transformers, and rows past a sequence's end write only
+    the dummy entry."""
+    model_dir, hf = next_ckpt
+    a, b = prompts(2, [30, 30], seed=4)
+    ref_a, ref_b = hf_logits(hf, a), hf_logits(hf, b)
+    h = Harness(model_dir)
+    h.step([(0, a[:20], 0), (1, b[:20], 0)])  # A on entry 2, B on entry 1
+    h.state = h.model.make_state(12)
+    h.step([(0, a[:20], 0), (1, b[:20], 0)])
+    # A: rows 0..3 into entries 2, 5, 6, 7 (entry 2 is where it read from); B: rows into 1, 8
+    out = h.step(
+        [(0, a[20:24], 20), (1, b[20:22], 20)],
+        StateMode.ROWS,
+        row_entries=[[2, 5, 6, 7], [1, 8, 0, 0]],
+    )
+    torch.testing.assert_close(out[:4], ref_a[20:24], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out[4:], ref_b[20:22], atol=ATOL, rtol=0)
+    for t in h.state.conv + h.state.ssm:
+        assert not t[9:].any()  # no other entry was touched
+    # A accepted one draft (state after row 1: entry 5), B all (after row 1: entry 8)
+    h.entry = {0: 5, 1: 8}.__getitem__
+    out = h.step([(0, a[22:25], 22), (1, b[22:25], 22)])
+    torch.testing.assert_close(out[:3], ref_a[22:25], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out[3:], ref_b[22:25], atol=ATOL, rtol=0)
+
+
+def test_window_after_takes_the_last_inputs():
+    window = torch.arange(6.0).view(1, 2, 3)  # D = 2, K - 1 = 3
+    x = torch.tensor([[[10.0, 20.0], [11.0, 21.0]]])  # two rows
+    torch.testing.assert_close(window_after(window, x, torch.tensor([0])), window)
+    got = window_after(window, x, torch.tensor([1]))
+    torch.testing.assert_close(got, torch.tensor([[[1.0, 2.0, 10.0], [4.0, 5.0, 20.0]]]))
 
 
 # ------------------------------------------------------------------------------------------ kernels

@@ -7,9 +7,12 @@ sized for the widest table admitted (`max_rows`) over `sizing_tables(max_rows)`.
 one that needs more workspace than was sized, is refused with an error naming both numbers; the
 runner then runs that step eagerly.
 
-`GraphRunner` captures the target's forward and logits for one (row table, KV bucket) key. The
-reference attention gathers every key up to a fixed length inside the graph, so with it the key
-carries the KV length rounded up to a power of two; with the Triton paged kernel it does not.
+`GraphRunner` captures the target's forward and logits for one (row table, KV bucket, state
+mode) key. The reference attention gathers every key up to a fixed length inside the graph, so
+with it the key carries the KV length rounded up to a power of two; with the Triton paged kernel
+it does not. A hybrid target's programs also read their sequences' state entries from the
+workspace (`state_read`, and `state_rows` for a per-row-slot verify), and a write-on-accept
+verify program returns the `GDNState` whose pending rows `StateSlots.commit` settles.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from typing import Generic, TypeVar
 import torch
 
 from metrale.engine.kv_cache import DUMMY_PAGE
+from metrale.engine.state_cache import DUMMY_ENTRY
 from metrale.models.attention import AttentionMetadata
+from metrale.models.gdn_state import GDNState, StateMode
 from metrale.spec.row_table import RowTable, sizing_tables
 
 CACHE_CAP = 256
@@ -140,10 +145,12 @@ class GraphRunner:
         page_size: int,
         device: torch.device,
         paged_kernel: bool = False,
+        state_pool: GDNState | None = None,
     ) -> None:
         """`paged_kernel`: the attention reads pages itself (no gather to a fixed length), so
-        programs need no KV bucket in their key."""
+        programs need no KV bucket in their key. `state_pool`: a hybrid target's state."""
         self.model, self.page_size, self.device = model, page_size, device
+        self.state_pool = state_pool
         self.max_model_len = max_model_len
         self.paged_kernel = paged_kernel
         self.cache: ProgramCache = ProgramCache(self._capture, max_rows)
@@ -157,6 +164,14 @@ class GraphRunner:
         self.input_ids, self.positions, self.slots = zeros(ws.rows), zeros(ws.rows), zeros(ws.rows)
         self.query_start_loc, self.seq_lens = zeros(ws.seqs + 1), zeros(ws.seqs)
         self.block_tables = zeros(ws.seqs, pages)
+        # a hybrid target's state entries: where each sequence starts, where each row's state
+        # goes (per-row slots; [seqs, rows] laid out for the program's own row width)
+        self.state_read = zeros(ws.seqs)
+        self.state_rows = zeros(ws.seqs * ws.rows)
+        self.commit_rows = zeros(ws.seqs)
+        # per program key: its write-on-accept commit, captured the first time it runs
+        self._commits: dict[tuple[RowTable, tuple], torch.cuda.CUDAGraph] = {}
+        self._last_key: tuple[RowTable, tuple] | None = None
         self.pool = torch.cuda.graph_pool_handle()
 
     def _meta(self, table: RowTable, bucket: int) -> AttentionMetadata:
@@ -172,20 +187,33 @@ class GraphRunner:
             page_size=self.page_size,
         )
 
-    def _capture(self, table: RowTable, bucket: int):
-        """(graph, hidden [R, H], logits [R, V]): the outputs live in the graph's pool and are
-        rewritten by every replay of this program."""
+    def _capture(self, table: RowTable, extra: tuple[int, StateMode | None]):
+        """(graph, hidden [R, H], logits [R, V], hybrid state or None): the outputs (and the
+        state's pending rows) live in the graph's pool and are rewritten by every replay."""
+        # a rebuilt program has new pending rows: a commit captured for the old one must go
+        self._commits.pop((table, extra), None)
         self._fill_dummy(table)
-        graph, (hidden, logits) = capture(self._forward_fn(table, bucket), self.pool, self.device)
-        return graph, hidden, logits
+        fn = self._forward_fn(table, *extra)
+        graph, (hidden, logits, state) = capture(fn, self.pool, self.device)
+        return graph, hidden, logits, state
 
-    def _forward_fn(self, table: RowTable, bucket: int):
-        rows = table.rows()
+    def _forward_fn(self, table: RowTable, bucket: int, mode: StateMode | None):
+        rows, seqs = table.rows(), table.num_seqs
+        width = max(run.k for run in table.runs)
 
         def run():
             meta = self._meta(table, bucket)
-            hidden = self.model(self.input_ids[:rows], self.positions[:rows], meta)
-            return hidden, self.model.compute_logits(hidden)
+            ids, positions = self.input_ids[:rows], self.positions[:rows]
+            if self.state_pool is None:
+                hidden, state = self.model(ids, positions, meta), None
+            else:
+                assert mode is not None
+                state_rows = self.state_rows[: seqs * width].view(seqs, width)
+                state = self.state_pool.view(
+                    self.state_read[:seqs], mode, state_rows if mode is StateMode.ROWS else None
+                )
+                hidden = self.model(ids, positions, meta, state)
+            return hidden, self.model.compute_logits(hidden), state
 
         return run
 
@@ -208,6 +236,8 @@ class GraphRunner:
         # NOTE: slots stay inside the dummy page whatever k is (every row's table is dummy).
         self.slots[: len(positions)] += self.positions[: len(positions)] % self.page_size
         self.block_tables.fill_(DUMMY_PAGE)
+        self.state_read.fill_(DUMMY_ENTRY)
+        self.state_rows.fill_(DUMMY_ENTRY)
 
     def run(
         self,
@@ -219,17 +249,22 @@ class GraphRunner:
         seq_lens,
         tables,
         max_seq_len: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        state: tuple[StateMode, torch.Tensor, torch.Tensor | None] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, GDNState | None]:
         """Copy the step's inputs (laid out as `table` says, padding included) into the
         workspace and replay the table's program; returns the hidden states and logits of every
-        row, in the program's pool (the next replay of the same program overwrites them).
-        Raises ValueError (from the cache) when the table is refused."""
+        row, in the program's pool (the next replay of the same program overwrites them), and a
+        hybrid target's state view. `state`: (mode, entries read [B], row entries [B * T] or
+        None) of a hybrid target. Raises ValueError (from the cache) when the table is
+        refused."""
         # Without a bucket, a table the kernel does not cover still runs the reference inside the
         # graph, gathering max_model_len keys: slower, never wrong.
         bucket = (
             self.max_model_len if self.paged_kernel else kv_bucket(max_seq_len, self.max_model_len)
         )
-        graph, hidden, logits = self.cache.get(table, bucket)
+        mode = None if state is None else state[0]
+        self._last_key = (table, (bucket, mode))
+        graph, hidden, logits, state_view = self.cache.get(table, (bucket, mode))
         rows, seqs = input_ids.shape[0], seq_lens.shape[0]
         self.input_ids[:rows].copy_(input_ids, non_blocking=True)
         self.positions[:rows].copy_(positions, non_blocking=True)
@@ -238,5 +273,26 @@ class GraphRunner:
         self.seq_lens[:seqs].copy_(seq_lens, non_blocking=True)
         self.block_tables[:seqs].fill_(DUMMY_PAGE)
         self.block_tables[:seqs, : tables.shape[1]].copy_(tables, non_blocking=True)
+        if state is not None:
+            _, read, rows = state
+            self.state_read[:seqs].copy_(read, non_blocking=True)
+            if rows is not None:
+                self.state_rows[: rows.shape[0]].copy_(rows, non_blocking=True)
         graph.replay()
-        return hidden, logits
+        return hidden, logits, state_view
+
+    def commit(self, state: GDNState, num_rows: torch.Tensor) -> None:
+        """`state.commit(num_rows)` for the program just replayed (write-on-accept), as a graph
+        of its own: one launch instead of a few hundred. The first time, the capture's warm-up
+        run is the real commit."""
+        if self._last_key is None:
+            raise RuntimeError("a graphed commit before any replay")
+        b = num_rows.shape[0]
+        self.commit_rows[:b].copy_(num_rows, non_blocking=True)
+        graph = self._commits.get(self._last_key)
+        if graph is not None:
+            graph.replay()
+            return
+        rows = self.commit_rows[:b]
+        graph, _ = capture(lambda: state.commit(rows), self.pool, self.device)
+        self._commits[self._last_key] = graph

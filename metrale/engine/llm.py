@@ -112,7 +112,8 @@ class LLMEngine:
             self.telemetry.spec,
             self.max_model_len,
             self.vocab_size,
-            write_on_accept=self.runner.hybrid,
+            write_on_accept=self.runner.hybrid
+            and self.config.hybrid_verify_state == "write_on_accept",
         )
 
     def _resolve_max_model_len(self) -> int:

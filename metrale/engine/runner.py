@@ -20,6 +20,7 @@ from metrale.engine.staging import to_device_packed
 from metrale.engine.state_cache import StateSlots
 from metrale.engine.step_output import StepOutput, verdicts_of
 from metrale.models.attention import AttentionMetadata, TorchPagedAttention
+from metrale.models.gdn_state import StateMode
 from metrale.models.loader import load_weights
 from metrale.models.mtp import load_mtp
 from metrale.models.qwen3 import Qwen3ForCausalLM
@@ -129,10 +130,14 @@ class ModelRunner:
         )
         for layer, cache in zip(layers, self.kv_cache, strict=True):
             layer.kv_cache = cache
-        self.states = StateSlots(self.model, cfg.max_num_seqs) if self.hybrid else None
+        self.states = None
+        if self.hybrid:
+            # a verify gives a sequence at most 1 + lookahead rows (its last token, its drafts)
+            self.states = StateSlots(
+                self.model, cfg.max_num_seqs, cfg.hybrid_verify_state, lookahead + 1
+            )
         self.graphs = None
-        # NOTE: hybrid targets run eagerly until their state slots are graph inputs too.
-        if cfg.cuda_graphs and self.device.type == "cuda" and not self.hybrid:
+        if cfg.cuda_graphs and self.device.type == "cuda":
             self.graphs = GraphRunner(
                 self.model,
                 cfg.graph_max_rows,
@@ -141,6 +146,7 @@ class ModelRunner:
                 cfg.page_size,
                 self.device,
                 paged_kernel=isinstance(self.backend, TritonPagedAttention),
+                state_pool=None if self.states is None else self.states.pool,
             )
         self.graph_refusals = 0
         log.info(
@@ -199,15 +205,16 @@ class ModelRunner:
         """Run the batch and return float32 logits of every packed row [T, V] (prompt logprobs,
         acceptance studies, tests). Writes KV like `execute`; samples nothing."""
         input_ids, positions, meta = self._metadata(batch)
-        return self.model.compute_logits(self._forward(batch, input_ids, positions, meta))
+        return self.model.compute_logits(self._forward(batch, input_ids, positions, meta)[0])
 
-    def _forward(self, batch: Batch, input_ids, positions, meta, keep_rows: bool = False):
-        """The target's eager forward; a hybrid target also takes its sequences' state slots
-        (`keep_rows`: keep every row's state for write-on-accept)."""
+    def _forward(self, batch: Batch, input_ids, positions, meta, verify: bool = False):
+        """The target's eager forward -> (hidden [T, H], the hybrid state it ran on or None);
+        a hybrid target also takes its sequences' state slots (`verify`: a forward with drafts,
+        whose state `StateSlots.commit` settles once the acceptance is known)."""
         if self.states is None:
-            return self.model(input_ids, positions, meta)
-        state = self.states.bind(batch.entries, keep_rows)
-        return self.model(input_ids, positions, meta, state)
+            return self.model(input_ids, positions, meta), None
+        state = self.states.bind(batch.entries, verify)
+        return self.model(input_ids, positions, meta, state), state
 
     @torch.inference_mode()
     def execute(self, batch: Batch) -> StepOutput:
@@ -217,10 +224,10 @@ class ModelRunner:
             prefill = [e for e in batch.entries if not e.drafts and e.num_rows > 1]
             verifies = any(e.drafts for e in batch.entries)
             if prefill and verifies and len(prefill) < len(batch.entries):
-                # Keep per-row states only for the verify rows: prefill chunks run on their own.
+                # Verify-mode state only for the verify rows: prefill chunks run on their own.
                 rest = [e for e in batch.entries if e.drafts or e.num_rows == 1]
                 return StepOutput.merge([self.execute(Batch(prefill)), self.execute(Batch(rest))])
-        keep_rows = self.hybrid and any(e.drafts for e in batch.entries)
+        verify_state = self.hybrid and any(e.drafts for e in batch.entries)
         graphed = self.graphs is not None and batch.phase in (Phase.DECODE, Phase.VERIFY)
         if graphed:
             # One order for any permutation of the same depths: deepest first, then by slot.
@@ -229,13 +236,14 @@ class ModelRunner:
         replayed = self._replay(batch) if graphed else None
         if replayed is None:
             input_ids, positions, meta = self._metadata(batch)
-            hidden = self._forward(batch, input_ids, positions, meta, keep_rows)  # [T, H]
-            all_logits = None
+            hidden, state = self._forward(batch, input_ids, positions, meta, verify_state)
+            all_logits, state_entries = None, list(batch.entries)
         else:
-            hidden, all_logits = replayed
+            # state_entries: the sequences of the program's state, graph padding included (None)
+            hidden, all_logits, state, state_entries = replayed
         sampling = [(e, end) for e, end in zip(batch.entries, ends, strict=True) if e.samples]
         if not sampling:
-            if keep_rows:  # unreachable: drafts only come with sampling entries
+            if verify_state:  # unreachable: drafts only come with sampling entries
                 raise RuntimeError("a verify step without sampling entries")
             return StepOutput(batch.entries, [], hidden, ends)
         # The last 1 + k rows of each sampling sequence: its last token, then its k drafts.
@@ -270,12 +278,15 @@ class ModelRunner:
             raw_argmax=self.verify_raw_argmax,
         )
         verdicts = verdicts_of([e for e, _ in sampling], acc)
-        if keep_rows:
-            # Write-on-accept: each sequence's state after its last token + accepted drafts.
+        if verify_state:
+            # Each sequence's committed state: the one after its last token + accepted drafts.
             accepted = {id(v.entry): v.num_accepted for v in verdicts}
-            self.states.commit(
-                [e.num_rows - 1 - len(e.drafts) + accepted.get(id(e), 0) for e in batch.entries]
-            )
+            last_rows = [
+                -1 if e is None else e.num_rows - 1 - len(e.drafts) + accepted.get(id(e), 0)
+                for e in state_entries
+            ]
+            graph_commit = None if replayed is None else self.graphs.commit
+            self.states.commit(state, state_entries, last_rows, graph_commit)
         return StepOutput(batch.entries, verdicts, hidden, ends)
 
     def _replay(self, batch: Batch):
@@ -287,6 +298,7 @@ class ModelRunner:
         rather than every mix of depths: a 64-sequence trace of mixed depths then meets a few
         dozen tables instead of thousands, and replays after warm-up."""
         spans, depths, real_rows = [], [], []
+        padded: list[ScheduledSeq | None] = []
         row = 0
         for q, group in itertools.groupby(batch.entries, key=lambda e: e.num_rows):
             group = list(group)
@@ -299,11 +311,21 @@ class ModelRunner:
             for _ in range(decode_bucket(len(group)) - len(group)):
                 spans.append((dummy_table, 0, [0] * q))
                 row += q
+            padded += group + [None] * (decode_bucket(len(group)) - len(group))
             depths += [q] * decode_bucket(len(group))
         input_ids, positions, meta = self.span_metadata(spans)
+        state = None
+        if self.states is not None:
+            verify = any(e.drafts for e in batch.entries)
+            read, state_rows = self.states.plan(padded, verify)
+            mode = self.states.verify_mode if verify else StateMode.WRITE
+            if state_rows is None:
+                state = (mode, *to_device_packed([read], self.device), None)
+            else:
+                state = (mode, *to_device_packed([read, state_rows], self.device))
         table = RowTable.from_dispatch(range(len(depths)), depths)
         try:
-            hidden, logits = self.graphs.run(
+            hidden, logits, state_view = self.graphs.run(
                 table,
                 input_ids,
                 positions,
@@ -312,14 +334,15 @@ class ModelRunner:
                 meta.seq_lens,
                 meta.block_tables,
                 meta.max_seq_len,
+                state,
             )
         except ValueError:  # refused: too wide for the workspace
             self.graph_refusals += 1
             return None
         if len(real_rows) == hidden.shape[0]:
-            return hidden.clone(), logits
+            return hidden.clone(), logits, state_view, padded
         (index,) = to_device_packed([real_rows], self.device)
-        return hidden.index_select(0, index), logits.index_select(0, index)
+        return hidden.index_select(0, index), logits.index_select(0, index), state_view, padded
 
     def _draft_probs(self, entries: list[ScheduledSeq], logits: torch.Tensor):
         """[R, V] draft distributions (zeros on rows without a draft), or None when every drafter

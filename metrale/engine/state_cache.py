@@ -1,57 +1,127 @@
-"""Recurrent-state slots of a hybrid (Gated DeltaNet) target, one per running sequence.
+"""Recurrent-state slots of a hybrid (Gated DeltaNet) target: which pool entry each running
+sequence's state lives in, and how a verify's acceptance is committed to it.
 
 The scheduler gives every running sequence a state slot (`Sequence.slot`, bounded by
-`max_num_seqs`); its GDN conv windows and float32 delta-rule states live in entry `slot + 1` of
-a `GDNState` pool (entry 0 is the dummy entry that padding rows may use). A sequence starting
-from its first token (a new request, or a recompute after preemption) has its entries zeroed
-before the forward; a finished or preempted sequence simply gives its slot back.
+`max_num_seqs`); entry 0 of the `GDNState` pool is a dummy that graph padding reads and writes.
+A sequence starting from its first token (a new request, or a recompute after preemption) has its
+entry zeroed before the forward; a finished or preempted sequence simply gives its slot back.
+Prefill chunks and decode steps advance the entry in place.
 
-Verify is write-on-accept: a forward with drafts keeps every row's state (`keep_rows`) and
-leaves the entries alone; once the acceptance is known, `commit` writes each sequence's state
-after its last committed row (its last token plus the accepted drafts), so rejected drafts leave
-nothing behind. A step mixing prefill chunks with drafts is split by the runner, so per-row
-states are only ever kept for a few rows per sequence.
+Verify comes in the two variants of `EngineConfig.hybrid_verify_state`:
+  - write_on_accept: slot s owns entry s + 1. The verify writes nothing; `commit` then advances
+    the entry over the accepted rows only (the DEFER mode of `GDNState`).
+  - per_row_slots: slot s owns the `width` = K+1 entries from 1 + s * width, one of them current.
+    The verify writes the state after row t into the t-th entry after the current one (row 0
+    overwrites the current entry, which is always accepted); `commit` moves the current entry
+    to the last accepted row's, on the host, with no device work.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from metrale.engine.sequence import ScheduledSeq
 from metrale.engine.staging import to_device_packed
-from metrale.models.gdn import GDNState
+from metrale.models.gdn_state import GDNState, StateMode
 
 DUMMY_ENTRY = 0
 
 
 class StateSlots:
-    def __init__(self, model, max_num_seqs: int) -> None:
-        self.pool: GDNState = model.make_state(max_num_seqs + 1)
+    def __init__(self, model, max_num_seqs: int, variant: str, max_verify_rows: int) -> None:
+        """`variant`: "write_on_accept" or "per_row_slots"; `max_verify_rows`: the most rows a
+        verify gives one sequence (K+1), the entries each slot needs with per-row slots."""
+        self.per_row = variant == "per_row_slots"
+        self.width = max(max_verify_rows, 1) if self.per_row else 1
+        self.verify_mode = StateMode.ROWS if self.per_row else StateMode.DEFER
+        self.pool: GDNState = model.make_state(1 + max_num_seqs * self.width)
         self.device = self.pool.ssm[0].device if self.pool.ssm else torch.device("cpu")
+        self._current = [0] * max_num_seqs  # per slot: its current entry among its `width`
 
-    def bind(self, entries: list[ScheduledSeq], keep_rows: bool) -> GDNState:
-        """Point the pool at this forward's sequences (in packed order), zeroing the entries of
-        sequences that start from their first token; returns the state the model takes."""
-        slots = [e.seq.slot + 1 for e in entries]
-        if any(s <= DUMMY_ENTRY for s in slots):
-            raise RuntimeError("a sequence without a state slot reached the hybrid runner")
-        fresh = [s for s, e in zip(slots, entries, strict=True) if e.seq.num_computed_tokens == 0]
-        slots_t, fresh_t = to_device_packed([slots, fresh], self.device)
+    def nbytes(self) -> int:
+        """Bytes of the state pool (what the variant costs in memory)."""
+        return self.pool.nbytes()
+
+    def entry_of(self, slot: int) -> int:
+        """The pool entry holding a slot's committed state."""
+        return 1 + slot * self.width + self._current[slot]
+
+    def plan(
+        self, entries: list[ScheduledSeq | None], verify: bool
+    ) -> tuple[list[int], list[int] | None]:
+        """Entries for one forward over `entries` in packed order (None: a padding sequence of
+        a graph, on the dummy entry): (the entry each sequence starts from, and for a per-row-slot
+        verify the entry after each of its rows, [B * T] flattened, T = the most rows). Zeroes the
+        entries of sequences that start from their first token."""
+        fresh = []
+        for e in entries:
+            if e is not None and e.seq.num_computed_tokens == 0:
+                self._current[self._slot(e)] = 0
+                fresh.append(self.entry_of(e.seq.slot))
         if fresh:
+            (fresh_t,) = to_device_packed([fresh], self.device)
             self.pool.reset(fresh_t)
-        self.pool.slots, self.pool.keep_rows = slots_t, keep_rows
-        self.pool.conv_rows.clear()
-        self.pool.ssm_rows.clear()
-        return self.pool
+        read = [DUMMY_ENTRY if e is None else self.entry_of(self._slot(e)) for e in entries]
+        if not (verify and self.per_row):
+            return read, None
+        t = max(1 if e is None else e.num_rows for e in entries)
+        rows = []
+        for e in entries:
+            if e is None:
+                rows += [DUMMY_ENTRY] * t
+                continue
+            if e.num_rows > self.width:
+                raise RuntimeError(
+                    f"a verify of {e.num_rows} rows on per-row state slots sized for {self.width}"
+                )
+            base, cur = 1 + e.seq.slot * self.width, self._current[e.seq.slot]
+            rows += [base + (cur + r) % self.width for r in range(e.num_rows)]
+            rows += [DUMMY_ENTRY] * (t - e.num_rows)
+        return read, rows
 
-    def commit(self, last_rows: list[int]) -> None:
-        """After a `keep_rows` forward: each sequence's entries <- its state after row
-        `last_rows[b]` (0-based, in packed order)."""
-        (rows,) = to_device_packed([last_rows], self.device)
-        self.pool.commit(rows)
-        self.pool.conv_rows.clear()
-        self.pool.ssm_rows.clear()
+    @staticmethod
+    def _slot(e: ScheduledSeq) -> int:
+        if e.seq.slot < 0:
+            raise RuntimeError("a sequence without a state slot reached the hybrid runner")
+        return e.seq.slot
+
+    def bind(self, entries: list[ScheduledSeq], verify: bool) -> GDNState:
+        """The state an eager forward over `entries` (packed order) takes; `verify`: a forward
+        with drafts, in the configured variant."""
+        read, rows = self.plan(list(entries), verify)
+        if rows is None:
+            (read_t,) = to_device_packed([read], self.device)
+            rows_t = None
+        else:
+            read_t, rows_t = to_device_packed([read, rows], self.device)
+            rows_t = rows_t.view(len(read), -1)
+        return self.pool.view(read_t, self.verify_mode if verify else StateMode.WRITE, rows_t)
+
+    def commit(
+        self,
+        state: GDNState,
+        entries: list[ScheduledSeq | None],
+        last_rows: list[int],
+        apply: Callable[[GDNState, torch.Tensor], None] | None = None,
+    ) -> None:
+        """After a verify forward over `entries` that ran on `state`: each sequence's committed
+        state becomes its state after row last_rows[b] (0-based: its last token plus the
+        accepted drafts; ignored for padding). `apply(state, num_rows)` runs a write-on-accept
+        commit (default `state.commit`; the graph runner's for a replayed program)."""
+        if self.per_row:
+            for e, row in zip(entries, last_rows, strict=True):
+                if e is not None:
+                    self._current[e.seq.slot] = (self._current[e.seq.slot] + row) % self.width
+            return
+        (num_rows,) = to_device_packed([[r + 1 for r in last_rows]], self.device)
+        if apply is None:
+            state.commit(num_rows)
+        else:
+            apply(state, num_rows)
 
     def entry(self, slot: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(conv window, delta-rule state) of a slot in one GDN layer (tests, debugging)."""
-        return self.pool.conv[layer][slot + 1], self.pool.ssm[layer][slot + 1]
+        """(conv window, delta-rule state) of a slot's committed state in one GDN layer."""
+        index = self.entry_of(slot)
+        return self.pool.conv[layer][index], self.pool.ssm[layer][index]

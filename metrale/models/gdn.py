@@ -12,12 +12,11 @@ verify needs: the committed state is the one after the last accepted row).
 `chunk_gated_delta_rule` computes the same thing 64 rows at a time (the WY form, see there), for
 prefill. Both take padded batches [B, T, ...]; a row with g = 0 and beta = 0 leaves the state as
 it is, so padding past a sequence's end never changes its state. These are the references that
-GPU kernels are tested against.
+GPU kernels are tested against; `gdn_state.GDNState` holds the state between steps.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -205,6 +204,15 @@ def causal_conv1d(
     return ConvOutput(out, new_window.contiguous(), windows)
 
 
+def window_after(window: torch.Tensor, x: torch.Tensor, num_rows: torch.Tensor) -> torch.Tensor:
+    """The conv window [B, D, K-1] after the first num_rows[b] rows of x [B, T, D] (a
+    write-on-accept commit re-bases the window over the accepted rows only)."""
+    b, d, width = window.shape
+    seq = torch.cat([window, x.transpose(1, 2).to(window.dtype)], dim=-1)  # [B, D, K-1+T]
+    views = seq.unfold(-1, width, 1)  # [B, D, T+1, K-1]
+    return views.gather(2, num_rows.view(b, 1, 1, 1).expand(b, d, 1, width)).squeeze(2)
+
+
 def gated_rms_norm(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
@@ -261,84 +269,3 @@ class RowLayout(NamedTuple):
     def unpad(self, padded: torch.Tensor) -> torch.Tensor:
         """[B, T, ...] padded -> [N, ...] packed."""
         return padded[self.row_seq, self.row_offset]
-
-
-@dataclass
-class GDNState:
-    """The recurrent state of every GDN layer of a hybrid target, for the sequences of a batch.
-
-    Entry i of `conv` / `ssm` belongs to the i-th GDN layer (in layer order):
-      conv[i] [S, conv_dim, K-1]  the last K-1 conv inputs (oldest first), activation dtype
-      ssm[i]  [S, Hv, dk, dv]     the delta-rule state, float32
-    Batch sequence b (packed rows query_start_loc[b]:query_start_loc[b+1]) owns entry
-    `slots[b]` of every layer; `slots=None` means entry b (then S = B). A new sequence's entries
-    must be zero (`reset`).
-
-    A forward reads each sequence's entries as the state before its first row. With
-    `keep_rows=False` it writes back the state after its last row (prefill chunks, decode).
-    With `keep_rows=True` (verify) it leaves the entries as they were and fills `conv_rows[i]`
-    [B, T, conv_dim, K-1] and `ssm_rows[i]` [B, T, Hv, dk, dv] with the state after each row
-    (rows past a sequence's own count repeat its last state); `commit(rows)` then writes the
-    state after row `rows[b]` of each sequence (write-on-accept).
-    """
-
-    conv: list[torch.Tensor]
-    ssm: list[torch.Tensor]
-    slots: torch.Tensor | None = None
-    keep_rows: bool = False
-    conv_rows: dict[int, torch.Tensor] = field(default_factory=dict)
-    ssm_rows: dict[int, torch.Tensor] = field(default_factory=dict)
-
-    @classmethod
-    def zeros(
-        cls,
-        num_layers: int,
-        num_entries: int,
-        conv_shape: tuple[int, int],
-        ssm_shape: tuple[int, int, int],
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-    ) -> GDNState:
-        """conv_shape (conv_dim, K-1), ssm_shape (Hv, dk, dv)."""
-        return cls(
-            conv=[
-                torch.zeros(num_entries, *conv_shape, dtype=dtype, device=device)
-                for _ in range(num_layers)
-            ],
-            ssm=[
-                torch.zeros(num_entries, *ssm_shape, dtype=torch.float32, device=device)
-                for _ in range(num_layers)
-            ],
-        )
-
-    def entries(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(conv windows [B, conv_dim, K-1], states [B, Hv, dk, dv]) of the batch's sequences."""
-        if self.slots is None:
-            return self.conv[layer], self.ssm[layer]
-        return self.conv[layer][self.slots], self.ssm[layer][self.slots]
-
-    def write(self, layer: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
-        """Store the batch's new windows [B, ...] and states [B, ...] in their entries."""
-        if self.slots is None:
-            self.conv[layer].copy_(conv)
-            self.ssm[layer].copy_(ssm)
-        else:
-            self.conv[layer].index_copy_(0, self.slots, conv.to(self.conv[layer].dtype))
-            self.ssm[layer].index_copy_(0, self.slots, ssm)
-
-    def keep(self, layer: int, conv_rows: torch.Tensor, ssm_rows: torch.Tensor) -> None:
-        """Store the batch's per-row windows [B, T, ...] and states [B, T, ...] (verify)."""
-        self.conv_rows[layer], self.ssm_rows[layer] = conv_rows, ssm_rows
-
-    def commit(self, rows: torch.Tensor) -> None:
-        """After a `keep_rows` forward: entry of sequence b <- its state after row rows[b]
-        (0-based: rows[b] = a when a drafts were accepted after the verified last token)."""
-        batch = torch.arange(rows.shape[0], device=rows.device)
-        for layer in range(len(self.ssm)):
-            self.write(layer, self.conv_rows[layer][batch, rows], self.ssm_rows[layer][batch, rows])
-
-    def reset(self, entries: torch.Tensor) -> None:
-        """Zero the given entries (a sequence starting from its first token)."""
-        for conv, ssm in zip(self.conv, self.ssm, strict=True):
-            conv.index_fill_(0, entries, 0)
-            ssm.index_fill_(0, entries, 0)

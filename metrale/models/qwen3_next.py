@@ -3,8 +3,8 @@ full-attention layers (`layer_types`), each followed by a sparse MoE block or a 
 
 `forward(input_ids, positions, meta, state) -> hidden` runs the packed rows of one step: the
 attention layers over the paged KV cache (`meta`, as in `qwen3.py`), the GDN layers over the
-recurrent state (`state`, a `metrale.models.gdn.GDNState`; batch sequence b, the rows
-meta.query_start_loc[b]:[b+1], owns entry state.slots[b] of every GDN layer).
+recurrent state (`state`, a `metrale.models.gdn_state.GDNState`; batch sequence b, the rows
+meta.query_start_loc[b]:[b+1], starts from entry state.read[b] of every GDN layer).
 `compute_logits(hidden, rows)` projects only the rows that need logits.
 
 Parameter names follow HF's; q/k/v and gate/up are fused as in `qwen3.py` (`PACKED_MODULES`),
@@ -20,19 +20,11 @@ from torch import nn
 
 from metrale.config import ModelConfig
 from metrale.models.attention import AttentionBackend, AttentionMetadata
-from metrale.models.gdn import (
-    DeltaRuleOutput,
-    GatedRMSNorm,
-    GDNState,
-    RowLayout,
-    causal_conv1d,
-    chunk_gated_delta_rule,
-    recurrent_gated_delta_rule,
-)
+from metrale.models.gdn import GatedRMSNorm, RowLayout, causal_conv1d
+from metrale.models.gdn_state import GDNState, StateMode
 from metrale.models.layers import RotaryEmbedding, SwiGLUMLP
 from metrale.models.qwen3 import PACKED_MODULES
 from metrale.models.qwen3_next_moe import Qwen3NextSparseMoeBlock
-from metrale.models.triton_gdn import recurrent_gated_delta_rule_triton, triton_gdn_enabled
 
 
 class ZeroCentredRMSNorm(nn.Module):
@@ -151,15 +143,16 @@ class Qwen3NextGatedDeltaNet(nn.Module):
     def forward(self, hidden: torch.Tensor, layout: RowLayout, state: GDNState) -> torch.Tensor:
         rows = hidden.shape[0]
         mixed, z, b, a = self._split(self.in_proj_qkvz(hidden), self.in_proj_ba(hidden))
-        window, ssm = state.entries(self.state_index)  # [B, conv_dim, K-1], [B, Hv, dk, dv]
+        conv_in = layout.pad(mixed)  # [B, T, conv_dim]
+        bsz, t = conv_in.shape[:2]
         conv = causal_conv1d(
-            layout.pad(mixed),  # [B, T, conv_dim]
+            conv_in,
             self.conv1d.weight[:, 0],
-            window,
+            state.window(self.state_index, bsz),
             lengths=layout.lengths,
-            output_all_windows=state.keep_rows,
+            output_all_windows=state.mode is StateMode.ROWS,
         )
-        bsz, t = conv.out.shape[:2]
+        state.update_window(self.state_index, conv, conv_in)
         q, k, v = conv.out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.view(bsz, t, self.num_k_heads, self.head_k_dim)
         k = k.view(bsz, t, self.num_k_heads, self.head_k_dim)
@@ -167,23 +160,8 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         # NOTE: padded rows get g = beta = 0, which leaves the state unchanged.
         beta = layout.pad(b.sigmoid())  # [B, T, Hv]
         g = layout.pad(-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias))
-        if (state.keep_rows or t == 1) and triton_gdn_enabled(v):
-            res = DeltaRuleOutput(
-                *recurrent_gated_delta_rule_triton(
-                    q, k, v, g, beta, ssm, output_all_states=state.keep_rows
-                )
-            )
-        elif state.keep_rows or t == 1:
-            res = recurrent_gated_delta_rule(
-                q, k, v, g, beta, ssm, output_all_states=state.keep_rows
-            )
-        else:
-            res = chunk_gated_delta_rule(q, k, v, g, beta, ssm)
-        if state.keep_rows:
-            state.keep(self.state_index, conv.windows, res.states)
-        else:
-            state.write(self.state_index, conv.window, res.state)
-        out = self.norm(layout.unpad(res.out), z)  # [N, Hv, dv]
+        out = state.delta_rule(self.state_index, q, k, v, g, beta)
+        out = self.norm(layout.unpad(out), z)  # [N, Hv, dv]
         return self.out_proj(out.reshape(rows, self.value_dim))
 
 

@@ -1,14 +1,18 @@
-"""The gated delta rule, recurrent form, as one Triton kernel: decode and verify rows of a hybrid
-(Qwen3-Next) target without a torch op per row.
+"""The gated delta rule, recurrent form, as one Triton kernel that addresses the state pool in
+place: decode, verify and write-on-accept commits of a hybrid (Qwen3-Next) target without a torch
+op per row and without gathering or scattering states.
 
-One program per (sequence, value head, block of BV value columns) keeps its [dk, BV] slice of the
-float32 state in registers across the sequence's rows (the columns of the state evolve
-independently), and per row: decays it, writes the delta-rule correction, reads the output, and
-optionally stores the state after that row (verify keeps every row's state for write-on-accept).
-Same arguments and results as `gdn.recurrent_gated_delta_rule`, its reference and test oracle.
+One program per (sequence, value head, block of BV value columns) loads its [dk, BV] slice of the
+float32 state from pool entry `read[b]`, keeps it in registers across the sequence's rows (the
+columns of the state evolve independently), and per row decays it, writes the delta-rule
+correction and reads the output. It then stores, as asked:
+  - the state after the last row into entry `final[b]` (prefill, decode, commits: `final = read`);
+  - the state after row t into entry `rows[b, t]` (per-row-slot verify);
+  - nothing (write-on-accept verify: the state is written later, for the accepted rows only).
+A program reads and writes only its own tile, so writing back into the entry it read is safe.
 
-Off unless `METRALE_GDN_TRITON=1`: it runs under the Triton interpreter in the CPU tests, and is
-switched on once the H200 run confirms it.
+`gdn.recurrent_gated_delta_rule` is its reference and test oracle. On by default on CUDA;
+`METRALE_NO_GDN_TRITON=1` runs the torch reference instead (A/B runs).
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ L2NORM_EPS = 1e-6  # as gdn.L2NORM_EPS (HF's l2norm)
 
 
 def triton_gdn_enabled(x: torch.Tensor) -> bool:
-    """Run the recurrent form as this kernel: CUDA, Triton, and `METRALE_GDN_TRITON=1`."""
-    return triton is not None and x.is_cuda and knobs().gdn_triton
+    """Run the recurrent form as this kernel: CUDA, Triton, and not `METRALE_NO_GDN_TRITON=1`."""
+    return triton is not None and x.is_cuda and not knobs().no_gdn_triton
 
 
 if triton is not None:
@@ -40,10 +44,11 @@ if triton is not None:
         v_ptr,
         g_ptr,
         beta_ptr,
-        state_ptr,
         out_ptr,
+        pool_ptr,
+        read_ptr,
         final_ptr,
-        states_ptr,
+        rows_ptr,
         T,
         scale,
         eps,
@@ -55,7 +60,8 @@ if triton is not None:
         BV: tl.constexpr,
         L2NORM: tl.constexpr,
         HAS_STATE: tl.constexpr,
-        ALL_STATES: tl.constexpr,
+        WRITE_FINAL: tl.constexpr,
+        WRITE_ROWS: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -63,11 +69,13 @@ if triton is not None:
         kk = tl.arange(0, BK)
         vv = tl.program_id(2) * BV + tl.arange(0, BV)
         k_ok, v_ok = kk < DK, vv < DV
-        tile = kk[:, None] * DV + vv[None, :]
+        tile = h * DK * DV + kk[:, None] * DV + vv[None, :]
         tile_ok = k_ok[:, None] & v_ok[None, :]
+        entry_size = HV * DK * DV
         s = tl.zeros([BK, BV], tl.float32)
         if HAS_STATE:
-            s = tl.load(state_ptr + (b * HV + h) * DK * DV + tile, mask=tile_ok, other=0.0)
+            entry = tl.load(read_ptr + b).to(tl.int64)
+            s = tl.load(pool_ptr + entry * entry_size + tile, mask=tile_ok, other=0.0)
         for t in range(T):
             qk_row = (b * T + t) * HK + hk
             q = tl.load(q_ptr + qk_row * DK + kk, mask=k_ok, other=0.0).to(tl.float32)
@@ -85,9 +93,68 @@ if triton is not None:
             s = s + k[:, None] * u[None, :]
             o = tl.sum(q[:, None] * s, axis=0)
             tl.store(out_ptr + row * DV + vv, o.to(out_ptr.dtype.element_ty), mask=v_ok)
-            if ALL_STATES:
-                tl.store(states_ptr + row * DK * DV + tile, s, mask=tile_ok)
-        tl.store(final_ptr + (b * HV + h) * DK * DV + tile, s, mask=tile_ok)
+            if WRITE_ROWS:
+                row_entry = tl.load(rows_ptr + b * T + t).to(tl.int64)
+                tl.store(pool_ptr + row_entry * entry_size + tile, s, mask=tile_ok)
+        if WRITE_FINAL:
+            entry = tl.load(final_ptr + b).to(tl.int64)
+            tl.store(pool_ptr + entry * entry_size + tile, s, mask=tile_ok)
+
+
+def delta_rule_in_pool(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    pool: torch.Tensor,
+    read: torch.Tensor | None,
+    *,
+    final: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+    scale: float | None = None,
+    l2norm_qk: bool = True,
+) -> torch.Tensor:
+    """q, k [B, T, Hk, dk]; v [B, T, Hv, dv]; g, beta [B, T, Hv]; pool [S, Hv, dk, dv] float32.
+    Sequence b starts from entry read[b] (None: zeros); writes the state after its last row into
+    entry final[b] and the state after row t into entry rows[b, t] where those are given.
+    Returns out [B, T, Hv, dv] in v's dtype."""
+    bsz, seq, hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    if hv % hk:
+        raise ValueError(f"{hv} value heads are not a multiple of {hk} key heads")
+    if pool.dtype != torch.float32 or not pool.is_contiguous():
+        raise ValueError("the state pool must be contiguous float32")
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    out = torch.empty_like(v)
+    block_v = min(triton.next_power_of_2(dv), 32)
+    dummy = out  # an unread pointer for the arguments a variant does not use
+    _recurrent_delta_rule_kernel[(bsz, hv, triton.cdiv(dv, block_v))](
+        q,
+        k,
+        v,
+        g,
+        beta,
+        out,
+        pool,
+        dummy if read is None else read.contiguous(),
+        dummy if final is None else final.contiguous(),
+        dummy if rows is None else rows.contiguous(),
+        seq,
+        dk**-0.5 if scale is None else scale,
+        L2NORM_EPS,
+        HK=hk,
+        HV=hv,
+        DK=dk,
+        DV=dv,
+        BK=triton.next_power_of_2(dk),
+        BV=block_v,
+        L2NORM=l2norm_qk,
+        HAS_STATE=read is not None,
+        WRITE_FINAL=final is not None,
+        WRITE_ROWS=rows is not None,
+    )
+    return out
 
 
 def recurrent_gated_delta_rule_triton(
@@ -102,44 +169,28 @@ def recurrent_gated_delta_rule_triton(
     l2norm_qk: bool = True,
     output_all_states: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """q, k [B, T, Hk, dk]; v [B, T, Hv, dv]; g, beta [B, T, Hv]; state [B, Hv, dk, dv] or None
-    -> (out [B, T, Hv, dv] in v's dtype, final state [B, Hv, dk, dv] float32, per-row states
-    [B, T, Hv, dk, dv] float32 or None)."""
-    bsz, seq, hk, dk = q.shape
-    hv, dv = v.shape[2], v.shape[3]
-    if hv % hk:
-        raise ValueError(f"{hv} value heads are not a multiple of {hk} key heads")
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    out = torch.empty_like(v)
-    final = torch.empty(bsz, hv, dk, dv, dtype=torch.float32, device=v.device)
-    states = (
-        torch.empty(bsz, seq, hv, dk, dv, dtype=torch.float32, device=v.device)
-        if output_all_states
-        else final
-    )
-    init = state.float().contiguous() if state is not None else final
-    block_v = min(triton.next_power_of_2(dv), 32)
-    _recurrent_delta_rule_kernel[(bsz, hv, triton.cdiv(dv, block_v))](
+    """The functional form of `delta_rule_in_pool`, with `gdn.recurrent_gated_delta_rule`'s
+    arguments and results (the tests' entry point): (out, final state [B, Hv, dk, dv], per-row
+    states [B, T, Hv, dk, dv] or None); `state` is never modified."""
+    bsz, seq = q.shape[:2]
+    hv, dk, dv = v.shape[2], q.shape[3], v.shape[3]
+    # pool: [initial states | final states | per-row states]
+    pool = torch.empty(bsz * (2 + seq), hv, dk, dv, dtype=torch.float32, device=v.device)
+    if state is not None:
+        pool[:bsz] = state
+    index = torch.arange(bsz * (2 + seq), device=v.device)
+    out = delta_rule_in_pool(
         q,
         k,
         v,
         g,
         beta,
-        init,
-        out,
-        final,
-        states,
-        seq,
-        dk**-0.5 if scale is None else scale,
-        L2NORM_EPS,
-        HK=hk,
-        HV=hv,
-        DK=dk,
-        DV=dv,
-        BK=triton.next_power_of_2(dk),
-        BV=block_v,
-        L2NORM=l2norm_qk,
-        HAS_STATE=state is not None,
-        ALL_STATES=output_all_states,
+        pool,
+        index[:bsz] if state is not None else None,
+        final=index[bsz : 2 * bsz],
+        rows=index[2 * bsz :].view(bsz, seq) if output_all_states else None,
+        scale=scale,
+        l2norm_qk=l2norm_qk,
     )
-    return out, final, states if output_all_states else None
+    states = pool[2 * bsz :].view(bsz, seq, hv, dk, dv) if output_all_states else None
+    return out, pool[bsz : 2 * bsz], states

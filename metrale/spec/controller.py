@@ -67,8 +67,9 @@ class SpeculativeDecoder:
         cost: VerifyCostModel | None = None,
         write_on_accept: bool = False,
     ) -> None:
-        """`write_on_accept`: the target keeps recurrent state and commits it after acceptance
-        (hybrid targets); it selects that variant's verify graph keys."""
+        """`write_on_accept`: the target keeps recurrent state and writes it after acceptance
+        (hybrid targets in that variant, not per-row slots); it selects the variant's verify
+        graph keys."""
         self.cfg = cfg
         self.drafter = drafter
         self.telemetry = telemetry

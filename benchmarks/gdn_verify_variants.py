@@ -1,0 +1,105 @@
+"""Write-on-accept against per-row state slots, the delta-rule part alone, on one GPU.
+
+For Qwen3-Next-80B-A3B's GDN layers (36 of them; 32 value heads over 16 key heads of 128) and
+batches of B sequences verifying T = K + 1 rows, times one step's state handling over all layers:
+
+  write_on_accept  the verify reads each sequence's entry and writes nothing, then the commit
+                   re-runs the accepted rows (a random count per sequence) from the entry and
+                   writes it back in place (`GDNState` DEFER + `commit`);
+  per_row_slots    the verify writes the state after every row into the sequence's K + 1
+                   entries; the commit is a host-side index change (`GDNState` ROWS);
+
+and reports the state pool each needs for B sequences. Both run the Triton kernel of
+`models/triton_gdn.py` (CUDA graphs are not used: the times include launch gaps, the same for
+both). Run from the repository root: `PYTHONPATH=. python benchmarks/gdn_verify_variants.py`;
+one JSON document on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from metrale.models.triton_gdn import delta_rule_in_pool
+
+LAYERS, HK, HV, DK, DV = 36, 16, 32, 128, 128
+
+
+def _time(fn, reps: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def measure(batch: int, rows: int, layers: int) -> dict:
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, device=dev, generator=gen, dtype=torch.bfloat16)
+
+    q, k = rand(batch, rows, HK, DK), rand(batch, rows, HK, DK)
+    v = rand(batch, rows, HV, DV)
+    g = -torch.rand(batch, rows, HV, device=dev, generator=gen)
+    beta = torch.rand(batch, rows, HV, device=dev, generator=gen)
+    accepted = torch.randint(1, rows + 1, (batch,), device=dev, generator=gen)
+    keep = (torch.arange(rows, device=dev)[None, :] < accepted[:, None])[..., None]
+    entry = HV * DK * DV * 4
+
+    one = [torch.zeros(1 + batch, HV, DK, DV, device=dev) for _ in range(layers)]
+    read = torch.arange(1, batch + 1, device=dev)
+
+    def write_on_accept():
+        for pool in one:
+            delta_rule_in_pool(q, k, v, g, beta, pool, read)  # verify: reads only
+            delta_rule_in_pool(q, k, v, g * keep, beta * keep, pool, read, final=read)
+
+    per_row = [torch.zeros(1 + batch * rows, HV, DK, DV, device=dev) for _ in range(layers)]
+    base = 1 + torch.arange(batch, device=dev) * rows
+    row_entries = base[:, None] + torch.arange(rows, device=dev)[None, :]
+
+    def per_row_slots():
+        for pool in per_row:
+            delta_rule_in_pool(q, k, v, g, beta, pool, base, rows=row_entries)
+
+    def decode():  # the plain decode step's state work, for scale
+        for pool in one:
+            delta_rule_in_pool(
+                q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], pool, read, final=read
+            )
+
+    result = {
+        "batch": batch,
+        "rows": rows,
+        "write_on_accept_ms": _time(write_on_accept),
+        "per_row_slots_ms": _time(per_row_slots),
+        "decode_ms": _time(decode),
+        "write_on_accept_state_bytes": layers * batch * entry,
+        "per_row_slots_state_bytes": layers * batch * rows * entry,
+    }
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch-sizes", default="1,16,64")
+    parser.add_argument("--rows", type=int, default=4, help="K + 1")
+    parser.add_argument("--layers", type=int, default=LAYERS)
+    args = parser.parse_args()
+    runs = []
+    for b in args.batch_sizes.split(","):
+        runs.append(measure(int(b), args.rows, args.layers))
+        torch.cuda.empty_cache()  # the last batch's pools are garbage now
+    print(json.dumps({"layers": args.layers, "device": torch.cuda.get_device_name(), "runs": runs}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""The recurrent state a hybrid (Gated DeltaNet) target carries between steps, and how one forward
+reads and writes it: in place for prefill and decode, and in one of two variants for verify.
+
+Entry i of `conv` / `ssm` belongs to the i-th GDN layer (in layer order):
+  conv[i] [S, conv_dim, K-1]  the last K-1 conv inputs (oldest first), activation dtype
+  ssm[i]  [S, Hv, dk, dv]     the delta-rule state, float32
+Batch sequence b (packed rows query_start_loc[b]:query_start_loc[b+1]) reads its state from
+entry `read[b]` of every layer (`read=None`: entry b). A new sequence's entry must be zero
+(`reset`). What a forward writes depends on `mode`:
+
+  WRITE  the state after each sequence's last row goes back into `read[b]` (prefill chunks,
+         decode steps).
+  ROWS   per-row slots (verify): the state after row t goes into entry `rows[b, t]`; the caller
+         hands each sequence K+1 entries and, once the acceptance is known, just points the
+         sequence at the entry of its last accepted row: no copy, K+1 times the memory.
+  DEFER  write-on-accept (verify): nothing is written; each layer keeps its rows' inputs
+         (q, k, v, g, beta and the conv inputs, a few KB per row) and `commit(num_rows)` then
+         advances `read[b]` over the accepted rows only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import NamedTuple
+
+import torch
+
+from metrale.models.gdn import (
+    ConvOutput,
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_rule,
+    window_after,
+)
+from metrale.models.triton_gdn import delta_rule_in_pool, triton_gdn_enabled
+
+
+class StateMode(Enum):
+    WRITE = "write"
+    ROWS = "rows"
+    DEFER = "defer"
+
+
+class PendingRows(NamedTuple):
+    """A DEFER forward's delta-rule inputs of one GDN layer, padded [B, T, ...], for `commit`."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+
+
+@dataclass
+class GDNState:
+    conv: list[torch.Tensor]
+    ssm: list[torch.Tensor]
+    read: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+    mode: StateMode = StateMode.WRITE
+    pending: dict[int, PendingRows] = field(default_factory=dict)
+    pending_conv: dict[int, torch.Tensor] = field(default_factory=dict)  # [B, T, conv_dim] inputs
+
+    @classmethod
+    def zeros(
+        cls,
+        num_layers: int,
+        num_entries: int,
+        conv_shape: tuple[int, int],
+        ssm_shape: tuple[int, int, int],
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> GDNState:
+        """conv_shape (conv_dim, K-1), ssm_shape (Hv, dk, dv)."""
+        return cls(
+            conv=[
+                torch.zeros(num_entries, *conv_shape, dtype=dtype, device=device)
+                for _ in range(num_layers)
+            ],
+            ssm=[
+                torch.zeros(num_entries, *ssm_shape, dtype=torch.float32, device=device)
+                for _ in range(num_layers)
+            ],
+        )
+
+    def view(
+        self, read: torch.Tensor | None, mode: StateMode, rows: torch.Tensor | None = None
+    ) -> GDNState:
+        """The same entries, addressed for one forward."""
+        if (mode is StateMode.ROWS) != (rows is not None):
+            raise ValueError(f"mode {mode.value} with rows={'given' if rows is not None else None}")
+        return GDNState(self.conv, self.ssm, read, rows, mode)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.conv + self.ssm)
+
+    def _read(self, batch: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(batch, device=device) if self.read is None else self.read
+
+    def window(self, layer: int, batch: int) -> torch.Tensor:
+        """Conv windows [B, conv_dim, K-1] of the batch's sequences before their first row."""
+        return self.conv[layer][self._read(batch, self.conv[layer].device)]
+
+    def delta_rule(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+    ) -> torch.Tensor:
+        """The delta rule over padded rows (see `gdn.recurrent_gated_delta_rule`; padding rows have
+        g = beta = 0) from each sequence's entry, writing as `mode` says -> out [B, T, Hv, dv]."""
+        bsz, t = q.shape[:2]
+        pool = self.ssm[layer]
+        read = self._read(bsz, pool.device)
+        mode = self.mode
+        if mode is StateMode.DEFER:
+            self.pending[layer] = PendingRows(q, k, v, g, beta)
+        if triton_gdn_enabled(v) and (t == 1 or mode is not StateMode.WRITE):
+            return delta_rule_in_pool(
+                q,
+                k,
+                v,
+                g,
+                beta,
+                pool,
+                read,
+                final=read if mode is StateMode.WRITE else None,
+                rows=self.rows if mode is StateMode.ROWS else None,
+            )
+        if mode is StateMode.WRITE and t > 1:
+            res = chunk_gated_delta_rule(q, k, v, g, beta, pool[read])
+        else:
+            res = recurrent_gated_delta_rule(
+                q, k, v, g, beta, pool[read], output_all_states=mode is StateMode.ROWS
+            )
+        if mode is StateMode.WRITE:
+            pool.index_copy_(0, read, res.state)
+        elif mode is StateMode.ROWS:
+            assert self.rows is not None and res.states is not None
+            pool.index_copy_(0, self.rows.flatten(), res.states.flatten(0, 1))
+        return res.out
+
+    def update_window(self, layer: int, conv: ConvOutput, conv_in: torch.Tensor) -> None:
+        """After the conv over `conv_in` [B, T, conv_dim]: store the windows as `mode` says
+        (ROWS needs `conv.windows`, the conv run with `output_all_windows`)."""
+        store = self.conv[layer]
+        if self.mode is StateMode.WRITE:
+            read = self._read(conv_in.shape[0], store.device)
+            store.index_copy_(0, read, conv.window.to(store.dtype))
+        elif self.mode is StateMode.ROWS:
+            assert self.rows is not None and conv.windows is not None
+            store.index_copy_(0, self.rows.flatten(), conv.windows.flatten(0, 1).to(store.dtype))
+        else:
+            self.pending_conv[layer] = conv_in
+
+    def commit(self, num_rows: torch.Tensor) -> None:
+        """After a DEFER forward: advance each sequence's entry over its first num_rows[b] rows
+        (its last token plus the accepted drafts), as a WRITE forward of only those rows would."""
+        if self.mode is not StateMode.DEFER:
+            raise RuntimeError(f"commit after a {self.mode.value} forward")
+        for layer, p in self.pending.items():
+            bsz, t = p.g.shape[:2]
+            pool, store = self.ssm[layer], self.conv[layer]
+            read = self._read(bsz, pool.device)
+            window = window_after(store[read], self.pending_conv.pop(layer), num_rows)
+            keep = torch.arange(t, device=pool.device)[None, :] < num_rows[:, None]
+            g, beta = p.g * keep[..., None], p.beta * keep[..., None]  # masked rows: identity
+            # the recurrent form whatever t is, as the verify itself ran
+            if triton_gdn_enabled(p.v):
+                delta_rule_in_pool(p.q, p.k, p.v, g, beta, pool, read, final=read)
+            else:
+                res = recurrent_gated_delta_rule(p.q, p.k, p.v, g, beta, pool[read])
+                pool.index_copy_(0, read, res.state)
+            store.index_copy_(0, read, window.to(store.dtype))
+        # NOTE: `pending` stays: a graphed commit replays over the same (static) tensors, and the
+        # next DEFER forward replaces them.
+
+    def reset(self, entries: torch.Tensor) -> None:
+        """Zero the given entries (a sequence starting from its first token)."""
+        for conv, ssm in zip(self.conv, self.ssm, strict=True):
+            conv.index_fill_(0, entries, 0)
+            ssm.index_fill_(0, entries, 0)

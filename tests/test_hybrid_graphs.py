@@ -1,0 +1,88 @@
+"""The graphed step path of a hybrid target, on CPU: `GraphRunner` with its capture replaced by
+"run the captured function again on every replay", so that the path the H200 takes (depth groups
+padded to bucket counts with dummy sequences on the dummy state entry, state entries read from
+the workspace, a write-on-accept commit over the padded batch, per-row slots) is checked against
+plain decoding without a GPU. `tests/test_hybrid_engine.py`'s gpu test runs the real graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metrale.engine import graphs
+from metrale.spec.replay import ReplayDrafter
+from tests.test_hybrid_engine import PROMPTS, greedy, hybrid_dir, llm_for  # noqa: F401
+
+
+class RerunGraph:
+    """Stands in for a captured CUDA graph: a replay reruns the function and writes its results
+    into the outputs the capture returned, as a real replay rewrites them in place."""
+
+    def __init__(self, fn, outputs) -> None:
+        self.fn, self.outputs = fn, outputs
+        self.replays = 0
+
+    def replay(self) -> None:
+        outputs = self.fn()
+        self.replays += 1
+        if outputs is None:  # a graphed commit
+            return
+        hidden, logits, state = outputs
+        self.outputs[0].copy_(hidden)
+        self.outputs[1].copy_(logits)
+        if state is not None:
+            self.outputs[2].pending, self.outputs[2].pending_conv = (
+                state.pending,
+                state.pending_conv,
+            )
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    made: list[RerunGraph] = []
+
+    def capture(fn, pool, device):
+        graph = RerunGraph(fn, fn())
+        made.append(graph)
+        return graph, graph.outputs
+
+    monkeypatch.setattr(graphs, "capture", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    return made
+
+
+def graphed(llm):
+    runner = llm.engine.runner
+    runner.graphs = graphs.GraphRunner(
+        runner.model,
+        64,
+        llm.engine.max_model_len + llm.engine.lookahead,
+        runner.page_size,
+        runner.device,
+        state_pool=runner.states.pool,
+    )
+    return llm
+
+
+@pytest.mark.parametrize("variant", ["write_on_accept", "per_row_slots"])
+def test_graphed_hybrid_steps_equal_plain_decoding(hybrid_dir, fake_graphs, variant):  # noqa: F811
+    plain = llm_for(hybrid_dir).generate(PROMPTS, greedy(20))
+    want = [o.outputs[0].token_ids for o in plain]
+    truth = {tuple(p): w for p, w in zip(PROMPTS, want, strict=True)}
+    decode = graphed(llm_for(hybrid_dir))
+    assert [o.outputs[0].token_ids for o in decode.generate(PROMPTS, greedy(20))] == want
+    drafter = ReplayDrafter(truth, 0.6, vocab_size=320, seed=3)
+    spec = graphed(
+        llm_for(
+            hybrid_dir,
+            drafter=drafter,
+            spec={"num_drafts": 3},
+            hybrid_verify_state=variant,
+        )
+    )
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(20))] == want
+    tel = spec.engine.telemetry.spec
+    assert 0 < tel.num_accepted_tokens < tel.num_draft_tokens
+    # the steps really replayed programs, with padded depth groups among them
+    assert sum(g.replays for g in fake_graphs) > 20
+    assert spec.engine.runner.graphs.cache.stats()["misses"] > 1
