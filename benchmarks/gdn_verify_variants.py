@@ -10,9 +10,10 @@ batches of B sequences verifying T = K + 1 rows, times one step's state handling
                    entries; the commit is a host-side index change (`GDNState` ROWS);
 
 and reports the state pool each needs for B sequences. Both run the Triton kernel of
-`models/triton_gdn.py` (CUDA graphs are not used: the times include launch gaps, the same for
-both). Run from the repository root: `PYTHONPATH=. python benchmarks/gdn_verify_variants.py`;
-one JSON document on stdout.
+`models/triton_gdn.py`, each step captured as one CUDA graph (as the engine replays it), so the
+times are GPU time rather than launch overhead. `--sweep` also times the kernel's launch shapes
+(value columns per program, warps) for the decode step. Run from the repository root:
+`PYTHONPATH=. python benchmarks/gdn_verify_variants.py`; one JSON document on stdout.
 """
 
 from __future__ import annotations
@@ -28,18 +29,27 @@ LAYERS, HK, HV, DK, DV = 36, 16, 32, 128, 128
 
 
 def _time(fn, reps: int = 20) -> float:
-    fn()
+    """Milliseconds per replay of `fn` captured as a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up: compile and autotune outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
-        fn()
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / reps
 
 
-def measure(batch: int, rows: int, layers: int) -> dict:
+def measure(batch: int, rows: int, layers: int, sweep: bool) -> dict:
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
 
@@ -51,7 +61,6 @@ def measure(batch: int, rows: int, layers: int) -> dict:
     g = -torch.rand(batch, rows, HV, device=dev, generator=gen)
     beta = torch.rand(batch, rows, HV, device=dev, generator=gen)
     accepted = torch.randint(1, rows + 1, (batch,), device=dev, generator=gen)
-    keep = (torch.arange(rows, device=dev)[None, :] < accepted[:, None])[..., None]
     entry = HV * DK * DV * 4
 
     one = [torch.zeros(1 + batch, HV, DK, DV, device=dev) for _ in range(layers)]
@@ -60,7 +69,7 @@ def measure(batch: int, rows: int, layers: int) -> dict:
     def write_on_accept():
         for pool in one:
             delta_rule_in_pool(q, k, v, g, beta, pool, read)  # verify: reads only
-            delta_rule_in_pool(q, k, v, g * keep, beta * keep, pool, read, final=read)
+            delta_rule_in_pool(q, k, v, g, beta, pool, read, final=read, lengths=accepted)
 
     per_row = [torch.zeros(1 + batch * rows, HV, DK, DV, device=dev) for _ in range(layers)]
     base = 1 + torch.arange(batch, device=dev) * rows
@@ -70,10 +79,15 @@ def measure(batch: int, rows: int, layers: int) -> dict:
         for pool in per_row:
             delta_rule_in_pool(q, k, v, g, beta, pool, base, rows=row_entries)
 
-    def decode():  # the plain decode step's state work, for scale
+    def decode(block_v=None, num_warps=4):  # the plain decode step's state work, for scale
         for pool in one:
             delta_rule_in_pool(
-                q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], pool, read, final=read
+                *(x[:, :1] for x in (q, k, v, g, beta)),
+                pool,
+                read,
+                final=read,
+                block_v=block_v,
+                num_warps=num_warps,
             )
 
     result = {
@@ -84,7 +98,15 @@ def measure(batch: int, rows: int, layers: int) -> dict:
         "decode_ms": _time(decode),
         "write_on_accept_state_bytes": layers * batch * entry,
         "per_row_slots_state_bytes": layers * batch * rows * entry,
+        # the bytes a decode step must move: every state read and written once
+        "decode_roofline_bytes": 2 * layers * batch * entry,
     }
+    if sweep:
+        result["decode_sweep_ms"] = {
+            f"bv{bv}_w{w}": _time(lambda bv=bv, w=w: decode(bv, w))
+            for bv in (16, 32, 64, 128)
+            for w in (2, 4, 8)
+        }
     return result
 
 
@@ -93,10 +115,11 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,16,64")
     parser.add_argument("--rows", type=int, default=4, help="K + 1")
     parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument("--sweep", action="store_true", help="time the decode launch shapes")
     args = parser.parse_args()
     runs = []
     for b in args.batch_sizes.split(","):
-        runs.append(measure(int(b), args.rows, args.layers))
+        runs.append(measure(int(b), args.rows, args.layers, args.sweep))
         torch.cuda.empty_cache()  # the last batch's pools are garbage now
     print(json.dumps({"layers": args.layers, "device": torch.cuda.get_device_name(), "runs": runs}))
 

@@ -22,6 +22,7 @@ from metrale.api import LLM
 from metrale.bench import median_time, synthetic_batch, weight_bytes, write_shape
 from metrale.engine.graphs import decode_bucket
 from metrale.knobs import knobs
+from metrale.models.gdn_state import StateMode
 from metrale.spec.row_table import RowTable
 
 
@@ -36,7 +37,7 @@ def host_pieces(llm: LLM, batch) -> dict[str, float]:
     sync()
     out["metadata_ms"] = (t() - start) * 1e3
     start = t()
-    hidden, logits = runner._replay(batch, input_ids, positions, meta)
+    runner._replay(batch)
     sync()
     out["replay_ms"] = (t() - start) * 1e3
     start = t()
@@ -51,14 +52,15 @@ def replay_only(llm: LLM, batch) -> float:
     b = len(batch.entries)
     pad = decode_bucket(b) - b
     table = RowTable.from_dispatch(range(b + pad), [1] * (b + pad))
-    graph = runner.graphs.cache.get(table, (runner.graphs.max_model_len, None))[0]
+    mode = None if runner.states is None else StateMode.WRITE  # a hybrid's decode program
+    graph = runner.graphs.cache.get(table, (runner.graphs.max_model_len, mode))[0]
     return median_time(graph.replay, runner.device, reps=20)
 
 
 def kernel_table(llm: LLM, batch, path: Path) -> dict:
     runner = llm.engine.runner
     input_ids, positions, meta = runner._metadata(batch)
-    fwd = lambda: runner.model.compute_logits(runner.model(input_ids, positions, meta))  # noqa: E731
+    fwd = lambda: runner.model.compute_logits(runner._forward(batch, input_ids, positions, meta)[0])  # noqa: E731
     with torch.inference_mode():
         fwd()
         torch.cuda.synchronize()

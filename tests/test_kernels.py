@@ -184,11 +184,12 @@ def test_recurrent_delta_rule_kernel_matches_reference(dtype, all_states, with_s
         assert states is None
 
 
-@pytest.mark.parametrize("mode", ["final", "rows", "read_only"])
+@pytest.mark.parametrize("mode", ["final", "rows", "read_only", "commit"])
 def test_delta_rule_kernel_addresses_the_pool_in_place(mode):
     """The kernel on a state pool: sequences read non-adjacent entries; `final` writes the state
     after the last row back into the entry read, `rows` the state after row t into its own entry
-    (row 0 over the entry read; padding rows to the dummy entry 0), `read_only` writes nothing.
+    (row 0 over the entry read; padding rows to the dummy entry 0), `read_only` writes nothing,
+    `commit` (lengths) writes the state after each sequence's first lengths[b] rows only.
     Every other entry is left alone."""
     from metrale.models.gdn import recurrent_gated_delta_rule
     from metrale.models.triton_gdn import delta_rule_in_pool
@@ -212,11 +213,18 @@ def test_delta_rule_kernel_addresses_the_pool_in_place(mode):
         beta,
         pool,
         read,
-        final=read if mode == "final" else None,
+        final=read if mode in ("final", "commit") else None,
         rows=rows if mode == "rows" else None,
+        lengths=torch.tensor([2, 1], device=DEVICE) if mode == "commit" else None,
     )
-    torch.testing.assert_close(out, ref.out, rtol=1e-4, atol=1e-4)
     touched: list[int] = []
+    if mode == "commit":
+        assert out is None
+        torch.testing.assert_close(pool[6], ref.states[0, 1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(pool[2], ref.states[1, 0], rtol=1e-4, atol=1e-4)
+        touched = [6, 2]
+    else:
+        torch.testing.assert_close(out, ref.out, rtol=1e-4, atol=1e-4)
     if mode == "final":
         torch.testing.assert_close(pool[read], ref.state, rtol=1e-4, atol=1e-4)
         touched = [6, 2]

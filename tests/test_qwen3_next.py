@@ -247,6 +247,13 @@ def test_write_on_accept_verify_then_commit_matches_transformers(next_ckpt):
     for x, y in zip(before, h.state.conv + h.state.ssm, strict=True):
         assert torch.equal(x, y)
     h.bound.commit(torch.tensor([2, 2]))  # A accepts one draft (rows 0..1), B all of its rows
+    # A graph capture runs the commit twice (warm-up, capture): it must not consume its rows.
+    after = [t.clone() for t in h.state.conv + h.state.ssm]
+    for t, x in zip(h.state.conv + h.state.ssm, before, strict=True):
+        t.copy_(x)
+    h.bound.commit(torch.tensor([2, 2]))
+    for x, y in zip(after, h.state.conv + h.state.ssm, strict=True):
+        assert torch.equal(x, y)
     out = h.step([(0, a[22:25], 22), (1, b[22:25], 22)])
     torch.testing.assert_close(out[:3], ref_a[22:25], atol=ATOL, rtol=0)
     torch.testing.assert_close(out[3:], ref_b[22:25], atol=ATOL, rtol=0)

@@ -165,18 +165,18 @@ class GDNState:
             bsz, t = p.g.shape[:2]
             pool, store = self.ssm[layer], self.conv[layer]
             read = self._read(bsz, pool.device)
-            window = window_after(store[read], self.pending_conv.pop(layer), num_rows)
-            keep = torch.arange(t, device=pool.device)[None, :] < num_rows[:, None]
-            g, beta = p.g * keep[..., None], p.beta * keep[..., None]  # masked rows: identity
+            window = window_after(store[read], self.pending_conv[layer], num_rows)
             # the recurrent form whatever t is, as the verify itself ran
             if triton_gdn_enabled(p.v):
-                delta_rule_in_pool(p.q, p.k, p.v, g, beta, pool, read, final=read)
+                delta_rule_in_pool(*p, pool, read, final=read, lengths=num_rows)
             else:
+                keep = torch.arange(t, device=pool.device)[None, :] < num_rows[:, None]
+                g, beta = p.g * keep[..., None], p.beta * keep[..., None]  # masked rows: identity
                 res = recurrent_gated_delta_rule(p.q, p.k, p.v, g, beta, pool[read])
                 pool.index_copy_(0, read, res.state)
             store.index_copy_(0, read, window.to(store.dtype))
-        # NOTE: `pending` stays: a graphed commit replays over the same (static) tensors, and the
-        # next DEFER forward replaces them.
+        # NOTE: nothing is popped: a graph capture runs this twice (warm-up, capture), a graphed
+        # commit replays over the same static tensors, and the next DEFER forward replaces them.
 
     def reset(self, entries: torch.Tensor) -> None:
         """Zero the given entries (a sequence starting from its first token)."""

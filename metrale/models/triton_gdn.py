@@ -17,6 +17,8 @@ A program reads and writes only its own tile, so writing back into the entry it 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from metrale.knobs import knobs
@@ -49,6 +51,7 @@ if triton is not None:
         read_ptr,
         final_ptr,
         rows_ptr,
+        lens_ptr,
         T,
         scale,
         eps,
@@ -62,6 +65,8 @@ if triton is not None:
         HAS_STATE: tl.constexpr,
         WRITE_FINAL: tl.constexpr,
         WRITE_ROWS: tl.constexpr,
+        HAS_LENS: tl.constexpr,
+        STORE_OUT: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -76,7 +81,10 @@ if triton is not None:
         if HAS_STATE:
             entry = tl.load(read_ptr + b).to(tl.int64)
             s = tl.load(pool_ptr + entry * entry_size + tile, mask=tile_ok, other=0.0)
-        for t in range(T):
+        n = T
+        if HAS_LENS:  # a commit: only the sequence's accepted rows
+            n = tl.minimum(tl.load(lens_ptr + b).to(tl.int32), T)
+        for t in range(n):
             qk_row = (b * T + t) * HK + hk
             q = tl.load(q_ptr + qk_row * DK + kk, mask=k_ok, other=0.0).to(tl.float32)
             k = tl.load(k_ptr + qk_row * DK + kk, mask=k_ok, other=0.0).to(tl.float32)
@@ -91,8 +99,9 @@ if triton is not None:
             s = s * tl.exp(g)
             u = (v - tl.sum(k[:, None] * s, axis=0)) * beta  # the correction, [BV]
             s = s + k[:, None] * u[None, :]
-            o = tl.sum(q[:, None] * s, axis=0)
-            tl.store(out_ptr + row * DV + vv, o.to(out_ptr.dtype.element_ty), mask=v_ok)
+            if STORE_OUT:
+                o = tl.sum(q[:, None] * s, axis=0)
+                tl.store(out_ptr + row * DV + vv, o.to(out_ptr.dtype.element_ty), mask=v_ok)
             if WRITE_ROWS:
                 row_entry = tl.load(rows_ptr + b * T + t).to(tl.int64)
                 tl.store(pool_ptr + row_entry * entry_size + tile, s, mask=tile_ok)
@@ -114,11 +123,16 @@ def delta_rule_in_pool(
     rows: torch.Tensor | None = None,
     scale: float | None = None,
     l2norm_qk: bool = True,
-) -> torch.Tensor:
+    lengths: torch.Tensor | None = None,
+    block_v: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor | None:
     """q, k [B, T, Hk, dk]; v [B, T, Hv, dv]; g, beta [B, T, Hv]; pool [S, Hv, dk, dv] float32.
     Sequence b starts from entry read[b] (None: zeros); writes the state after its last row into
     entry final[b] and the state after row t into entry rows[b, t] where those are given.
-    Returns out [B, T, Hv, dv] in v's dtype."""
+    Returns out [B, T, Hv, dv] in v's dtype; with `lengths` [B] (a write-on-accept commit) only
+    each sequence's first lengths[b] rows run, and nothing but the states is written (None).
+    `block_v`, `num_warps`: the launch shape (value columns per program; default `_block_v`)."""
     bsz, seq, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     if hv % hk:
@@ -126,20 +140,21 @@ def delta_rule_in_pool(
     if pool.dtype != torch.float32 or not pool.is_contiguous():
         raise ValueError("the state pool must be contiguous float32")
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    out = torch.empty_like(v)
-    block_v = min(triton.next_power_of_2(dv), 32)
-    dummy = out  # an unread pointer for the arguments a variant does not use
+    out = torch.empty_like(v) if lengths is None else None
+    block_v = block_v or _block_v(bsz * hv, dv, v.device)
+    dummy = pool  # an unread pointer for the arguments a variant does not use
     _recurrent_delta_rule_kernel[(bsz, hv, triton.cdiv(dv, block_v))](
         q,
         k,
         v,
         g,
         beta,
-        out,
+        dummy if out is None else out,
         pool,
         dummy if read is None else read.contiguous(),
         dummy if final is None else final.contiguous(),
         dummy if rows is None else rows.contiguous(),
+        dummy if lengths is None else lengths.contiguous(),
         seq,
         dk**-0.5 if scale is None else scale,
         L2NORM_EPS,
@@ -153,8 +168,29 @@ def delta_rule_in_pool(
         HAS_STATE=read is not None,
         WRITE_FINAL=final is not None,
         WRITE_ROWS=rows is not None,
+        HAS_LENS=lengths is not None,
+        STORE_OUT=lengths is None,
+        num_warps=num_warps,
     )
     return out
+
+
+@functools.cache
+def _programs_wanted(device: torch.device) -> int:
+    """Two programs per SM (one per SM on the interpreter) keep the state's streams busy."""
+    if device.type != "cuda":
+        return 1
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _block_v(heads: int, dv: int, device: torch.device) -> int:
+    """Value columns per program: the widest of 64, 32, 16 that still launches enough programs
+    (`benchmarks/gdn_verify_variants.py --sweep`, H200, 36 layers: decode at batch 64 takes
+    3.14 ms with 64, 3.49 with 32; at batch 1, 0.135 ms with 16, 0.154 with 32)."""
+    for block in (64, 32):
+        if heads * triton.cdiv(dv, block) >= _programs_wanted(device):
+            return min(block, triton.next_power_of_2(dv))
+    return min(16, triton.next_power_of_2(dv))
 
 
 def recurrent_gated_delta_rule_triton(
