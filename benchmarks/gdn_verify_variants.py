@@ -12,7 +12,8 @@ batches of B sequences verifying T = K + 1 rows, times one step's state handling
 and reports the state pool each needs for B sequences. Both run the Triton kernel of
 `models/triton_gdn.py`, each step captured as one CUDA graph (as the engine replays it), so the
 times are GPU time rather than launch overhead. `--sweep` also times the kernel's launch shapes
-(value columns per program, warps) for the decode step. Run from the repository root:
+(value columns per program, warps) for the decode step, and `--prefill-rows` a prefill through
+the torch WY reference and both kernels. Run from the repository root:
 `PYTHONPATH=. python benchmarks/gdn_verify_variants.py`; one JSON document on stdout.
 """
 
@@ -23,7 +24,9 @@ import json
 
 import torch
 
+from metrale.models.gdn import chunk_gated_delta_rule
 from metrale.models.triton_gdn import delta_rule_in_pool
+from metrale.models.triton_gdn_chunk import chunk_delta_rule_in_pool
 
 LAYERS, HK, HV, DK, DV = 36, 16, 32, 128, 128
 
@@ -110,18 +113,54 @@ def measure(batch: int, rows: int, layers: int, sweep: bool) -> dict:
     return result
 
 
+def measure_prefill(rows: int, layers: int) -> dict:
+    """One sequence's prefill of `rows` rows through every GDN layer's delta rule: the torch WY
+    reference, the chunked Triton kernel and the recurrent Triton kernel."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(1)
+
+    def rand(*shape):
+        return torch.randn(*shape, device=dev, generator=gen, dtype=torch.bfloat16)
+
+    q, k, v = rand(1, rows, HK, DK), rand(1, rows, HK, DK), rand(1, rows, HV, DV)
+    g = -torch.rand(1, rows, HV, device=dev, generator=gen) * 0.1
+    beta = torch.rand(1, rows, HV, device=dev, generator=gen)
+    pool = torch.zeros(2, HV, DK, DV, device=dev)
+    entry = torch.ones(1, dtype=torch.long, device=dev)
+    runs = {
+        "torch_wy_ms": lambda: chunk_gated_delta_rule(q, k, v, g, beta, pool[entry]),
+        "triton_chunk_ms": lambda: chunk_delta_rule_in_pool(q, k, v, g, beta, pool, entry, entry),
+        "triton_recurrent_ms": lambda: delta_rule_in_pool(
+            q, k, v, g, beta, pool, entry, final=entry
+        ),
+    }
+    ref = chunk_gated_delta_rule(q, k, v, g, beta, None)
+    out = chunk_delta_rule_in_pool(q, k, v, g, beta, pool, None, entry)
+    result = {"rows": rows, "max_abs_diff_chunk_vs_torch": (out - ref.out).abs().max().item()}
+    for name, fn in runs.items():
+        try:
+            result[name] = _time(lambda fn=fn: [fn() for _ in range(layers)], reps=3)
+        except RuntimeError as e:  # e.g. an op that cannot be graph-captured
+            result[name] = f"{type(e).__name__}: {e}"[:200]
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch-sizes", default="1,16,64")
     parser.add_argument("--rows", type=int, default=4, help="K + 1")
     parser.add_argument("--layers", type=int, default=LAYERS)
     parser.add_argument("--sweep", action="store_true", help="time the decode launch shapes")
+    parser.add_argument("--prefill-rows", type=int, default=1024, help="0: no prefill timing")
     args = parser.parse_args()
     runs = []
     for b in args.batch_sizes.split(","):
         runs.append(measure(int(b), args.rows, args.layers, args.sweep))
         torch.cuda.empty_cache()  # the last batch's pools are garbage now
-    print(json.dumps({"layers": args.layers, "device": torch.cuda.get_device_name(), "runs": runs}))
+    doc = {"layers": args.layers, "device": torch.cuda.get_device_name(), "runs": runs}
+    if args.prefill_rows:
+        doc["prefill"] = measure_prefill(args.prefill_rows, args.layers)
+    print(json.dumps(doc))
 
 
 if __name__ == "__main__":

@@ -153,6 +153,36 @@ def test_silu_mul_matches_reference(dtype, reference_ops):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_zero_centred_add_rmsnorm_matches_reference(dtype, with_residual, reference_ops):
+    """Qwen3-Next's (1 + w) norm: the fused kernel against `ZeroCentredRMSNorm`'s torch path."""
+    from metrale.models.qwen3_next import ZeroCentredRMSNorm
+
+    torch.manual_seed(8)
+    norm = ZeroCentredRMSNorm(96, 1e-6).to(DEVICE, dtype)
+    with torch.no_grad():
+        norm.weight.normal_(0.0, 0.1)
+    x = torch.randn(5, 96, device=DEVICE, dtype=dtype) * 3
+    res = torch.randn(5, 96, device=DEVICE, dtype=dtype) if with_residual else None
+    out, new_res = triton_fused.add_rmsnorm(x, res, norm.weight, norm.eps, zero_centred=True)
+    reference_ops()
+    ref, ref_res = norm.forward_residual(x, res) if with_residual else (norm(x), x)
+    _close(out, ref, dtype)
+    _close(new_res, ref_res, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_rmsnorm_matches_reference(dtype):
+    from metrale.models.gdn import gated_rms_norm
+
+    torch.manual_seed(9)
+    x = torch.randn(7, 4, 24, device=DEVICE, dtype=dtype) * 2  # [rows, heads, dv]
+    z = torch.randn(7, 4, 24, device=DEVICE, dtype=dtype) * 3
+    w = (torch.randn(24, device=DEVICE) * 0.1 + 1).to(dtype)
+    _close(triton_fused.gated_rmsnorm(x, z, w, 1e-6), gated_rms_norm(x, z, w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("all_states", [False, True])
 @pytest.mark.parametrize("with_state", [False, True])
 def test_recurrent_delta_rule_kernel_matches_reference(dtype, all_states, with_state):
@@ -182,6 +212,36 @@ def test_recurrent_delta_rule_kernel_matches_reference(dtype, all_states, with_s
         torch.testing.assert_close(states[1, 3:], states[1, 2:3].expand(2, -1, -1, -1))
     else:
         assert states is None
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("correlated", [False, True])
+def test_chunk_delta_rule_kernel_matches_reference(with_state, correlated):
+    """The Triton chunked (WY) delta rule against the recurrent reference: several 16-row chunks
+    and a partial one, a sequence with padded rows (g = beta = 0), grouped key heads, value dims
+    that are not a power of two; with nearly parallel keys too, where an inverse by repeated
+    squaring would fall apart."""
+    from metrale.models.gdn import recurrent_gated_delta_rule
+    from metrale.models.triton_gdn_chunk import chunk_delta_rule_in_pool
+
+    torch.manual_seed(7)
+    b, t, hk, hv, dk, dv = 2, 37, 2, 4, 16, 24
+    q = torch.randn(b, t, hk, dk, device=DEVICE)
+    k = torch.randn(b, t, hk, dk, device=DEVICE)
+    if correlated:
+        k = k * 0.2 + torch.randn(1, 1, hk, dk, device=DEVICE)
+    v = torch.randn(b, t, hv, dv, device=DEVICE)
+    g = -torch.rand(b, t, hv, device=DEVICE) * 0.1
+    beta = torch.rand(b, t, hv, device=DEVICE)
+    g[1, 30:], beta[1, 30:] = 0.0, 0.0  # sequence 1: 30 rows, then padding
+    pool = torch.randn(5, hv, dk, dv, device=DEVICE)
+    read = torch.tensor([3, 1], device=DEVICE)
+    init = pool[read].clone() if with_state else None
+    ref = recurrent_gated_delta_rule(q, k, v, g, beta, init)
+    final = torch.tensor([4, 0], device=DEVICE)
+    out = chunk_delta_rule_in_pool(q, k, v, g, beta, pool, read if with_state else None, final)
+    torch.testing.assert_close(out, ref.out, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(pool[final], ref.state, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize("mode", ["final", "rows", "read_only", "commit"])

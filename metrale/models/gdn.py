@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from metrale.models import triton_fused
+
 L2NORM_EPS = 1e-6  # as fla and HF: x * rsqrt(sum(x^2) + eps)
 CHUNK_SIZE = 64
 
@@ -233,6 +235,8 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if triton_fused.fused_enabled(x):
+            return triton_fused.gated_rmsnorm(x, gate, self.weight, self.eps)
         return gated_rms_norm(x, gate, self.weight, self.eps)
 
 
@@ -263,9 +267,13 @@ class RowLayout(NamedTuple):
 
     def pad(self, rows: torch.Tensor) -> torch.Tensor:
         """[N, ...] packed -> [B, T, ...] padded with zeros."""
+        if self.valid.shape[1] == 1:  # one row per sequence (decode): a view, no kernel
+            return rows.unsqueeze(1)
         valid = self.valid.view(*self.valid.shape, *([1] * (rows.dim() - 1)))
         return torch.where(valid, rows[self.index], 0)
 
     def unpad(self, padded: torch.Tensor) -> torch.Tensor:
         """[B, T, ...] padded -> [N, ...] packed."""
+        if padded.shape[1] == 1:
+            return padded.squeeze(1)
         return padded[self.row_seq, self.row_offset]

@@ -33,6 +33,11 @@ from metrale.models.gdn import (
     window_after,
 )
 from metrale.models.triton_gdn import delta_rule_in_pool, triton_gdn_enabled
+from metrale.models.triton_gdn_chunk import chunk_delta_rule_in_pool
+
+# Prefill chunks of more rows than this run the chunked (WY) kernel on the GPU; shorter ones, and
+# every verify, the recurrent kernel (a chunk is 16 rows: fewer leave its matmuls mostly empty).
+CHUNK_MIN_ROWS = 16
 
 
 class StateMode(Enum):
@@ -118,7 +123,9 @@ class GDNState:
         mode = self.mode
         if mode is StateMode.DEFER:
             self.pending[layer] = PendingRows(q, k, v, g, beta)
-        if triton_gdn_enabled(v) and (t == 1 or mode is not StateMode.WRITE):
+        if triton_gdn_enabled(v) and mode is StateMode.WRITE and t > CHUNK_MIN_ROWS:
+            return chunk_delta_rule_in_pool(q, k, v, g, beta, pool, read, read)
+        if triton_gdn_enabled(v):
             return delta_rule_in_pool(
                 q,
                 k,

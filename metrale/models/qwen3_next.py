@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from metrale.config import ModelConfig
+from metrale.models import triton_fused
 from metrale.models.attention import AttentionBackend, AttentionMetadata
 from metrale.models.gdn import GatedRMSNorm, RowLayout, causal_conv1d
 from metrale.models.gdn_state import GDNState, StateMode
@@ -36,6 +37,8 @@ class ZeroCentredRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if triton_fused.fused_enabled(x):
+            return triton_fused.add_rmsnorm(x, None, self.weight, self.eps, zero_centred=True)[0]
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)
@@ -44,6 +47,8 @@ class ZeroCentredRMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Add the residual, then normalise: (normed, new residual)."""
+        if triton_fused.fused_enabled(x):
+            return triton_fused.add_rmsnorm(x, residual, self.weight, self.eps, zero_centred=True)
         residual = x + residual
         return self(residual), residual
 

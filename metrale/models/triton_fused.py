@@ -1,5 +1,6 @@
-"""Fused Triton kernels for the per-layer glue of a decode/verify step: residual add + RMSNorm,
-QK-norm + rotary, and SiLU(gate) * up.
+"""Fused Triton kernels for the per-layer glue of a decode/verify step: residual add + RMSNorm
+(plain, or zero-centred as Qwen3-Next's), QK-norm + rotary, SiLU(gate) * up, and the gated
+RMSNorm of a Gated DeltaNet layer.
 
 Why: at small batch a step is a chain of small kernels; the unfused torch ops cost ~60 launches
 per layer (an RMSNorm alone is seven), each a few microseconds of fixed latency that CUDA graphs
@@ -49,6 +50,7 @@ if triton is not None:
         n,
         eps,
         HAS_RES: tl.constexpr,
+        ZERO_CENTRED: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0)
@@ -62,7 +64,10 @@ if triton is not None:
             tl.store(res_out_ptr + row * n + cols, x.to(dt), mask=mask)
         inv = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * n + cols, (w * _round(x * inv, dt)).to(dt), mask=mask)
+        if ZERO_CENTRED:  # (1 + w) * norm(x), all in float32 (Qwen3-Next)
+            tl.store(out_ptr + row * n + cols, ((1.0 + w) * x * inv).to(dt), mask=mask)
+        else:
+            tl.store(out_ptr + row * n + cols, (w * _round(x * inv, dt)).to(dt), mask=mask)
 
     @triton.jit
     def _qk_norm_rope_kernel(
@@ -120,6 +125,19 @@ if triton is not None:
         act = _round(gate * tl.sigmoid(gate), dt)
         tl.store(out_ptr + row * n + cols, (act * up).to(dt), mask=mask)
 
+    @triton.jit
+    def _gated_rmsnorm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, n, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        dt = out_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
+        normed = _round(w * _round(x * inv, dt), dt)
+        tl.store(out_ptr + row * n + cols, (normed * z * tl.sigmoid(z)).to(dt), mask=mask)
+
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as [rows, n] with unit stride along n (a view when it can be)."""
@@ -128,9 +146,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def add_rmsnorm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    zero_centred: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight * norm(x + residual), x + residual); with residual None, (weight * norm(x), x)."""
+    """(weight * norm(x + residual), x + residual); with residual None, (weight * norm(x), x).
+    `zero_centred`: (1 + weight) * norm(.), scaled in float32 (Qwen3-Next's norms)."""
     x2 = _rows(x)
     rows, n = x2.shape
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
@@ -148,6 +171,7 @@ def add_rmsnorm(
         n,
         eps,
         HAS_RES=residual is not None,
+        ZERO_CENTRED=zero_centred,
         BLOCK=block,
         num_warps=min(max(block // 512, 1), 16),
     )
@@ -204,3 +228,14 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
             x2, out, x2.stride(0), n, BLOCK=block, num_warps=4
         )
     return out.view(*x.shape[:-1], n)
+
+
+def gated_rmsnorm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float):
+    """weight * norm(x) * silu(gate) over the last dim (`gdn.gated_rms_norm`'s roundings)."""
+    x2, z2 = x.reshape(-1, x.shape[-1]).contiguous(), gate.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty_like(x2)
+    if x2.shape[0]:
+        _gated_rmsnorm_kernel[(x2.shape[0],)](
+            x2, z2, weight, out, x2.shape[1], eps, BLOCK=triton.next_power_of_2(x2.shape[1])
+        )
+    return out.view(x.shape)
