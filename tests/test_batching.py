@@ -135,3 +135,17 @@ def test_a_failing_forward_ends_only_its_sequence(tiny_model_dir, prompts, monke
     for i in (0, 1, 3, 4):
         assert outs[i].outputs[0].token_ids == expected[i]
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
+
+
+def test_merged_step_output_skips_failed_parts_on_another_device():
+    """Failure isolation merges the parts of a step run sequence by sequence; a failed part holds
+    an empty CPU tensor, which must not be concatenated with the others' (CUDA) hidden states."""
+    import torch
+
+    from metrale.engine.step_output import StepOutput
+
+    failed = StepOutput([], [], torch.empty(0), [])
+    ok = StepOutput([object()], [], torch.zeros(2, 4, device="meta"), [2])
+    merged = StepOutput.merge([failed, ok, failed])
+    assert merged.hidden.device.type == "meta" and merged.hidden.shape == (2, 4)
+    assert merged.row_ends == [2]

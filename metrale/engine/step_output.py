@@ -49,13 +49,15 @@ class StepOutput:
     def merge(parts: list[StepOutput]) -> StepOutput:
         """Concatenate the outputs of entries run separately (failure isolation)."""
         ends, offset = [], 0
+        # NOTE: a failed part's hidden is an empty CPU tensor: never cat it with CUDA ones.
+        hidden = [p.hidden for p in parts if p.entries]
         for part in parts:
             ends += [offset + end for end in part.row_ends]
             offset += part.row_ends[-1] if part.row_ends else 0
         return StepOutput(
             [e for p in parts for e in p.entries],
             [v for p in parts for v in p.verdicts],
-            torch.cat([p.hidden for p in parts]) if parts else torch.empty(0),
+            torch.cat(hidden) if hidden else torch.empty(0),
             ends,
         )
 

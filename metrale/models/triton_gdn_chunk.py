@@ -142,7 +142,8 @@ def chunk_delta_rule_in_pool(
         raise ValueError("the state pool must be contiguous float32")
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     out = torch.empty_like(v)
-    block_v = min(triton.next_power_of_2(dv), 32)
+    # tl.dot needs every dimension >= 16 on the GPU: small heads are padded (masked)
+    block_v = max(min(triton.next_power_of_2(dv), 32), 16)
     # the interpreter's float32 dot is exact already; on the GPU tf32x3 keeps float32 accuracy
     # on the tensor cores
     precision = "ieee" if not v.is_cuda else "tf32x3"
@@ -163,7 +164,7 @@ def chunk_delta_rule_in_pool(
         HV=hv,
         DK=dk,
         DV=dv,
-        BK=triton.next_power_of_2(dk),
+        BK=max(triton.next_power_of_2(dk), 16),
         BV=block_v,
         BT=16,
         HAS_STATE=read is not None,
