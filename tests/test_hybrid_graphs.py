@@ -86,3 +86,19 @@ def test_graphed_hybrid_steps_equal_plain_decoding(hybrid_dir, fake_graphs, vari
     # the steps really replayed programs, with padded depth groups among them
     assert sum(g.replays for g in fake_graphs) > 20
     assert spec.engine.runner.graphs.cache.stats()["misses"] > 1
+
+
+def test_commit_graphs_are_bounded_by_the_program_cache(hybrid_dir, fake_graphs):  # noqa: F811
+    """A commit graph belongs to one program; once programs are evicted their commits go too,
+    so the commit graphs never outnumber the cache's cap by more than the one just captured."""
+    plain = llm_for(hybrid_dir).generate(PROMPTS, greedy(12))
+    truth = {tuple(p): o.outputs[0].token_ids for p, o in zip(PROMPTS, plain, strict=True)}
+    llm = graphed(
+        llm_for(hybrid_dir, spec={"num_drafts": 3}, drafter=ReplayDrafter(truth, 0.5, 320))
+    )
+    runner = llm.engine.runner.graphs
+    runner.cache.cap = 2
+    out = llm.generate(PROMPTS, greedy(12))
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
+    assert runner.cache.evictions > 0
+    assert 0 < len(runner._commits) <= runner.cache.cap + 1

@@ -93,6 +93,9 @@ class ProgramCache(Generic[P]):
     def cached(self) -> int:
         return len(self._programs)
 
+    def __contains__(self, key: tuple[RowTable, Hashable]) -> bool:
+        return key in self._programs
+
     def stats(self) -> dict:
         return {
             "hits": self.hits,
@@ -296,3 +299,6 @@ class GraphRunner:
         rows = self.commit_rows[:b]
         graph, _ = capture(lambda: state.commit(rows), self.pool, self.device)
         self._commits[self._last_key] = graph
+        if len(self._commits) > self.cache.cap:  # bounded like the programs: drop evicted ones
+            for key in [k for k in self._commits if k not in self.cache]:
+                del self._commits[key]
