@@ -5,6 +5,7 @@ decoding and the committed state equals the state plain decoding reaches."""
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -155,6 +156,17 @@ def test_mtp_speculation_on_a_hybrid_target_is_lossless(hybrid_mtp_dir):
 
 
 @pytest.mark.gpu
+def test_cuda_hybrid_mtp_speculation_equals_cpu(hybrid_mtp_dir):
+    """On CUDA (float32, graphed target and MTP chain): the hybrid's MTP heads (a full-attention
+    layer with the sparse MoE) speculate losslessly, as on the CPU."""
+    cpu = llm_for(hybrid_mtp_dir).generate(PROMPTS, greedy(20))
+    spec_llm = LLM(hybrid_mtp_dir, device="cuda", dtype="float32", spec={"method": "mtp"})
+    spec = spec_llm.generate(PROMPTS, greedy(20))
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in cpu]
+    assert spec_llm.engine.telemetry.spec.num_draft_tokens > 0
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("gdn_triton", [False, True])
 @pytest.mark.parametrize("variant", ["write_on_accept", "per_row_slots"])
 def test_cuda_hybrid_speculation_equals_cpu(hybrid_dir, gdn_triton, variant, monkeypatch):
@@ -220,3 +232,28 @@ def test_a_failure_mid_forward_ends_only_its_sequence_and_corrupts_no_state(
         alone = llm_for(hybrid_dir).generate([PROMPTS[i]], greedy(16))[0].outputs[0].token_ids
         assert outs[i].outputs[0].token_ids == alone, i
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
+
+
+@pytest.mark.parametrize("variant", ["write_on_accept", "per_row_slots"])
+def test_triton_state_kernels_in_the_engine_equal_the_torch_path(hybrid_dir, variant, monkeypatch):
+    """The GDN state's Triton paths (recurrent, chunked and conv kernels on the pool, the
+    write-on-accept commit) inside the engine, run by the Triton interpreter on CPU: speculative
+    output equals plain torch decoding. (On the H200 the gpu tests above run them natively.)"""
+    from metrale.models import gdn_state, triton_gdn
+
+    if triton_gdn.triton is None or not os.environ.get("TRITON_INTERPRET"):
+        pytest.skip("needs Triton's interpreter")
+    prompts = [p * 4 for p in PROMPTS[:3]]  # >16 rows: the chunked kernel's prefill
+    plain = llm_for(hybrid_dir).generate(prompts, greedy(12))
+    truth = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain, strict=True)}
+    monkeypatch.setattr(gdn_state, "triton_gdn_enabled", lambda x: True)
+    spec_llm = llm_for(
+        hybrid_dir,
+        drafter=ReplayDrafter(truth, 0.6, vocab_size=320, seed=5),
+        spec={"num_drafts": 3},
+        hybrid_verify_state=variant,
+    )
+    spec = spec_llm.generate(prompts, greedy(12))
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    tel = spec_llm.engine.telemetry.spec
+    assert 0 < tel.num_accepted_tokens < tel.num_draft_tokens

@@ -245,6 +245,50 @@ def test_chunk_delta_rule_kernel_matches_reference(with_state, correlated, dk, d
     torch.testing.assert_close(pool[final], ref.state, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", ["final", "rows", "advance"])
+def test_conv_kernel_matches_reference(dtype, mode):
+    """The Triton causal conv on a window pool against `gdn.causal_conv1d`: outputs (zeros on
+    padding rows), the final window written back where it was read, per-row windows into their
+    entries, or (no weight) only the windows advanced by each sequence's rows."""
+    from metrale.models.gdn import causal_conv1d
+    from metrale.models.triton_gdn_conv import conv_in_pool
+
+    torch.manual_seed(10)
+    b, t, d = 3, 5, 40
+    x = torch.randn(b, t, d, device=DEVICE).to(dtype)
+    weight = torch.randn(d, 4, device=DEVICE).to(dtype)
+    pool = torch.randn(12, d, 3, device=DEVICE).to(dtype)
+    before = pool.clone()
+    read = torch.tensor([7, 2, 4], device=DEVICE)
+    lengths = torch.tensor([5, 2, 1], device=DEVICE)
+    rows = torch.tensor([[7, 8, 9, 10, 11], [2, 3, 0, 0, 0], [4, 0, 0, 0, 0]], device=DEVICE)
+    ref = causal_conv1d(x, weight, before[read], lengths=lengths, output_all_windows=True)
+    out = conv_in_pool(
+        x,
+        None if mode == "advance" else weight,
+        pool,
+        read,
+        lengths,
+        final=read if mode in ("final", "advance") else None,
+        rows=rows if mode == "rows" else None,
+    )
+    if mode == "advance":
+        assert out is None
+    else:
+        valid = (torch.arange(t, device=DEVICE)[None, :] < lengths[:, None])[..., None]
+        _close(out, torch.where(valid, ref.out, 0), dtype)
+        assert not out[~valid.expand_as(out)].any()
+    if mode == "rows":
+        for i in range(b):
+            for j in range(int(lengths[i])):
+                assert torch.equal(pool[rows[i, j]], ref.windows[i, j])
+    else:
+        assert torch.equal(pool[read], ref.window)
+    untouched = [5, 6, 1] if mode == "rows" else [0, 1, 3, 5, 6, 8, 9, 10, 11]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
 @pytest.mark.parametrize("mode", ["final", "rows", "read_only", "commit"])
 def test_delta_rule_kernel_addresses_the_pool_in_place(mode):
     """The kernel on a state pool: sequences read non-adjacent entries; `final` writes the state
@@ -257,8 +301,10 @@ def test_delta_rule_kernel_addresses_the_pool_in_place(mode):
 
     torch.manual_seed(6)
     b, t, hk, hv, dk, dv = 2, 3, 1, 2, 16, 8
-    q, k = (torch.randn(b, t, hk, dk, device=DEVICE) for _ in range(2))
-    v = torch.randn(b, t, hv, dv, device=DEVICE)
+    # q, k, v as the layer makes them: row-strided slices of one conv output
+    mixed = torch.randn(b, t, 2 * hk * dk + hv * dv, device=DEVICE)
+    q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = q.view(b, t, hk, dk), k.view(b, t, hk, dk), v.view(b, t, hv, dv)
     g, beta = -torch.rand(b, t, hv, device=DEVICE), torch.rand(b, t, hv, device=DEVICE)
     g[1, 2], beta[1, 2] = 0.0, 0.0  # sequence 1: two rows, then padding
     pool = torch.randn(9, hv, dk, dv, device=DEVICE)

@@ -27,13 +27,14 @@ from typing import NamedTuple
 import torch
 
 from metrale.models.gdn import (
-    ConvOutput,
+    causal_conv1d,
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
     window_after,
 )
 from metrale.models.triton_gdn import delta_rule_in_pool, triton_gdn_enabled
 from metrale.models.triton_gdn_chunk import chunk_delta_rule_in_pool
+from metrale.models.triton_gdn_conv import conv_in_pool
 
 # Prefill chunks of more rows than this run the chunked (WY) kernel on the GPU; shorter ones, and
 # every verify, the recurrent kernel (a chunk is 16 rows: fewer leave its matmuls mostly empty).
@@ -64,7 +65,8 @@ class GDNState:
     rows: torch.Tensor | None = None
     mode: StateMode = StateMode.WRITE
     pending: dict[int, PendingRows] = field(default_factory=dict)
-    pending_conv: dict[int, torch.Tensor] = field(default_factory=dict)  # [B, T, conv_dim] inputs
+    # per layer: the conv's inputs [B, T, conv_dim] and real rows [B], to re-base the window
+    pending_conv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
     def zeros(
@@ -101,10 +103,6 @@ class GDNState:
 
     def _read(self, batch: int, device: torch.device) -> torch.Tensor:
         return torch.arange(batch, device=device) if self.read is None else self.read
-
-    def window(self, layer: int, batch: int) -> torch.Tensor:
-        """Conv windows [B, conv_dim, K-1] of the batch's sequences before their first row."""
-        return self.conv[layer][self._read(batch, self.conv[layer].device)]
 
     def delta_rule(
         self,
@@ -150,18 +148,40 @@ class GDNState:
             pool.index_copy_(0, self.rows.flatten(), res.states.flatten(0, 1))
         return res.out
 
-    def update_window(self, layer: int, conv: ConvOutput, conv_in: torch.Tensor) -> None:
-        """After the conv over `conv_in` [B, T, conv_dim]: store the windows as `mode` says
-        (ROWS needs `conv.windows`, the conv run with `output_all_windows`)."""
+    def causal_conv(
+        self, layer: int, conv_in: torch.Tensor, weight: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor:
+        """The layer's causal conv (+ SiLU) over padded rows conv_in [B, T, conv_dim] (lengths
+        [B] real rows each), continuing each sequence's window and storing the windows as `mode`
+        says -> [B, T, conv_dim]."""
+        bsz = conv_in.shape[0]
         store = self.conv[layer]
+        read = self._read(bsz, store.device)
+        if self.mode is StateMode.DEFER:
+            self.pending_conv[layer] = (conv_in, lengths)
+        if triton_gdn_enabled(conv_in) and weight.shape[-1] == 4:
+            return conv_in_pool(
+                conv_in,
+                weight,
+                store,
+                read,
+                lengths,
+                final=read if self.mode is StateMode.WRITE else None,
+                rows=self.rows if self.mode is StateMode.ROWS else None,
+            )
+        conv = causal_conv1d(
+            conv_in,
+            weight,
+            store[read],
+            lengths=lengths,
+            output_all_windows=self.mode is StateMode.ROWS,
+        )
         if self.mode is StateMode.WRITE:
-            read = self._read(conv_in.shape[0], store.device)
             store.index_copy_(0, read, conv.window.to(store.dtype))
         elif self.mode is StateMode.ROWS:
             assert self.rows is not None and conv.windows is not None
             store.index_copy_(0, self.rows.flatten(), conv.windows.flatten(0, 1).to(store.dtype))
-        else:
-            self.pending_conv[layer] = conv_in
+        return conv.out
 
     def commit(self, num_rows: torch.Tensor) -> None:
         """After a DEFER forward: advance each sequence's entry over its first num_rows[b] rows
@@ -172,15 +192,19 @@ class GDNState:
             bsz, t = p.g.shape[:2]
             pool, store = self.ssm[layer], self.conv[layer]
             read = self._read(bsz, pool.device)
-            window = window_after(store[read], self.pending_conv[layer], num_rows)
-            # the recurrent form whatever t is, as the verify itself ran
+            conv_in, _ = self.pending_conv[layer]
             if triton_gdn_enabled(p.v):
                 delta_rule_in_pool(*p, pool, read, final=read, lengths=num_rows)
+                if store.shape[-1] == 3:
+                    conv_in_pool(conv_in, None, store, read, num_rows, final=read)
+                    continue
             else:
+                # the recurrent form whatever t is, as the verify itself ran
                 keep = torch.arange(t, device=pool.device)[None, :] < num_rows[:, None]
                 g, beta = p.g * keep[..., None], p.beta * keep[..., None]  # masked rows: identity
                 res = recurrent_gated_delta_rule(p.q, p.k, p.v, g, beta, pool[read])
                 pool.index_copy_(0, read, res.state)
+            window = window_after(store[read], conv_in, num_rows)
             store.index_copy_(0, read, window.to(store.dtype))
         # NOTE: nothing is popped: a graph capture runs this twice (warm-up, capture), a graphed
         # commit replays over the same static tensors, and the next DEFER forward replaces them.

@@ -21,8 +21,8 @@ from torch import nn
 from metrale.config import ModelConfig
 from metrale.models import triton_fused
 from metrale.models.attention import AttentionBackend, AttentionMetadata
-from metrale.models.gdn import GatedRMSNorm, RowLayout, causal_conv1d
-from metrale.models.gdn_state import GDNState, StateMode
+from metrale.models.gdn import GatedRMSNorm, RowLayout
+from metrale.models.gdn_state import GDNState
 from metrale.models.layers import RotaryEmbedding, SwiGLUMLP
 from metrale.models.qwen3 import PACKED_MODULES
 from metrale.models.qwen3_next_moe import Qwen3NextSparseMoeBlock
@@ -150,15 +150,10 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         mixed, z, b, a = self._split(self.in_proj_qkvz(hidden), self.in_proj_ba(hidden))
         conv_in = layout.pad(mixed)  # [B, T, conv_dim]
         bsz, t = conv_in.shape[:2]
-        conv = causal_conv1d(
-            conv_in,
-            self.conv1d.weight[:, 0],
-            state.window(self.state_index, bsz),
-            lengths=layout.lengths,
-            output_all_windows=state.mode is StateMode.ROWS,
+        conv = state.causal_conv(
+            self.state_index, conv_in, self.conv1d.weight[:, 0], layout.lengths
         )
-        state.update_window(self.state_index, conv, conv_in)
-        q, k, v = conv.out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.view(bsz, t, self.num_k_heads, self.head_k_dim)
         k = k.view(bsz, t, self.num_k_heads, self.head_k_dim)
         v = v.view(bsz, t, self.num_v_heads, self.head_v_dim)

@@ -53,6 +53,12 @@ if triton is not None:
         rows_ptr,
         lens_ptr,
         T,
+        stride_qb,
+        stride_qt,
+        stride_kb,
+        stride_kt,
+        stride_vb,
+        stride_vt,
         scale,
         eps,
         HK: tl.constexpr,
@@ -85,15 +91,17 @@ if triton is not None:
         if HAS_LENS:  # a commit: only the sequence's accepted rows
             n = tl.minimum(tl.load(lens_ptr + b).to(tl.int32), T)
         for t in range(n):
-            qk_row = (b * T + t) * HK + hk
-            q = tl.load(q_ptr + qk_row * DK + kk, mask=k_ok, other=0.0).to(tl.float32)
-            k = tl.load(k_ptr + qk_row * DK + kk, mask=k_ok, other=0.0).to(tl.float32)
+            q_row = q_ptr + b * stride_qb + t * stride_qt + hk * DK
+            k_row = k_ptr + b * stride_kb + t * stride_kt + hk * DK
+            q = tl.load(q_row + kk, mask=k_ok, other=0.0).to(tl.float32)
+            k = tl.load(k_row + kk, mask=k_ok, other=0.0).to(tl.float32)
             if L2NORM:
                 q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps)
                 k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
             q = q * scale
             row = (b * T + t) * HV + h
-            v = tl.load(v_ptr + row * DV + vv, mask=v_ok, other=0.0).to(tl.float32)
+            v_row = v_ptr + b * stride_vb + t * stride_vt + h * DV
+            v = tl.load(v_row + vv, mask=v_ok, other=0.0).to(tl.float32)
             g = tl.load(g_ptr + row).to(tl.float32)
             beta = tl.load(beta_ptr + row).to(tl.float32)
             s = s * tl.exp(g)
@@ -139,8 +147,10 @@ def delta_rule_in_pool(
         raise ValueError(f"{hv} value heads are not a multiple of {hk} key heads")
     if pool.dtype != torch.float32 or not pool.is_contiguous():
         raise ValueError("the state pool must be contiguous float32")
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    out = torch.empty_like(v) if lengths is None else None
+    # q, k, v may be row-strided views (slices of the conv output): no copy
+    q, k, v = (_heads_contiguous(x) for x in (q, k, v))
+    g, beta = g.contiguous(), beta.contiguous()
+    out = None if lengths is not None else torch.empty(v.shape, dtype=v.dtype, device=v.device)
     block_v = block_v or _block_v(bsz * hv, dv, v.device)
     dummy = pool  # an unread pointer for the arguments a variant does not use
     _recurrent_delta_rule_kernel[(bsz, hv, triton.cdiv(dv, block_v))](
@@ -156,6 +166,12 @@ def delta_rule_in_pool(
         dummy if rows is None else rows.contiguous(),
         dummy if lengths is None else lengths.contiguous(),
         seq,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
         dk**-0.5 if scale is None else scale,
         L2NORM_EPS,
         HK=hk,
@@ -173,6 +189,13 @@ def delta_rule_in_pool(
         num_warps=num_warps,
     )
     return out
+
+
+def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, d] with each row's heads packed (the rows themselves may be strided)."""
+    if x.stride(3) == 1 and x.stride(2) == x.shape[3]:
+        return x
+    return x.contiguous()
 
 
 @functools.cache
