@@ -6,9 +6,9 @@ The experts are stacked as HF 5.x keeps them (`experts.gate_up_proj` [E, 2I, H] 
 first, `experts.down_proj` [E, H, I]); the loader fills them from per-expert checkpoint tensors
 (`experts.{e}.gate_proj.weight`, ...) as well. On CUDA a few (row, expert) pairs (decode, short
 verify) run as Triton GEMVs in routing order (`triton_moe.py`). Where `torch._grouped_mm` runs
-without a host sync
-(bf16 on sm90/sm100 GPUs, any float dtype on CPU, 16-byte aligned dims), other batches sort their
-(row, expert) pairs by expert and run two grouped GEMMs that read each touched expert once.
+without a host sync (bf16 on sm90/sm100 GPUs, any float dtype on CPU, 16-byte aligned dims),
+other batches sort their (row, expert) pairs by expert and run two grouped GEMMs that read each
+touched expert once.
 Elsewhere small batches (decode, verify) gather each row's experts and run batched matmuls, still
 sync-free, and larger ones loop over the experts.
 """
