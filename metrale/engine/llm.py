@@ -78,6 +78,7 @@ class LLMEngine:
             self.max_model_len,
             self.lookahead,
             with_mtp=drafter is None and self.config.spec.method == "mtp",
+            num_drafts=self.config.spec.num_drafts if spec_on else 0,
         )
         self.allocator = PageAllocator(self.runner.num_pages, self.config.page_size)
         self.scheduler = Scheduler(

@@ -91,9 +91,11 @@ class ModelRunner:
         max_model_len: int,
         lookahead: int = 0,
         with_mtp: bool = False,
+        num_drafts: int = 0,
     ) -> None:
         """`lookahead`: rows reserved past each sampling sequence's step (drafts and drafter
-        KV). `with_mtp`: also load the checkpoint's MTP heads, with KV layers of their own."""
+        KV). `with_mtp`: also load the checkpoint's MTP heads, with KV layers of their own.
+        `num_drafts`: the most drafts a sequence verifies (0: no speculation)."""
         self.device = cfg.resolve_device()
         self.dtype = cfg.resolve_dtype(model_cfg, self.device)
         self.model_cfg = model_cfg
@@ -132,9 +134,9 @@ class ModelRunner:
             layer.kv_cache = cache
         self.states = None
         if self.hybrid:
-            # a verify gives a sequence at most 1 + lookahead rows (its last token, its drafts)
+            # a verify gives a sequence at most 1 + num_drafts rows (its last token, its drafts)
             self.states = StateSlots(
-                self.model, cfg.max_num_seqs, cfg.hybrid_verify_state, lookahead + 1
+                self.model, cfg.max_num_seqs, cfg.hybrid_verify_state, num_drafts + 1
             )
         self.graphs = None
         if cfg.cuda_graphs and self.device.type == "cuda":

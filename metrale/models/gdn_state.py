@@ -14,8 +14,10 @@ entry `read[b]` of every layer (`read=None`: entry b). A new sequence's entry mu
          hands each sequence K+1 entries and, once the acceptance is known, just points the
          sequence at the entry of its last accepted row: no copy, K+1 times the memory.
   DEFER  write-on-accept (verify): nothing is written; each layer keeps its rows' inputs
-         (q, k, v, g, beta and the conv inputs, a few KB per row) and `commit(num_rows)` then
-         advances `read[b]` over the accepted rows only.
+         (q, k, v, g, beta and the conv inputs: about 2 * conv_dim activations per row and
+         layer, 32 KB at Qwen3-Next-80B's shape) and `commit(num_rows)` then advances
+         `read[b]` over the accepted rows only. A CUDA-graph program keeps these buffers while
+         it is cached, beside its logits (about 1.2 MB per row at that shape over 36 layers).
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ if triton is not None:
         HAS_STATE: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
-        b = tl.program_id(0)
+        b = tl.program_id(0).to(tl.int64)  # row offsets of big batches pass 2**31
         h = tl.program_id(1)
         hk = h // (HV // HK)
         kk = tl.arange(0, BK)

@@ -39,7 +39,7 @@ if triton is not None:
         WRITE_ROWS: tl.constexpr,
         STORE_OUT: tl.constexpr,
     ):
-        b = tl.program_id(0)
+        b = tl.program_id(0).to(tl.int64)  # row offsets of big batches pass 2**31
         d = tl.program_id(1) * BD + tl.arange(0, BD)
         ok = d < D
         entry = tl.load(read_ptr + b).to(tl.int64)

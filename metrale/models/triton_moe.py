@@ -30,7 +30,7 @@ if triton is not None:
     def _gate_up_silu_kernel(
         x_ptr, w_ptr, ids_ptr, out_ptr, TOPK, HID, INTER, BN: tl.constexpr, BK: tl.constexpr
     ):
-        p = tl.program_id(0)
+        p = tl.program_id(0).to(tl.int64)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         n_ok = n < INTER
         expert = tl.load(ids_ptr + p).to(tl.int64)
@@ -56,7 +56,7 @@ if triton is not None:
     def _down_kernel(
         h_ptr, w_ptr, ids_ptr, out_ptr, HID, INTER, BN: tl.constexpr, BK: tl.constexpr
     ):
-        p = tl.program_id(0)
+        p = tl.program_id(0).to(tl.int64)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         n_ok = n < HID
         expert = tl.load(ids_ptr + p).to(tl.int64)
