@@ -143,10 +143,7 @@ def delta_rule_in_pool(
     `block_v`, `num_warps`: the launch shape (value columns per program; default `_block_v`)."""
     bsz, seq, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
-    if hv % hk:
-        raise ValueError(f"{hv} value heads are not a multiple of {hk} key heads")
-    if pool.dtype != torch.float32 or not pool.is_contiguous():
-        raise ValueError("the state pool must be contiguous float32")
+    check_pool_shapes(q, v, pool)
     # q, k, v may be row-strided views (slices of the conv output): no copy
     q, k, v = (_heads_contiguous(x) for x in (q, k, v))
     g, beta = g.contiguous(), beta.contiguous()
@@ -189,6 +186,18 @@ def delta_rule_in_pool(
         num_warps=num_warps,
     )
     return out
+
+
+def check_pool_shapes(q: torch.Tensor, v: torch.Tensor, pool: torch.Tensor) -> None:
+    """What every pool kernel needs: whole groups of value heads per key head, and a contiguous
+    float32 state pool of matching heads and dims."""
+    hk, dk, hv, dv = q.shape[2], q.shape[3], v.shape[2], v.shape[3]
+    if hv % hk:
+        raise ValueError(f"{hv} value heads are not a multiple of {hk} key heads")
+    if pool.dtype != torch.float32 or not pool.is_contiguous():
+        raise ValueError("the state pool must be contiguous float32")
+    if tuple(pool.shape[1:]) != (hv, dk, dv):
+        raise ValueError(f"state pool of shape {tuple(pool.shape)}: want [S, {hv}, {dk}, {dv}]")
 
 
 def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:

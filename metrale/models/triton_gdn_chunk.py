@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from metrale.models.triton_gdn import L2NORM_EPS, triton
+from metrale.models.triton_gdn import L2NORM_EPS, check_pool_shapes, triton
 
 if triton is not None:
     import triton.language as tl
@@ -136,10 +136,7 @@ def chunk_delta_rule_in_pool(
     final[b]. Returns out [B, T, Hv, dv] in v's dtype."""
     bsz, seq, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
-    if hv % hk:
-        raise ValueError(f"{hv} value heads are not a multiple of {hk} key heads")
-    if pool.dtype != torch.float32 or not pool.is_contiguous():
-        raise ValueError("the state pool must be contiguous float32")
+    check_pool_shapes(q, v, pool)
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     out = torch.empty_like(v)
     # tl.dot needs every dimension >= 16 on the GPU: small heads are padded (masked)
