@@ -257,3 +257,55 @@ def test_triton_state_kernels_in_the_engine_equal_the_torch_path(hybrid_dir, var
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     tel = spec_llm.engine.telemetry.spec
     assert 0 < tel.num_accepted_tokens < tel.num_draft_tokens
+
+
+def _states_by_position(llm, prompts, params, on_step=None) -> dict:
+    """Run `prompts` step by step; after every step, each running sequence's committed state
+    (every GDN layer's conv window and delta-rule state), keyed by (prompt, tokens computed)."""
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    seen: dict = {}
+    while engine.has_unfinished_requests():
+        engine.step()
+        for seq in engine.scheduler.running:
+            if seq.slot < 0 or seq.num_computed_tokens == 0:
+                continue
+            key = (tuple(seq.prompt_token_ids), seq.num_computed_tokens)
+            layers = len(engine.runner.states.pool.ssm)
+            seen[key] = [
+                [t.clone() for t in engine.runner.states.entry(seq.slot, layer)]
+                for layer in range(layers)
+            ]
+    return seen
+
+
+@pytest.mark.parametrize("variant", ["write_on_accept", "per_row_slots"])
+def test_committed_state_after_every_verify_equals_plain_decoding(hybrid_dir, variant):
+    """After every step, with drafts accepted in part (alpha 0.5, D-Cut mixing depths) and
+    preemptions, each sequence's committed state equals the state plain decoding reaches at the
+    same position: rejected rows leave nothing behind, in either verify variant."""
+    params = greedy(16)
+    plain = _states_by_position(llm_for(hybrid_dir), PROMPTS, params)
+    truth = {
+        tuple(p): o.outputs[0].token_ids
+        for p, o in zip(PROMPTS, llm_for(hybrid_dir).generate(PROMPTS, params), strict=True)
+    }
+    spec_llm = llm_for(
+        hybrid_dir,
+        drafter=ReplayDrafter(truth, 0.5, vocab_size=320, seed=11),
+        spec={"num_drafts": 3},
+        hybrid_verify_state=variant,
+        page_size=4,
+        num_kv_pages=24,
+        max_num_batched_tokens=16,
+    )
+    spec = _states_by_position(spec_llm, PROMPTS, params)
+    tel = spec_llm.engine.telemetry
+    assert tel.preemptions > 0 and 0 < tel.spec.num_accepted_tokens < tel.spec.num_draft_tokens
+    compared = [key for key in spec if key in plain]
+    assert len(compared) > 30
+    for key in compared:
+        for (conv, ssm), (ref_conv, ref_ssm) in zip(spec[key], plain[key], strict=True):
+            torch.testing.assert_close(conv, ref_conv, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(ssm, ref_ssm, rtol=1e-4, atol=1e-5)
