@@ -84,15 +84,25 @@ def test_bench_e2e_drafter_on_the_default_model(tmp_path, capsys):
         assert row["tokens_per_s_plain"] > 0 and row["tokens_per_s_spec"] > 0
 
 
-def test_bench_runs_a_hybrid_shape(tmp_path, capsys):
+@pytest.mark.parametrize("variant", ["write_on_accept", "per_row_slots"])
+def test_bench_runs_a_hybrid_shape(tmp_path, capsys, variant):
     """A Qwen3-Next-shaped random model: decode and verify cost curves and the end-to-end run,
-    with a roofline that counts the experts a batch-1 token reads, not all of them."""
+    with a roofline that counts the experts a batch-1 token reads, not all of them; the verify
+    variant's state pool is reported (per-row slots: K + 1 = 3 entries per sequence)."""
     out = tmp_path / "bench"
     args = ["bench", "--shape", "qwen3-next-tiny", "--device", "cpu", "--batch-sizes", "1,2"]
     args += ["--q", "1,3", "--context", "20", "--e2e-batch-sizes", "2", "--max-tokens", "10"]
-    args += ["--num-drafts", "2", "--out", str(out)]
+    args += ["--num-drafts", "2", "--out", str(out), "--hybrid-verify-state", variant]
     assert main(args) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    printed = capsys.readouterr().out
+    result = json.loads(printed.strip().splitlines()[-1])
+    assert result["hybrid_verify_state"] == variant
+    assert f"hybrid verify state {variant}: state pool" in printed
+    # 3 GDN layers, float32: a conv window (conv_dim 2*2*16 + 4*16 = 128, width 3) and a 4x16x16
+    # state each; 2 sequences (the largest batch) plus the dummy entry
+    entry = 3 * (128 * 3 * 4 + 4 * 16 * 16 * 4)
+    width = 3 if variant == "per_row_slots" else 1
+    assert result["state_pool_bytes"] == (1 + 2 * width) * entry
     assert [d["batch"] for d in result["decode"]] == [1, 2]
     assert result["verify_cost"]["q"] == [1, 3]
     (e2e,) = result["e2e"]
