@@ -234,7 +234,13 @@ def end_to_end(llm: LLM, drafter: ReplayDrafter, batch: int, max_tokens: int, al
     drafter.continuations = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain)}
     spec_tel = llm.engine.telemetry.spec
     llm.generate(prompts, params, use_tqdm=False)  # warm-up, outside the counters below
-    before = (spec_tel.num_drafts, spec_tel.num_accepted_tokens, spec_tel.verify_steps)
+    before = (
+        spec_tel.num_drafts,
+        spec_tel.num_accepted_tokens,
+        spec_tel.verify_steps,
+        spec_tel.multi_seq_runs,
+        spec_tel.contiguous_runs,
+    )
     _sync(device)
     start = time.perf_counter()
     spec = llm.generate(prompts, params, use_tqdm=False)
@@ -256,6 +262,10 @@ def end_to_end(llm: LLM, drafter: ReplayDrafter, batch: int, max_tokens: int, al
         "identical_outputs": same / batch,
         "mean_acceptance_length": 1 + (spec_tel.num_accepted_tokens - before[1]) / max(drafts, 1),
         "verify_steps": spec_tel.verify_steps - before[2],
+        # of the runs of several equal-depth sequences in dispatch order, the share on
+        # consecutive state slots (what a kernel batching by slot range would need)
+        "contiguous_run_share": (spec_tel.contiguous_runs - before[4])
+        / max(spec_tel.multi_seq_runs - before[3], 1),
         # over the engine's life so far (every end-to-end run of this bench)
         "distinct_verify_keys": len(spec_tel.verify_keys),
         "graphs": llm.engine.runner.graphs.cache.stats() if llm.engine.runner.graphs else None,

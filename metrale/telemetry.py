@@ -7,6 +7,8 @@ import bisect
 from collections import Counter
 from dataclasses import dataclass, field
 
+from metrale.spec.row_table import RowTable
+
 # Step-time histogram bucket upper bounds, in seconds.
 STEP_TIME_BUCKETS = (
     0.001,
@@ -68,6 +70,10 @@ class SpecTelemetry:
     by_width: dict[int, list[int]] = field(default_factory=dict)
     verify_keys: set = field(default_factory=set)
     verify_steps: int = 0
+    # runs of several sequences of equal depth in verify dispatch order, and how many of them sat
+    # on consecutive state slots (`RowTable`'s batched mark)
+    multi_seq_runs: int = 0
+    contiguous_runs: int = 0
 
     def record(self, width: int, matches: list[bool], num_accepted: int) -> None:
         k = len(matches)
@@ -87,10 +93,14 @@ class SpecTelemetry:
         bucket[1] += k
         bucket[2] += num_accepted
 
-    def record_key(self, key: tuple) -> None:
+    def record_key(self, key: tuple, table: RowTable | None = None) -> None:
         self.verify_steps += 1
         if len(self.verify_keys) < MAX_TRACKED_KEYS:
             self.verify_keys.add(key)
+        if table is not None:
+            runs = [run for run in table.runs if run.count > 1]
+            self.multi_seq_runs += len(runs)
+            self.contiguous_runs += sum(run.batched for run in runs)
 
     @property
     def mean_acceptance_length(self) -> float:

@@ -207,3 +207,14 @@ def test_sizing_tables(max_rows):
             expected = f"3x1! 2x{tail}" + ("!" if tail == 1 else "")
         assert str(table) == expected
         assert RowTable.parse(expected) == table
+
+
+def test_telemetry_counts_runs_on_consecutive_slots():
+    """The engine records, per verify, its runs of several equal-depth sequences and how many of
+    them sit on consecutive slots (`RowTable`'s batched mark)."""
+    from metrale.telemetry import SpecTelemetry
+
+    tel = SpecTelemetry()
+    tel.record_key((0,), RowTable.from_dispatch([0, 1, 2, 7, 5], [3, 3, 3, 2, 2]))
+    tel.record_key((1,), RowTable.from_dispatch([4], [2]))
+    assert (tel.multi_seq_runs, tel.contiguous_runs, tel.verify_steps) == (2, 1, 2)

@@ -18,6 +18,7 @@ from metrale.engine.sequence import Sequence
 from metrale.knobs import knobs
 from metrale.spec.dcut import AcceptanceEstimator, PlanInput, VerifyCostModel, plan
 from metrale.spec.drafter import Draft, Drafter, Verdict
+from metrale.spec.row_table import RowTable
 from metrale.spec.verify_key import canonical_assignment, verify_batch_order, verify_graph_key
 from metrale.telemetry import SpecTelemetry
 
@@ -163,8 +164,10 @@ class SpeculativeDecoder:
             ks = [len(v.drafts) for v in verified]
             order, depths = verify_batch_order(slots, ks, canonical_assignment(len(verified)))
             pairs = [(slots[i], d + 1) for i, d in zip(order, depths, strict=True)]
+            table = RowTable.from_dispatch([s for s, _ in pairs], [rows for _, rows in pairs])
             # Verify never uses WY tables here (the recurrent form runs the verify rows).
-            self.telemetry.record_key(verify_graph_key(pairs, True, self.write_on_accept))
+            key = verify_graph_key(pairs, True, self.write_on_accept)
+            self.telemetry.record_key(key, table)
         for v in verdicts:
             real, first = self._proposed.get(v.seq.seq_id, (len(v.drafts), None))
             if v.drafts:
