@@ -67,8 +67,8 @@ class GDNState:
     rows: torch.Tensor | None = None
     mode: StateMode = StateMode.WRITE
     pending: dict[int, PendingRows] = field(default_factory=dict)
-    # per layer: the conv's inputs [B, T, conv_dim] and real rows [B], to re-base the window
-    pending_conv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # per layer: the conv's inputs [B, T, conv_dim], to re-base the window at commit
+    pending_conv: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def zeros(
@@ -160,7 +160,7 @@ class GDNState:
         store = self.conv[layer]
         read = self._read(bsz, store.device)
         if self.mode is StateMode.DEFER:
-            self.pending_conv[layer] = (conv_in, lengths)
+            self.pending_conv[layer] = conv_in
         if triton_gdn_enabled(conv_in) and weight.shape[-1] == 4:
             return conv_in_pool(
                 conv_in,
@@ -194,7 +194,7 @@ class GDNState:
             bsz, t = p.g.shape[:2]
             pool, store = self.ssm[layer], self.conv[layer]
             read = self._read(bsz, pool.device)
-            conv_in, _ = self.pending_conv[layer]
+            conv_in = self.pending_conv[layer]
             if triton_gdn_enabled(p.v):
                 delta_rule_in_pool(*p, pool, read, final=read, lengths=num_rows)
                 if store.shape[-1] == 3:
