@@ -257,9 +257,9 @@ class GraphRunner:
         """Copy the step's inputs (laid out as `table` says, padding included) into the
         workspace and replay the table's program; returns the hidden states and logits of every
         row, in the program's pool (the next replay of the same program overwrites them), and a
-        hybrid target's state view. `state`: (mode, entries read [B], row entries [B * T] or
-        None) of a hybrid target. Raises ValueError (from the cache) when the table is
-        refused."""
+        hybrid target's state view. `state`: a hybrid target's `StateSlots.addresses` (mode,
+        entries read [B], row entries [B, T] or None). Raises ValueError (from the cache) when
+        the table is refused."""
         # Without a bucket, a table the kernel does not cover still runs the reference inside the
         # graph, gathering max_model_len keys: slower, never wrong.
         bucket = (
@@ -280,7 +280,7 @@ class GraphRunner:
             _, read, rows = state
             self.state_read[:seqs].copy_(read, non_blocking=True)
             if rows is not None:
-                self.state_rows[: rows.shape[0]].copy_(rows, non_blocking=True)
+                self.state_rows[: rows.numel()].copy_(rows.flatten(), non_blocking=True)
         graph.replay()
         return hidden, logits, state_view
 

@@ -20,7 +20,6 @@ from metrale.engine.staging import to_device_packed
 from metrale.engine.state_cache import StateSlots
 from metrale.engine.step_output import StepOutput, verdicts_of
 from metrale.models.attention import AttentionMetadata, TorchPagedAttention
-from metrale.models.gdn_state import StateMode
 from metrale.models.loader import load_weights
 from metrale.models.mtp import load_mtp
 from metrale.models.qwen3 import Qwen3ForCausalLM
@@ -318,13 +317,7 @@ class ModelRunner:
         input_ids, positions, meta = self.span_metadata(spans)
         state = None
         if self.states is not None:
-            verify = any(e.drafts for e in batch.entries)
-            read, state_rows = self.states.plan(padded, verify)
-            mode = self.states.verify_mode if verify else StateMode.WRITE
-            if state_rows is None:
-                state = (mode, *to_device_packed([read], self.device), None)
-            else:
-                state = (mode, *to_device_packed([read, state_rows], self.device))
+            state = self.states.addresses(padded, any(e.drafts for e in batch.entries))
         table = RowTable.from_dispatch(range(len(depths)), depths)
         try:
             hidden, logits, state_view = self.graphs.run(

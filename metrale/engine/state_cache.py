@@ -48,7 +48,7 @@ class StateSlots:
         """The pool entry holding a slot's committed state."""
         return 1 + slot * self.width + self._current[slot]
 
-    def plan(
+    def _plan(
         self, entries: list[ScheduledSeq | None], verify: bool
     ) -> tuple[list[int], list[int] | None]:
         """Entries for one forward over `entries` in packed order (None: a padding sequence of
@@ -87,17 +87,25 @@ class StateSlots:
             raise RuntimeError("a sequence without a state slot reached the hybrid runner")
         return e.seq.slot
 
-    def bind(self, entries: list[ScheduledSeq], verify: bool) -> GDNState:
-        """The state an eager forward over `entries` (packed order) takes; `verify`: a forward
-        with drafts, in the configured variant."""
-        read, rows = self.plan(list(entries), verify)
+    def addresses(
+        self, entries: list[ScheduledSeq | None], verify: bool
+    ) -> tuple[StateMode, torch.Tensor, torch.Tensor | None]:
+        """How one forward over `entries` (packed order; None: a graph's padding sequence)
+        addresses the pool: (mode, the entry each sequence reads [B], for a per-row-slot verify
+        the entry after each of its rows [B, T], else None), on the device. `verify`: a forward
+        with drafts, in the configured variant. Zeroes the entries of fresh sequences."""
+        read, rows = self._plan(entries, verify)
+        mode = self.verify_mode if verify else StateMode.WRITE
         if rows is None:
             (read_t,) = to_device_packed([read], self.device)
-            rows_t = None
-        else:
-            read_t, rows_t = to_device_packed([read, rows], self.device)
-            rows_t = rows_t.view(len(read), -1)
-        return self.pool.view(read_t, self.verify_mode if verify else StateMode.WRITE, rows_t)
+            return mode, read_t, None
+        read_t, rows_t = to_device_packed([read, rows], self.device)
+        return mode, read_t, rows_t.view(len(read), -1)
+
+    def bind(self, entries: list[ScheduledSeq], verify: bool) -> GDNState:
+        """The state an eager forward over `entries` (packed order) takes."""
+        mode, read, rows = self.addresses(list(entries), verify)
+        return self.pool.view(read, mode, rows)
 
     def commit(
         self,

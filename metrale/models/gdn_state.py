@@ -43,6 +43,11 @@ from metrale.models.triton_gdn_conv import conv_in_pool
 CHUNK_MIN_ROWS = 16
 
 
+def _conv_kernel_runs(x: torch.Tensor, windows: torch.Tensor) -> bool:
+    """The Triton conv serves this layer: on CUDA, for kernel width 4 (windows of 3 inputs)."""
+    return triton_gdn_enabled(x) and windows.shape[-1] == 3
+
+
 class StateMode(Enum):
     WRITE = "write"
     ROWS = "rows"
@@ -123,9 +128,10 @@ class GDNState:
         mode = self.mode
         if mode is StateMode.DEFER:
             self.pending[layer] = PendingRows(q, k, v, g, beta)
-        if triton_gdn_enabled(v) and mode is StateMode.WRITE and t > CHUNK_MIN_ROWS:
+        triton = triton_gdn_enabled(v)
+        if triton and mode is StateMode.WRITE and t > CHUNK_MIN_ROWS:
             return chunk_delta_rule_in_pool(q, k, v, g, beta, pool, read, read)
-        if triton_gdn_enabled(v):
+        if triton:
             return delta_rule_in_pool(
                 q,
                 k,
@@ -161,7 +167,7 @@ class GDNState:
         read = self._read(bsz, store.device)
         if self.mode is StateMode.DEFER:
             self.pending_conv[layer] = conv_in
-        if triton_gdn_enabled(conv_in) and weight.shape[-1] == 4:
+        if _conv_kernel_runs(conv_in, store):
             return conv_in_pool(
                 conv_in,
                 weight,
@@ -194,20 +200,20 @@ class GDNState:
             bsz, t = p.g.shape[:2]
             pool, store = self.ssm[layer], self.conv[layer]
             read = self._read(bsz, pool.device)
-            conv_in = self.pending_conv[layer]
             if triton_gdn_enabled(p.v):
                 delta_rule_in_pool(*p, pool, read, final=read, lengths=num_rows)
-                if store.shape[-1] == 3:
-                    conv_in_pool(conv_in, None, store, read, num_rows, final=read)
-                    continue
             else:
                 # the recurrent form whatever t is, as the verify itself ran
                 keep = torch.arange(t, device=pool.device)[None, :] < num_rows[:, None]
                 g, beta = p.g * keep[..., None], p.beta * keep[..., None]  # masked rows: identity
                 res = recurrent_gated_delta_rule(p.q, p.k, p.v, g, beta, pool[read])
                 pool.index_copy_(0, read, res.state)
-            window = window_after(store[read], conv_in, num_rows)
-            store.index_copy_(0, read, window.to(store.dtype))
+            conv_in = self.pending_conv[layer]
+            if _conv_kernel_runs(conv_in, store):
+                conv_in_pool(conv_in, None, store, read, num_rows, final=read)
+            else:
+                window = window_after(store[read], conv_in, num_rows)
+                store.index_copy_(0, read, window.to(store.dtype))
         # NOTE: nothing is popped: a graph capture runs this twice (warm-up, capture), a graphed
         # commit replays over the same static tensors, and the next DEFER forward replaces them.
 
