@@ -18,7 +18,10 @@ from metrale.models import triton_fused
 
 
 class RMSNorm(nn.Module):
-    """y = w * x / rms(x); the reduction runs in float32 whatever the activation dtype."""
+    """y = w * x / rms(x); the reduction runs in float32 whatever the activation dtype. On CUDA
+    one fused kernel; `_reference` is the torch path (CPU, tests)."""
+
+    zero_centred = False  # the fused kernel's (1 + w) variant, for subclasses that scale so
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -27,7 +30,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if triton_fused.fused_enabled(x):
-            return triton_fused.add_rmsnorm(x, None, self.weight, self.eps)[0]
+            return triton_fused.add_rmsnorm(x, None, self.weight, self.eps, self.zero_centred)[0]
+        return self._reference(x)
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -38,9 +44,9 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Add the residual, then normalise: (normed, new residual)."""
         if triton_fused.fused_enabled(x):
-            return triton_fused.add_rmsnorm(x, residual, self.weight, self.eps)
+            return triton_fused.add_rmsnorm(x, residual, self.weight, self.eps, self.zero_centred)
         residual = x + residual
-        return self(residual), residual
+        return self._reference(residual), residual
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:

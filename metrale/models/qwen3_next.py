@@ -19,38 +19,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from metrale.config import ModelConfig
-from metrale.models import triton_fused
 from metrale.models.attention import AttentionBackend, AttentionMetadata
 from metrale.models.gdn import GatedRMSNorm, RowLayout
 from metrale.models.gdn_state import GDNState
-from metrale.models.layers import RotaryEmbedding, SwiGLUMLP
+from metrale.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from metrale.models.qwen3 import PACKED_MODULES
 from metrale.models.qwen3_next_moe import Qwen3NextSparseMoeBlock
 
 
-class ZeroCentredRMSNorm(nn.Module):
+class ZeroCentredRMSNorm(RMSNorm):
     """y = (1 + w) * x / rms(x), in float32 then cast back (HF `Qwen3NextRMSNorm`)."""
 
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
+    zero_centred = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if triton_fused.fused_enabled(x):
-            return triton_fused.add_rmsnorm(x, None, self.weight, self.eps, zero_centred=True)[0]
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__(dim, eps)
+        nn.init.zeros_(self.weight)
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)
-
-    def forward_residual(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add the residual, then normalise: (normed, new residual)."""
-        if triton_fused.fused_enabled(x):
-            return triton_fused.add_rmsnorm(x, residual, self.weight, self.eps, zero_centred=True)
-        residual = x + residual
-        return self(residual), residual
 
 
 class Qwen3NextAttention(nn.Module):
