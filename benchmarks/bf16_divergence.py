@@ -13,8 +13,8 @@ import tempfile
 from pathlib import Path
 
 from metrale import LLM, SamplingParams
-from metrale.bench import write_shape
-from metrale.spec.replay import ReplayDrafter
+from metrale.bench.command import write_shape
+from metrale.speculative.replay import ReplayDrafter
 
 shape = sys.argv[1] if len(sys.argv) > 1 else "tiny"
 device = sys.argv[2] if len(sys.argv) > 2 else "cpu"

@@ -39,14 +39,18 @@ from dataclasses import dataclass
 
 from metrale.engine.graphs import decode_bucket
 from metrale.knobs import knobs
-from metrale.spec.dcut import (
+from metrale.speculative.dcut import (
     AcceptanceEstimator,
     PlanInput,
     VerifyCostModel,
     choose_depths,
     plan,
 )
-from metrale.spec.verify_key import canonical_assignment, verify_batch_order, verify_graph_key
+from metrale.speculative.verify_key import (
+    canonical_assignment,
+    verify_batch_order,
+    verify_graph_key,
+)
 
 K = 4
 MAX_WIDTH = 64

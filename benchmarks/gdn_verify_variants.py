@@ -10,7 +10,7 @@ batches of B sequences verifying T = K + 1 rows, times one step's state handling
                    entries; the commit is a host-side index change (`GDNState` ROWS);
 
 and reports the state pool each needs for B sequences. Both run the Triton kernel of
-`models/triton_gdn.py`, each step captured as one CUDA graph (as the engine replays it), so the
+`kernels/gdn_recurrent.py`, each step captured as one CUDA graph (as the engine replays it), so the
 times are GPU time rather than launch overhead. `--sweep` also times the kernel's launch shapes
 (value columns per program, warps) for the decode step, and `--prefill-rows` a prefill through
 the torch WY reference and both kernels. Run from the repository root:
@@ -24,9 +24,9 @@ import json
 
 import torch
 
+from metrale.kernels.gdn_chunk import chunk_delta_rule_in_pool
+from metrale.kernels.gdn_recurrent import delta_rule_in_pool
 from metrale.models.gdn import chunk_gated_delta_rule
-from metrale.models.triton_gdn import delta_rule_in_pool
-from metrale.models.triton_gdn_chunk import chunk_delta_rule_in_pool
 
 LAYERS, HK, HV, DK, DV = 36, 16, 32, 128, 128
 

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from metrale.config import EngineConfig, SamplingParams
 from metrale.engine.llm import LLMEngine
 from metrale.outputs import RequestOutput
-from metrale.spec.drafter import Drafter
+from metrale.speculative.drafter import Drafter
 
 Prompt = str | list[int]
 

@@ -161,12 +161,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from metrale.bench import plot, run, table
+    from metrale.bench.command import plot, run, table
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.acceptance:
-        from metrale.acceptance import format_report, run_acceptance
+        from metrale.bench.acceptance import format_report, run_acceptance
 
         report = run_acceptance(args)
         (out / "acceptance.json").write_text(json.dumps(report, indent=2))
@@ -174,7 +174,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(json.dumps(report))
         return 0
     if args.e2e_drafter:
-        from metrale.bench_drafter import drafter_e2e, format_drafter_e2e
+        from metrale.bench.drafter import drafter_e2e, format_drafter_e2e
 
         result = drafter_e2e(args)
         (out / "drafter_e2e.json").write_text(json.dumps(result, indent=2))

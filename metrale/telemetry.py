@@ -7,7 +7,7 @@ import bisect
 from collections import Counter
 from dataclasses import dataclass, field
 
-from metrale.spec.row_table import RowTable
+from metrale.speculative.row_table import RowTable
 
 # Step-time histogram bucket upper bounds, in seconds.
 STEP_TIME_BUCKETS = (

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from metrale import LLM, SamplingParams
-from metrale.acceptance import (
+from metrale.bench.acceptance import (
     acceptance_report,
     counter_delta,
     format_report,
@@ -23,7 +23,7 @@ from metrale.acceptance import (
 )
 from metrale.default_model import random_model_dir
 from metrale.knobs import knobs
-from metrale.spec.ngram import lookup
+from metrale.speculative.ngram import lookup
 from metrale.telemetry import SpecTelemetry
 from metrale.tokenizer import Tokenizer
 

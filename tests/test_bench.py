@@ -8,10 +8,10 @@ import json
 import pytest
 
 from metrale.api import LLM
-from metrale.bench import SHAPES, write_shape
+from metrale.bench.command import SHAPES, write_shape
 from metrale.cli import main
 from metrale.default_model import default_model_dir
-from metrale.spec.dcut import VerifyCostModel
+from metrale.speculative.dcut import VerifyCostModel
 
 
 def test_bench_writes_table_json_and_png(tmp_path, capsys):
@@ -122,8 +122,8 @@ def test_bench_dcut_plans_with_the_measured_curve(tmp_path, capsys, monkeypatch)
     curve the same run measured. At alpha = 0 (every draft wrong) it learns to stop drafting, so
     far fewer draft rows are verified than K per step. The step times are fixed here (rows cost
     more with q) so that the plan does not depend on a tiny CPU model's timing noise."""
-    from metrale import bench
-    from metrale.spec import controller
+    from metrale.bench import command as bench
+    from metrale.speculative import controller
 
     def fixed_step_times(llm, batch_sizes, qs, context):
         return {b: {q: 1e-3 * (1 + 0.1 * (q - 1)) for q in qs} for b in batch_sizes}

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from metrale.knobs import knobs
-from metrale.spec.dcut import (
+from metrale.speculative.dcut import (
     AcceptanceEstimator,
     PlanInput,
     VerifyCostModel,
@@ -19,7 +19,7 @@ from metrale.spec.dcut import (
     expected_tokens,
     plan,
 )
-from metrale.spec.verify_key import verify_batch_order
+from metrale.speculative.verify_key import verify_batch_order
 
 
 @pytest.fixture

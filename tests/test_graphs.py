@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from metrale.engine.graphs import CACHE_CAP, ProgramCache, Workspace, kv_bucket
-from metrale.spec.row_table import RowTable, sizing_tables
+from metrale.speculative.row_table import RowTable, sizing_tables
 
 
 def table(text: str) -> RowTable:

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from metrale import LLM, SamplingParams
-from metrale.spec.replay import ReplayDrafter
-from metrale.spec.verify_key import verify_graph_key
+from metrale.speculative.replay import ReplayDrafter
+from metrale.speculative.verify_key import verify_graph_key
 from tests.test_qwen3_next import TINY_NEXT, hf_next, randomize, transformers
 
 PROMPTS = [[(11 * i + 5 * j) % 250 + 3 for j in range(6 + 5 * i)] for i in range(5)]
@@ -239,9 +239,10 @@ def test_triton_state_kernels_in_the_engine_equal_the_torch_path(hybrid_dir, var
     """The GDN state's Triton paths (recurrent, chunked and conv kernels on the pool, the
     write-on-accept commit) inside the engine, run by the Triton interpreter on CPU: speculative
     output equals plain torch decoding. (On the H200 the gpu tests above run them natively.)"""
-    from metrale.models import gdn_state, triton_gdn
+    from metrale.kernels import gdn_recurrent
+    from metrale.models import gdn_state
 
-    if triton_gdn.triton is None or not os.environ.get("TRITON_INTERPRET"):
+    if gdn_recurrent.triton is None or not os.environ.get("TRITON_INTERPRET"):
         pytest.skip("needs Triton's interpreter")
     prompts = [p * 4 for p in PROMPTS[:3]]  # >16 rows: the chunked kernel's prefill
     plain = llm_for(hybrid_dir).generate(prompts, greedy(12))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from metrale.engine import graphs
-from metrale.spec.replay import ReplayDrafter
+from metrale.speculative.replay import ReplayDrafter
 from tests.test_hybrid_engine import PROMPTS, greedy, hybrid_dir, llm_for  # noqa: F401
 
 

@@ -13,12 +13,12 @@ import torch
 pytest.importorskip("triton")
 
 from metrale.config import RopeConfig  # noqa: E402
-from metrale.models import triton_attention, triton_fused  # noqa: E402
+from metrale.kernels import fused, paged_attention  # noqa: E402
 from metrale.models.attention import AttentionMetadata, TorchPagedAttention  # noqa: E402
 from metrale.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and not triton_attention.INTERPRETED:
+if DEVICE == "cpu" and not paged_attention.INTERPRETED:
     pytest.skip("no CUDA and TRITON_INTERPRET is not set", allow_module_level=True)
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -40,7 +40,7 @@ def reference_ops(monkeypatch):
     """Force the torch path (what CPU runs) for building references on CUDA too."""
 
     def use_reference():
-        monkeypatch.setattr(triton_fused, "fused_enabled", lambda x: False)
+        monkeypatch.setattr(fused, "fused_enabled", lambda x: False)
 
     return use_reference
 
@@ -49,7 +49,7 @@ def reference_ops(monkeypatch):
 @pytest.mark.parametrize("heads, kv_heads", [(8, 8), (32, 8), (16, 2), (12, 4)])
 @pytest.mark.parametrize("splits", [1, 4])
 def test_paged_attention_matches_reference(dtype, heads, kv_heads, splits, monkeypatch):
-    monkeypatch.setattr(triton_attention, "num_splits", lambda *args: splits)
+    monkeypatch.setattr(paged_attention, "num_splits", lambda *args: splits)
     torch.manual_seed(0)
     dim, page, pages = 64, 16, 128
     q_lens, seq_lens = [1, 4, 16, 3, 1, 7], [1, 37, 100, 16, 250, 64]
@@ -75,7 +75,7 @@ def test_paged_attention_matches_reference(dtype, heads, kv_heads, splits, monke
     k = torch.randn(rows, kv_heads, dim, device=DEVICE, dtype=dtype)
     v = torch.randn(rows, kv_heads, dim, device=DEVICE, dtype=dtype)
     ref_cache, kernel_cache = cache.clone(), cache.clone()
-    ref_backend, kernel_backend = TorchPagedAttention(), triton_attention.TritonPagedAttention()
+    ref_backend, kernel_backend = TorchPagedAttention(), paged_attention.TritonPagedAttention()
     ref = ref_backend.forward(q, k, v, ref_cache, ref_backend.prepare(meta()), dim**-0.5)
     out = kernel_backend.forward(q, k, v, kernel_cache, kernel_backend.prepare(meta()), dim**-0.5)
     torch.testing.assert_close(kernel_cache, ref_cache)  # the same rows written
@@ -85,11 +85,11 @@ def test_paged_attention_matches_reference(dtype, heads, kv_heads, splits, monke
 
 def test_num_splits_fills_the_gpu_and_ignores_decode_padding():
     cpu = torch.device("cpu")  # counted as 132 multiprocessors
-    assert triton_attention.num_splits(1, 8, cpu) == triton_attention.MAX_SPLITS
-    assert triton_attention.num_splits(64, 8, cpu) == 1
-    assert triton_attention.num_splits(16, 8, cpu) == 4
+    assert paged_attention.num_splits(1, 8, cpu) == paged_attention.MAX_SPLITS
+    assert paged_attention.num_splits(64, 8, cpu) == 1
+    assert paged_attention.num_splits(16, 8, cpu) == 4
     # A decode of 5 sequences is replayed padded to 8: both must split alike.
-    assert triton_attention.num_splits(5, 8, cpu) == triton_attention.num_splits(8, 8, cpu)
+    assert paged_attention.num_splits(5, 8, cpu) == paged_attention.num_splits(8, 8, cpu)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -102,7 +102,7 @@ def test_add_rmsnorm_matches_reference(dtype, with_residual, hidden, reference_o
         norm.weight.normal_(1.0, 0.1)
     x = torch.randn(5, hidden, device=DEVICE, dtype=dtype) * 3
     res = torch.randn(5, hidden, device=DEVICE, dtype=dtype) if with_residual else None
-    out, new_res = triton_fused.add_rmsnorm(x, res, norm.weight, norm.eps)
+    out, new_res = fused.add_rmsnorm(x, res, norm.weight, norm.eps)
     reference_ops()
     if with_residual:
         ref, ref_res = norm.forward_residual(x, res)
@@ -129,7 +129,7 @@ def test_qk_norm_rope_matches_reference(dtype, rope_type, reference_ops):
     qkv = torch.randn(rows, (num_q + 2 * num_kv) * dim, device=DEVICE, dtype=dtype)
     positions = torch.tensor([0, 1, 5, 100, 101, 300, 511], device=DEVICE)
     args = (rotary.cos, rotary.sin, positions, num_q, num_kv, 1e-6)
-    q, k = triton_fused.qk_norm_rope(qkv, q_norm.weight, k_norm.weight, *args)
+    q, k = fused.qk_norm_rope(qkv, q_norm.weight, k_norm.weight, *args)
     reference_ops()
     q_ref, k_ref, _ = qkv.split([num_q * dim, num_kv * dim, num_kv * dim], dim=-1)
     q_ref = q_norm(q_ref.reshape(rows, num_q, dim))
@@ -144,7 +144,7 @@ def test_silu_mul_matches_reference(dtype, reference_ops):
     torch.manual_seed(3)
     mlp = SwiGLUMLP(32, 48).to(DEVICE, dtype)
     gate_up = torch.randn(6, 96, device=DEVICE, dtype=dtype) * 4
-    out = triton_fused.silu_mul(gate_up)
+    out = fused.silu_mul(gate_up)
     reference_ops()
     gate, up = gate_up.split(48, dim=-1)
     ref = torch.nn.functional.silu(gate) * up
@@ -164,7 +164,7 @@ def test_zero_centred_add_rmsnorm_matches_reference(dtype, with_residual, refere
         norm.weight.normal_(0.0, 0.1)
     x = torch.randn(5, 96, device=DEVICE, dtype=dtype) * 3
     res = torch.randn(5, 96, device=DEVICE, dtype=dtype) if with_residual else None
-    out, new_res = triton_fused.add_rmsnorm(x, res, norm.weight, norm.eps, zero_centred=True)
+    out, new_res = fused.add_rmsnorm(x, res, norm.weight, norm.eps, zero_centred=True)
     reference_ops()
     ref, ref_res = norm.forward_residual(x, res) if with_residual else (norm(x), x)
     _close(out, ref, dtype)
@@ -179,7 +179,7 @@ def test_gated_rmsnorm_matches_reference(dtype):
     x = torch.randn(7, 4, 24, device=DEVICE, dtype=dtype) * 2  # [rows, heads, dv]
     z = torch.randn(7, 4, 24, device=DEVICE, dtype=dtype) * 3
     w = (torch.randn(24, device=DEVICE) * 0.1 + 1).to(dtype)
-    _close(triton_fused.gated_rmsnorm(x, z, w, 1e-6), gated_rms_norm(x, z, w, 1e-6), dtype)
+    _close(fused.gated_rmsnorm(x, z, w, 1e-6), gated_rms_norm(x, z, w, 1e-6), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -189,8 +189,8 @@ def test_recurrent_delta_rule_kernel_matches_reference(dtype, all_states, with_s
     """The Triton recurrent gated delta rule against `gdn.recurrent_gated_delta_rule`: outputs,
     final state and per-row states (verify), with grouped key heads, value dims that are not a
     power of two, and padded rows (g = beta = 0) that must leave the state alone."""
+    from metrale.kernels.gdn_recurrent import recurrent_gated_delta_rule_triton
     from metrale.models.gdn import recurrent_gated_delta_rule
-    from metrale.models.triton_gdn import recurrent_gated_delta_rule_triton
 
     torch.manual_seed(4)
     b, t, hk, hv, dk, dv = 2, 5, 2, 4, 16, 24
@@ -222,8 +222,8 @@ def test_chunk_delta_rule_kernel_matches_reference(with_state, correlated, dk, d
     and a partial one, a sequence with padded rows (g = beta = 0), grouped key heads, value dims
     that are not a power of two; with nearly parallel keys too, where an inverse by repeated
     squaring would fall apart."""
+    from metrale.kernels.gdn_chunk import chunk_delta_rule_in_pool
     from metrale.models.gdn import recurrent_gated_delta_rule
-    from metrale.models.triton_gdn_chunk import chunk_delta_rule_in_pool
 
     torch.manual_seed(7)
     b, t, hk, hv = 2, 37, 2, 4
@@ -251,8 +251,8 @@ def test_conv_kernel_matches_reference(dtype, mode):
     """The Triton causal conv on a window pool against `gdn.causal_conv1d`: outputs (zeros on
     padding rows), the final window written back where it was read, per-row windows into their
     entries, or (no weight) only the windows advanced by each sequence's rows."""
+    from metrale.kernels.gdn_conv import conv_in_pool
     from metrale.models.gdn import causal_conv1d
-    from metrale.models.triton_gdn_conv import conv_in_pool
 
     torch.manual_seed(10)
     b, t, d = 3, 5, 40
@@ -296,8 +296,8 @@ def test_delta_rule_kernel_addresses_the_pool_in_place(mode):
     (row 0 over the entry read; padding rows to the dummy entry 0), `read_only` writes nothing,
     `commit` (lengths) writes the state after each sequence's first lengths[b] rows only.
     Every other entry is left alone."""
+    from metrale.kernels.gdn_recurrent import delta_rule_in_pool
     from metrale.models.gdn import recurrent_gated_delta_rule
-    from metrale.models.triton_gdn import delta_rule_in_pool
 
     torch.manual_seed(6)
     b, t, hk, hv, dk, dv = 2, 3, 1, 2, 16, 8
@@ -348,7 +348,7 @@ def test_attention_ignores_nan_past_the_sequence_and_rows_without_keys(splits, m
     """Both backends with NaN parked past every sequence's end (a stale page, the dummy page):
     the output stays finite and equals a clean cache's; a row that sees no key at all (only a
     capture-time dummy row can) gets 0, not 0 / 0, whatever the number of splits."""
-    monkeypatch.setattr(triton_attention, "num_splits", lambda *args: splits)
+    monkeypatch.setattr(paged_attention, "num_splits", lambda *args: splits)
     torch.manual_seed(5)
     page, pages, heads, kv_heads, dim = 16, 8, 4, 2, 16
     seq_lens, q_lens = [20, 5], [2, 1]
@@ -378,13 +378,13 @@ def test_attention_ignores_nan_past_the_sequence_and_rows_without_keys(splits, m
         torch.randn(3, kv_heads, dim, device=DEVICE),
         torch.randn(3, kv_heads, dim, device=DEVICE),
     )
-    for backend in (TorchPagedAttention(), triton_attention.TritonPagedAttention()):
+    for backend in (TorchPagedAttention(), paged_attention.TritonPagedAttention()):
         want = backend.forward(q, k, v, clean.clone(), backend.prepare(meta()), dim**-0.5)
         got = backend.forward(q, k, v, dirty.clone(), backend.prepare(meta()), dim**-0.5)
         assert torch.isfinite(got).all(), type(backend).__name__
         torch.testing.assert_close(got, want)
     # Rows whose positions precede every key (seq_len 1 for 2 rows: the first sees nothing).
-    kernel = triton_attention.TritonPagedAttention()
+    kernel = paged_attention.TritonPagedAttention()
     out = kernel.forward(q, k, v, clean.clone(), kernel.prepare(meta([1, 5])), dim**-0.5)
     assert torch.isfinite(out).all()
     assert out[0].abs().max() == 0
@@ -395,7 +395,7 @@ def test_attention_ignores_nan_past_the_sequence_and_rows_without_keys(splits, m
 def test_moe_gemv_matches_the_expert_loop(dtype, n, top_k):
     """The Triton routed-expert GEMVs against the per-expert loop: dims that are not multiples of
     the blocks, experts shared by several pairs, rows routed to one expert."""
-    from metrale.models.triton_moe import experts_gemv
+    from metrale.kernels.moe import experts_gemv
     from tests.test_moe_grouped import make_batch, make_experts
 
     experts_mod = make_experts(8, 160, 48, dtype=dtype, device=DEVICE)

@@ -13,7 +13,7 @@ from metrale.knobs import (
     mtp_multi_seq_mode,
     mtp_refeed_accepted_enabled,
 )
-from metrale.spec.ep import EP_CMD_MTP_PROPOSE, EP_CMD_VERIFY_K4
+from metrale.speculative.ep import EP_CMD_MTP_PROPOSE, EP_CMD_VERIFY_K4
 
 
 def read(name: str, value: str | None, field: str):

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from metrale.kernels.moe import GEMV_MAX_PAIRS
 from metrale.models.qwen3_next_moe import Qwen3NextExperts
-from metrale.models.triton_moe import GEMV_MAX_PAIRS
 
 
 def make_experts(

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from metrale.spec.row_table import RowTable, Run, sizing_tables
+from metrale.speculative.row_table import RowTable, Run, sizing_tables
 
 
 @st.composite

@@ -10,8 +10,8 @@ import random
 import pytest
 
 from metrale import LLM, SamplingParams
-from metrale.spec.drafter import Draft
-from metrale.spec.replay import ReplayDrafter
+from metrale.speculative.drafter import Draft
+from metrale.speculative.replay import ReplayDrafter
 
 NUM_PROMPTS = 16
 

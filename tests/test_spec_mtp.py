@@ -87,7 +87,7 @@ def test_single_sequence_refeed_knobs_stay_lossless(mtp_model_dir, monkeypatch, 
             mtp_model_dir, device="cpu", spec={"method": "mtp", "num_drafts": 3, "mtp_max_seqs": 1}
         )
         assert llm.engine.spec.drafter.refeed
-        with caplog.at_level("INFO", logger="metrale.spec.mtp"):
+        with caplog.at_level("INFO", logger="metrale.speculative.mtp"):
             outs = llm.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == expected
         assert "MTP_REFEED" in caplog.text
@@ -124,8 +124,8 @@ def test_dcut_padding_stays_within_each_cap(monkeypatch):
     from types import SimpleNamespace
 
     from metrale.config import SpecConfig
-    from metrale.spec import controller
-    from metrale.spec.drafter import Draft
+    from metrale.speculative import controller
+    from metrale.speculative.drafter import Draft
     from metrale.telemetry import SpecTelemetry
 
     class Fixed:
@@ -149,8 +149,8 @@ def test_finished_sequences_are_not_observed():
     """A sequence that finished this step still has its RUNNING status while the step's
     verdicts go out; the drafter must not be fed its rows."""
     from metrale.config import SpecConfig
-    from metrale.spec.controller import SpeculativeDecoder
-    from metrale.spec.drafter import Verdict
+    from metrale.speculative.controller import SpeculativeDecoder
+    from metrale.speculative.drafter import Verdict
     from metrale.telemetry import SpecTelemetry
 
     seen = []

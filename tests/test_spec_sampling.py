@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from metrale import LLM, SamplingParams
-from metrale.spec.drafter import Draft
+from metrale.speculative.drafter import Draft
 
 transformers = pytest.importorskip("transformers")
 scipy_stats = pytest.importorskip("scipy.stats")

@@ -9,7 +9,7 @@ import torch
 
 from metrale import LLM, SamplingParams
 from metrale.engine.sampler import SamplingBatch, SamplingRow
-from metrale.spec.verify import accept, build_layout
+from metrale.speculative.verify import accept, build_layout
 from tests.test_spec_lossless import make_prompts, params_for, replay
 
 

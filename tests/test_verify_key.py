@@ -9,8 +9,8 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from metrale.knobs import knobs
-from metrale.spec import verify_key
-from metrale.spec.verify_key import (
+from metrale.speculative import verify_key
+from metrale.speculative.verify_key import (
     CANONICAL_KEY_MIN_WIDTH,
     canonical_assignment,
     canonical_key_min_width,

@@ -28,7 +28,7 @@ from metrale.engine.kv_cache import DUMMY_PAGE
 from metrale.engine.state_cache import DUMMY_ENTRY
 from metrale.models.attention import AttentionMetadata
 from metrale.models.gdn_state import GDNState, StateMode
-from metrale.spec.row_table import RowTable, sizing_tables
+from metrale.speculative.row_table import RowTable, sizing_tables
 
 CACHE_CAP = 256
 P = TypeVar("P")

@@ -25,10 +25,10 @@ from metrale.engine.sequence import Batch, ScheduledSeq, Sequence
 from metrale.engine.step_output import StepOutput
 from metrale.knobs import knobs
 from metrale.outputs import RequestOutput
-from metrale.spec.controller import SpeculativeDecoder
-from metrale.spec.drafter import Drafter, Verdict
-from metrale.spec.mtp import MTPDrafter
-from metrale.spec.ngram import NgramDrafter
+from metrale.speculative.controller import SpeculativeDecoder
+from metrale.speculative.drafter import Drafter, Verdict
+from metrale.speculative.mtp import MTPDrafter
+from metrale.speculative.ngram import NgramDrafter
 from metrale.telemetry import Telemetry
 from metrale.tokenizer import IncrementalDetokenizer, Tokenizer
 

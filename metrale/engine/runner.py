@@ -19,14 +19,14 @@ from metrale.engine.sequence import Batch, Phase, ScheduledSeq
 from metrale.engine.staging import to_device_packed
 from metrale.engine.state_cache import StateSlots
 from metrale.engine.step_output import StepOutput, verdicts_of
+from metrale.kernels.paged_attention import TritonPagedAttention, triton_available
 from metrale.models.attention import AttentionMetadata, TorchPagedAttention
 from metrale.models.loader import load_weights
 from metrale.models.mtp import load_mtp
 from metrale.models.qwen3 import Qwen3ForCausalLM
 from metrale.models.qwen3_next import Qwen3NextForCausalLM, ZeroCentredRMSNorm
-from metrale.models.triton_attention import TritonPagedAttention, triton_available
-from metrale.spec.row_table import RowTable
-from metrale.spec.verify import accept, build_layout
+from metrale.speculative.row_table import RowTable
+from metrale.speculative.verify import accept, build_layout
 
 log = logging.getLogger(__name__)
 

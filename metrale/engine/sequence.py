@@ -59,7 +59,7 @@ class Sequence:
     # speculative decoding of this sequence: drafts verified and accepted so far
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    # drafts proposed for the next verify (a `metrale.spec.drafter.Draft`), cut to the planned depth
+    # drafts proposed for the next verify (a `speculative.drafter.Draft`), cut to the planned depth
     draft: Any = None
 
     @property

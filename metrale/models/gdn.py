@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from metrale.models import triton_fused
+from metrale.kernels import fused
 
 L2NORM_EPS = 1e-6  # as fla and HF: x * rsqrt(sum(x^2) + eps)
 CHUNK_SIZE = 64
@@ -235,8 +235,8 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        if triton_fused.fused_enabled(x):
-            return triton_fused.gated_rmsnorm(x, gate, self.weight, self.eps)
+        if fused.fused_enabled(x):
+            return fused.gated_rmsnorm(x, gate, self.weight, self.eps)
         return gated_rms_norm(x, gate, self.weight, self.eps)
 
 

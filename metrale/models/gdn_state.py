@@ -28,15 +28,15 @@ from typing import NamedTuple
 
 import torch
 
+from metrale.kernels.gdn_chunk import chunk_delta_rule_in_pool
+from metrale.kernels.gdn_conv import conv_in_pool
+from metrale.kernels.gdn_recurrent import delta_rule_in_pool, triton_gdn_enabled
 from metrale.models.gdn import (
     causal_conv1d,
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
     window_after,
 )
-from metrale.models.triton_gdn import delta_rule_in_pool, triton_gdn_enabled
-from metrale.models.triton_gdn_chunk import chunk_delta_rule_in_pool
-from metrale.models.triton_gdn_conv import conv_in_pool
 
 # Prefill chunks of more rows than this run the chunked (WY) kernel on the GPU; shorter ones, and
 # every verify, the recurrent kernel (a chunk is 16 rows: fewer leave its matmuls mostly empty).

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from metrale.config import RopeConfig
-from metrale.models import triton_fused
+from metrale.kernels import fused
 
 
 class RMSNorm(nn.Module):
@@ -29,8 +29,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if triton_fused.fused_enabled(x):
-            return triton_fused.add_rmsnorm(x, None, self.weight, self.eps, self.zero_centred)[0]
+        if fused.fused_enabled(x):
+            return fused.add_rmsnorm(x, None, self.weight, self.eps, self.zero_centred)[0]
         return self._reference(x)
 
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
@@ -43,8 +43,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Add the residual, then normalise: (normed, new residual)."""
-        if triton_fused.fused_enabled(x):
-            return triton_fused.add_rmsnorm(x, residual, self.weight, self.eps, self.zero_centred)
+        if fused.fused_enabled(x):
+            return fused.add_rmsnorm(x, residual, self.weight, self.eps, self.zero_centred)
         residual = x + residual
         return self._reference(residual), residual
 
@@ -155,7 +155,7 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if triton_fused.fused_enabled(gate_up):
-            return self.down_proj(triton_fused.silu_mul(gate_up))
+        if fused.fused_enabled(gate_up):
+            return self.down_proj(fused.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from metrale.config import ModelConfig
-from metrale.models import triton_fused
+from metrale.kernels import fused
 from metrale.models.attention import AttentionBackend, AttentionMetadata
 from metrale.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 
@@ -53,8 +53,8 @@ class Qwen3Attention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         v = v.view(rows, self.num_kv_heads, self.head_dim)
         rotary = self._rotary[0]
-        if triton_fused.fused_enabled(qkv) and self.head_dim & (self.head_dim - 1) == 0:
-            q, k = triton_fused.qk_norm_rope(
+        if fused.fused_enabled(qkv) and self.head_dim & (self.head_dim - 1) == 0:
+            q, k = fused.qk_norm_rope(
                 qkv,
                 self.q_norm.weight,
                 self.k_norm.weight,

@@ -5,7 +5,7 @@ SwiGLU MLP, plus one shared SwiGLU expert scaled by a sigmoid gate of its own.
 The experts are stacked as HF 5.x keeps them (`experts.gate_up_proj` [E, 2I, H] with gate rows
 first, `experts.down_proj` [E, H, I]); the loader fills them from per-expert checkpoint tensors
 (`experts.{e}.gate_proj.weight`, ...) as well. On CUDA a few (row, expert) pairs (decode, short
-verify) run as Triton GEMVs in routing order (`triton_moe.py`). Where `torch._grouped_mm` runs
+verify) run as Triton GEMVs in routing order (`kernels/moe.py`). Where `torch._grouped_mm` runs
 without a host sync (bf16 on sm90/sm100 GPUs, any float dtype on CPU, 16-byte aligned dims),
 other batches sort their (row, expert) pairs by expert and run two grouped GEMMs that read each
 touched expert once.
@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from metrale.config import ModelConfig
-from metrale.models import triton_fused
+from metrale.kernels import fused
+from metrale.kernels.moe import GEMV_MAX_PAIRS, experts_gemv
 from metrale.models.layers import SwiGLUMLP
-from metrale.models.triton_moe import GEMV_MAX_PAIRS, experts_gemv
 
 # Without the grouped GEMM: up to this many (row, expert) pairs, the experts' weights are gathered
 # per row (sync-free, but each pair copies its expert's weights); above it, the loop reads each
@@ -70,14 +70,14 @@ class Qwen3NextExperts(nn.Module):
         return self._path(x, experts)(x, experts, weights)
 
     def _path(self, x: torch.Tensor, experts: torch.Tensor):
-        """Triton GEMVs for a few pairs on CUDA (`triton_moe.py`). Else the grouped GEMM wherever
+        """Triton GEMVs for a few pairs on CUDA (`kernels/moe.py`). Else the grouped GEMM wherever
         it runs sync-free: it reads each touched expert's weights
         once at any batch size and keeps decode/verify steps graph-capturable. Otherwise the
         gather for small batches (no sync, but a weight copy per pair) and the loop for the rest.
         """
         w, down = self.gate_up_proj, self.down_proj
         if (
-            triton_fused.fused_enabled(x)
+            fused.fused_enabled(x)
             and experts.numel() <= GEMV_MAX_PAIRS
             and w.is_contiguous()
             and down.is_contiguous()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from metrale.models.triton_gdn import triton
+from metrale.kernels.gdn_recurrent import triton
 
 if triton is not None:
     import triton.language as tl

@@ -13,9 +13,9 @@ from __future__ import annotations
 import sysconfig
 from pathlib import Path
 
-from metrale.acceptance import heldout_prompts
 from metrale.api import LLM
-from metrale.bench import timed_generate
+from metrale.bench.acceptance import heldout_prompts
+from metrale.bench.command import timed_generate
 from metrale.config import SamplingParams
 
 

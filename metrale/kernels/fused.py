@@ -8,9 +8,10 @@ do not remove. These kernels do each piece in one launch.
 
 Rounding: each kernel rounds to the activation dtype where the torch reference does (after the
 residual add, after normalising, after the weight, after each rotary product), so the fused and
-reference paths agree to within reduction-order rounding; the torch reference in `layers.py`
-stays the CPU path and the oracle of the tests. Kernels also run under `TRITON_INTERPRET=1` on
-CPU tensors, which is how CI tests them.
+reference paths agree to within reduction-order rounding. The torch references (`RMSNorm._reference`
+and `MLP` in `models/layers.py`, the attention's QK-norm and rotary in `models/qwen3.py`,
+`models/gdn.gated_rms_norm`) stay the CPU path and the oracle of the tests. Kernels also run
+under `TRITON_INTERPRET=1` on CPU tensors, which is how CI tests them.
 """
 
 from __future__ import annotations

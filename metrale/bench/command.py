@@ -28,8 +28,8 @@ from metrale.api import LLM
 from metrale.config import SamplingParams
 from metrale.default_model import write_tokenizer
 from metrale.engine.sequence import Batch, ScheduledSeq, Sequence
-from metrale.spec.dcut import VerifyCostModel
-from metrale.spec.replay import ReplayDrafter
+from metrale.speculative.dcut import VerifyCostModel
+from metrale.speculative.replay import ReplayDrafter
 
 # Published config numbers of the Qwen3 family (HF config.json), and a tiny shape for CPU runs.
 SHAPES = {

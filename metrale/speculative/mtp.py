@@ -37,8 +37,8 @@ from metrale.knobs import (
     mtp_catchup_enabled,
     mtp_refeed_accepted_enabled,
 )
-from metrale.spec.drafter import Draft, Verdict
-from metrale.spec.mtp_graphs import DraftChainGraphs
+from metrale.speculative.drafter import Draft, Verdict
+from metrale.speculative.mtp_graphs import DraftChainGraphs
 
 log = logging.getLogger(__name__)
 

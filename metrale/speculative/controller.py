@@ -16,10 +16,14 @@ import torch
 from metrale.config import SpecConfig
 from metrale.engine.sequence import Sequence
 from metrale.knobs import knobs
-from metrale.spec.dcut import AcceptanceEstimator, PlanInput, VerifyCostModel, plan
-from metrale.spec.drafter import Draft, Drafter, Verdict
-from metrale.spec.row_table import RowTable
-from metrale.spec.verify_key import canonical_assignment, verify_batch_order, verify_graph_key
+from metrale.speculative.dcut import AcceptanceEstimator, PlanInput, VerifyCostModel, plan
+from metrale.speculative.drafter import Draft, Drafter, Verdict
+from metrale.speculative.row_table import RowTable
+from metrale.speculative.verify_key import (
+    canonical_assignment,
+    verify_batch_order,
+    verify_graph_key,
+)
 from metrale.telemetry import SpecTelemetry
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from array import array
 from collections.abc import Mapping, Sequence
 
 from metrale.engine.sequence import Sequence as Seq
-from metrale.spec.drafter import Draft, Verdict
+from metrale.speculative.drafter import Draft, Verdict
 
 
 class ReplayDrafter:

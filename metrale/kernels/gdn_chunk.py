@@ -17,14 +17,14 @@ against a float64 solve: errors of 4 at 32 rows, 1e9 at 64, for an inverse of no
 exact rows keep every product on the tensor cores. Sixteen is also `tl.dot`'s smallest size.
 
 Reads each sequence's state from pool entry read[b] and writes the state after its last row to
-entry final[b], like `triton_gdn.delta_rule_in_pool`.
+entry final[b], like `gdn_recurrent.delta_rule_in_pool`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from metrale.models.triton_gdn import L2NORM_EPS, check_pool_shapes, triton
+from metrale.kernels.gdn_recurrent import L2NORM_EPS, check_pool_shapes, triton
 
 if triton is not None:
     import triton.language as tl

@@ -5,9 +5,9 @@ rows (a decode row, or the last token plus its drafts) and all query heads shari
 (GQA): the tile is [BLOCK_Q rows x GROUP heads, D] against each [PAGE, D] page, with an online
 softmax, and row r sees keys up to its own position (causal within the verify rows). When few
 sequences run, each (sequence, head) is split over its pages into `num_splits` programs
-(flash-decoding) and a second kernel combines their partial softmaxes. Prefill
-chunks (many rows per sequence) stay on the torch reference path, which is also this kernel's
-test oracle.
+(flash-decoding) and a second kernel combines their partial softmaxes. Prefill chunks (many rows
+per sequence) stay on the torch reference path, `models/attention.TorchPagedAttention`, which is
+also this kernel's test oracle.
 
 Nothing here runs without CUDA and Triton; `TritonPagedAttention` falls back to the reference for
 what it does not cover.

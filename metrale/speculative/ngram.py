@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from metrale.engine.sequence import Sequence
-from metrale.spec.drafter import Draft, Verdict
+from metrale.speculative.drafter import Draft, Verdict
 
 
 def lookup(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from metrale.spec.verify_key import canonical_assignment, verify_batch_order
+from metrale.speculative.verify_key import canonical_assignment, verify_batch_order
 
 DEFAULT_KNEE_ROWS = 64.0
 

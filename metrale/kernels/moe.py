@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from metrale.models.triton_fused import triton
+from metrale.kernels.fused import triton
 
 # At or below this many (row, expert) pairs the GEMV kernels run (H200: a decode step of one
 # sequence with top-10 routing is 10 pairs; the grouped GEMM spent 22 us per call there).

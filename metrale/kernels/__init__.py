@@ -1,0 +1,8 @@
+"""Triton kernels, one file per family: the fast paths that `models/` dispatches to on CUDA.
+
+Each kernel names the torch reference in `models/` that it must equal (the CPU path and the tests'
+oracle): `paged_attention` (decode/verify attention over KV pages), `fused` (residual add +
+RMSNorm, QK-norm + rotary, SiLU * up, gated RMSNorm), `gdn_recurrent` (the gated delta rule per
+row), `gdn_chunk` (its chunked WY form for prefill), `gdn_conv` (the causal conv window) and `moe`
+(routed-expert GEMVs). The tests run them under `TRITON_INTERPRET=1` on CPU.
+"""
