@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from metrale import LLM, SamplingParams
-from metrale.bench.command import write_shape
+from metrale.bench.shapes import write_shape
 from metrale.speculative.replay import ReplayDrafter
 
 shape = sys.argv[1] if len(sys.argv) > 1 else "tiny"

@@ -6,6 +6,15 @@ The public API is vLLM-shaped: `LLM(model, **engine_options).generate(prompts, S
 from metrale.api import LLM
 from metrale.config import EngineConfig, SamplingParams
 from metrale.outputs import CompletionOutput, Logprob, RequestOutput
+from metrale.speculative.drafter import Drafter
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Drafter",
+    "EngineConfig",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+]
 __version__ = "0.1.0"

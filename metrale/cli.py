@@ -158,35 +158,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import json
-    from pathlib import Path
+    from metrale.bench.command import main
 
-    from metrale.bench.command import plot, run, table
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if args.acceptance:
-        from metrale.bench.acceptance import format_report, run_acceptance
-
-        report = run_acceptance(args)
-        (out / "acceptance.json").write_text(json.dumps(report, indent=2))
-        print(format_report(report))
-        print(json.dumps(report))
-        return 0
-    if args.e2e_drafter:
-        from metrale.bench.drafter import drafter_e2e, format_drafter_e2e
-
-        result = drafter_e2e(args)
-        (out / "drafter_e2e.json").write_text(json.dumps(result, indent=2))
-        print(format_drafter_e2e(result))
-        print(json.dumps(result))
-        return 0
-    result = run(args)
-    (out / "bench.json").write_text(json.dumps(result, indent=2))
-    result["plot"] = str(out / "bench.png") if plot(result, out / "bench.png") else None
-    print(table(result))
-    print(json.dumps(result))
-    return 0
+    return main(args)
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:

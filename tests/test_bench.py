@@ -8,7 +8,7 @@ import json
 import pytest
 
 from metrale.api import LLM
-from metrale.bench.command import SHAPES, write_shape
+from metrale.bench.shapes import SHAPES, write_shape
 from metrale.cli import main
 from metrale.default_model import default_model_dir
 from metrale.speculative.dcut import VerifyCostModel

@@ -17,259 +17,46 @@ It prints a table, writes JSON (also the last stdout line) and a PNG plot. Tiny 
 from __future__ import annotations
 
 import json
-import random
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from metrale.api import LLM
-from metrale.config import SamplingParams
-from metrale.default_model import write_tokenizer
-from metrale.engine.sequence import Batch, ScheduledSeq, Sequence
+from metrale.bench.curves import step_times
+from metrale.bench.e2e import end_to_end
+from metrale.bench.shapes import write_shape
+from metrale.bench.timing import bandwidth, weight_bytes
 from metrale.speculative.dcut import VerifyCostModel
 from metrale.speculative.replay import ReplayDrafter
 
-# Published config numbers of the Qwen3 family (HF config.json), and a tiny shape for CPU runs.
-SHAPES = {
-    "qwen3-8b": dict(
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        tie_word_embeddings=False,
-    ),
-    "qwen3-1.7b": dict(
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        tie_word_embeddings=True,
-    ),
-    "qwen3-0.6b": dict(
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        tie_word_embeddings=True,
-    ),
-    # Qwen3-Next-80B-A3B's published layout with 64 of its 512 experts (the same experts per
-    # token, so the same bytes per token at small batch; 19 GB of bf16 weights instead of 160).
-    "qwen3-next-a3b-64e": dict(
-        architectures=["Qwen3NextForCausalLM"],
-        model_type="qwen3_next",
-        hidden_size=2048,
-        intermediate_size=5120,
-        num_hidden_layers=48,
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=32,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_conv_kernel_dim=4,
-        full_attention_interval=4,
-        num_experts=64,
-        num_experts_per_tok=10,
-        moe_intermediate_size=512,
-        shared_expert_intermediate_size=512,
-        partial_rotary_factor=0.25,
-        rope_theta=10000000.0,
-        tie_word_embeddings=False,
-    ),
-    "qwen3-next-tiny": dict(
-        architectures=["Qwen3NextForCausalLM"],
-        model_type="qwen3_next",
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
-        vocab_size=512,
-        tie_word_embeddings=True,
-    ),
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=512,
-        tie_word_embeddings=True,
-    ),
-}
-_COMMON = dict(
-    architectures=["Qwen3ForCausalLM"],
-    model_type="qwen3",
-    vocab_size=151936,
-    head_dim=128,
-    rms_norm_eps=1e-6,
-    rope_theta=1000000.0,
-    max_position_embeddings=40960,
-    torch_dtype="bfloat16",
-    eos_token_id=151645,
-)
 
+def main(args) -> int:
+    """`metrale bench`: the acceptance report, a real drafter's end-to-end run, or the step,
+    verify and replayed end-to-end measurements; JSON into --out and as the last stdout line."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.acceptance:
+        from metrale.bench.acceptance import format_report, run_acceptance
 
-def write_shape(name: str, path: Path) -> Path:
-    """A weightless checkpoint directory of a named shape (run with load_format="dummy")."""
-    if name not in SHAPES:
-        raise ValueError(f"--shape {name!r}: expected one of {sorted(SHAPES)}")
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({**_COMMON, **SHAPES[name]}, indent=2))
-    write_tokenizer(path)
-    return path
+        report = run_acceptance(args)
+        (out / "acceptance.json").write_text(json.dumps(report, indent=2))
+        print(format_report(report))
+        print(json.dumps(report))
+        return 0
+    if args.e2e_drafter:
+        from metrale.bench.drafter import drafter_e2e, format_drafter_e2e
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_time(fn, device: torch.device, warmup: int = 2, reps: int = 7) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def bandwidth(device: torch.device) -> float:
-    """Bytes per second of a device-to-device copy (bytes read plus bytes written)."""
-    n = (1 << 30) if device.type == "cuda" else (1 << 26)
-    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return 2 * n / median_time(lambda: dst.copy_(src), device, reps=10)
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights one batch-1 step reads: every weight once (tied ones once), except that
-    a sparse MoE block's routed experts count only `num_experts_per_tok` of `num_experts`."""
-    hybrid = getattr(getattr(model, "config", None), "hybrid", None)
-    seen, total = set(), 0
-    for name, p in model.named_parameters():
-        if p.data_ptr() in seen:
-            continue
-        seen.add(p.data_ptr())
-        size = p.numel() * p.element_size()
-        if hybrid is not None and ".experts." in name + "." and hybrid.num_experts:
-            size = size * hybrid.num_experts_per_tok // hybrid.num_experts
-        total += size
-    return total
-
-
-def synthetic_batch(llm: LLM, batch: int, context: int, q: int, rng: random.Random) -> Batch:
-    """`batch` sequences with `context` computed tokens, each running q rows (last + drafts)."""
-    engine, vocab = llm.engine, llm.engine.vocab_size
-    entries = []
-    for i in range(batch):
-        seq = Sequence(
-            10**6 + i,
-            f"bench-{i}",
-            [rng.randrange(vocab) for _ in range(context)],
-            SamplingParams(temperature=0.0),
-            i,
-            (),
-            arrival=i,
-            slot=i,
-        )
-        seq.num_computed_tokens = context - 1
-        engine.allocator.reserve(seq, context + q)
-        entries.append(ScheduledSeq(seq, q, [rng.randrange(vocab) for _ in range(q - 1)]))
-    return Batch(entries)
-
-
-def step_times(llm: LLM, batch_sizes, qs, context: int) -> dict[int, dict[int, float]]:
-    rng, out = random.Random(0), {}
-    runner, device = llm.engine.runner, llm.engine.runner.device
-    for b in batch_sizes:
-        out[b] = {}
-        for q in qs:
-            batch = synthetic_batch(llm, b, context, q, rng)
-            out[b][q] = median_time(lambda batch=batch: runner.execute(batch), device)
-            for e in batch.entries:
-                llm.engine.allocator.free(e.seq)
-    return out
-
-
-def timed_generate(llm: LLM, prompts, params) -> tuple[list, float]:
-    """(outputs, seconds) of the second of two identical runs: graphs captured, caches warm."""
-    device = llm.engine.runner.device
-    llm.generate(prompts, params, use_tqdm=False)
-    _sync(device)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    _sync(device)
-    return outs, time.perf_counter() - start
-
-
-def end_to_end(llm: LLM, drafter: ReplayDrafter, batch: int, max_tokens: int, alpha: float):
-    rng = random.Random(batch)
-    prompts = [[rng.randrange(llm.engine.vocab_size) for _ in range(32)] for _ in range(batch)]
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    drafter.continuations, drafter.alpha = {}, alpha  # no drafts: plain decoding
-    device = llm.engine.runner.device
-
-    plain, t_plain = timed_generate(llm, prompts, params)
-    drafter.continuations = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain)}
-    spec_tel = llm.engine.telemetry.spec
-    llm.generate(prompts, params, use_tqdm=False)  # warm-up, outside the counters below
-    before = (
-        spec_tel.num_drafts,
-        spec_tel.num_accepted_tokens,
-        spec_tel.verify_steps,
-        spec_tel.multi_seq_runs,
-        spec_tel.contiguous_runs,
-    )
-    _sync(device)
-    start = time.perf_counter()
-    spec = llm.generate(prompts, params, use_tqdm=False)
-    _sync(device)
-    t_spec = time.perf_counter() - start
-    # NOTE: in float32 the two runs match token for token (the tests pin it); in bf16 a verify
-    # of q rows rounds differently from a 1-row decode, so near-tied argmaxes of a random-weight
-    # model can flip. Report how often, rather than hide it.
-    same = sum(
-        a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(plain, spec, strict=True)
-    )
-    tokens = batch * max_tokens
-    drafts = spec_tel.num_drafts - before[0]
-    return {
-        "batch": batch,
-        "tokens_per_s_plain": tokens / t_plain,
-        "tokens_per_s_spec": tokens / t_spec,
-        "speedup": t_plain / t_spec,
-        "identical_outputs": same / batch,
-        "mean_acceptance_length": 1 + (spec_tel.num_accepted_tokens - before[1]) / max(drafts, 1),
-        "verify_steps": spec_tel.verify_steps - before[2],
-        # of the runs of several equal-depth sequences in dispatch order, the share on
-        # consecutive state slots (what a kernel batching by slot range would need)
-        "contiguous_run_share": (spec_tel.contiguous_runs - before[4])
-        / max(spec_tel.multi_seq_runs - before[3], 1),
-        # over the engine's life so far (every end-to-end run of this bench)
-        "distinct_verify_keys": len(spec_tel.verify_keys),
-        "graphs": llm.engine.runner.graphs.cache.stats() if llm.engine.runner.graphs else None,
-    }
+        result = drafter_e2e(args)
+        (out / "drafter_e2e.json").write_text(json.dumps(result, indent=2))
+        print(format_drafter_e2e(result))
+        print(json.dumps(result))
+        return 0
+    result = run(args)
+    (out / "bench.json").write_text(json.dumps(result, indent=2))
+    result["plot"] = str(out / "bench.png") if plot(result, out / "bench.png") else None
+    print(table(result))
+    print(json.dumps(result))
+    return 0
 
 
 def run(args) -> dict:

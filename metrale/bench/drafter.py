@@ -15,7 +15,7 @@ from pathlib import Path
 
 from metrale.api import LLM
 from metrale.bench.acceptance import heldout_prompts
-from metrale.bench.command import timed_generate
+from metrale.bench.e2e import timed_generate
 from metrale.config import SamplingParams
 
 

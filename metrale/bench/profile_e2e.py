@@ -1,7 +1,7 @@
 """cProfile of `metrale bench`'s end-to-end runs at one batch size: where the host time of a
 plain and a speculative (replay drafter) generation goes, with per-phase step counts and times.
 
-    python python -m metrale.bench.profile_e2e --shape qwen3-8b --batch 1 --max-tokens 48
+    python -m metrale.bench.profile_e2e --shape qwen3-8b --batch 1 --max-tokens 48
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from metrale.api import LLM
-from metrale.bench.command import write_shape
+from metrale.bench.shapes import write_shape
 from metrale.config import SamplingParams
 from metrale.speculative.replay import ReplayDrafter
 

@@ -1,7 +1,7 @@
 """Where a decode step's time goes: the whole engine step against the graph replay alone, the
 host-side pieces of the step, and the eager forward's kernels (count and time by name).
 
-    python python -m metrale.bench.profile_step --shape qwen3-8b --batch-sizes 1,16,64 --out prof
+    python -m metrale.bench.profile_step --shape qwen3-8b --batch-sizes 1,16,64 --out prof
 
 Run it twice with METRALE_NO_FUSED_KERNELS=1 unset and set for an A/B of the fused kernels.
 Writes profile.json and kernels-B{b}.txt under --out.
@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 
 from metrale.api import LLM
-from metrale.bench.command import median_time, synthetic_batch, weight_bytes, write_shape
+from metrale.bench.curves import synthetic_batch
+from metrale.bench.shapes import write_shape
+from metrale.bench.timing import median_time, weight_bytes
 from metrale.engine.graphs import decode_bucket
 from metrale.knobs import knobs
 from metrale.models.gdn_state import StateMode

@@ -2,7 +2,7 @@
 streaming clients, 4 completions each, speculation on; report requests/s and tokens/s and check
 every greedy text against LLM.generate of the same request alone. Last stdout line: JSON.
 
-    python python -m metrale.bench.serve_load [--model DIR] [--device cuda] [--spec ngram]
+    python -m metrale.bench.serve_load [--model DIR] [--device cuda] [--spec ngram]
 """
 
 from __future__ import annotations
