@@ -230,7 +230,9 @@ class SpecConfig:
     `method=None` turns speculation off. `num_drafts` (K) is the deepest a sequence is verified;
     each request may lower it or opt out (`SamplingParams.num_drafts` / `.speculative`). With
     `dcut`, the D-Cut planner picks each sequence's depth per step (0..K) from its observed
-    acceptance and the verify cost; above `dcut_width_cap` sequences every depth is equal.
+    acceptance and the verify cost; above `dcut_width_cap` sequences every depth is equal. The
+    depths are planned before anything is drafted: only sequences given a depth are drafted
+    (all of them every `dcut_probe_every` steps, to re-measure the others' acceptance).
     """
 
     method: str | None = None
@@ -241,6 +243,9 @@ class SpecConfig:
     dcut: bool = True
     dcut_width_cap: int = 32
     dcut_prior: float = 0.6  # acceptance assumed for a position never observed
+    # Every this many steps, sequences D-Cut would leave at depth 0 draft anyway, so their
+    # acceptance estimates can recover; on other steps they are not drafted at all.
+    dcut_probe_every: int = 8
     # sequences the MTP drafter drafts for per step (None: all); 1 = single-sequence mode, where
     # the METRALE_MTP_CATCHUP / _REFEED_* knobs apply
     mtp_max_seqs: int | None = None
@@ -258,6 +263,7 @@ class SpecConfig:
             ("ngram_min", 1),
             ("ngram_window", 1),
             ("dcut_width_cap", 1),
+            ("dcut_probe_every", 1),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:

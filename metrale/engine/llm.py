@@ -304,7 +304,10 @@ class LLMEngine:
         its rows up to its last token plus the a accepted drafts; the rows of rejected drafts lie
         past `num_computed_tokens` and are overwritten by later steps, never read."""
         verdict_of = {id(v.entry): v for v in out.verdicts}
-        needs_hidden = self.spec is not None and self.spec.drafter.needs_hidden
+        # A step that drafted nothing, with a drafter that keeps no per-step state, has nothing
+        # to tell the speculative side: it is a plain decode step.
+        observing = self.spec is not None and self.spec.observing
+        needs_hidden = observing and self.spec.drafter.needs_hidden
         drafter_verdicts: list[Verdict] = []
         finished: list[Sequence] = []
         emitted = 0
@@ -324,7 +327,7 @@ class LLMEngine:
                 changed.setdefault(seq.request_id, {})[seq.seq_id] = delta
                 if seq.finish_reason is not None:
                     finished.append(seq)
-            if self.spec is not None:
+            if observing:
                 row = end - entry.num_rows
                 drafter_verdicts.append(
                     Verdict(
@@ -338,7 +341,7 @@ class LLMEngine:
                         picks=[] if v is None else v.picks,
                     )
                 )
-        if self.spec is not None:
+        if observing:
             self.spec.observe(drafter_verdicts)
         self._finish(finished)
         return emitted

@@ -89,9 +89,19 @@ class SpeculativeDecoder:
         # seq_id -> (real drafts verified this step, the first draft proposed): padding is kept
         # out of the estimates, and a sequence cut to depth 0 still learns from its first draft.
         self._proposed: dict[int, tuple[int, int | None]] = {}
+        self._steps = 0
+        # whether this step's verdicts go to `observe` (False: nothing drafted, and the drafter
+        # keeps no per-step state, so the step is a plain decode step end to end)
+        self.observing = False
 
     def prepare(self, running: list[Sequence]) -> list[tuple[Sequence, str]]:
-        """Set `seq.draft` on every running sequence; returns sequences whose drafting failed."""
+        """Set `seq.draft` on every running sequence; returns sequences whose drafting failed.
+
+        With D-Cut the depths are planned first, from the acceptance estimates: only sequences
+        planned deeper than 0 are drafted, so a step planned at depth 0 everywhere drafts
+        nothing and runs as a plain decode step (`observing` tells the engine whether its
+        verdicts are wanted at all). Every `dcut_probe_every` steps every sequence drafts, and
+        the ones cut to depth 0 learn from their first draft."""
         seqs, caps = [], []
         for seq in running:
             seq.draft = None
@@ -99,6 +109,11 @@ class SpeculativeDecoder:
             if cap > 0:
                 seqs.append(seq)
                 caps.append(cap)
+        self._proposed = {}
+        self._steps += 1
+        if self.cfg.dcut and seqs and self._steps % self.cfg.dcut_probe_every:
+            seqs, caps = self._worth_drafting(seqs, caps)
+        self.observing = bool(seqs) or self.drafter.needs_hidden
         if not seqs:
             return []
         drafts, failed = self._propose(seqs, caps)
@@ -114,6 +129,19 @@ class SpeculativeDecoder:
             for s, d in live
         }
         return failed
+
+    def _worth_drafting(self, seqs: list[Sequence], caps: list[int]):
+        """The sequences (and caps) D-Cut gives a depth when every one of them drafts its cap
+        at its estimated acceptance; the others are not drafted this step."""
+        inputs = [
+            PlanInput(slot=s.slot, max_depth=c, accept=self.estimator.estimate(s.seq_id, c))
+            for s, c in zip(seqs, caps, strict=True)
+        ]
+        chosen = plan(inputs, self.cost, self.cfg.dcut_width_cap)
+        keep = sorted(i for i, d in zip(chosen.order, chosen.depths, strict=True) if d > 0)
+        # Drafting deeper than the plan buys nothing: the cut after drafting keeps at most this.
+        depth = dict(zip(chosen.order, chosen.depths, strict=True))
+        return [seqs[i] for i in keep], [min(caps[i], depth[i]) for i in keep]
 
     def _propose(self, seqs: list[Sequence], caps: list[int]):
         try:
