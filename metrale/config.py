@@ -309,9 +309,11 @@ class EngineConfig:
     # "safetensors": the checkpoint's weights; "dummy": random weights of the config's shape
     # (benchmarks of published shapes without their weights, as vLLM's load_format=dummy)
     load_format: str = "safetensors"
-    # CUDA graphs for decode and verify steps (CUDA only); tables of more rows run eagerly
+    # CUDA graphs for decode and verify steps (CUDA only); tables of more rows run eagerly.
+    # None: as many rows as `max_num_seqs` sequences of 1 + num_drafts rows can take after the
+    # graph padding (`graphs.max_padded_rows`), so that no decode or verify step is refused.
     cuda_graphs: bool = True
-    graph_max_rows: int = 256
+    graph_max_rows: int | None = None
     # How a hybrid target's verify treats the recurrent state (HYBRID_VERIFY_STATES, see
     # `models/gdn_state.py`): "write_on_accept" writes it once, for the accepted rows;
     # "per_row_slots" writes every row's state into K+1 entries per sequence and commits by
@@ -342,6 +344,12 @@ class EngineConfig:
             not isinstance(self.num_kv_pages, int) or self.num_kv_pages < 2
         ):
             raise ValueError(f"num_kv_pages must be an integer >= 2, got {self.num_kv_pages!r}")
+        if self.graph_max_rows is not None and (
+            not isinstance(self.graph_max_rows, int) or self.graph_max_rows < 1
+        ):
+            raise ValueError(
+                f"graph_max_rows must be None or an integer >= 1, got {self.graph_max_rows!r}"
+            )
         if not isinstance(self.num_lookahead_rows, int) or self.num_lookahead_rows < 0:
             raise ValueError(
                 f"num_lookahead_rows must be an integer >= 0, got {self.num_lookahead_rows!r}"

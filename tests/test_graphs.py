@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from metrale.engine.graphs import CACHE_CAP, ProgramCache, Workspace, kv_bucket
-from metrale.speculative.row_table import RowTable, sizing_tables
+from metrale.speculative.row_table import RowTable, Run, sizing_tables
 
 
 def table(text: str) -> RowTable:
@@ -87,3 +87,28 @@ def test_decode_bucket():
         64,
         72,
     ]
+
+
+@pytest.mark.parametrize("max_seqs,q", [(1, 1), (5, 2), (16, 4), (64, 1), (64, 4), (64, 8)])
+def test_padded_steps_are_never_refused(max_seqs, q):
+    """Every mix of depths 1..q over up to max_seqs sequences, padded as the runner pads it
+    (deepest first, each depth's group to `decode_bucket`), fits the cache sized for it."""
+    import random
+
+    from metrale.engine.graphs import decode_bucket, max_padded_rows
+
+    cache = ProgramCache(lambda t, extra: None, max_padded_rows(max_seqs, q))
+    rng = random.Random(max_seqs * 100 + q)
+    mixes = [{q: max_seqs}, {1: max_seqs}] + [
+        {d: rng.randrange(0, max_seqs + 1) for d in range(1, q + 1)} for _ in range(300)
+    ]
+    # the worst case: a few sequences at every depth, each group one past a bucket
+    mixes.append({d: 9 for d in range(1, q + 1)})
+    for mix in mixes:
+        while sum(mix.values()) > max_seqs:  # trim to the batch size
+            d = max(mix, key=mix.get)
+            mix[d] -= 1
+        runs = [(d, decode_bucket(n)) for d, n in sorted(mix.items(), reverse=True) if n]
+        if not runs:
+            continue
+        cache.get(RowTable(tuple(Run(d, n, n > 1) for d, n in runs)))

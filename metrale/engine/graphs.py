@@ -114,6 +114,17 @@ def decode_bucket(num_seqs: int) -> int:
     return -(-num_seqs // 8) * 8
 
 
+def max_padded_rows(max_seqs: int, max_rows_per_seq: int) -> int:
+    """The `max_rows` a `ProgramCache` needs to admit every graphed step of at most `max_seqs`
+    sequences of 1 .. `max_rows_per_seq` (q) rows each, once every depth's group is padded to
+    `decode_bucket`. A group of n pads at most 7 sequences (n <= 8: to the next power of two;
+    beyond: to a multiple of 8), so a padded step has at most max_seqs x q + 7 q (q + 1) / 2 rows
+    and max_seqs + 7 q sequences; the workspace, sized over `sizing_tables` (runs of two rows),
+    holds max_rows / 2 sequences, hence the second bound."""
+    q = max_rows_per_seq
+    return max(max_seqs * q + 7 * q * (q + 1) // 2, 2 * (max_seqs + 7 * q))
+
+
 def kv_bucket(max_seq_len: int, limit: int) -> int:
     """Keys gathered per sequence inside a graph: the next power of two >= the longest sequence
     (at least 128), capped at the model length."""

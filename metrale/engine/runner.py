@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from metrale.config import EngineConfig, ModelConfig
-from metrale.engine.graphs import GraphRunner, decode_bucket
+from metrale.engine.graphs import GraphRunner, decode_bucket, max_padded_rows
 from metrale.engine.kv_cache import DUMMY_PAGE, allocate_kv_cache, kv_page_bytes
 from metrale.engine.sampler import SamplingBatch, SamplingRow
 from metrale.engine.sequence import Batch, Phase, ScheduledSeq
@@ -141,7 +141,7 @@ class ModelRunner:
         if cfg.cuda_graphs and self.device.type == "cuda":
             self.graphs = GraphRunner(
                 self.model,
-                cfg.graph_max_rows,
+                cfg.graph_max_rows or max_padded_rows(cfg.max_num_seqs, num_drafts + 1),
                 # a sequence's block table may reach `lookahead` rows past the model length
                 max_model_len + lookahead,
                 cfg.page_size,
