@@ -35,7 +35,7 @@ for dtype in ("float32", "bfloat16"):
     prompts = [[rng.randrange(llm.engine.vocab_size) for _ in range(32)] for _ in range(8)]
     sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    drafter.continuations = {tuple(p): o for p, o in zip(prompts, plain)}
+    drafter.record({tuple(p): o for p, o in zip(prompts, plain)})
     spec = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     first = [
         next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(plain, spec)

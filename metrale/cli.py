@@ -85,7 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--q", type=_int_list, default=[1, 2, 4], help="rows per sequence, 1,2,4,8,16"
     )
     bench.add_argument("--context", type=int, default=128, help="cached tokens per sequence")
-    bench.add_argument("--alpha", type=float, default=0.8, help="replayed draft acceptance")
+    bench.add_argument(
+        "--alpha",
+        type=_float_list,
+        default=[0.8],
+        help="draft acceptance of the end-to-end runs, e.g. 0,0.5,0.8",
+    )
+    bench.add_argument(
+        "--forced-acceptance",
+        action="store_true",
+        help="bench only: accept each draft at rate alpha whatever it is (the target's own "
+        "tokens emitted), so a speculative step's cost can be measured on random weights",
+    )
     bench.add_argument("--num-drafts", type=int, default=3, help="K for the end-to-end run")
     bench.add_argument("--max-tokens", type=int, default=32, help="tokens per end-to-end request")
     bench.add_argument("--e2e-batch-sizes", type=_int_list, default=[1, 4], help="e.g. 1,8,64")
@@ -124,6 +135,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_train_parsers(sub)
     return parser
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
+    if not values or not all(0.0 <= v <= 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected numbers in [0, 1], got {text!r}")
+    return values
 
 
 def _int_list(text: str) -> list[int]:

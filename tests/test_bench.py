@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from metrale.api import LLM
 from metrale.bench.shapes import SHAPES, write_shape
@@ -146,3 +147,67 @@ def test_bench_dcut_plans_with_the_measured_curve(tmp_path, capsys, monkeypatch)
     assert all(c.step_time(6, 2) == measured.step_time(6, 2) for c in seen)
     (e2e,) = result["e2e"]
     assert e2e["verify_steps"] < 12  # without --dcut: 22 (every step verifies K drafts)
+
+
+def test_forced_acceptance_draws_prefixes_at_rate_alpha():
+    """Each draft row matches with probability alpha, independently; the accepted count is the
+    matching prefix (E = sum_j alpha^j); the emitted tokens stay the target's picks."""
+    from metrale.bench.forced import ForcedAcceptance
+    from metrale.speculative.verify import Acceptance, build_layout
+
+    k, seqs = 3, 4000
+    layout = build_layout([k] * seqs, [[5, 6, 7]] * seqs, torch.device("cpu"))
+    rows = seqs * (k + 1)
+    picks = torch.arange(rows)
+    acc = Acceptance(
+        torch.zeros(seqs, dtype=torch.long),
+        torch.zeros(rows, dtype=torch.bool),
+        picks,
+        None,
+        None,
+        None,
+        None,
+    )
+    for alpha in (0.0, 0.5, 0.8, 1.0):
+        forced = ForcedAcceptance(alpha, seed=1)(acc, layout)
+        assert torch.equal(forced.emitted, picks)
+        assert not forced.matches[k :: k + 1].any()  # the last row of a sequence has no draft
+        expected = sum(alpha**j for j in range(1, k + 1))
+        mean = forced.num_accepted.double().mean().item()
+        assert mean == pytest.approx(expected, abs=0.06)
+        # the count is the matching prefix of each sequence's rows
+        m = forced.matches.view(seqs, k + 1)[:, :k].long()
+        assert torch.equal(forced.num_accepted, m.cumprod(dim=1).sum(dim=1))
+
+
+def test_forced_acceptance_is_bench_only():
+    """No engine, speculative or API option reaches it; the bench labels its rows."""
+    import dataclasses
+
+    from metrale.config import EngineConfig, SpecConfig
+
+    fields = {f.name for cls in (EngineConfig, SpecConfig) for f in dataclasses.fields(cls)}
+    assert not any("forced" in name for name in fields)
+    with pytest.raises((TypeError, ValueError)):
+        EngineConfig(forced_acceptance=True)
+
+
+def test_bench_forced_acceptance_with_dcut(tmp_path, capsys):
+    """`--forced-acceptance --alpha 0,1 --dcut`: at alpha 1 every verify accepts all its drafts;
+    at alpha 0 D-Cut stops drafting; rows are labelled forced and time the decode phase."""
+    out = tmp_path / "bench"
+    args = ["bench", "--shape", "tiny", "--device", "cpu", "--batch-sizes", "1,2", "--q", "1,3"]
+    args += ["--context", "16", "--e2e-batch-sizes", "2", "--max-tokens", "24"]
+    args += ["--alpha", "0,1", "--forced-acceptance", "--dcut", "--num-drafts", "2"]
+    args += ["--out", str(out)]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["acceptance"] == "forced" and result["alpha"] == [0.0, 1.0]
+    zero, one = result["e2e"]
+    assert zero["acceptance"] == one["acceptance"] == "forced"
+    assert "identical_outputs" not in one
+    assert one["mean_acceptance_length"] > 2.8  # 3 but for the last verify, cut by max_tokens
+    assert zero["mean_acceptance_length"] == pytest.approx(1.0)
+    for row in (zero, one):
+        assert row["tpot_ms_plain"] > 0 and row["tpot_ms_spec"] > 0 and row["prefill_ms"] > 0
+        assert row["decode_speedup"] > 0 and row["graph_refusals"] == 0

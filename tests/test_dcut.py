@@ -377,3 +377,14 @@ def test_from_json():
         VerifyCostModel.from_points({(0, 2.0): 1.5})
     with pytest.raises(ValueError):
         VerifyCostModel.from_points({})
+
+
+def test_pooled_prior_starts_new_sequences_from_the_engine_wide_rate():
+    est = AcceptanceEstimator(max_positions=3, prior=0.6, rate=0.25, pooled_prior=True)
+    assert est.estimate("new", 2) == [0.6, 0.6]  # nothing observed yet: the prior
+    for sid in range(20):
+        est.observe(sid, [False, False])
+    pooled = est.estimate("new", 3)
+    assert pooled[0] < 0.01 and pooled[1] < 0.01 and pooled[2] == pooled[1]
+    est.observe("new", [True])  # once observed, a sequence reads its own estimate
+    assert 0.4 < est.estimate("new", 1)[0] < 0.6  # half-way from the pool to its match

@@ -66,7 +66,9 @@ def run(args) -> dict:
     model_dir = (
         Path(args.model) if args.model else write_shape(args.shape, Path(args.out) / "shape")
     )
-    drafter = ReplayDrafter({}, args.alpha, vocab_size=2)
+    alphas = list(args.alpha)
+    forced = getattr(args, "forced_acceptance", False)
+    drafter = ReplayDrafter({}, alphas[0], vocab_size=2)
     llm = LLM(
         model_dir,
         drafter=drafter,
@@ -106,24 +108,27 @@ def run(args) -> dict:
             "ratio": [[times[b][q] / times[b][1] for q in qs] for b in args.batch_sizes],
         },
         "e2e": [],
-        "alpha": args.alpha,
+        "alpha": alphas,
+        "acceptance": "forced" if forced else "replayed",
         "num_drafts": args.num_drafts,
         "dcut": llm.engine.spec.cfg.dcut,
     }
     if result["dcut"]:
         # D-Cut plans the end-to-end runs with the verify cost curve just measured.
         llm.engine.spec.cost = VerifyCostModel.from_json(result["verify_cost"])
-    a, k = args.alpha, args.num_drafts
-    expected = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1
-    for b in args.e2e_batch_sizes:
-        row = end_to_end(llm, drafter, b, args.max_tokens, a)
-        nearest = min(args.batch_sizes, key=lambda x: abs(x - b))
-        cost = times[nearest][1] / times[nearest][k + 1]
-        row["ideal_speedup"] = expected * cost
-        # Short generations cut the last verifies short, so the measured acceptance length sits
-        # below alpha's; the ideal at the measured length separates that from engine overhead.
-        row["ideal_speedup_at_measured_acceptance"] = row["mean_acceptance_length"] * cost
-        result["e2e"].append(row)
+    k = args.num_drafts
+    for a in alphas:
+        expected = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1
+        for b in args.e2e_batch_sizes:
+            row = end_to_end(llm, drafter, b, args.max_tokens, a, forced)
+            nearest = min(args.batch_sizes, key=lambda x: abs(x - b))
+            cost = times[nearest][1] / times[nearest][k + 1]
+            row["ideal_speedup"] = expected * cost
+            # Short generations cut the last verifies short, so the measured acceptance length
+            # sits below alpha's; the ideal at the measured length separates that from engine
+            # overhead.
+            row["ideal_speedup_at_measured_acceptance"] = row["mean_acceptance_length"] * cost
+            result["e2e"].append(row)
     runner = llm.engine.runner
     result["graph_refusals"] = runner.graph_refusals
     result["peak_memory_bytes"] = (
@@ -149,11 +154,13 @@ def table(result: dict) -> str:
         )
     for e in result["e2e"]:
         lines.append(
-            f"e2e batch {e['batch']}: {e['tokens_per_s_plain']:.1f} -> "
-            f"{e['tokens_per_s_spec']:.1f} tok/s, speedup {e['speedup']:.2f} "
-            f"(ideal {e['ideal_speedup']:.2f}, {e['ideal_speedup_at_measured_acceptance']:.2f} "
-            f"at the measured acceptance), acceptance length "
-            f"{e['mean_acceptance_length']:.2f}, {e['distinct_verify_keys']} verify keys"
+            f"e2e {e['acceptance']} alpha {e['alpha']} batch {e['batch']}: decode "
+            f"{e['tpot_ms_plain']:.2f} -> {e['tpot_ms_spec']:.2f} ms/token, speedup "
+            f"{e['decode_speedup']:.2f} (ideal {e['ideal_speedup']:.2f}, "
+            f"{e['ideal_speedup_at_measured_acceptance']:.2f} at the measured acceptance); "
+            f"end to end {e['tokens_per_s_plain']:.1f} -> {e['tokens_per_s_spec']:.1f} tok/s "
+            f"({e['speedup']:.2f}x); acceptance length {e['mean_acceptance_length']:.2f}, "
+            f"{e['graph_refusals']} refusals, {e['distinct_verify_keys']} verify keys"
         )
     if "state_pool_bytes" in result:
         peak = result["peak_memory_bytes"]
@@ -176,13 +183,16 @@ def plot(result: dict, path: Path) -> bool:
         return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     e2e = result["e2e"]
-    left.plot([e["batch"] for e in e2e], [e["speedup"] for e in e2e], "o-", label="measured")
-    left.plot([e["batch"] for e in e2e], [e["ideal_speedup"] for e in e2e], "s--", label="ideal")
+    for alpha in result["alpha"]:
+        rows = [e for e in e2e if e["alpha"] == alpha]
+        batches = [e["batch"] for e in rows]
+        left.plot(batches, [e["decode_speedup"] for e in rows], "o-", label=f"alpha {alpha}")
+        left.plot(batches, [e["ideal_speedup"] for e in rows], "s--", label=f"ideal {alpha}")
     left.set(
         xscale="log",
         xlabel="batch size",
-        ylabel="speedup",
-        title=f"speculation, alpha={result['alpha']}, K={result['num_drafts']}",
+        ylabel="decode speedup",
+        title=f"speculation ({result['acceptance']}), K={result['num_drafts']}",
     )
     left.legend()
     cost = result["verify_cost"]

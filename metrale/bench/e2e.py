@@ -1,6 +1,12 @@
-"""End-to-end runs at a replayed acceptance: generate without speculation and record the
-continuations, then replay them as drafts corrupted with probability 1 - alpha, timing the second
-of two runs of each (graphs captured, caches warm)."""
+"""End-to-end runs at a replayed or forced acceptance: generate without speculation and record
+the continuations, then replay them as drafts (corrupted with probability 1 - alpha, or every
+draft "accepted" at rate alpha under `forced`, see `bench/forced.py`), timing the second of two
+runs of each (graphs captured, caches warm).
+
+The decode phase is timed apart from the prefill: a run of the same prompts with one output token
+(the prefill and its first sample) is subtracted from each run, so time per output token and the
+decode speedup do not mix in the prefill's cost.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ import random
 import time
 
 from metrale.api import LLM
+from metrale.bench.forced import ForcedAcceptance
 from metrale.bench.timing import sync
 from metrale.config import SamplingParams
 from metrale.speculative.replay import ReplayDrafter
@@ -24,50 +31,93 @@ def timed_generate(llm: LLM, prompts, params) -> tuple[list, float]:
     return outs, time.perf_counter() - start
 
 
-def end_to_end(llm: LLM, drafter: ReplayDrafter, batch: int, max_tokens: int, alpha: float):
+def prefill_seconds(llm: LLM, prompts) -> float:
+    """The time of the prefill and first token of `prompts`, with nothing to draft."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, speculative=False)
+    return timed_generate(llm, prompts, params)[1]
+
+
+def _counters(llm: LLM) -> tuple:
+    tel = llm.engine.telemetry.spec
+    return (
+        tel.num_drafts,
+        tel.num_accepted_tokens,
+        tel.verify_steps,
+        tel.multi_seq_runs,
+        tel.contiguous_runs,
+        llm.engine.runner.graph_refusals,
+    )
+
+
+def end_to_end(
+    llm: LLM,
+    drafter: ReplayDrafter,
+    batch: int,
+    max_tokens: int,
+    alpha: float,
+    forced: bool = False,
+) -> dict:
     rng = random.Random(batch)
     prompts = [[rng.randrange(llm.engine.vocab_size) for _ in range(32)] for _ in range(batch)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    drafter.continuations, drafter.alpha = {}, alpha  # no drafts: plain decoding
-    device = llm.engine.runner.device
-
+    runner, device = llm.engine.runner, llm.engine.runner.device
+    drafter.record({}, alpha)  # nothing recorded: no drafts, plain decoding
     plain, t_plain = timed_generate(llm, prompts, params)
-    drafter.continuations = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain)}
-    spec_tel = llm.engine.telemetry.spec
-    llm.generate(prompts, params, use_tqdm=False)  # warm-up, outside the counters below
-    before = (
-        spec_tel.num_drafts,
-        spec_tel.num_accepted_tokens,
-        spec_tel.verify_steps,
-        spec_tel.multi_seq_runs,
-        spec_tel.contiguous_runs,
-    )
-    sync(device)
-    start = time.perf_counter()
-    spec = llm.generate(prompts, params, use_tqdm=False)
-    sync(device)
-    t_spec = time.perf_counter() - start
-    # NOTE: in float32 the two runs match token for token (the tests pin it); in bf16 a verify
-    # of q rows rounds differently from a 1-row decode, so near-tied argmaxes of a random-weight
-    # model can flip. Report how often, rather than hide it.
-    same = sum(
-        a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(plain, spec, strict=True)
-    )
+    t_prefill = prefill_seconds(llm, prompts)
+    drafter.record({tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain)}, alpha)
+    runner.forced_acceptance = ForcedAcceptance(alpha, seed=batch) if forced else None
+    try:
+        llm.generate(prompts, params, use_tqdm=False)  # warm-up, outside the counters below
+        before = _counters(llm)
+        graphs_before = runner.graphs.cache.stats() if runner.graphs else None
+        sync(device)
+        start = time.perf_counter()
+        spec = llm.generate(prompts, params, use_tqdm=False)
+        sync(device)
+        t_spec = time.perf_counter() - start
+    finally:
+        runner.forced_acceptance = None
+    after = _counters(llm)
+    delta = [a - b for a, b in zip(after, before, strict=True)]
     tokens = batch * max_tokens
-    drafts = spec_tel.num_drafts - before[0]
-    return {
+    decode_tokens = batch * (max_tokens - 1)
+    decode_plain, decode_spec = t_plain - t_prefill, t_spec - t_prefill
+    row = {
         "batch": batch,
+        "alpha": alpha,
+        "acceptance": "forced" if forced else "replayed",
         "tokens_per_s_plain": tokens / t_plain,
         "tokens_per_s_spec": tokens / t_spec,
         "speedup": t_plain / t_spec,
-        "identical_outputs": same / batch,
-        "mean_acceptance_length": 1 + (spec_tel.num_accepted_tokens - before[1]) / max(drafts, 1),
-        "verify_steps": spec_tel.verify_steps - before[2],
+        # the decode phase alone: the prefill and first token subtracted from both runs
+        "prefill_ms": t_prefill * 1e3,
+        "tpot_ms_plain": decode_plain / max(max_tokens - 1, 1) * 1e3,
+        "tpot_ms_spec": decode_spec / max(max_tokens - 1, 1) * 1e3,
+        "decode_tokens_per_s_plain": decode_tokens / decode_plain,
+        "decode_tokens_per_s_spec": decode_tokens / decode_spec,
+        "decode_speedup": decode_plain / decode_spec,
+        "mean_acceptance_length": 1 + delta[1] / max(delta[0], 1),
+        "verify_steps": delta[2],
         # of the runs of several equal-depth sequences in dispatch order, the share on
         # consecutive state slots (what a kernel batching by slot range would need)
-        "contiguous_run_share": (spec_tel.contiguous_runs - before[4])
-        / max(spec_tel.multi_seq_runs - before[3], 1),
+        "contiguous_run_share": delta[4] / max(delta[3], 1),
+        "graph_refusals": delta[5],
         # over the engine's life so far (every end-to-end run of this bench)
-        "distinct_verify_keys": len(spec_tel.verify_keys),
-        "graphs": llm.engine.runner.graphs.cache.stats() if llm.engine.runner.graphs else None,
+        "distinct_verify_keys": len(llm.engine.telemetry.spec.verify_keys),
     }
+    if graphs_before is not None:
+        stats = runner.graphs.cache.stats()
+        row["graphs"] = stats
+        # steps of the timed run that replayed a program already captured
+        hits, misses = (stats[k] - graphs_before[k] for k in ("hits", "misses"))
+        row["graph_hit_rate"] = hits / max(hits + misses, 1)
+    if not forced:
+        # NOTE: in float32 the two runs match token for token (the tests pin it); in bf16 a
+        # verify of q rows rounds differently from a 1-row decode, so near-tied argmaxes of a
+        # random-weight model can flip. Report how often, rather than hide it.
+        same = sum(
+            a.outputs[0].token_ids == b.outputs[0].token_ids
+            for a, b in zip(plain, spec, strict=True)
+        )
+        row["identical_outputs"] = same / batch
+    return row

@@ -62,7 +62,7 @@ def main() -> None:
     prompts = [[rng.randrange(1000) for _ in range(32)] for _ in range(args.batch)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     plain = profiled(llm, prompts, params, "plain")
-    drafter.continuations = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain)}
+    drafter.record({tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain)})
     profiled(llm, prompts, params, "spec")
 
 

@@ -150,6 +150,9 @@ class ModelRunner:
                 state_pool=None if self.states is None else self.states.pool,
             )
         self.graph_refusals = 0
+        # A bench-only override of the acceptance (`metrale.bench.forced`); never set by the
+        # engine's configuration, the API or the server.
+        self.forced_acceptance = None
         log.info(
             "model on %s (%s): %d KV pages of %d rows",
             self.device,
@@ -278,6 +281,8 @@ class ModelRunner:
             self._draft_probs([e for e, _ in sampling], logits),
             raw_argmax=self.verify_raw_argmax,
         )
+        if self.forced_acceptance is not None:  # `metrale bench --forced-acceptance` only
+            acc = self.forced_acceptance(acc, layout)
         verdicts = verdicts_of([e for e, _ in sampling], acc)
         if verify_state:
             # Each sequence's committed state: the one after its last token + accepted drafts.

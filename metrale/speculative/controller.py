@@ -83,7 +83,7 @@ class SpeculativeDecoder:
         self.cost = cost or VerifyCostModel()
         self.write_on_accept = write_on_accept
         self.estimator = AcceptanceEstimator(
-            max_positions=max(cfg.num_drafts, 1), prior=cfg.dcut_prior
+            max_positions=max(cfg.num_drafts, 1), prior=cfg.dcut_prior, pooled_prior=True
         )
         self._debug = knobs().mtp_accept_debug
         # seq_id -> (real drafts verified this step, the first draft proposed): padding is kept

@@ -162,6 +162,11 @@ class AcceptanceEstimator:
     Memory is bounded: `max_positions` per sequence (deeper positions read the deepest tracked
     one), and at most `max_sequences` sequences, the least recently observed evicted first, so a
     sequence that ended without `forget` cannot make it grow.
+
+    With `pooled_prior`, a sequence never observed reads instead an EMA over every observation
+    of every sequence (`prior` until the first): new requests start from what the drafter has
+    been achieving, so an engine whose drafts all miss does not spend each new request's first
+    steps re-learning that.
     """
 
     def __init__(
@@ -170,6 +175,7 @@ class AcceptanceEstimator:
         prior: float = 0.5,
         rate: float = 0.2,
         max_sequences: int = 4096,
+        pooled_prior: bool = False,
     ) -> None:
         if max_positions < 1 or max_sequences < 1:
             raise ValueError("max_positions and max_sequences must be at least 1")
@@ -182,6 +188,7 @@ class AcceptanceEstimator:
         # Counts stop at the step where the weight reaches `rate`: beyond it they change nothing.
         self._count_cap = math.ceil(1.0 / rate)
         self._seqs: OrderedDict[Hashable, tuple[list[float], list[int]]] = OrderedDict()
+        self._pooled = ([prior] * max_positions, [0] * max_positions) if pooled_prior else None
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -190,10 +197,18 @@ class AcceptanceEstimator:
         """Record one verify of `seq_id`: `matches[j]` is whether draft j + 1 matched."""
         stats = self._seqs.pop(seq_id, None)
         if stats is None:
-            stats = ([self.prior] * self.max_positions, [0] * self.max_positions)
+            start = [self.prior] * self.max_positions
+            if self._pooled is not None and self._pooled[1][0] > 0:
+                start = list(self._pooled[0])  # a new sequence starts where the pool stands
+            stats = (start, [0] * self.max_positions)
             while len(self._seqs) >= self.max_sequences:
                 self._seqs.popitem(last=False)
         self._seqs[seq_id] = stats
+        self._update(stats, matches)
+        if self._pooled is not None:
+            self._update(self._pooled, matches)
+
+    def _update(self, stats: tuple[list[float], list[int]], matches: Sequence[bool]) -> None:
         est, count = stats
         for j, matched in enumerate(matches[: self.max_positions]):
             count[j] = min(count[j] + 1, self._count_cap)
@@ -206,6 +221,8 @@ class AcceptanceEstimator:
         """a_{j+1} for j < depth; `probs[j]` (the drafter's confidence in draft j + 1, this step)
         replaces the EMA where given."""
         stats = self._seqs.get(seq_id)
+        if stats is None and self._pooled is not None and self._pooled[1][0] > 0:
+            stats = self._pooled
         out = []
         for j in range(depth):
             if probs is not None and j < len(probs):

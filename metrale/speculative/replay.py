@@ -4,7 +4,8 @@ with probability 1 - alpha, so the engine runs at a known acceptance.
 `metrale bench` records the continuation from a run without speculation and replays it; tests use
 it as an oracle (alpha = 1: every draft right, a = K at every step; alpha = 0: every draft wrong,
 a = 0). Corruption is a deterministic function of (seed, prompt, position), so a
-run repeats.
+run repeats. Each sequence's corrupted continuation is computed once, on its first propose, so a
+step's proposing is a slice per sequence.
 """
 
 from __future__ import annotations
@@ -35,6 +36,25 @@ class ReplayDrafter:
             raise ValueError(f"vocab_size must be >= 2 to corrupt a draft, got {vocab_size}")
         self.continuations = {tuple(k): list(v) for k, v in continuations.items()}
         self.alpha, self.vocab_size, self.seed = alpha, vocab_size, seed
+        self._replayed: dict[int, list[int]] = {}  # seq_id -> its corrupted continuation
+
+    def record(
+        self, continuations: Mapping[tuple[int, ...], Sequence[int]], alpha: float | None = None
+    ) -> None:
+        """Replay these continuations from now on (at `alpha`, if given)."""
+        if alpha is not None and not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+        self.continuations = {tuple(k): list(v) for k, v in continuations.items()}
+        self.alpha = self.alpha if alpha is None else alpha
+        self._replayed = {}  # computed at the old recording and alpha
+
+    def _replay(self, seq: Seq) -> list[int]:
+        replay = self._replayed.get(seq.seq_id)
+        if replay is None:
+            ref = self.continuations.get(tuple(seq.prompt_token_ids), [])
+            replay = [self._corrupt(seq, pos, t) for pos, t in enumerate(ref)]
+            self._replayed[seq.seq_id] = replay
+        return replay
 
     def _corrupt(self, seq: Seq, pos: int, token: int) -> int:
         # Keyed by the prompt, not the request id: a second generate of the same prompts gets
@@ -48,16 +68,14 @@ class ReplayDrafter:
     def propose(self, seqs: list[Seq], max_drafts: list[int]) -> list[Draft]:
         drafts = []
         for seq, k in zip(seqs, max_drafts, strict=True):
-            ref = self.continuations.get(tuple(seq.prompt_token_ids), [])
             start = len(seq.output_token_ids)
             # Off the recorded path (an earlier corruption was "accepted" by sampling), the
             # recording no longer predicts anything; keep proposing it anyway.
-            truth = ref[start : start + k]
-            drafts.append(Draft([self._corrupt(seq, start + j, t) for j, t in enumerate(truth)]))
+            drafts.append(Draft(self._replay(seq)[start : start + k]))
         return drafts
 
     def observe(self, verdicts: list[Verdict]) -> None:
         pass
 
     def release(self, seq: Seq) -> None:
-        pass
+        self._replayed.pop(seq.seq_id, None)

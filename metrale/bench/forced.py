@@ -1,0 +1,42 @@
+"""Forced acceptance, for `metrale bench --forced-acceptance` only: the cost of a speculative
+step at a chosen acceptance rate, on any shape, random weights included.
+
+On random bf16 weights replayed drafts stop matching after a few tokens (a verify row and a
+decode row round differently, and near-tied argmaxes flip), so a replayed acceptance collapses
+at wide batches. Here every draft row "matches" with probability alpha, independently, drawn on
+the device; the accepted count is the longest matching prefix as usual, and every emitted token is
+the target's own pick at its row. The output is then no longer the target's continuation, which is
+why this lives in the bench: nothing in the engine's configuration, the Python API or the server
+can turn it on; the bench sets it on the runner (`ModelRunner.forced_acceptance`) and labels its
+results as forced.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metrale.speculative.verify import Acceptance, RowLayout
+
+
+class ForcedAcceptance:
+    def __init__(self, alpha: float, seed: int = 0) -> None:
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+        self.alpha, self.seed = alpha, seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return gen
+
+    def __call__(self, acc: Acceptance, layout: RowLayout) -> Acceptance:
+        drafts = layout.draft_of_row
+        u = torch.rand(drafts.shape, generator=self._generator(drafts.device), device=drafts.device)
+        matches = (drafts >= 0) & (u < self.alpha)
+        padded = torch.where(layout.pad_index >= 0, matches[layout.pad_index.clamp(min=0)], False)
+        num_accepted = padded[:, :-1].long().cumprod(dim=1).sum(dim=1)
+        # `emitted` already holds the target's pick on every row: where a real draft matched
+        # greedily, the draft is the pick.
+        return acc._replace(num_accepted=num_accepted, matches=matches)
