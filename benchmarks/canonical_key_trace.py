@@ -37,7 +37,7 @@ import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
-from metrale.engine.graphs import decode_bucket
+from metrale.engine.program_shapes import decode_bucket
 from metrale.knobs import knobs
 from metrale.speculative.dcut import (
     AcceptanceEstimator,

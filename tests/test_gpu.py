@@ -116,3 +116,30 @@ def test_cuda_mtp_chain_graphs_are_lossless():
     drafter = llm.engine.spec.drafter
     assert drafter.chain_graphs is not None and drafter.chain_graphs._programs
     assert llm.engine.telemetry.spec.num_accepted_tokens > 48
+
+
+def test_cuda_batch_64_k3_ragged_programs_never_refuse(tiny_model_dir):
+    """64 sequences at mixed depths (K = 3, D-Cut off): every decode and verify step replays a
+    ragged program (no refusal, no eager step), few programs, output equal to eager plain."""
+    from metrale.engine.program_shapes import RaggedShape
+    from tests.test_spec_lossless import replay
+
+    prompts = [[(3 * i + 5 * j) % 400 + 3 for j in range(6 + i % 11)] for i in range(64)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    eager = LLM(tiny_model_dir, device="cuda", dtype="float32", cuda_graphs=False)
+    ref = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    spec = LLM(
+        tiny_model_dir,
+        drafter=replay(prompts, ref, 0.6),
+        device="cuda",
+        dtype="float32",
+        max_num_seqs=64,
+        spec={"num_drafts": 3, "dcut": False},
+    )
+    outs = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    runner = spec.engine.runner
+    assert runner.graphs.ragged and runner.graph_refusals == 0
+    stats = runner.graphs.cache.stats()
+    assert all(isinstance(key[0], RaggedShape) for key in runner.graphs.cache._programs)
+    assert stats["misses"] <= 40 and stats["hits"] > stats["misses"]

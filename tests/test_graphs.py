@@ -74,7 +74,7 @@ def test_kv_bucket():
 
 
 def test_decode_bucket():
-    from metrale.engine.graphs import decode_bucket
+    from metrale.engine.program_shapes import decode_bucket
 
     assert [decode_bucket(n) for n in (1, 2, 3, 5, 8, 9, 17, 64, 65)] == [
         1,
@@ -95,7 +95,7 @@ def test_padded_steps_are_never_refused(max_seqs, q):
     (deepest first, each depth's group to `decode_bucket`), fits the cache sized for it."""
     import random
 
-    from metrale.engine.graphs import decode_bucket, max_padded_rows
+    from metrale.engine.program_shapes import decode_bucket, max_padded_rows
 
     cache = ProgramCache(lambda t, extra: None, max_padded_rows(max_seqs, q))
     rng = random.Random(max_seqs * 100 + q)

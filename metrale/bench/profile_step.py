@@ -22,7 +22,7 @@ from metrale.api import LLM
 from metrale.bench.curves import synthetic_batch
 from metrale.bench.shapes import write_shape
 from metrale.bench.timing import median_time, weight_bytes
-from metrale.engine.graphs import decode_bucket
+from metrale.engine.program_shapes import decode_bucket
 from metrale.knobs import knobs
 from metrale.models.gdn_state import StateMode
 from metrale.speculative.row_table import RowTable

@@ -25,6 +25,7 @@ from typing import Generic, TypeVar
 import torch
 
 from metrale.engine.kv_cache import DUMMY_PAGE
+from metrale.engine.program_shapes import RaggedShape, max_ragged_seqs
 from metrale.engine.state_cache import DUMMY_ENTRY
 from metrale.models.attention import AttentionMetadata
 from metrale.models.gdn_state import GDNState, StateMode
@@ -48,8 +49,13 @@ class ProgramCache(Generic[P]):
     """Programs keyed by (row table, extra key), built by `build` on a miss."""
 
     def __init__(
-        self, build: Callable[[RowTable, Hashable], P], max_rows: int, cap: int = CACHE_CAP
+        self,
+        build: Callable[[RowTable, Hashable], P],
+        max_rows: int,
+        cap: int = CACHE_CAP,
+        min_seqs: int = 0,
     ) -> None:
+        """`min_seqs`: workspace sequences at least (ragged programs' padding sequences)."""
         if max_rows < 1 or cap < 1:
             raise ValueError(f"max_rows and cap must be >= 1, got {max_rows}, {cap}")
         self.build, self.max_rows, self.cap = build, max_rows, cap
@@ -58,7 +64,9 @@ class ProgramCache(Generic[P]):
         ]
         # NOTE: every program lays its rows and sequences out from the workspace base, so the
         # workspace must hold the widest sizing table in both dimensions.
-        self.workspace = Workspace(max(t.rows() for t in tables), max(t.num_seqs for t in tables))
+        self.workspace = Workspace(
+            max(t.rows() for t in tables), max(min_seqs, *(t.num_seqs for t in tables))
+        )
         self._programs: OrderedDict[tuple[RowTable, Hashable], P] = OrderedDict()
         self.hits = self.misses = self.evictions = 0
 
@@ -105,26 +113,6 @@ class ProgramCache(Generic[P]):
         }
 
 
-def decode_bucket(num_seqs: int) -> int:
-    """The padded count of sequences of one depth in a graphed step: 1, 2, 4, 8, then multiples
-    of 8, so that a shrinking or growing batch reuses a handful of programs instead of one per
-    size (decode), and a verify of mixed depths one per combination of bucketed counts."""
-    if num_seqs <= 8:
-        return 1 << (num_seqs - 1).bit_length()
-    return -(-num_seqs // 8) * 8
-
-
-def max_padded_rows(max_seqs: int, max_rows_per_seq: int) -> int:
-    """The `max_rows` a `ProgramCache` needs to admit every graphed step of at most `max_seqs`
-    sequences of 1 .. `max_rows_per_seq` (q) rows each, once every depth's group is padded to
-    `decode_bucket`. A group of n pads at most 7 sequences (n <= 8: to the next power of two;
-    beyond: to a multiple of 8), so a padded step has at most max_seqs x q + 7 q (q + 1) / 2 rows
-    and max_seqs + 7 q sequences; the workspace, sized over `sizing_tables` (runs of two rows),
-    holds max_rows / 2 sequences, hence the second bound."""
-    q = max_rows_per_seq
-    return max(max_seqs * q + 7 * q * (q + 1) // 2, 2 * (max_seqs + 7 * q))
-
-
 def kv_bucket(max_seq_len: int, limit: int) -> int:
     """Keys gathered per sequence inside a graph: the next power of two >= the longest sequence
     (at least 128), capped at the model length."""
@@ -160,14 +148,24 @@ class GraphRunner:
         device: torch.device,
         paged_kernel: bool = False,
         state_pool: GDNState | None = None,
+        max_q: int = 1,
+        max_seqs: int = 1,
     ) -> None:
         """`paged_kernel`: the attention reads pages itself (no gather to a fixed length), so
-        programs need no KV bucket in their key. `state_pool`: a hybrid target's state."""
+        programs need no KV bucket in their key. `state_pool`: a hybrid target's state.
+        `max_q`: the most rows one sequence runs in a step (1 + K); `max_seqs`: sequences.
+        With the paged kernel and no recurrent state, programs are ragged (`ragged.py`)."""
         self.model, self.page_size, self.device = model, page_size, device
         self.state_pool = state_pool
         self.max_model_len = max_model_len
         self.paged_kernel = paged_kernel
-        self.cache: ProgramCache = ProgramCache(self._capture, max_rows)
+        self.ragged = paged_kernel and state_pool is None
+        self.max_q = max_q
+        self.cache: ProgramCache = ProgramCache(
+            self._capture,
+            max_rows,
+            min_seqs=max_ragged_seqs(max_seqs, max_q) if self.ragged else 0,
+        )
         ws = self.cache.workspace
         pages = -(-max_model_len // page_size) + 1
 
@@ -188,15 +186,16 @@ class GraphRunner:
         self._last_key: tuple[RowTable, tuple] | None = None
         self.pool = torch.cuda.graph_pool_handle()
 
-    def _meta(self, table: RowTable, bucket: int) -> AttentionMetadata:
+    def _meta(self, table: RowTable | RaggedShape, bucket: int) -> AttentionMetadata:
         rows, seqs = table.rows(), table.num_seqs
+        q = table.max_q if isinstance(table, RaggedShape) else max(run.k for run in table.runs)
         return AttentionMetadata(
             slot_mapping=self.slots[:rows],
             positions=self.positions[:rows],
             query_start_loc=self.query_start_loc[: seqs + 1],
             seq_lens=self.seq_lens[:seqs],
             block_tables=self.block_tables[:seqs],
-            max_query_len=max(run.k for run in table.runs),
+            max_query_len=q,
             max_seq_len=bucket,
             page_size=self.page_size,
         )
@@ -211,9 +210,9 @@ class GraphRunner:
         graph, (hidden, logits, state) = capture(fn, self.pool, self.device)
         return graph, hidden, logits, state
 
-    def _forward_fn(self, table: RowTable, bucket: int, mode: StateMode | None):
+    def _forward_fn(self, table: RowTable | RaggedShape, bucket: int, mode: StateMode | None):
         rows, seqs = table.rows(), table.num_seqs
-        width = max(run.k for run in table.runs)
+        width = 0 if isinstance(table, RaggedShape) else max(run.k for run in table.runs)
 
         def run():
             meta = self._meta(table, bucket)
@@ -239,11 +238,14 @@ class GraphRunner:
         self.input_ids.zero_()
         self.slots.fill_(DUMMY_PAGE * self.page_size)
         starts, lens, positions = [0], [], []
-        for run in table.runs:
-            for _ in range(run.count):
-                starts.append(starts[-1] + run.k)
-                lens.append(run.k)
-                positions.extend(range(run.k))
+        if isinstance(table, RaggedShape):
+            per_seq = table.layout()
+        else:
+            per_seq = [run.k for run in table.runs for _ in range(run.count)]
+        for k in per_seq:
+            starts.append(starts[-1] + k)
+            lens.append(k)
+            positions.extend(range(k))
         self.query_start_loc[: seqs + 1] = torch.tensor(starts, device=self.device)
         self.seq_lens[:seqs] = torch.tensor(lens, device=self.device)
         self.positions[: len(positions)] = torch.tensor(positions, device=self.device)

@@ -12,8 +12,14 @@ from pathlib import Path
 import torch
 
 from metrale.config import EngineConfig, ModelConfig
-from metrale.engine.graphs import GraphRunner, decode_bucket, max_padded_rows
+from metrale.engine.graphs import GraphRunner
 from metrale.engine.kv_cache import DUMMY_PAGE, allocate_kv_cache, kv_page_bytes
+from metrale.engine.program_shapes import (
+    decode_bucket,
+    max_padded_rows,
+    padding_rows,
+    ragged_shape,
+)
 from metrale.engine.sampler import SamplingBatch, SamplingRow
 from metrale.engine.sequence import Batch, Phase, ScheduledSeq
 from metrale.engine.staging import to_device_packed
@@ -148,6 +154,8 @@ class ModelRunner:
                 self.device,
                 paged_kernel=isinstance(self.backend, TritonPagedAttention),
                 state_pool=None if self.states is None else self.states.pool,
+                max_q=num_drafts + 1,
+                max_seqs=cfg.max_num_seqs,
             )
         self.graph_refusals = 0
         # A bench-only override of the acceptance (`metrale.bench.forced`); never set by the
@@ -199,10 +207,14 @@ class ModelRunner:
         )
         return ids_t, meta.positions, meta
 
+    @staticmethod
+    def _spans(batch: Batch) -> list[tuple[list[int], int, list[int]]]:
+        return [
+            (e.seq.block_table, e.seq.num_computed_tokens, e.token_ids()) for e in batch.entries
+        ]
+
     def _metadata(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        return self.span_metadata(
-            [(e.seq.block_table, e.seq.num_computed_tokens, e.token_ids()) for e in batch.entries]
-        )
+        return self.span_metadata(self._spans(batch))
 
     @torch.inference_mode()
     def all_logits(self, batch: Batch) -> torch.Tensor:
@@ -303,6 +315,8 @@ class ModelRunner:
         sequences on the dummy page, so that the program key is a few bucketed counts per depth
         rather than every mix of depths: a 64-sequence trace of mixed depths then meets a few
         dozen tables instead of thousands, and replays after warm-up."""
+        if self.graphs.ragged:
+            return self._replay_ragged(batch)
         spans, depths, real_rows = [], [], []
         padded: list[ScheduledSeq | None] = []
         row = 0
@@ -343,6 +357,35 @@ class ModelRunner:
             return hidden.clone(), logits, state_view, padded
         (index,) = to_device_packed([real_rows], self.device)
         return hidden.index_select(0, index), logits.index_select(0, index), state_view, padded
+
+    def _replay_ragged(self, batch: Batch):
+        """`_replay` for a ragged program (dense targets, `program_shapes.RaggedShape`): the
+        real rows come first, in batch order; padding sequences on the dummy page follow."""
+        spans = [
+            (e.seq.block_table, e.seq.num_computed_tokens, e.token_ids()) for e in batch.entries
+        ]
+        num_rows = sum(e.num_rows for e in batch.entries)
+        shape = ragged_shape(len(spans), num_rows, self.graphs.max_q)
+        dummy_table = [DUMMY_PAGE] * -(-self.graphs.max_q // self.page_size)
+        for rows in padding_rows(shape, len(spans), num_rows):
+            spans.append((dummy_table, 0, [0] * rows))
+        input_ids, positions, meta = self.span_metadata(spans)
+        try:
+            hidden, logits, _ = self.graphs.run(
+                shape,
+                input_ids,
+                positions,
+                meta.slot_mapping,
+                meta.query_start_loc,
+                meta.seq_lens,
+                meta.block_tables,
+                meta.max_seq_len,
+            )
+        except ValueError:  # refused: too wide for the workspace
+            self.graph_refusals += 1
+            return None
+        # hidden is the program's own output, rewritten by its next replay: drafters keep it
+        return hidden[:num_rows].clone(), logits[:num_rows], None, list(batch.entries)
 
     def _draft_probs(self, entries: list[ScheduledSeq], logits: torch.Tensor):
         """[R, V] draft distributions (zeros on rows without a draft), or None when every drafter

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from metrale.engine.graphs import capture, decode_bucket
+from metrale.engine.graphs import capture
 from metrale.engine.kv_cache import DUMMY_PAGE
+from metrale.engine.program_shapes import decode_bucket
 from metrale.models.attention import AttentionMetadata
 
 

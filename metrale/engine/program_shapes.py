@@ -1,0 +1,99 @@
+"""The shapes of captured programs, and how a step is padded to one.
+
+Row-table programs (hybrid targets, and dense ones without the paged kernel): each depth's group
+of sequences is padded to `decode_bucket` sequences, so a shrinking or growing batch meets a few
+tables; `max_padded_rows` bounds the rows that takes.
+
+Ragged programs: one captured program per (row bucket, sequence bucket) for dense targets,
+whatever the mix of depths.
+
+The paged attention kernel reads each sequence's rows and keys from device memory (query start
+offsets, lengths, block tables), and every other layer of a dense target works row by row, so a
+program need not know how many rows each sequence has, only how many rows and sequences there
+are and the most rows one sequence may have (1 + K: the kernel's row block). Keying programs by
+the row table instead meets a new table at almost every step of a mixed-depth batch (dozens of
+captures inside a run at batch 8 and 64 on the H200), each costing more than many steps.
+
+Shapes: S sequences of R rows in all are padded to `decode_bucket(S)` sequences, plus a few
+padding sequences that take the padding rows, and R to a multiple of half the sequence bucket;
+every padding row belongs to a padding sequence of at most `max_q` rows on the dummy page, so it
+sees a key (no 0 / 0) and never a real sequence's page. Hybrid targets keep row-table programs:
+their recurrent-state kernels address a [sequences, rows] layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def decode_bucket(num_seqs: int) -> int:
+    """The padded count of sequences of one depth in a graphed step: 1, 2, 4, 8, then multiples
+    of 8, so that a shrinking or growing batch reuses a handful of programs instead of one per
+    size (decode), and a verify of mixed depths one per combination of bucketed counts."""
+    if num_seqs <= 8:
+        return 1 << (num_seqs - 1).bit_length()
+    return -(-num_seqs // 8) * 8
+
+
+def max_padded_rows(max_seqs: int, max_rows_per_seq: int) -> int:
+    """The `max_rows` a `ProgramCache` needs to admit every graphed step of at most `max_seqs`
+    sequences of 1 .. `max_rows_per_seq` (q) rows each, once every depth's group is padded to
+    `decode_bucket`. A group of n pads at most 7 sequences (n <= 8: to the next power of two;
+    beyond: to a multiple of 8), so a padded step has at most max_seqs x q + 7 q (q + 1) / 2 rows
+    and max_seqs + 7 q sequences; the workspace, sized over `sizing_tables` (runs of two rows),
+    holds max_rows / 2 sequences, hence the second bound."""
+    q = max_rows_per_seq
+    return max(max_seqs * q + 7 * q * (q + 1) // 2, 2 * (max_seqs + 7 * q))
+
+
+@dataclass(frozen=True, order=True)
+class RaggedShape:
+    """A program's shape: `rows` rows over `num_seqs` sequences of at most `max_q` rows each."""
+
+    rows_: int
+    num_seqs: int
+    max_q: int
+
+    def rows(self) -> int:
+        return self.rows_
+
+    def layout(self) -> list[int]:
+        """Capture-time rows per sequence: full sequences of max_q rows, then the rest."""
+        out, left = [], self.rows_
+        for _ in range(self.num_seqs):
+            out.append(min(self.max_q, left))
+            left -= out[-1]
+        return out
+
+    def __str__(self) -> str:
+        return f"ragged {self.rows_} rows / {self.num_seqs} seqs (q <= {self.max_q})"
+
+
+def ragged_shape(num_seqs: int, num_rows: int, max_q: int) -> RaggedShape:
+    """The padded shape of a step of `num_seqs` sequences and `num_rows` rows."""
+    if not 1 <= num_seqs <= num_rows <= num_seqs * max_q:
+        raise ValueError(f"{num_seqs} sequences of 1..{max_q} rows cannot hold {num_rows} rows")
+    seqs = decode_bucket(num_seqs)
+    if max_q == 1:
+        return RaggedShape(seqs, seqs, 1)
+    grain = max(seqs // 2, 1)
+    rows = -(-num_rows // grain) * grain
+    # padding sequences for the padding rows that the bucket's spare sequences cannot take
+    extra = -(-(grain - 1) // max_q)
+    return RaggedShape(rows, seqs + extra, max_q)
+
+
+def max_ragged_seqs(max_seqs: int, max_q: int) -> int:
+    """The most sequences a ragged program of up to `max_seqs` real sequences has."""
+    return ragged_shape(max_seqs, max_seqs, max_q).num_seqs
+
+
+def padding_rows(shape: RaggedShape, num_seqs: int, num_rows: int) -> list[int]:
+    """Rows of each padding sequence after `num_seqs` real ones holding `num_rows` rows."""
+    left, out = shape.rows_ - num_rows, []
+    for _ in range(shape.num_seqs - num_seqs):
+        out.append(min(shape.max_q, left))
+        left -= out[-1]
+    if left:
+        raise ValueError(f"{shape}: {left} padding rows have no sequence")
+    return out

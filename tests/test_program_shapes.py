@@ -1,0 +1,93 @@
+"""Ragged programs (dense targets): every step of up to max_num_seqs sequences of 1..1+K rows
+pads to a shape the graph workspace holds, with few distinct shapes; and a step run through the
+ragged padding (padding sequences on the dummy page after the real rows) gives exactly the
+output of plain decoding, with speculation at mixed depths. CPU: an eager stand-in replays the
+program (capture itself needs CUDA; the GPU tests run the real one)."""
+
+from __future__ import annotations
+
+import pytest
+
+from metrale import LLM, SamplingParams
+from metrale.engine.graphs import ProgramCache
+from metrale.engine.program_shapes import (
+    RaggedShape,
+    max_padded_rows,
+    max_ragged_seqs,
+    padding_rows,
+    ragged_shape,
+)
+from metrale.models.attention import AttentionMetadata
+from metrale.speculative.replay import ReplayDrafter
+
+
+@pytest.mark.parametrize("max_seqs,max_q", [(1, 1), (8, 1), (64, 1), (8, 4), (64, 4), (48, 8)])
+def test_every_step_fits_a_few_ragged_shapes(max_seqs, max_q):
+    cache = ProgramCache(
+        lambda t, extra: None,
+        max_padded_rows(max_seqs, max_q),
+        min_seqs=max_ragged_seqs(max_seqs, max_q),
+    )
+    shapes = set()
+    for seqs in range(1, max_seqs + 1):
+        for rows in range(seqs, seqs * max_q + 1):
+            shape = ragged_shape(seqs, rows, max_q)
+            pads = padding_rows(shape, seqs, rows)
+            assert shape.rows() >= rows and sum(pads) == shape.rows() - rows
+            assert all(0 <= p <= max_q for p in pads)
+            assert sum(shape.layout()) == shape.rows() and max(shape.layout()) <= max_q
+            cache.get(shape)  # never refused
+            shapes.add(shape)
+    # a handful of row buckets per sequence bucket, not one program per mix of depths
+    seq_buckets = {s.num_seqs for s in shapes}
+    assert len(shapes) <= len(seq_buckets) * (2 * max_q - 1)
+
+
+def test_ragged_shape_refuses_impossible_steps():
+    with pytest.raises(ValueError):
+        ragged_shape(2, 9, 4)
+    with pytest.raises(ValueError):
+        ragged_shape(3, 2, 4)
+
+
+class EagerPrograms:
+    """A CPU stand-in for `GraphRunner` in ragged mode: runs the forward the program would."""
+
+    ragged = True
+
+    def __init__(self, model, max_q: int, page_size: int) -> None:
+        self.model, self.max_q, self.page_size = model, max_q, page_size
+        self.shapes: list[RaggedShape] = []
+
+    def run(self, shape, ids, positions, slots, starts, lens, tables, max_seq_len, state=None):
+        assert state is None and ids.shape[0] == shape.rows()
+        assert lens.shape[0] == shape.num_seqs
+        self.shapes.append(shape)
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            positions=positions,
+            query_start_loc=starts,
+            seq_lens=lens,
+            block_tables=tables,
+            max_query_len=shape.max_q,
+            max_seq_len=max_seq_len,
+            page_size=self.page_size,
+        )
+        hidden = self.model(ids, positions, meta)
+        return hidden, self.model.compute_logits(hidden), None
+
+
+def test_ragged_padding_is_lossless_with_mixed_depths(tiny_model_dir):
+    prompts = [[(5 * i + 7 * j) % 300 + 3 for j in range(4 + 3 * i)] for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = LLM(tiny_model_dir, device="cpu").generate(prompts, params, use_tqdm=False)
+    reference = [o.outputs[0].token_ids for o in plain]
+    drafter = ReplayDrafter(dict(zip(map(tuple, prompts), reference, strict=True)), 0.6, 300)
+    llm = LLM(tiny_model_dir, device="cpu", drafter=drafter, spec={"num_drafts": 3})
+    runner = llm.engine.runner
+    runner.graphs = EagerPrograms(runner.model, 4, runner.page_size)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    shapes = runner.graphs.shapes
+    assert any(s.rows() > s.num_seqs for s in shapes), "no verify went through the programs"
+    assert llm.engine.telemetry.spec.num_accepted_tokens > 0
