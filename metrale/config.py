@@ -232,7 +232,7 @@ class SpecConfig:
     `dcut`, the D-Cut planner picks each sequence's depth per step (0..K) from its observed
     acceptance and the verify cost; above `dcut_width_cap` sequences every depth is equal. The
     depths are planned before anything is drafted: only sequences given a depth are drafted
-    (all of them every `dcut_probe_every` steps, to re-measure the others' acceptance).
+    (and a few others every `dcut_probe_every` steps, to re-measure their acceptance).
     """
 
     method: str | None = None
@@ -243,8 +243,8 @@ class SpecConfig:
     dcut: bool = True
     dcut_width_cap: int = 32
     dcut_prior: float = 0.6  # acceptance assumed for a position never observed
-    # Every this many steps, sequences D-Cut would leave at depth 0 draft anyway, so their
-    # acceptance estimates can recover; on other steps they are not drafted at all.
+    # Every this many steps a few sequences (in turn) that D-Cut would leave at depth 0 draft
+    # anyway, so acceptance estimates can recover; on other steps they are not drafted at all.
     dcut_probe_every: int = 8
     # sequences the MTP drafter drafts for per step (None: all); 1 = single-sequence mode, where
     # the METRALE_MTP_CATCHUP / _REFEED_* knobs apply

@@ -9,6 +9,7 @@ import pytest
 
 from metrale import LLM, SamplingParams
 from metrale.engine.sequence import Phase
+from metrale.speculative import controller
 from metrale.speculative.dcut import VerifyCostModel
 from metrale.speculative.replay import ReplayDrafter
 from tests.test_hybrid_engine import hybrid_dir  # noqa: F401 (a module fixture)
@@ -57,7 +58,7 @@ def _model(request, name):
 
 
 @pytest.mark.parametrize("target", ["dense", "hybrid"])
-def test_depth_zero_everywhere_is_the_plain_decode_step(request, target):
+def test_depth_zero_everywhere_is_the_plain_decode_step(request, target, monkeypatch):
     path = _model(request, target)
     plain = LLM(path, device="cpu").generate(PROMPTS, greedy(), use_tqdm=False)
     reference = [o.outputs[0].token_ids for o in plain]
@@ -72,8 +73,13 @@ def test_depth_zero_everywhere_is_the_plain_decode_step(request, target):
     )
     llm.engine.spec.cost = VerifyCostModel.from_points({(1, 2.0): 2.0, (4, 2.0): 2.0})
     rec = Recorder(llm)
+    plans = []
+    real_plan = controller.plan
+    monkeypatch.setattr(controller, "plan", lambda *a, **k: plans.append(1) or real_plan(*a, **k))
     outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
+    # planned again only when the running set or an estimate changed (probes, finishes)
+    assert len(plans) <= len(rec.steps) // 2
 
     decode_steps = [s for s in rec.steps if s["phases"] and set(s["phases"]) == {Phase.DECODE}]
     assert decode_steps, "no plain decode step ran"

@@ -17,6 +17,7 @@ verify program returns the `GDNState` whose pending rows `StateSlots.commit` set
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from typing import Generic, TypeVar
 import torch
 
 from metrale.engine.kv_cache import DUMMY_PAGE
-from metrale.engine.program_shapes import RaggedShape, max_ragged_seqs
+from metrale.engine.program_shapes import RaggedShape, all_ragged_shapes, max_ragged_seqs
 from metrale.engine.state_cache import DUMMY_ENTRY
 from metrale.models.attention import AttentionMetadata
 from metrale.models.gdn_state import GDNState, StateMode
@@ -176,6 +177,11 @@ class GraphRunner:
         self.input_ids, self.positions, self.slots = zeros(ws.rows), zeros(ws.rows), zeros(ws.rows)
         self.query_start_loc, self.seq_lens = zeros(ws.seqs + 1), zeros(ws.seqs)
         self.block_tables = zeros(ws.seqs, pages)
+        # Every program writes its logits here (float32 [rows, V]): one buffer instead of one
+        # per program (hundreds of MB each at 150k vocabulary). A replay overwrites the last
+        # one's logits, which the step has consumed by then.
+        vocab = model.head_weight.shape[0]
+        self.logits = zeros(ws.rows, vocab, dtype=torch.float32)
         # a hybrid target's state entries: where each sequence starts, where each row's state
         # goes (per-row slots; [seqs, rows] laid out for the program's own row width)
         self.state_read = zeros(ws.seqs)
@@ -226,7 +232,7 @@ class GraphRunner:
                     self.state_read[:seqs], mode, state_rows if mode is StateMode.ROWS else None
                 )
                 hidden = self.model(ids, positions, meta, state)
-            return hidden, self.model.compute_logits(hidden), state
+            return hidden, self.model.compute_logits(hidden, out=self.logits[:rows]), state
 
         return run
 
@@ -296,6 +302,16 @@ class GraphRunner:
                 self.state_rows[: rows.numel()].copy_(rows.flatten(), non_blocking=True)
         graph.replay()
         return hidden, logits, state_view
+
+    def capture_ragged(self, max_seqs: int) -> tuple[int, float]:
+        """Capture every ragged program a step of up to `max_seqs` sequences can use, now
+        (start-up) rather than inside running steps: (programs, seconds)."""
+        start = time.perf_counter()
+        shapes = all_ragged_shapes(max_seqs, self.max_q)
+        for shape in shapes:
+            self.cache.get(shape, (self.max_model_len, None))
+        torch.cuda.synchronize(self.device)
+        return len(shapes), time.perf_counter() - start
 
     def commit(self, state: GDNState, num_rows: torch.Tensor) -> None:
         """`state.commit(num_rows)` for the program just replayed (write-on-accept), as a graph

@@ -14,7 +14,7 @@ are and the most rows one sequence may have (1 + K: the kernel's row block). Key
 the row table instead meets a new table at almost every step of a mixed-depth batch (dozens of
 captures inside a run at batch 8 and 64 on the H200), each costing more than many steps.
 
-Shapes: S sequences of R rows in all are padded to `decode_bucket(S)` sequences, plus a few
+Shapes: S sequences of R rows in all are padded to a power of two of sequences, plus a few
 padding sequences that take the padding rows, and R to a multiple of half the sequence bucket;
 every padding row belongs to a padding sequence of at most `max_q` rows on the dummy page, so it
 sees a key (no 0 / 0) and never a real sequence's page. Hybrid targets keep row-table programs:
@@ -73,7 +73,9 @@ def ragged_shape(num_seqs: int, num_rows: int, max_q: int) -> RaggedShape:
     """The padded shape of a step of `num_seqs` sequences and `num_rows` rows."""
     if not 1 <= num_seqs <= num_rows <= num_seqs * max_q:
         raise ValueError(f"{num_seqs} sequences of 1..{max_q} rows cannot hold {num_rows} rows")
-    seqs = decode_bucket(num_seqs)
+    # Powers of two: padding sequences hold no row unless they take padding rows, and a
+    # program with no row for them costs nothing more, so the buckets can be coarse.
+    seqs = 1 << (num_seqs - 1).bit_length()
     if max_q == 1:
         return RaggedShape(seqs, seqs, 1)
     grain = max(seqs // 2, 1)
@@ -97,3 +99,14 @@ def padding_rows(shape: RaggedShape, num_seqs: int, num_rows: int) -> list[int]:
     if left:
         raise ValueError(f"{shape}: {left} padding rows have no sequence")
     return out
+
+
+def all_ragged_shapes(max_seqs: int, max_q: int) -> list[RaggedShape]:
+    """Every shape a step of up to `max_seqs` sequences of 1..max_q rows pads to (captured at
+    start-up, so no capture lands in a running step)."""
+    shapes = {
+        ragged_shape(seqs, rows, max_q)
+        for seqs in range(1, max_seqs + 1)
+        for rows in range(seqs, seqs * max_q + 1)
+    }
+    return sorted(shapes)

@@ -157,6 +157,15 @@ class ModelRunner:
                 max_q=num_drafts + 1,
                 max_seqs=cfg.max_num_seqs,
             )
+        if self.graphs is not None and self.graphs.ragged:
+            free = torch.cuda.mem_get_info(self.device)[0]
+            programs, seconds = self.graphs.capture_ragged(cfg.max_num_seqs)
+            log.info(
+                "captured %d CUDA graphs in %.1f s (%.2f GiB)",
+                programs,
+                seconds,
+                (free - torch.cuda.mem_get_info(self.device)[0]) / 2**30,
+            )
         self.graph_refusals = 0
         # A bench-only override of the acceptance (`metrale.bench.forced`); never set by the
         # engine's configuration, the API or the server.

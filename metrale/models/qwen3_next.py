@@ -295,9 +295,14 @@ class Qwen3NextForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta, layout, state)
 
     def compute_logits(
-        self, hidden: torch.Tensor, rows: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        rows: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """hidden [T, H], rows [R] (None = all) -> float32 logits [R, V]."""
+        """hidden [T, H], rows [R] (None = all) -> float32 logits [R, V], into `out` if given
+        (a graph's shared logits buffer: the float32 conversion writes it directly)."""
         if rows is not None:
             hidden = hidden.index_select(0, rows)
-        return torch.nn.functional.linear(hidden, self.head_weight).float()
+        logits = torch.nn.functional.linear(hidden, self.head_weight)
+        return logits.float() if out is None else out.copy_(logits)

@@ -28,6 +28,8 @@ from metrale.telemetry import SpecTelemetry
 
 log = logging.getLogger(__name__)
 
+# Sequences a probe step drafts (in turn), so probing costs a few drafts, not a batch's.
+PROBE_SEQS = 8
 # Sequence-verifies between two per-width acceptance lines (METRALE_MTP_ACCEPT_DEBUG).
 ACCEPT_DEBUG_EVERY = 256
 
@@ -90,6 +92,9 @@ class SpeculativeDecoder:
         # out of the estimates, and a sequence cut to depth 0 still learns from its first draft.
         self._proposed: dict[int, tuple[int, int | None]] = {}
         self._steps = 0
+        # the running sequences of the last step D-Cut planned at depth 0 everywhere, while no
+        # estimate has changed since (None: plan again)
+        self._quiet: tuple[int, ...] | None = None
         # whether this step's verdicts go to `observe` (False: nothing drafted, and the drafter
         # keeps no per-step state, so the step is a plain decode step end to end)
         self.observing = False
@@ -100,8 +105,8 @@ class SpeculativeDecoder:
         With D-Cut the depths are planned first, from the acceptance estimates: only sequences
         planned deeper than 0 are drafted, so a step planned at depth 0 everywhere drafts
         nothing and runs as a plain decode step (`observing` tells the engine whether its
-        verdicts are wanted at all). Every `dcut_probe_every` steps every sequence drafts, and
-        the ones cut to depth 0 learn from their first draft."""
+        verdicts are wanted at all). Every `dcut_probe_every` steps a few sequences draft
+        anyway, and the ones cut to depth 0 learn from their first draft."""
         seqs, caps = [], []
         for seq in running:
             seq.draft = None
@@ -111,8 +116,8 @@ class SpeculativeDecoder:
                 caps.append(cap)
         self._proposed = {}
         self._steps += 1
-        if self.cfg.dcut and seqs and self._steps % self.cfg.dcut_probe_every:
-            seqs, caps = self._worth_drafting(seqs, caps)
+        if self.cfg.dcut and seqs:
+            seqs, caps = self._planned(seqs, caps)
         self.observing = bool(seqs) or self.drafter.needs_hidden
         if not seqs:
             return []
@@ -129,6 +134,24 @@ class SpeculativeDecoder:
             for s, d in live
         }
         return failed
+
+    def _planned(self, seqs: list[Sequence], caps: list[int]):
+        """The sequences to draft this step and their caps (D-Cut on).
+
+        A step planned at depth 0 everywhere is remembered: until an estimate changes or the
+        running set does, the next steps skip planning (a plain step does no D-Cut work). Every
+        `dcut_probe_every` steps a few sequences, in turn, draft anyway."""
+        if self._steps % self.cfg.dcut_probe_every == 0:
+            self._quiet = None
+            first = (self._steps // self.cfg.dcut_probe_every * PROBE_SEQS) % len(seqs)
+            picked = [(first + i) % len(seqs) for i in range(min(PROBE_SEQS, len(seqs)))]
+            return [seqs[i] for i in picked], [caps[i] for i in picked]
+        running = tuple(s.seq_id for s in seqs)
+        if running == self._quiet:
+            return [], []
+        seqs, caps = self._worth_drafting(seqs, caps)
+        self._quiet = None if seqs else running
+        return seqs, caps
 
     def _worth_drafting(self, seqs: list[Sequence], caps: list[int]):
         """The sequences (and caps) D-Cut gives a depth when every one of them drafts its cap
@@ -206,12 +229,14 @@ class SpeculativeDecoder:
                 matches = v.matches[:real]
                 self.telemetry.record(len(verified), matches, min(v.num_accepted, real))
                 self.estimator.observe(v.seq.seq_id, matches)
+                self._quiet = None
                 if self._debug and self.telemetry.num_drafts % ACCEPT_DEBUG_EVERY == 0:
                     for line in self.telemetry.width_lines():
                         log.info("spec accept %s", line)
             elif first is not None and v.emitted:
                 # Cut to depth 0: whether its first draft was the token it emitted anyway.
                 self.estimator.observe(v.seq.seq_id, [first == v.emitted[0]])
+                self._quiet = None
         shadow = knobs().mtp_shadow_topk
         if shadow > 0:
             for v in verified:
