@@ -303,6 +303,7 @@ class GraphRunner:
         graph.replay()
         return hidden, logits, state_view
 
+    @torch.inference_mode()
     def capture_ragged(self, max_seqs: int) -> tuple[int, float]:
         """Capture every ragged program a step of up to `max_seqs` sequences can use, now
         (start-up) rather than inside running steps: (programs, seconds)."""
