@@ -61,8 +61,11 @@ def end_to_end(
     prompts = [[rng.randrange(llm.engine.vocab_size) for _ in range(32)] for _ in range(batch)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     runner, device = llm.engine.runner, llm.engine.runner.device
-    drafter.record({}, alpha)  # nothing recorded: no drafts, plain decoding
-    plain, t_plain = timed_generate(llm, prompts, params)
+    # plain decoding: the requests opt out of speculation, so no speculative work runs at all
+    plain_params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, speculative=False
+    )
+    plain, t_plain = timed_generate(llm, prompts, plain_params)
     t_prefill = prefill_seconds(llm, prompts)
     drafter.record({tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain)}, alpha)
     runner.forced_acceptance = ForcedAcceptance(alpha, seed=batch) if forced else None

@@ -34,33 +34,37 @@ class ReplayDrafter:
             raise ValueError(f"alpha must be in [0, 1], got {alpha}")
         if vocab_size < 2:
             raise ValueError(f"vocab_size must be >= 2 to corrupt a draft, got {vocab_size}")
-        self.continuations = {tuple(k): list(v) for k, v in continuations.items()}
         self.alpha, self.vocab_size, self.seed = alpha, vocab_size, seed
-        self._replayed: dict[int, list[int]] = {}  # seq_id -> its corrupted continuation
+        self._by_seq: dict[int, list[int]] = {}  # seq_id -> its prompt's replay
+        self.record(continuations)
 
     def record(
         self, continuations: Mapping[tuple[int, ...], Sequence[int]], alpha: float | None = None
     ) -> None:
-        """Replay these continuations from now on (at `alpha`, if given)."""
+        """Replay these continuations from now on (at `alpha`, if given). The corrupted
+        replays are computed here, once per prompt, not while the engine steps."""
         if alpha is not None and not 0.0 <= alpha <= 1.0:
             raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-        self.continuations = {tuple(k): list(v) for k, v in continuations.items()}
         self.alpha = self.alpha if alpha is None else alpha
-        self._replayed = {}  # computed at the old recording and alpha
+        self.continuations = {tuple(k): list(v) for k, v in continuations.items()}
+        self._replays = {
+            prompt: [self._corrupt(prompt, pos, t) for pos, t in enumerate(ref)]
+            for prompt, ref in self.continuations.items()
+        }
+        self._by_seq = {}
 
     def _replay(self, seq: Seq) -> list[int]:
-        replay = self._replayed.get(seq.seq_id)
+        replay = self._by_seq.get(seq.seq_id)
         if replay is None:
-            ref = self.continuations.get(tuple(seq.prompt_token_ids), [])
-            replay = [self._corrupt(seq, pos, t) for pos, t in enumerate(ref)]
-            self._replayed[seq.seq_id] = replay
+            replay = self._replays.get(tuple(seq.prompt_token_ids), [])
+            self._by_seq[seq.seq_id] = replay
         return replay
 
-    def _corrupt(self, seq: Seq, pos: int, token: int) -> int:
+    def _corrupt(self, prompt: tuple[int, ...], pos: int, token: int) -> int:
         # Keyed by the prompt, not the request id: a second generate of the same prompts gets
         # the same corruptions, so a warm-up run meets every verify shape the timed run will.
-        prompt = zlib.crc32(array("q", seq.prompt_token_ids).tobytes())
-        rng = random.Random(f"{self.seed}:{prompt}:{pos}")
+        key = zlib.crc32(array("q", prompt).tobytes())
+        rng = random.Random(f"{self.seed}:{key}:{pos}")
         if rng.random() < self.alpha:
             return token
         return (token + 1 + rng.randrange(self.vocab_size - 1)) % self.vocab_size  # never token
@@ -78,4 +82,4 @@ class ReplayDrafter:
         pass
 
     def release(self, seq: Seq) -> None:
-        self._replayed.pop(seq.seq_id, None)
+        self._by_seq.pop(seq.seq_id, None)
