@@ -42,7 +42,7 @@ def test_mtp_drafter_is_lossless(mtp_model_dir, canonical_arm):
         assert [o.outputs[0].token_ids for o in outs] == expected
         assert llm.engine.telemetry.spec.num_draft_tokens > 0
         assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
-        assert not llm.engine.spec.drafter._states  # every sequence's drafter state released
+        assert not llm.engine.spec.drafter._pos  # every sequence's drafter state released
     assert llm.engine.telemetry.preemptions > 0
     alone = LLM(mtp_model_dir, device="cpu", spec={"method": "mtp", "num_drafts": 4})
     out = alone.generate([prompts[3]], [params[3]], use_tqdm=False)[0]

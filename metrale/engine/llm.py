@@ -106,7 +106,11 @@ class LLMEngine:
             if spec.method == "ngram":
                 drafter = NgramDrafter(spec.ngram_min, spec.ngram_max, spec.ngram_window)
             else:  # "mtp": the runner loaded the checkpoint's heads (or refused)
-                drafter = MTPDrafter(self.runner, spec.mtp_max_seqs or self.config.max_num_seqs)
+                drafter = MTPDrafter(
+                    self.runner,
+                    spec.mtp_max_seqs or self.config.max_num_seqs,
+                    self.config.max_num_seqs,
+                )
         return SpeculativeDecoder(
             spec,
             drafter,

@@ -26,11 +26,11 @@ so pages follow the sequence. Drafts are greedy (one-hot q): lossless at any tem
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from metrale.engine.sequence import Sequence
+from metrale.engine.staging import to_device_packed
 from metrale.knobs import (
     hidden_fingerprint,
     knobs,
@@ -43,36 +43,34 @@ from metrale.speculative.mtp_graphs import DraftChainGraphs
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _State:
-    """Per sequence: the MTP output of its newest committed row and the draft it predicts."""
-
-    position: int  # the row's position p (it predicted the token at p + 2)
-    hidden: torch.Tensor  # [H] next_hidden of that row
-    first_draft: torch.Tensor  # [] int64 argmax of the head over that row
-    # rows the last chain wrote: positions position + 1 .. position + chain_rows
-    chain_rows: int = 0
-
-
 class MTPDrafter:
     name = "mtp"
     needs_hidden = True
 
-    def __init__(self, runner, max_seqs: int) -> None:
-        """`max_seqs`: sequences drafted per step at most (the MTP dispatch cap)."""
+    def __init__(self, runner, max_seqs: int, num_slots: int | None = None) -> None:
+        """`max_seqs`: sequences drafted per step at most (the MTP dispatch cap); `num_slots`:
+        the engine's sequence slots (`max_num_seqs`; default `max_seqs`)."""
         if runner.mtp is None:
             raise ValueError("the MTP drafter needs a model loaded with its MTP heads")
         self.runner = runner
         self.heads = runner.mtp
         self.max_seqs = max_seqs
+        num_slots = num_slots or max_seqs
         k = knobs()
         self.refeed = mtp_catchup_enabled(max_seqs, k) and mtp_refeed_accepted_enabled(max_seqs, k)
         self.refeed_shift = k.mtp_refeed_shift if self.refeed else 0
         self.refeed_debug = k.mtp_refeed_debug and self.refeed
-        self._states: dict[int, _State] = {}
+        # Per sequence, on the host: [position p of its newest committed row (it predicts the
+        # token at p + 2), rows the last chain wrote (positions p + 1 .. p + chain_rows)]. On
+        # the device, by state slot: that row's next_hidden and the first draft it predicts, so
+        # observe writes and propose reads every sequence's state with one indexed copy.
+        self._pos: dict[int, list[int]] = {}
+        hidden_size = runner.model.config.hidden_size
+        self._hidden = torch.zeros(num_slots, hidden_size, dtype=runner.dtype, device=runner.device)
+        self._first = torch.zeros(num_slots, dtype=torch.long, device=runner.device)
         graphs = runner.graphs
         self.chain_graphs = (
-            DraftChainGraphs(runner, self.heads, max_seqs, graphs.max_model_len)
+            DraftChainGraphs(runner, self.heads, max_seqs, graphs.max_model_len, num_slots)
             if graphs is not None and graphs.paged_kernel and not k.no_mtp_chain_graphs
             else None
         )
@@ -93,6 +91,8 @@ class MTPDrafter:
             seq, rows = v.seq, 0 if v.hidden is None else v.hidden.shape[0]
             if rows == 0 or not seq.params.speculative or seq.params.num_drafts == 0:
                 continue
+            if seq.slot < 0:
+                continue
             hidden, first = self._rows_to_feed(v)
             # the committed token after each row's position: prompt, accepted drafts, bonus
             spans.append((seq.block_table, first, seq.tokens(first + 1, first + 1 + len(hidden))))
@@ -100,18 +100,23 @@ class MTPDrafter:
             owners.append(seq)
         if not spans:
             return
-        logits_in, next_hidden, meta = self._forward(0, spans, torch.cat(hiddens))
-        last = meta.query_start_loc[1:] - 1  # [S] each span's newest row
-        firsts = self.runner.model.compute_logits(logits_in, last).argmax(dim=-1)  # [S]
-        for i, (seq, (_, first, tokens)) in enumerate(zip(owners, spans, strict=True)):
-            self._states[seq.seq_id] = _State(
-                first + len(tokens) - 1, next_hidden[last[i]], firsts[i]
-            )
+        hidden = torch.cat(hiddens)
+        caught = None if self.chain_graphs is None else self.chain_graphs.catch_up(spans, hidden)
+        if caught is None:  # eager: prefill chunks, or no graphs
+            logits_in, next_hidden, meta = self._forward(0, spans, hidden)
+            last = meta.query_start_loc[1:] - 1  # [S] each span's newest row
+            firsts = self.runner.model.compute_logits(logits_in, last).argmax(dim=-1)  # [S]
+            caught = firsts, next_hidden.index_select(0, last)
+        slots = to_device_packed([[seq.slot for seq in owners]], self.runner.device)[0]
+        self._first.index_copy_(0, slots, caught[0])
+        self._hidden.index_copy_(0, slots, caught[1])
+        for seq, (_, first, tokens) in zip(owners, spans, strict=True):
+            self._pos[seq.seq_id] = [first + len(tokens) - 1, 0]
 
     def _rows_to_feed(self, v: Verdict) -> tuple[torch.Tensor, int]:
         """The committed rows to run through the MTP layer: (target hiddens, first position)."""
-        state = self._states.get(v.seq.seq_id)
-        if not v.drafts or state is None or state.position + 1 != v.first_position:
+        state = self._pos.get(v.seq.seq_id)
+        if not v.drafts or state is None or state[0] + 1 != v.first_position:
             return v.hidden, v.first_position
         if self.refeed:
             hidden = v.hidden
@@ -125,52 +130,55 @@ class MTPDrafter:
                     )
             return hidden, v.first_position
         # The chain's rows for accepted drafts hold the right tokens; keep them.
-        keep = min(v.num_accepted, state.chain_rows)
+        keep = min(v.num_accepted, state[1])
         return v.hidden[keep:], v.first_position + keep
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> list[Draft]:
-        live = [
-            (i, seq, k, self._states.get(seq.seq_id))
-            for i, (seq, k) in enumerate(zip(seqs, max_drafts, strict=True))
-        ]
         # A state is current only if it sits on the sequence's newest committed row.
         live = [
-            (i, s, k, st)
-            for i, s, k, st in live
-            if st is not None and k > 0 and st.position == s.num_tokens - 2
+            (i, seq, k, state)
+            for i, (seq, k) in enumerate(zip(seqs, max_drafts, strict=True))
+            if k > 0
+            and (state := self._pos.get(seq.seq_id)) is not None
+            and state[0] == seq.num_tokens - 2
         ][: self.max_seqs]
         drafts: list[Draft] = [Draft([]) for _ in seqs]
         if not live:
             return drafts
-        columns = [torch.stack([st.first_draft for *_, st in live])]  # [S]
-        hidden = torch.stack([st.hidden for *_, st in live])  # [S, H]
+        device = self.runner.device
+        slots = to_device_packed([[seq.slot for _, seq, _, _ in live]], device)[0]
+        columns = [self._first.index_select(0, slots)]  # [S] draft 1 of each
+        hidden = self._hidden.index_select(0, slots)  # [S, H]
         for j in range(1, max(k for _, _, k, _ in live)):
             chain = [n for n, (_, _, k, _) in enumerate(live) if k > j]
-            tokens = columns[-1][chain]  # [C] draft j, the input of draft j + 1
-            spans = [(live[n][1].block_table, live[n][3].position + j, [0]) for n in chain]
-            column = torch.full_like(columns[0], -1)
-            graphed = None
+            # Usually every sequence goes on: then nothing is gathered or scattered.
+            index = None if len(chain) == len(live) else to_device_packed([chain], device)[0]
+            tokens = columns[-1] if index is None else columns[-1].index_select(0, index)
+            h_in = hidden if index is None else hidden.index_select(0, index)
+            spans = [(live[n][1].block_table, live[n][3][0] + j, [0]) for n in chain]
+            out = None
             if self.chain_graphs is not None:
-                index = j % self.heads.num_layers  # the module `for_step(j)` returns
-                graphed = self.chain_graphs.step(index, tokens, hidden[chain], spans)
-            if graphed is not None:
-                column[chain], next_hidden = graphed
-            else:
+                module_index = j % self.heads.num_layers  # the module `for_step(j)` returns
+                out = self.chain_graphs.step(module_index, tokens, h_in, spans)
+            if out is None:
                 _, positions, meta = self.runner.span_metadata(spans)
                 module = self.heads.for_step(j)
                 logits_in, next_hidden = module(
-                    tokens, positions, hidden[chain], meta, self.runner.model.model.embed_tokens
+                    tokens, positions, h_in, meta, self.runner.model.model.embed_tokens
                 )
-                column[chain] = self.runner.model.compute_logits(logits_in).argmax(dim=-1)
+                out = self.runner.model.compute_logits(logits_in).argmax(dim=-1), next_hidden
+            if index is None:
+                column, hidden = out
+            else:
+                column = torch.full_like(columns[0], -1).index_copy_(0, index, out[0])
+                hidden = hidden.index_copy(0, index, out[1])
             columns.append(column)
-            hidden = hidden.clone()
-            hidden[chain] = next_hidden
         table = torch.stack(columns, dim=1).tolist()  # [S, Kmax]: the propose's one host sync
         for (i, _, k, state), row in zip(live, table, strict=True):
             drafts[i] = Draft(row[:k])
-            state.chain_rows = k - 1
+            state[1] = k - 1
         return drafts
 
     def release(self, seq: Sequence) -> None:
-        self._states.pop(seq.seq_id, None)
+        self._pos.pop(seq.seq_id, None)
