@@ -1,8 +1,9 @@
 """Prompt-lookup (n-gram) drafter: find the longest recent suffix of the sequence that occurred
 earlier in it, and propose the tokens that followed that earlier occurrence.
 
-Host-side and model-free. The search covers at most the last `window` tokens, so a step costs
-O(window * n) per sequence however long the sequence grows. Code and chat that quote their
+Host-side and model-free. The search covers at most the last `window` tokens. `lookup` is the
+reference scan; the drafter keeps an `NgramIndex` per sequence, grown by its new tokens, so a
+step costs a few dictionary look-ups per sequence however long the sequence grows. Code and chat that quote their
 context (identifiers, repeated lines, edits of a given text) are where it shines.
 """
 
@@ -34,6 +35,50 @@ def lookup(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
     return []
 
 
+class NgramIndex:
+    """One sequence's n-grams (n_min..n_max) that some token follows, by content, with their
+    start positions in order: `lookup` from a dictionary instead of a scan.
+
+    Grown by the tokens committed since the last call, so a step costs O(new tokens x n) per
+    sequence, not O(window x n) plus a copy of the window. Proposes exactly what `lookup` over
+    the last `window` tokens proposes (the tests hold it to that).
+    """
+
+    def __init__(self, n_min: int, n_max: int, window: int) -> None:
+        self.n_min, self.n_max, self.window = n_min, n_max, window
+        self.tokens: list[int] = []
+        self.starts: dict[tuple[int, ...], list[int]] = {}
+
+    def extend(self, new: list[int]) -> None:
+        tokens, starts = self.tokens, self.starts
+        for token in new:
+            tokens.append(token)
+            end = len(tokens) - 1  # the n-grams ending just before it are now followed
+            for n in range(self.n_min, min(self.n_max, end) + 1):
+                i = end - n
+                starts.setdefault(tuple(tokens[i:end]), []).append(i)
+
+    def lookup(self, k: int) -> list[int]:
+        tokens, length = self.tokens, len(self.tokens)
+        if k <= 0 or length < 2:
+            return []
+        first = max(0, length - self.window)  # n-grams wholly inside the window
+        for n in range(min(self.n_max, length - 1, length - first - 1), self.n_min - 1, -1):
+            hits = self.starts.get(tuple(tokens[length - n :]))
+            if not hits or hits[-1] < first:
+                continue
+            # the latest occurrence followed by k tokens, else the latest (as `lookup` does)
+            pick = hits[-1]
+            for i in reversed(hits):
+                if i < first:
+                    break
+                if i + n + k <= length:
+                    pick = i
+                    break
+            return tokens[pick + n : pick + n + k]
+        return []
+
+
 class NgramDrafter:
     name = "ngram"
     needs_hidden = False
@@ -42,18 +87,21 @@ class NgramDrafter:
         if not 1 <= n_min <= n_max:
             raise ValueError(f"ngram: need 1 <= n_min <= n_max, got {n_min}, {n_max}")
         self.n_min, self.n_max, self.window = n_min, n_max, window
+        self._indexes: dict[int, NgramIndex] = {}  # seq_id -> its n-grams
 
     def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> list[Draft]:
         drafts = []
         for seq, k in zip(seqs, max_drafts, strict=True):
-            start = max(0, seq.num_tokens - self.window)
-            drafts.append(
-                Draft(lookup(seq.tokens(start, seq.num_tokens), self.n_min, self.n_max, k))
-            )
+            index = self._indexes.get(seq.seq_id)
+            if index is None:
+                index = self._indexes[seq.seq_id] = NgramIndex(self.n_min, self.n_max, self.window)
+            if len(index.tokens) < seq.num_tokens:
+                index.extend(seq.tokens(len(index.tokens), seq.num_tokens))
+            drafts.append(Draft(index.lookup(k)))
         return drafts
 
     def observe(self, verdicts: list[Verdict]) -> None:
-        pass  # stateless: the sequence's own tokens are the whole model
+        pass  # the sequence's own tokens are the whole model; `propose` reads the new ones
 
     def release(self, seq: Sequence) -> None:
-        pass
+        self._indexes.pop(seq.seq_id, None)

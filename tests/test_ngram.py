@@ -1,0 +1,36 @@
+"""The n-gram drafter's incremental index proposes exactly what the reference scan (`lookup`)
+proposes over the last `window` tokens, however the tokens arrive."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from metrale.speculative.ngram import NgramIndex, lookup
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_index_equals_the_scan(seed):
+    rng = random.Random(seed)
+    vocab = rng.choice([2, 3, 5, 20])
+    n_min = rng.randint(1, 2)
+    n_max = rng.randint(n_min, 5)
+    window = rng.choice([3, 8, 40, 4096])
+    index = NgramIndex(n_min, n_max, window)
+    tokens: list[int] = []
+    while len(tokens) < 300:
+        new = [rng.randrange(vocab) for _ in range(rng.randint(1, 5))]
+        tokens += new
+        index.extend(new)
+        for k in (1, 3, 6):
+            start = max(0, len(tokens) - window)
+            assert index.lookup(k) == lookup(tokens[start:], n_min, n_max, k), (len(tokens), k)
+
+
+def test_index_on_code_like_text():
+    text = [ord(c) for c in "def f(x):\n    return x + 1\n\ndef g(x):\n    return x + 2\n" * 3]
+    index = NgramIndex(1, 4, 4096)
+    for i in range(0, len(text), 7):
+        index.extend(text[i : i + 7])
+        assert index.lookup(4) == lookup(text[: i + 7], 1, 4, 4)
