@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from metrale.api import LLM
-from metrale.bench.curves import step_times
 from metrale.bench.e2e import end_to_end
 from metrale.bench.shapes import write_shape
 from metrale.bench.timing import bandwidth, weight_bytes
+from metrale.engine.calibrate import step_times
 from metrale.speculative.dcut import VerifyCostModel
 from metrale.speculative.replay import ReplayDrafter
 
@@ -89,7 +89,7 @@ def run(args) -> dict:
     wbytes = weight_bytes(llm.engine.runner.model)
     roofline = wbytes / bw
     qs = sorted(set(args.q) | {1, args.num_drafts + 1})
-    times = step_times(llm, args.batch_sizes, qs, args.context)
+    times = step_times(llm.engine, args.batch_sizes, qs, args.context)
     result = {
         "shape": args.shape if not args.model else str(args.model),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -15,8 +15,8 @@ import time
 
 from metrale.api import LLM
 from metrale.bench.forced import ForcedAcceptance
-from metrale.bench.timing import sync
 from metrale.config import SamplingParams
+from metrale.engine.calibrate import sync
 from metrale.speculative.replay import ReplayDrafter
 
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from metrale.api import LLM
-from metrale.bench.curves import synthetic_batch
 from metrale.bench.shapes import write_shape
-from metrale.bench.timing import median_time, weight_bytes
+from metrale.bench.timing import weight_bytes
+from metrale.engine.calibrate import median_time, synthetic_batch
 from metrale.engine.program_shapes import decode_bucket
 from metrale.knobs import knobs
 from metrale.models.gdn_state import StateMode
@@ -102,7 +102,7 @@ def main() -> None:
     result = {"shape": args.shape, "roofline_ms": roofline_ms, "fused": fused, "batches": []}
     rng = random.Random(0)
     for b in sizes:
-        batch = synthetic_batch(llm, b, args.context, 1, rng)
+        batch = synthetic_batch(llm.engine, b, args.context, 1, rng)
         step = median_time(lambda batch=batch: runner.execute(batch), runner.device, reps=20)
         row = {
             "batch": b,

@@ -1,30 +1,11 @@
-"""Timing on a device: median wall time between device syncs, the memory bandwidth measured by a
-device copy, and the weight bytes one batch-1 step reads (the roofline's numerator)."""
+"""The roofline's two numbers: the memory bandwidth measured by a device copy, and the weight
+bytes one batch-1 step reads. (Step timing is the engine's own: `engine/calibrate.py`.)"""
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_time(fn, device: torch.device, warmup: int = 2, reps: int = 7) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        sync(device)
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from metrale.engine.calibrate import median_time
 
 
 def bandwidth(device: torch.device) -> float:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from metrale.config import EngineConfig, ModelConfig, SamplingParams
+from metrale.engine.calibrate import measured_cost_model
 from metrale.engine.emitter import Emitter
 from metrale.engine.kv_cache import PageAllocator
 from metrale.engine.runner import ModelRunner
@@ -96,7 +97,22 @@ class LLMEngine:
         self._next_seq_id = 0
         self.emitter = Emitter(self.tokenizer, self.max_model_len)
         self.spec = self._speculative_decoder(drafter)
+        if self.spec is not None and self.spec.cfg.dcut and self.runner.graphs is not None:
+            self._calibrate_dcut()
         log.info("knobs: %s", knobs().describe())
+
+    def _calibrate_dcut(self) -> None:
+        """D-Cut's verify cost curve, measured on this device now (CUDA, about a second)."""
+        k = self.spec.cfg.num_drafts
+        context = min(256, self.max_model_len - k - 2)
+        # as many sequences as the KV pool holds at that context, up to max_num_seqs
+        fits = self.allocator.num_usable // self.allocator.pages_for(context + k + 1)
+        seqs = min(self.config.max_num_seqs, fits)
+        if context < 2 or seqs < 1:
+            return
+        start = time.perf_counter()
+        self.spec.cost = measured_cost_model(self, k, seqs, context)
+        log.info("D-Cut verify cost measured in %.1f s", time.perf_counter() - start)
 
     def _speculative_decoder(self, drafter: Drafter | None) -> SpeculativeDecoder | None:
         spec = self.config.spec

@@ -3,8 +3,8 @@ earlier in it, and propose the tokens that followed that earlier occurrence.
 
 Host-side and model-free. The search covers at most the last `window` tokens. `lookup` is the
 reference scan; the drafter keeps an `NgramIndex` per sequence, grown by its new tokens, so a
-step costs a few dictionary look-ups per sequence however long the sequence grows. Code and chat that quote their
-context (identifiers, repeated lines, edits of a given text) are where it shines.
+step costs a few dictionary look-ups per sequence however long the sequence grows. Code and chat
+that quote their context (identifiers, repeated lines, edits of a given text) are where it shines.
 """
 
 from __future__ import annotations
