@@ -116,14 +116,20 @@ class SpeculativeDecoder:
                 caps.append(cap)
         self._proposed = {}
         self._steps += 1
+        planned = False  # caps are depths D-Cut already chose
         if self.cfg.dcut and seqs:
-            seqs, caps = self._planned(seqs, caps)
+            seqs, caps, planned = self._planned(seqs, caps)
         self.observing = bool(seqs) or self.drafter.needs_hidden
         if not seqs:
             return []
         drafts, failed = self._propose(seqs, caps)
         live = [(s, d) for s, d in zip(seqs, drafts, strict=True) if d is not None and d.tokens]
-        if self.cfg.dcut and live:
+        full = planned and len(live) == len(seqs)
+        if full and all(len(d.tokens) == c for (_, d), c in zip(live, caps, strict=True)):
+            # Every sequence drafted as deep as planned: the plan stands, no second planning.
+            for seq, draft in live:
+                seq.draft = draft
+        elif self.cfg.dcut and live:
             cap_of = {s.seq_id: c for s, c in zip(seqs, caps, strict=True)}
             self._cut(live, cap_of)
         else:
@@ -136,7 +142,8 @@ class SpeculativeDecoder:
         return failed
 
     def _planned(self, seqs: list[Sequence], caps: list[int]):
-        """The sequences to draft this step and their caps (D-Cut on).
+        """The sequences to draft this step, their caps, and whether the caps are depths D-Cut
+        chose (D-Cut on).
 
         A step planned at depth 0 everywhere is remembered: until an estimate changes or the
         running set does, the next steps skip planning (a plain step does no D-Cut work). Every
@@ -145,13 +152,13 @@ class SpeculativeDecoder:
             self._quiet = None
             first = (self._steps // self.cfg.dcut_probe_every * PROBE_SEQS) % len(seqs)
             picked = [(first + i) % len(seqs) for i in range(min(PROBE_SEQS, len(seqs)))]
-            return [seqs[i] for i in picked], [caps[i] for i in picked]
+            return [seqs[i] for i in picked], [caps[i] for i in picked], False
         running = tuple(s.seq_id for s in seqs)
         if running == self._quiet:
-            return [], []
+            return [], [], False
         seqs, caps = self._worth_drafting(seqs, caps)
         self._quiet = None if seqs else running
-        return seqs, caps
+        return seqs, caps, True
 
     def _worth_drafting(self, seqs: list[Sequence], caps: list[int]):
         """The sequences (and caps) D-Cut gives a depth when every one of them drafts its cap

@@ -51,12 +51,21 @@ class NgramIndex:
 
     def extend(self, new: list[int]) -> None:
         tokens, starts = self.tokens, self.starts
-        for token in new:
-            tokens.append(token)
-            end = len(tokens) - 1  # the n-grams ending just before it are now followed
-            for n in range(self.n_min, min(self.n_max, end) + 1):
-                i = end - n
-                starts.setdefault(tuple(tokens[i:end]), []).append(i)
+        old = len(tokens)
+        tokens.extend(new)
+        last = len(tokens) - 1  # an n-gram starting at i is followed once i + n <= last
+        for n in range(self.n_min, self.n_max + 1):
+            first = max(0, old - n)  # those with i + n <= old - 1 were registered before
+            if first > last - n:
+                continue
+            # the n-grams as tuples, built in C by zipping n shifted slices
+            grams = zip(*(tokens[first + j : last - n + 1 + j] for j in range(n)))
+            for i, gram in enumerate(grams, first):
+                hits = starts.get(gram)
+                if hits is None:
+                    starts[gram] = [i]
+                else:
+                    hits.append(i)
 
     def lookup(self, k: int) -> list[int]:
         tokens, length = self.tokens, len(self.tokens)
