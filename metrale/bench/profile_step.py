@@ -22,7 +22,7 @@ from metrale.api import LLM
 from metrale.bench.shapes import write_shape
 from metrale.bench.timing import weight_bytes
 from metrale.engine.calibrate import median_time, synthetic_batch
-from metrale.engine.program_shapes import decode_bucket
+from metrale.engine.program_shapes import decode_bucket, ragged_shape
 from metrale.knobs import knobs
 from metrale.models.gdn_state import StateMode
 from metrale.speculative.row_table import RowTable
@@ -52,8 +52,11 @@ def host_pieces(llm: LLM, batch) -> dict[str, float]:
 def replay_only(llm: LLM, batch) -> float:
     runner = llm.engine.runner
     b = len(batch.entries)
-    pad = decode_bucket(b) - b
-    table = RowTable.from_dispatch(range(b + pad), [1] * (b + pad))
+    if runner.graphs.ragged:  # dense targets: the program of b one-row sequences
+        table = ragged_shape(b, b, runner.graphs.max_q)
+    else:
+        pad = decode_bucket(b) - b
+        table = RowTable.from_dispatch(range(b + pad), [1] * (b + pad))
     mode = None if runner.states is None else StateMode.WRITE  # a hybrid's decode program
     graph = runner.graphs.cache.get(table, (runner.graphs.max_model_len, mode))[0]
     return median_time(graph.replay, runner.device, reps=20)
@@ -76,6 +79,7 @@ def kernel_table(llm: LLM, batch, path: Path) -> dict:
     return {"kernels": sum(e.count for e in events), "kernel_time_ms": total / 1e3}
 
 
+@torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-8b")
