@@ -455,3 +455,32 @@ def test_cpu_and_cuda_agree() -> None:
     tok_cpu = sample(logits, build(rows, vocab)).token_ids
     tok_gpu = sample(logits.to(cuda), build(rows, vocab, cuda)).token_ids
     assert torch.equal(tok_cpu, tok_gpu.cpu())
+
+
+def test_a_row_with_drafts_builds_as_its_expanded_rows():
+    """One SamplingRow with k drafts describes k + 1 logits rows, row j after drafts[:j]: the
+    batch equals the one built from k + 1 single rows, penalties, bias and bans included."""
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, top_k=5, top_p=0.9, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, frequency_penalty=0.5, logit_bias={3: 2.0}, min_tokens=4),
+    ]
+    outputs, drafts = [[1, 2], [4], [5, 6]], [[7, 8, 9], [], [2, 3]]
+    compact = [
+        SamplingRow(p, 11 + i, [9, 9, 3], out, (0,), tuple(d))
+        for i, (p, out, d) in enumerate(zip(params, outputs, drafts, strict=True))
+    ]
+    expanded = [
+        SamplingRow(p, 11 + i, [9, 9, 3], out + d[:j], (0,))
+        for i, (p, out, d) in enumerate(zip(params, outputs, drafts, strict=True))
+        for j in range(len(d) + 1)
+    ]
+    a = SamplingBatch.build(compact, 16, torch.device("cpu"))
+    b = SamplingBatch.build(expanded, 16, torch.device("cpu"))
+    assert a.num_rows == b.num_rows == 8
+    for name, value in vars(a).items():
+        other = getattr(b, name)
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, other), name
+        else:
+            assert value == other, name

@@ -27,13 +27,16 @@ _U64 = (1 << 64) - 1
 
 @dataclass(frozen=True)
 class SamplingRow:
-    """What the sampler needs about one logits row."""
+    """What the sampler needs about one sequence's logits rows: 1 + len(drafts) of them, row j
+    picking after `output_token_ids + drafts[:j]` (a verify's rows share everything else, so
+    they are described once and expanded in `SamplingBatch.build`)."""
 
     params: SamplingParams
     seed: int  # resolved per-request seed (the engine draws one when params.seed is None)
     prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]  # tokens emitted before this row's pick
+    output_token_ids: Sequence[int]  # tokens emitted before the first row's pick
     eos_token_ids: tuple[int, ...] = ()  # model EOS ids
+    drafts: Sequence[int] = ()
 
 
 def _to_int64(value: int) -> int:
@@ -107,7 +110,8 @@ class SamplingBatch:
         cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device
     ) -> SamplingBatch:
         """Gather per-row settings on the host, then move them to `device` in a few copies."""
-        n, v = len(rows), vocab_size
+        v = vocab_size
+        n = sum(1 + len(row.drafts) for row in rows)
         if n == 0:
             raise ValueError("SamplingBatch.build: no rows")
         floats: list[tuple[float, ...]] = []  # per row: temperature, top_p, min_p, rep, pres, freq
@@ -121,52 +125,59 @@ class SamplingBatch:
         out_lens: list[int] = []
         logprobs_k: list[int] = []
         any_rep = any_out = False
-        for i, row in enumerate(rows):
+        i = 0  # the logits row
+        for row in rows:
             p = row.params
             greedy = p.temperature < GREEDY_TEMPERATURE_EPS
-            step = len(row.output_token_ids)
+            first_step = len(row.output_token_ids)
+            r = 1 + len(row.drafts)
             # Sampling-only knobs are neutralised on greedy rows: they never change the argmax.
             top_k = v if greedy or p.top_k <= 0 or p.top_k >= v else p.top_k
             top_p = 1.0 if greedy else p.top_p
             min_p = 0.0 if greedy else p.min_p
             temperature = 1.0 if greedy else p.temperature
-            floats.append(
-                (
-                    temperature,
-                    top_p,
-                    min_p,
-                    p.repetition_penalty,
-                    p.presence_penalty,
-                    p.frequency_penalty,
-                )
+            settings = (
+                temperature,
+                top_p,
+                min_p,
+                p.repetition_penalty,
+                p.presence_penalty,
+                p.frequency_penalty,
             )
-            ints.append((top_k, _to_int64(row.seed), step, int(greedy)))
+            floats.extend([settings] * r)
+            seed = _to_int64(row.seed)
+            ints.extend((top_k, seed, first_step + j, int(greedy)) for j in range(r))
             if p.logit_bias:
                 toks = list(p.logit_bias)
                 _check_ids(toks, v, "logit_bias")
-                bias_rows += [i] * len(toks)
-                bias_toks += toks
-                bias_vals += [p.logit_bias[t] for t in toks]
-            if step < p.min_tokens:
+                for j in range(r):
+                    bias_rows += [i + j] * len(toks)
+                    bias_toks += toks
+                    bias_vals += [p.logit_bias[t] for t in toks]
+            if first_step < p.min_tokens:
                 banned = set(p.stop_token_ids)
                 if not p.ignore_eos:
                     banned.update(row.eos_token_ids)
                 banned_ids = sorted(banned)
                 _check_ids(banned_ids, v, "stop_token_ids/eos_token_ids")
-                ban_rows += [i] * len(banned_ids)
-                ban_toks += banned_ids
+                for j in range(min(r, p.min_tokens - first_step)):
+                    ban_rows += [i + j] * len(banned_ids)
+                    ban_toks += banned_ids
             uses_rep = p.repetition_penalty != 1.0
             any_rep = any_rep or uses_rep
             uses_out = uses_rep or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
             any_out = any_out or uses_out
-            prompt_lens.append(len(row.prompt_token_ids) if uses_rep else 0)
-            out_lens.append(step if uses_out else 0)
-            if uses_rep:
-                prompt_ids.extend(row.prompt_token_ids)
-            if uses_out:
-                out_ids.extend(row.output_token_ids)
+            for j in range(r):
+                prompt_lens.append(len(row.prompt_token_ids) if uses_rep else 0)
+                out_lens.append(first_step + j if uses_out else 0)
+                if uses_rep:
+                    prompt_ids.extend(row.prompt_token_ids)
+                if uses_out:
+                    out_ids.extend(row.output_token_ids)
+                    out_ids.extend(row.drafts[:j])
             if p.logprobs is not None:
                 logprobs_k.append(p.logprobs)
+            i += r
 
         def to_dev(t: Tensor) -> Tensor:
             # Pinned + non_blocking lets the copy overlap; the caching host allocator keeps the

@@ -283,11 +283,11 @@ class ModelRunner:
                     params=e.seq.params,
                     seed=e.seq.seed,
                     prompt_token_ids=e.seq.prompt_token_ids,
-                    output_token_ids=e.seq.output_token_ids + e.drafts[:j],
+                    output_token_ids=e.seq.output_token_ids,
                     eos_token_ids=e.seq.eos_token_ids,
+                    drafts=e.drafts,  # its rows: the last token's, then one per draft
                 )
                 for e, _ in sampling
-                for j in range(len(e.drafts) + 1)
             ],
             vocab_size=logits.shape[-1],
             device=self.device,
