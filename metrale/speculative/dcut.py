@@ -35,6 +35,8 @@ import numpy as np
 from metrale.speculative.verify_key import canonical_assignment, verify_batch_order
 
 DEFAULT_KNEE_ROWS = 64.0
+# (rows, width) points a cost model remembers (a bounded memo: a batch has a few hundred)
+MEMO_POINTS = 1 << 16
 
 # Relative margin a larger plan must win by: float noise in a sum must not buy a row.
 _TIE = 1e-12
@@ -89,6 +91,7 @@ class VerifyCostModel:
                     f"verify cost point (batch {b}, q {q}) = {r}: need b, q >= 1, r > 0"
                 )
             by_batch.setdefault(int(b), {})[float(q)] = float(r)
+        self._memo: dict[tuple[int, int], float] = {}
         self._batches: list[int] = sorted(by_batch)
         self._curves: list[tuple[list[float], list[float]]] = []
         for b in self._batches:
@@ -133,6 +136,16 @@ class VerifyCostModel:
 
     def step_time(self, rows: int, width: int) -> float:
         """Relative time of a verify of `rows` rows over `width` sequences (1.0 at one each)."""
+        key = (rows, width)
+        cached = self._memo.get(key)
+        if cached is None:
+            # The planner asks for the same few hundred points every step: compute each once.
+            if len(self._memo) >= MEMO_POINTS:
+                self._memo.clear()
+            cached = self._memo[key] = self._step_time(rows, width)
+        return cached
+
+    def _step_time(self, rows: int, width: int) -> float:
         if width < 1 or rows < width:
             raise ValueError(
                 f"a verify of {width} sequences has at least that many rows, not {rows}"
