@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from metrale.api import LLM
+from metrale.bench.anchor import anchor_step_times
 from metrale.bench.e2e import end_to_end
 from metrale.bench.shapes import write_shape
 from metrale.bench.timing import bandwidth, weight_bytes
@@ -90,6 +91,7 @@ def run(args) -> dict:
     roofline = wbytes / bw
     qs = sorted(set(args.q) | {1, args.num_drafts + 1})
     times = step_times(llm.engine, args.batch_sizes, qs, args.context)
+    anchor = anchor_step_times(llm.engine.runner.model, args.batch_sizes, args.context)
     result = {
         "shape": args.shape if not args.model else str(args.model),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -99,7 +101,14 @@ def run(args) -> dict:
         "weight_bytes": wbytes,
         "roofline_ms": roofline * 1e3,
         "decode": [
-            {"batch": b, "ms": times[b][1] * 1e3, "roofline_ratio": times[b][1] / roofline}
+            {
+                "batch": b,
+                "ms": times[b][1] * 1e3,
+                "roofline_ratio": times[b][1] / roofline,
+                # the plain graph-captured PyTorch step of the same weights (`bench/anchor.py`)
+                "anchor_ms": None if anchor is None else anchor[b] * 1e3,
+                "anchor_ratio": None if anchor is None else times[b][1] / anchor[b],
+            }
             for b in args.batch_sizes
         ],
         "verify_cost": {
@@ -146,10 +155,11 @@ def table(result: dict) -> str:
         f"bandwidth {result['bandwidth_GBps']:.0f} GB/s, roofline {result['roofline_ms']:.3f} ms"
     ]
     qs = result["verify_cost"]["q"]
-    lines.append("batch  decode_ms  x_roofline  " + "  ".join(f"q={q:<3d}" for q in qs))
+    lines.append("batch  decode_ms  x_roofline  x_anchor  " + "  ".join(f"q={q:<3d}" for q in qs))
     for d, ratios in zip(result["decode"], result["verify_cost"]["ratio"]):
+        anchor = "       -" if d.get("anchor_ratio") is None else f"{d['anchor_ratio']:8.2f}"
         lines.append(
-            f"{d['batch']:5d}  {d['ms']:9.3f}  {d['roofline_ratio']:10.2f}  "
+            f"{d['batch']:5d}  {d['ms']:9.3f}  {d['roofline_ratio']:10.2f}  {anchor}  "
             + "  ".join(f"{r:5.2f}" for r in ratios)
         )
     for e in result["e2e"]:
