@@ -16,6 +16,7 @@ It prints a table, writes JSON (also the last stdout line) and a PNG plot. Tiny 
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -84,6 +85,8 @@ def run(args) -> dict:
         hybrid_verify_state=getattr(args, "hybrid_verify_state", "write_on_accept"),
     )
     drafter.vocab_size = llm.engine.vocab_size
+    gc.collect()
+    gc.freeze()  # one engine for the process, as a server has: no full collections mid-run
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     bw = bandwidth(device)

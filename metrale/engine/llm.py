@@ -8,7 +8,6 @@ isolated to the sequence that caused it (`finish_reason="error"`).
 
 from __future__ import annotations
 
-import gc
 import logging
 import random
 import time
@@ -100,11 +99,6 @@ class LLMEngine:
         self.spec = self._speculative_decoder(drafter)
         if self.spec is not None and self.spec.cfg.dcut and self.runner.graphs is not None:
             self._calibrate_dcut()
-        if self.runner.device.type == "cuda":
-            # The model, caches and graphs live as long as the engine: keep them out of the
-            # cyclic collector's full passes, which otherwise stall steps for milliseconds.
-            gc.collect()
-            gc.freeze()
         log.info("knobs: %s", knobs().describe())
 
     def _calibrate_dcut(self) -> None:
