@@ -311,7 +311,7 @@ class EngineConfig:
     load_format: str = "safetensors"
     # CUDA graphs for decode and verify steps (CUDA only); tables of more rows run eagerly.
     # None: as many rows as `max_num_seqs` sequences of 1 + num_drafts rows can take after the
-    # graph padding (`graphs.max_padded_rows`), so that no decode or verify step is refused.
+    # graph padding (`program_shapes`), so that no decode or verify step is refused.
     cuda_graphs: bool = True
     graph_max_rows: int | None = None
     # How a hybrid target's verify treats the recurrent state (HYBRID_VERIFY_STATES, see

@@ -12,7 +12,8 @@ from metrale import LLM, SamplingParams
 from metrale.engine.graphs import ProgramCache
 from metrale.engine.program_shapes import (
     RaggedShape,
-    max_padded_rows,
+    all_ragged_shapes,
+    default_max_rows,
     max_ragged_seqs,
     padding_rows,
     ragged_shape,
@@ -20,12 +21,16 @@ from metrale.engine.program_shapes import (
 from metrale.models.attention import AttentionMetadata
 from metrale.speculative.replay import ReplayDrafter
 
+CONFIGS = [(1, 1), (8, 1), (64, 1), (8, 4), (64, 4), (48, 8), (33, 2), (70, 2), (130, 5)]
 
-@pytest.mark.parametrize("max_seqs,max_q", [(1, 1), (8, 1), (64, 1), (8, 4), (64, 4), (48, 8)])
+
+@pytest.mark.parametrize("max_seqs,max_q", CONFIGS)
 def test_every_step_fits_a_few_ragged_shapes(max_seqs, max_q):
+    """The cache is sized as `GraphRunner` sizes it by default (33 sequences at K = 1 and 130
+    at K = 4 once needed more rows than the row-table bound gave)."""
     cache = ProgramCache(
         lambda t, extra: None,
-        max_padded_rows(max_seqs, max_q),
+        default_max_rows(max_seqs, max_q, ragged=True),
         min_seqs=max_ragged_seqs(max_seqs, max_q),
     )
     shapes = set()
@@ -41,6 +46,7 @@ def test_every_step_fits_a_few_ragged_shapes(max_seqs, max_q):
     # a handful of row buckets per sequence bucket, not one program per mix of depths
     seq_buckets = {s.num_seqs for s in shapes}
     assert len(shapes) <= len(seq_buckets) * (2 * max_q - 1)
+    assert sorted(shapes) == all_ragged_shapes(max_seqs, max_q)  # what start-up captures
 
 
 def test_ragged_shape_refuses_impossible_steps():

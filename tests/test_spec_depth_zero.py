@@ -11,6 +11,7 @@ from metrale import LLM, SamplingParams
 from metrale.engine.sequence import Phase
 from metrale.speculative import controller
 from metrale.speculative.dcut import VerifyCostModel
+from metrale.speculative.drafter import Draft
 from metrale.speculative.replay import ReplayDrafter
 from tests.test_hybrid_engine import hybrid_dir  # noqa: F401 (a module fixture)
 
@@ -73,13 +74,20 @@ def test_depth_zero_everywhere_is_the_plain_decode_step(request, target, monkeyp
     )
     llm.engine.spec.cost = VerifyCostModel.from_points({(1, 2.0): 2.0, (4, 2.0): 2.0})
     rec = Recorder(llm)
-    plans = []
-    real_plan = controller.plan
-    monkeypatch.setattr(controller, "plan", lambda *a, **k: plans.append(1) or real_plan(*a, **k))
+    planned_at, spec, real_plan = set(), llm.engine.spec, controller.plan
+
+    def counting_plan(*args, **kwargs):
+        planned_at.add(spec._steps)
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(controller, "plan", counting_plan)
     outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
-    # planned again only when the running set or an estimate changed (probes, finishes)
-    assert len(plans) <= len(rec.steps) // 2
+    # Between probes, planned again only once an estimate or the running set changed: the
+    # step after a probe (its observations) and the first step of a new running set.
+    between = {step for step in planned_at if step % PROBE_EVERY}
+    probes = {step for step in planned_at if step % PROBE_EVERY == 0}
+    assert len(between) <= len(probes) + 2, (sorted(between), sorted(probes))
 
     decode_steps = [s for s in rec.steps if s["phases"] and set(s["phases"]) == {Phase.DECODE}]
     assert decode_steps, "no plain decode step ran"
@@ -111,3 +119,103 @@ def test_sequences_planned_deeper_than_zero_are_drafted_every_step(request, targ
     assert len(decoding) > 2 and all(s["proposed"] and s["drafts"] for s in decoding[:-1])
     tel = llm.engine.telemetry.spec
     assert tel.num_accepted_tokens == tel.num_draft_tokens > 0
+
+
+class FailsLate:
+    """Drafts wrong for prompt 0; drafts right for prompt 1 until 14 tokens, then raises."""
+
+    name, needs_hidden = "fails-late", False
+
+    def __init__(self, prompts, ref):
+        self.prompts, self.ref = prompts, ref
+
+    def propose(self, seqs, caps):
+        out = []
+        for s, k in zip(seqs, caps, strict=True):
+            n = len(s.output_token_ids)
+            if s.prompt_token_ids == self.prompts[0]:
+                out.append(Draft([(t + 1) % 200 for t in self.ref[0][n : n + k]] or [1]))
+            elif n >= 14:
+                raise RuntimeError("boom")
+            else:
+                out.append(Draft(self.ref[1][n : n + k]))
+        return out
+
+    def observe(self, verdicts):
+        pass
+
+    def release(self, seq):
+        pass
+
+
+def test_a_drafter_failing_for_the_one_sequence_drafted_ends_only_it(tiny_model_dir):
+    """D-Cut drafts only the sequence worth it; its drafter raising ends that sequence alone."""
+    prompts = PROMPTS[:2]
+    params = greedy(30)
+    ref = [
+        o.outputs[0].token_ids
+        for o in LLM(tiny_model_dir, device="cpu").generate(prompts, params, use_tqdm=False)
+    ]
+    spec = {"num_drafts": 3, "dcut": True, "dcut_probe_every": 1000}
+    llm = LLM(tiny_model_dir, device="cpu", drafter=FailsLate(prompts, ref), spec=spec)
+    llm.engine.spec.cost = VerifyCostModel.from_points({(1, 4.0): 1.3, (2, 4.0): 1.3})
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == ref[0]
+    assert outs[1].outputs[0].finish_reason == "error"
+
+
+class Learner:
+    """Drafts nothing useful; rebuilds each sequence's output from what `observe` shows it."""
+
+    name, needs_hidden = "learner", False
+
+    def __init__(self):
+        self.seen: dict[int, list[int]] = {}
+
+    def propose(self, seqs, caps):
+        return [Draft([1] * k) for k in caps]
+
+    def observe(self, verdicts):
+        for v in verdicts:
+            self.seen.setdefault(v.seq.seq_id, []).extend(v.emitted)
+
+    def release(self, seq):
+        pass
+
+
+@pytest.mark.parametrize("dcut", [True, False])
+def test_a_drafter_not_declared_stateless_sees_every_step(tiny_model_dir, dcut):
+    """Only drafters that say `stateless = True` miss the verdicts of steps nothing drafted."""
+    learner = Learner()
+    spec = {"num_drafts": 3, "dcut": dcut}
+    llm = LLM(tiny_model_dir, device="cpu", drafter=learner, spec=spec)
+    outs = llm.generate(PROMPTS[:3], greedy(20), use_tqdm=False)
+    for i, o in enumerate(outs):
+        tokens = o.outputs[0].token_ids
+        # every token but a finished sequence's last (finished sequences are not observed)
+        assert learner.seen[i] == tokens[: len(learner.seen[i])]
+        assert len(learner.seen[i]) >= len(tokens) - 1
+
+
+def test_probe_steps_keep_the_planned_sequences(tiny_model_dir):
+    """A probe step drafts the sequences D-Cut planned deep, plus a few others; never fewer."""
+    prompts = [[(7 * i + 3 * j) % 200 + 3 for j in range(5 + (3 * i) % 11)] for i in range(16)]
+    params = greedy(40)
+    plain = LLM(tiny_model_dir, device="cpu").generate(prompts, params, use_tqdm=False)
+    ref = [o.outputs[0].token_ids for o in plain]
+    drafter = ReplayDrafter(dict(zip(map(tuple, prompts), ref, strict=True)), 1.0, 200)
+    llm = LLM(tiny_model_dir, device="cpu", drafter=drafter, spec={"num_drafts": 3})
+    llm.engine.spec.cost = VerifyCostModel.from_points({(1, 4.0): 1.01, (16, 4.0): 1.01})
+    sizes, real = [], drafter.propose
+    spec = llm.engine.spec
+
+    def propose(seqs, caps):
+        sizes.append((spec._steps, len(seqs)))
+        return real(seqs, caps)
+
+    drafter.propose = propose
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    probes = [n for step, n in sizes if step % spec.cfg.dcut_probe_every == 0]
+    others = [n for step, n in sizes if step % spec.cfg.dcut_probe_every != 0]
+    assert probes and others and min(probes) >= max(others[:3])

@@ -26,7 +26,12 @@ from typing import Generic, TypeVar
 import torch
 
 from metrale.engine.kv_cache import DUMMY_PAGE
-from metrale.engine.program_shapes import RaggedShape, all_ragged_shapes, max_ragged_seqs
+from metrale.engine.program_shapes import (
+    RaggedShape,
+    all_ragged_shapes,
+    default_max_rows,
+    max_ragged_seqs,
+)
 from metrale.engine.state_cache import DUMMY_ENTRY
 from metrale.models.attention import AttentionMetadata
 from metrale.models.gdn_state import GDNState, StateMode
@@ -143,7 +148,7 @@ class GraphRunner:
     def __init__(
         self,
         model,
-        max_rows: int,
+        max_rows: int | None,
         max_model_len: int,
         page_size: int,
         device: torch.device,
@@ -155,18 +160,26 @@ class GraphRunner:
         """`paged_kernel`: the attention reads pages itself (no gather to a fixed length), so
         programs need no KV bucket in their key. `state_pool`: a hybrid target's state.
         `max_q`: the most rows one sequence runs in a step (1 + K); `max_seqs`: sequences.
-        With the paged kernel and no recurrent state, programs are ragged (`ragged.py`)."""
+        With the paged kernel and no recurrent state, programs are ragged
+        (`program_shapes.py`). `max_rows` None: as many rows as any step of `max_seqs`
+        sequences can need, so no step is refused."""
         self.model, self.page_size, self.device = model, page_size, device
         self.state_pool = state_pool
         self.max_model_len = max_model_len
         self.paged_kernel = paged_kernel
         self.ragged = paged_kernel and state_pool is None
-        self.max_q = max_q
+        self.max_q, self.max_seqs = max_q, max_seqs
+        shapes = all_ragged_shapes(max_seqs, max_q) if self.ragged else []
+        if max_rows is None:
+            max_rows = default_max_rows(max_seqs, max_q, self.ragged)
         self.cache: ProgramCache = ProgramCache(
             self._capture,
             max_rows,
+            # every start-up program stays: none is evicted and captured again mid-run
+            cap=max(CACHE_CAP, len(shapes)),
             min_seqs=max_ragged_seqs(max_seqs, max_q) if self.ragged else 0,
         )
+        self._ragged_shapes = shapes
         ws = self.cache.workspace
         pages = -(-max_model_len // page_size) + 1
 
@@ -304,15 +317,18 @@ class GraphRunner:
         return hidden, logits, state_view
 
     @torch.inference_mode()
-    def capture_ragged(self, max_seqs: int) -> tuple[int, float]:
+    def capture_ragged(self) -> tuple[int, float]:
         """Capture every ragged program a step of up to `max_seqs` sequences can use, now
-        (start-up) rather than inside running steps: (programs, seconds)."""
-        start = time.perf_counter()
-        shapes = all_ragged_shapes(max_seqs, self.max_q)
-        for shape in shapes:
+        (start-up) rather than inside running steps: (programs, seconds). Shapes past a
+        `max_rows` the user set are skipped: those steps run eagerly."""
+        start, captured = time.perf_counter(), 0
+        for shape in self._ragged_shapes:
+            if shape.rows() > self.cache.max_rows:
+                continue
             self.cache.get(shape, (self.max_model_len, None))
+            captured += 1
         torch.cuda.synchronize(self.device)
-        return len(shapes), time.perf_counter() - start
+        return captured, time.perf_counter() - start
 
     def commit(self, state: GDNState, num_rows: torch.Tensor) -> None:
         """`state.commit(num_rows)` for the program just replayed (write-on-accept), as a graph

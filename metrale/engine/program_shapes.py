@@ -103,10 +103,28 @@ def padding_rows(shape: RaggedShape, num_seqs: int, num_rows: int) -> list[int]:
 
 def all_ragged_shapes(max_seqs: int, max_q: int) -> list[RaggedShape]:
     """Every shape a step of up to `max_seqs` sequences of 1..max_q rows pads to (captured at
-    start-up, so no capture lands in a running step)."""
-    shapes = {
-        ragged_shape(seqs, rows, max_q)
-        for seqs in range(1, max_seqs + 1)
-        for rows in range(seqs, seqs * max_q + 1)
-    }
-    return sorted(shapes)
+    start-up, so no capture lands in a running step). Per power-of-two sequence bucket, the rows
+    run over multiples of its grain from the fewest (one row per sequence) to the most."""
+    shapes = set()
+    bucket = 1
+    while True:
+        lo, hi = bucket // 2 + 1, min(bucket, max_seqs)  # sequence counts in this bucket
+        first, last = ragged_shape(lo, lo, max_q), ragged_shape(hi, hi * max_q, max_q)
+        grain = 1 if max_q == 1 else max(bucket // 2, 1)
+        for rows in range(first.rows(), last.rows() + 1, grain):
+            shapes.add(RaggedShape(rows, first.num_seqs, max_q))
+        if bucket >= max_seqs:
+            return sorted(shapes)
+        bucket *= 2
+
+
+def max_ragged_rows(max_seqs: int, max_q: int) -> int:
+    """The most rows a ragged program of up to `max_seqs` sequences has."""
+    return ragged_shape(max_seqs, max_seqs * max_q, max_q).rows()
+
+
+def default_max_rows(max_seqs: int, max_q: int, ragged: bool) -> int:
+    """The graph workspace's rows by default: every step of up to `max_seqs` sequences of
+    1..max_q rows fits, padded as row-table programs pad or, when `ragged`, as ragged ones."""
+    rows = max_padded_rows(max_seqs, max_q)
+    return max(rows, max_ragged_rows(max_seqs, max_q)) if ragged else rows

@@ -14,12 +14,7 @@ import torch
 from metrale.config import EngineConfig, ModelConfig
 from metrale.engine.graphs import GraphRunner
 from metrale.engine.kv_cache import DUMMY_PAGE, allocate_kv_cache, kv_page_bytes
-from metrale.engine.program_shapes import (
-    decode_bucket,
-    max_padded_rows,
-    padding_rows,
-    ragged_shape,
-)
+from metrale.engine.program_shapes import decode_bucket, padding_rows, ragged_shape
 from metrale.engine.sampler import SamplingBatch, SamplingRow
 from metrale.engine.sequence import Batch, Phase, ScheduledSeq
 from metrale.engine.staging import to_device_packed
@@ -147,7 +142,7 @@ class ModelRunner:
         if cfg.cuda_graphs and self.device.type == "cuda":
             self.graphs = GraphRunner(
                 self.model,
-                cfg.graph_max_rows or max_padded_rows(cfg.max_num_seqs, num_drafts + 1),
+                cfg.graph_max_rows,
                 # a sequence's block table may reach `lookahead` rows past the model length
                 max_model_len + lookahead,
                 cfg.page_size,
@@ -159,7 +154,7 @@ class ModelRunner:
             )
         if self.graphs is not None and self.graphs.ragged:
             free = torch.cuda.mem_get_info(self.device)[0]
-            programs, seconds = self.graphs.capture_ragged(cfg.max_num_seqs)
+            programs, seconds = self.graphs.capture_ragged()
             log.info(
                 "captured %d CUDA graphs in %.1f s (%.2f GiB)",
                 programs,

@@ -96,7 +96,7 @@ class SpeculativeDecoder:
         # estimate has changed since (None: plan again)
         self._quiet: tuple[int, ...] | None = None
         # whether this step's verdicts go to `observe` (False: nothing drafted, and the drafter
-        # keeps no per-step state, so the step is a plain decode step end to end)
+        # is `stateless`, so the step is a plain decode step end to end)
         self.observing = False
 
     def prepare(self, running: list[Sequence]) -> list[tuple[Sequence, str]]:
@@ -119,7 +119,9 @@ class SpeculativeDecoder:
         planned = False  # caps are depths D-Cut already chose
         if self.cfg.dcut and seqs:
             seqs, caps, planned = self._planned(seqs, caps)
-        self.observing = bool(seqs) or self.drafter.needs_hidden
+        # A drafter that declares itself `stateless` learns nothing from verdicts it did not
+        # draft for; any other is shown every step's verdicts, as the protocol says.
+        self.observing = bool(seqs) or not getattr(self.drafter, "stateless", False)
         if not seqs:
             return []
         drafts, failed = self._propose(seqs, caps)
@@ -149,20 +151,24 @@ class SpeculativeDecoder:
         running set does, the next steps skip planning (a plain step does no D-Cut work). Every
         `dcut_probe_every` steps a few sequences, in turn, draft anyway."""
         if self._steps % self.cfg.dcut_probe_every == 0:
+            # The plan's sequences, plus a few of the others in turn, drafting up to their caps
+            # (the cut after drafting decides their depths; those at 0 learn their first draft).
             self._quiet = None
+            chosen = set(self._worth_drafting(seqs, caps)[0])
             first = (self._steps // self.cfg.dcut_probe_every * PROBE_SEQS) % len(seqs)
-            picked = [(first + i) % len(seqs) for i in range(min(PROBE_SEQS, len(seqs)))]
+            probed = {(first + i) % len(seqs) for i in range(min(PROBE_SEQS, len(seqs)))}
+            picked = sorted(chosen | probed)
             return [seqs[i] for i in picked], [caps[i] for i in picked], False
         running = tuple(s.seq_id for s in seqs)
         if running == self._quiet:
             return [], [], False
-        seqs, caps = self._worth_drafting(seqs, caps)
-        self._quiet = None if seqs else running
-        return seqs, caps, True
+        keep, depths = self._worth_drafting(seqs, caps)
+        self._quiet = None if keep else running
+        return [seqs[i] for i in keep], depths, True
 
     def _worth_drafting(self, seqs: list[Sequence], caps: list[int]):
-        """The sequences (and caps) D-Cut gives a depth when every one of them drafts its cap
-        at its estimated acceptance; the others are not drafted this step."""
+        """(indices into `seqs`, depths) of the sequences D-Cut gives a depth when every one of
+        them drafts its cap at its estimated acceptance; the others are not drafted."""
         inputs = [
             PlanInput(slot=s.slot, max_depth=c, accept=self.estimator.estimate(s.seq_id, c))
             for s, c in zip(seqs, caps, strict=True)
@@ -171,16 +177,16 @@ class SpeculativeDecoder:
         keep = sorted(i for i, d in zip(chosen.order, chosen.depths, strict=True) if d > 0)
         # Drafting deeper than the plan buys nothing: the cut after drafting keeps at most this.
         depth = dict(zip(chosen.order, chosen.depths, strict=True))
-        return [seqs[i] for i in keep], [min(caps[i], depth[i]) for i in keep]
+        return keep, [min(caps[i], depth[i]) for i in keep]
 
     def _propose(self, seqs: list[Sequence], caps: list[int]):
         try:
             drafts = self.drafter.propose(seqs, caps)
             return [self._checked(d, c) for d, c in zip(drafts, caps, strict=True)], []
-        except Exception:  # noqa: BLE001 (isolate: find the sequence(s) that make it fail)
-            if len(seqs) == 1:
+        except Exception as e:  # noqa: BLE001 (isolate: find the sequence(s) that make it fail)
+            if len(seqs) == 1:  # that one sequence: it ends, the others go on
                 log.exception("drafter %s failed for %s", self.drafter.name, seqs[0].request_id)
-                raise
+                return [None], [(seqs[0], f"drafter {self.drafter.name}: {type(e).__name__}: {e}")]
         drafts, failed = [], []
         for seq, cap in zip(seqs, caps, strict=True):
             try:

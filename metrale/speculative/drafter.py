@@ -55,6 +55,9 @@ class Drafter(Protocol):
     name: str
     # True when the drafter needs the target's hidden states in `observe`.
     needs_hidden: bool
+    # Optional (default False): a drafter that learns nothing from `observe` may say so with
+    # `stateless = True`; the engine then skips `observe` on steps where nothing was drafted, so
+    # those steps are plain decode steps. Any other drafter sees every step's verdicts.
 
     def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> list[Draft]:
         """One Draft per sequence, each with at most `max_drafts[i]` tokens (0 is allowed)."""

@@ -91,6 +91,7 @@ class NgramIndex:
 class NgramDrafter:
     name = "ngram"
     needs_hidden = False
+    stateless = True  # learns nothing from verdicts: steps that draft nothing skip `observe`
 
     def __init__(self, n_min: int = 1, n_max: int = 4, window: int = 4096) -> None:
         if not 1 <= n_min <= n_max:

@@ -22,6 +22,7 @@ from metrale.speculative.drafter import Draft, Verdict
 class ReplayDrafter:
     name = "replay"
     needs_hidden = False
+    stateless = True  # learns nothing from verdicts: steps that draft nothing skip `observe`
 
     def __init__(
         self,
