@@ -34,3 +34,19 @@ def test_index_on_code_like_text():
     for i in range(0, len(text), 7):
         index.extend(text[i : i + 7])
         assert index.lookup(4) == lookup(text[: i + 7], 1, 4, 4)
+
+
+def test_index_stays_within_the_window():
+    """A long sequence: the index keeps at most about two windows of tokens and n-grams, and
+    still proposes what the scan over the last window proposes."""
+    rng = random.Random(7)
+    window, index, tokens = 16, NgramIndex(1, 3, 16), []
+    for _ in range(400):
+        new = [rng.randrange(4) for _ in range(rng.randint(1, 6))]
+        tokens += new
+        index.extend(new)
+        assert index.length == len(tokens)
+        assert len(index.tokens) <= 2 * window + 3 + 6
+        assert sum(len(v) for v in index.starts.values()) <= 3 * len(index.tokens)
+        for k in (1, 4):
+            assert index.lookup(k) == lookup(tokens[-window:], 1, 3, k)

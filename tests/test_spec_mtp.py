@@ -49,6 +49,30 @@ def test_mtp_drafter_is_lossless(mtp_model_dir, canonical_arm):
     assert out.outputs[0].token_ids == expected[3]
 
 
+def test_mtp_chain_stops_where_the_pages_do(mtp_model_dir):
+    """A last prefill chunk reserves no rows past its tokens: the chain must not write MTP KV
+    past the sequence's pages (it raised IndexError and ended the sequence with an error)."""
+    prompts = make_prompts(seed=2)
+    params = [
+        params_for(i, **({"speculative": False} if i % 5 == 0 else {}))
+        if i % 7 != 3
+        else params_for(i, num_drafts=1)
+        for i in range(len(prompts))
+    ]
+    ref = LLM(mtp_model_dir, device="cpu").generate(prompts, params, use_tqdm=False)
+    llm = LLM(
+        mtp_model_dir,
+        device="cpu",
+        spec={"method": "mtp", "num_drafts": 2, "dcut": False},
+        page_size=4,
+        num_kv_pages=40,
+        max_num_batched_tokens=40,
+    )
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outs] == ["length"] * len(prompts)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+
+
 def test_mtp_needs_heads(tiny_model_dir):
     with pytest.raises(ValueError, match="no MTP weights"):
         LLM(tiny_model_dir, device="cpu", spec={"method": "mtp"})

@@ -135,14 +135,18 @@ class MTPDrafter:
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> list[Draft]:
-        # A state is current only if it sits on the sequence's newest committed row.
+        # A state is current only if it sits on the sequence's newest committed row. The chain
+        # writes MTP KV at positions p + 1 .. p + k - 1, so k stops where the sequence's pages
+        # do (a last prefill chunk reserves no rows past its tokens).
+        rows_of = self.runner.page_size
         live = [
-            (i, seq, k, state)
+            (i, seq, min(k, len(seq.block_table) * rows_of - state[0]), state)
             for i, (seq, k) in enumerate(zip(seqs, max_drafts, strict=True))
             if k > 0
             and (state := self._pos.get(seq.seq_id)) is not None
             and state[0] == seq.num_tokens - 2
-        ][: self.max_seqs]
+        ]
+        live = [entry for entry in live if entry[2] > 0][: self.max_seqs]
         drafts: list[Draft] = [Draft([]) for _ in seqs]
         if not live:
             return drafts

@@ -41,16 +41,34 @@ class NgramIndex:
 
     Grown by the tokens committed since the last call, so a step costs O(new tokens x n) per
     sequence, not O(window x n) plus a copy of the window. Proposes exactly what `lookup` over
-    the last `window` tokens proposes (the tests hold it to that).
+    the last `window` tokens proposes (the tests hold it to that). Bounded by the window: once
+    twice the window has gone by, the index is rebuilt from the last window's tokens (O(n) per
+    token, amortised), so a long sequence keeps no n-gram it can no longer propose from.
     """
 
     def __init__(self, n_min: int, n_max: int, window: int) -> None:
         self.n_min, self.n_max, self.window = n_min, n_max, window
+        self.offset = 0  # absolute position of tokens[0]
         self.tokens: list[int] = []
-        self.starts: dict[tuple[int, ...], list[int]] = {}
+        self.starts: dict[tuple[int, ...], list[int]] = {}  # n-gram -> absolute starts
+
+    @property
+    def length(self) -> int:
+        """Tokens indexed so far (the sequence's positions 0..length-1)."""
+        return self.offset + len(self.tokens)
 
     def extend(self, new: list[int]) -> None:
-        tokens, starts = self.tokens, self.starts
+        if len(self.tokens) + len(new) > 2 * self.window + self.n_max:
+            # Keep what the window can still reach after these tokens, and index it afresh.
+            kept = (self.tokens + list(new))[-(self.window + self.n_max) :]
+            self.offset = self.length + len(new) - len(kept)
+            self.tokens, self.starts = [], {}
+            self._register(kept)
+        else:
+            self._register(new)
+
+    def _register(self, new: list[int]) -> None:
+        tokens, starts, base = self.tokens, self.starts, self.offset
         old = len(tokens)
         tokens.extend(new)
         last = len(tokens) - 1  # an n-gram starting at i is followed once i + n <= last
@@ -60,7 +78,7 @@ class NgramIndex:
                 continue
             # the n-grams as tuples, built in C by zipping n shifted slices
             grams = zip(*(tokens[first + j : last - n + 1 + j] for j in range(n)))
-            for i, gram in enumerate(grams, first):
+            for i, gram in enumerate(grams, base + first):
                 hits = starts.get(gram)
                 if hits is None:
                     starts[gram] = [i]
@@ -68,12 +86,12 @@ class NgramIndex:
                     hits.append(i)
 
     def lookup(self, k: int) -> list[int]:
-        tokens, length = self.tokens, len(self.tokens)
+        tokens, length, base = self.tokens, self.length, self.offset
         if k <= 0 or length < 2:
             return []
         first = max(0, length - self.window)  # n-grams wholly inside the window
         for n in range(min(self.n_max, length - 1, length - first - 1), self.n_min - 1, -1):
-            hits = self.starts.get(tuple(tokens[length - n :]))
+            hits = self.starts.get(tuple(tokens[len(tokens) - n :]))
             if not hits or hits[-1] < first:
                 continue
             # the latest occurrence followed by k tokens, else the latest (as `lookup` does)
@@ -84,7 +102,7 @@ class NgramIndex:
                 if i + n + k <= length:
                     pick = i
                     break
-            return tokens[pick + n : pick + n + k]
+            return tokens[pick - base + n : pick - base + n + k]
         return []
 
 
@@ -105,8 +123,8 @@ class NgramDrafter:
             index = self._indexes.get(seq.seq_id)
             if index is None:
                 index = self._indexes[seq.seq_id] = NgramIndex(self.n_min, self.n_max, self.window)
-            if len(index.tokens) < seq.num_tokens:
-                index.extend(seq.tokens(len(index.tokens), seq.num_tokens))
+            if index.length < seq.num_tokens:
+                index.extend(seq.tokens(index.length, seq.num_tokens))
             drafts.append(Draft(index.lookup(k)))
         return drafts
 
