@@ -50,27 +50,24 @@ def test_mtp_drafter_is_lossless(mtp_model_dir, canonical_arm):
 
 
 def test_mtp_chain_stops_where_the_pages_do(mtp_model_dir):
-    """A last prefill chunk reserves no rows past its tokens: the chain must not write MTP KV
-    past the sequence's pages (it raised IndexError and ended the sequence with an error)."""
-    prompts = make_prompts(seed=2)
-    params = [
-        params_for(i, **({"speculative": False} if i % 5 == 0 else {}))
-        if i % 7 != 3
-        else params_for(i, num_drafts=1)
-        for i in range(len(prompts))
-    ]
-    ref = LLM(mtp_model_dir, device="cpu").generate(prompts, params, use_tqdm=False)
-    llm = LLM(
-        mtp_model_dir,
-        device="cpu",
-        spec={"method": "mtp", "num_drafts": 2, "dcut": False},
-        page_size=4,
-        num_kv_pages=40,
-        max_num_batched_tokens=40,
-    )
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].finish_reason for o in outs] == ["length"] * len(prompts)
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    """A last prefill chunk reserves no rows past its tokens, and the chain writes MTP KV at
+    p + 1 .. p + k - 1 before the verify's rows are reserved: it must stop at the sequence's
+    pages (it raised IndexError, ending the sequence with an error)."""
+    llm = LLM(mtp_model_dir, device="cpu", spec={"method": "mtp", "num_drafts": 3}, page_size=4)
+    engine = llm.engine
+    engine.add_request("r", list(range(3, 14)), SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()  # the prefill: 11 tokens, the first output token sampled, the catch-up run
+    seq = engine.requests["r"].seqs[0]
+    assert seq.num_tokens == 12
+    covered = 3  # pages holding rows 0..11: the chain may write no row past 11
+    table = seq.block_table
+    seq.block_table = table[:covered]
+    try:
+        (draft,) = engine.spec.drafter.propose([seq], [3])
+    finally:
+        seq.block_table = table
+    # p = 10: the chain writes p + 1 = 11 only, so two drafts at most
+    assert 1 <= len(draft.tokens) <= 2
 
 
 def test_mtp_needs_heads(tiny_model_dir):
