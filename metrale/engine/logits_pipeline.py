@@ -37,6 +37,9 @@ class SamplingRow:
     output_token_ids: Sequence[int]  # tokens emitted before the first row's pick
     eos_token_ids: tuple[int, ...] = ()  # model EOS ids
     drafts: Sequence[int] = ()
+    # how many verifies of this sequence came before: keys the accept and residual uniforms of
+    # drafts with a distribution, so a position judged again never reuses its noise
+    attempt: int = 0
 
 
 def _to_int64(value: int) -> int:
@@ -85,6 +88,7 @@ class SamplingBatch:
     frequency_penalty: Tensor  # [N] f32
     seed: Tensor  # [N] i64
     step: Tensor  # [N] i64, = len(output_token_ids): the output position of the pick
+    attempt: Tensor  # [N] i64, the sequence's verifies before this one (`SamplingRow.attempt`)
     bias_index: Tensor | None  # [2, M] i64: (row, token) of each logit-bias entry
     bias_value: Tensor | None  # [M] f32
     ban_index: Tensor | None  # [2, B] i64: (row, token) banned by min_tokens
@@ -115,7 +119,7 @@ class SamplingBatch:
         if n == 0:
             raise ValueError("SamplingBatch.build: no rows")
         floats: list[tuple[float, ...]] = []  # per row: temperature, top_p, min_p, rep, pres, freq
-        ints: list[tuple[int, ...]] = []  # per row: top_k, seed, step, greedy
+        ints: list[tuple[int, ...]] = []  # per row: top_k, seed, step, greedy, attempt
         bias_rows, bias_toks, bias_vals = [], [], []
         ban_rows, ban_toks = [], []
         # Histories for the penalties, flattened; per-row lengths are 0 where a row needs none.
@@ -146,7 +150,7 @@ class SamplingBatch:
             )
             floats.extend([settings] * r)
             seed = _to_int64(row.seed)
-            ints.extend((top_k, seed, first_step + j, int(greedy)) for j in range(r))
+            ints.extend((top_k, seed, first_step + j, int(greedy), row.attempt) for j in range(r))
             if p.logit_bias:
                 toks = list(p.logit_bias)
                 _check_ids(toks, v, "logit_bias")
@@ -214,9 +218,9 @@ class SamplingBatch:
             ones = torch.ones(idx.shape[1], dtype=torch.float32, device=device)
             output_counts.index_put_((idx[0], idx[1]), ones, accumulate=True)
 
-        greedy_flags = [g for *_, g in ints]
+        greedy_flags = [g for _, _, _, g, _ in ints]
         enabled_k = [k for k, *_ in ints if k < v]
-        sampled = [row for row, (*_, g) in zip(floats, ints, strict=True) if not g]
+        sampled = [row for row, (_, _, _, g, _) in zip(floats, ints, strict=True) if not g]
         return cls(
             num_rows=n,
             vocab_size=v,
@@ -231,6 +235,7 @@ class SamplingBatch:
             frequency_penalty=f[:, 5],
             seed=it[:, 1],
             step=it[:, 2],
+            attempt=it[:, 4],
             bias_index=bias_index,
             bias_value=bias_value,
             ban_index=ban_index,

@@ -281,6 +281,7 @@ class ModelRunner:
                     output_token_ids=e.seq.output_token_ids,
                     eos_token_ids=e.seq.eos_token_ids,
                     drafts=e.drafts,  # its rows: the last token's, then one per draft
+                    attempt=e.seq.num_verifies,
                 )
                 for e, _ in sampling
             ],
@@ -290,13 +291,8 @@ class ModelRunner:
         layout = build_layout(
             [len(e.drafts) for e, _ in sampling], [e.drafts for e, _ in sampling], self.device
         )
-        acc = accept(
-            logits,
-            sb,
-            layout,
-            self._draft_probs([e for e, _ in sampling], logits),
-            raw_argmax=self.verify_raw_argmax,
-        )
+        q, q_rows = self._draft_probs([e for e, _ in sampling], logits)
+        acc = accept(logits, sb, layout, q, raw_argmax=self.verify_raw_argmax, q_rows=q_rows)
         if self.forced_acceptance is not None:  # `metrale bench --forced-acceptance` only
             acc = self.forced_acceptance(acc, layout)
         verdicts = verdicts_of([e for e, _ in sampling], acc)
@@ -392,17 +388,17 @@ class ModelRunner:
         return hidden[:num_rows].clone(), logits[:num_rows], None, list(batch.entries)
 
     def _draft_probs(self, entries: list[ScheduledSeq], logits: torch.Tensor):
-        """[R, V] draft distributions (zeros on rows without a draft), or None when every drafter
-        was deterministic (one-hot q)."""
+        """([R, V] draft distributions, zeros elsewhere; [R] bool, the rows that have one), or
+        (None, None) when every draft is one-hot (judged against the target's own sample)."""
         if not any(e.draft_probs is not None for e in entries):
-            return None
-        parts = []
+            return None, None
+        parts, flags = [], []
         for e in entries:
             k = len(e.drafts)
             q = torch.zeros(k + 1, logits.shape[-1], device=self.device)
-            if k and e.draft_probs is not None:
+            given = k > 0 and e.draft_probs is not None
+            if given:
                 q[:k] = e.draft_probs.to(self.device, torch.float32)
-            elif k:
-                q[torch.arange(k), torch.tensor(e.drafts)] = 1.0
             parts.append(q)
-        return torch.cat(parts)
+            flags += [given] * k + [False]
+        return torch.cat(parts), torch.tensor(flags, device=self.device)

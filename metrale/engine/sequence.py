@@ -59,6 +59,7 @@ class Sequence:
     # speculative decoding of this sequence: drafts verified and accepted so far
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_verifies: int = 0  # steps that verified drafts of it (keys fresh acceptance noise)
     # drafts proposed for the next verify (a `speculative.drafter.Draft`), cut to the planned depth
     draft: Any = None
 

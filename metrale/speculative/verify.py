@@ -6,16 +6,25 @@ without speculation (the output so far plus the drafts before it), so penalties,
 `min_tokens` judge a draft exactly as plain decoding would. Then, per row:
 
 - greedy rows: the draft matches iff it is the argmax of the processed logits;
-- sampled rows (Leviathan/Chen): accept d with probability min(1, p(d)/q(d)), one uniform per
-  position; one-hot q for deterministic drafters, so d is accepted with probability p(d).
+- sampled rows with a one-hot draft (every drafter metrale ships): the draft matches iff it is
+  the target's own seeded sample at that row, the very token plain seeded decoding draws there
+  (stream `SAMPLE_STREAM` keyed by the seed and the output position). P(match) = p(d), and a
+  mismatch emits that sample, distributed as p without d: the law of rejection sampling with a
+  one-hot q, and the emitted tokens are plain seeded decoding's, whatever the drafts, the batch
+  or the depths D-Cut picked;
+- sampled rows whose drafter gave a distribution q (Leviathan/Chen): accept d with probability
+  min(1, p(d)/q(d)); on rejection emit a sample of norm(max(0, p - q)). Their uniforms are keyed
+  by the sequence's verify count too (`SamplingBatch.attempt`), so a position judged again in a
+  later step never reuses them (a drafter that re-proposes what a rejection revealed cannot bias
+  the output).
 
 A sequence accepts the longest matching prefix (`a` drafts), then emits one more token from row
-a: for a rejected sampled draft, a sample of norm(max(0, p - q)); after a full accept (or with no
-drafts, a plain decode), a sample of p. k = 0 is exactly non-speculative sampling, with the same
-uniforms (stream `SAMPLE_STREAM` at the same output position), so one code path serves both.
+a: the correction above, or after a full accept (or with no drafts, a plain decode) the seeded
+sample of p. k = 0 is exactly non-speculative sampling, so one code path serves both.
 
 NOTE: lossless: the emitted sequence is distributed as the target's own samples (exactly the
-target's tokens under greedy), whatever the drafts. No host sync happens here.
+target's tokens under greedy and, for one-hot drafts, under seeded sampling), whatever the
+drafts. No host sync happens here.
 """
 
 from __future__ import annotations
@@ -87,9 +96,11 @@ def accept(
     layout: RowLayout,
     draft_probs: Tensor | None = None,
     raw_argmax: bool = False,
+    q_rows: Tensor | None = None,
 ) -> Acceptance:
     """logits [R, V] raw float32, one row per verify row; draft_probs [R, V] (q on draft rows,
-    ignored elsewhere) or None for one-hot drafts. See the module docstring for the rule.
+    ignored elsewhere) or None for one-hot drafts; q_rows [R] bool, the rows whose q came from
+    the drafter (None: every row, when draft_probs is given). See the module docstring.
 
     `raw_argmax` judges greedy draft rows on the argmax of the raw logits, skipping penalties,
     bias and bans (the reference system's block-drafter serve without masked verify); rows
@@ -108,20 +119,23 @@ def accept(
         pick = greedy_pick
     else:
         p = torch.softmax(processed, dim=-1)  # [R, V]
-        if draft_probs is None:
-            q = torch.zeros_like(p).scatter_(1, safe_drafts, 1.0)  # one-hot drafts
-        else:
+        own = _race(p, batch, SAMPLE_STREAM)  # [R] the target's seeded sample at each row
+        sampled_match, sampled_pick = own == drafts, own
+        if draft_probs is not None:
             q = draft_probs.to(p.dtype)
-        p_d = p.gather(1, safe_drafts).squeeze(1)
-        q_d = q.gather(1, safe_drafts).squeeze(1).clamp(min=1e-30)
-        u = seeded_uniform(batch.seed, batch.step, 1, ACCEPT_STREAM)[:, 0]  # [R]
-        sampled_match = u < (p_d / q_d).clamp(max=1.0)
-        residual = (p - q).clamp_(min=0.0)
-        # p == q leaves no residual mass; a rejection is then impossible, but keep p finite.
-        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-        sampled_pick = torch.where(
-            has_draft, _race(residual, batch, RESIDUAL_STREAM), _race(p, batch, SAMPLE_STREAM)
-        )
+            judged = has_draft if q_rows is None else has_draft & q_rows
+            # a fresh key for every verify of a sequence: (position, attempt) never repeats
+            step = batch.step + (batch.attempt << 32)
+            p_d = p.gather(1, safe_drafts).squeeze(1)
+            q_d = q.gather(1, safe_drafts).squeeze(1).clamp(min=1e-30)
+            u = seeded_uniform(batch.seed, step, 1, ACCEPT_STREAM)[:, 0]  # [R]
+            residual = (p - q).clamp_(min=0.0)
+            # p == q leaves no residual mass; a rejection is then impossible, but keep p finite.
+            residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+            noise = seeded_uniform(batch.seed, step, p.shape[-1], RESIDUAL_STREAM)
+            corrected = residual.div(noise.log_().neg_()).argmax(dim=-1)
+            sampled_match = torch.where(judged, u < (p_d / q_d).clamp(max=1.0), sampled_match)
+            sampled_pick = torch.where(judged, corrected, sampled_pick)
         matches = has_draft & torch.where(batch.greedy, greedy_pick == drafts, sampled_match)
         pick = torch.where(batch.greedy, greedy_pick, sampled_pick)
 
