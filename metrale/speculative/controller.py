@@ -16,8 +16,9 @@ import torch
 from metrale.config import SpecConfig
 from metrale.engine.sequence import Sequence
 from metrale.knobs import knobs
-from metrale.speculative.dcut import AcceptanceEstimator, PlanInput, VerifyCostModel, plan
+from metrale.speculative.dcut import PlanInput, VerifyCostModel, plan
 from metrale.speculative.drafter import Draft, Drafter, Verdict
+from metrale.speculative.estimator import AcceptanceEstimator
 from metrale.speculative.row_table import RowTable
 from metrale.speculative.verify_key import (
     canonical_assignment,

@@ -16,8 +16,8 @@ planned for the deal, which also cut distinct graph keys by about half rather th
 
 Host-side Python (numpy for the canonical plan): a batch is at most a few hundred sequences.
 
-Also here: the verify cost curve T (`VerifyCostModel`) and the per-sequence, per-position
-acceptance estimate the planner reads (`AcceptanceEstimator`).
+Also here: the verify cost curve T (`VerifyCostModel`). The per-sequence, per-position acceptance
+estimate the planner reads is `estimator.AcceptanceEstimator`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections import OrderedDict
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,101 +159,6 @@ class VerifyCostModel:
         i = bisect.bisect_left(batches, width)  # batches[i - 1] < width <= batches[i]
         t = (width - batches[i - 1]) / (batches[i] - batches[i - 1])
         return (1 - t) * _interp(*self._curves[i - 1], q) + t * _interp(*self._curves[i], q)
-
-
-class AcceptanceEstimator:
-    """Per sequence, per draft position j: an EMA of whether draft j matched the target.
-
-    The engine records the match of every verified position, even past the first miss, so
-    position j's estimate is the frequency of draft j matching; the planner uses it as a_{i,j}.
-    A sequence never observed reads `prior`; one observed but never verified as deep as position
-    j reads position j - 1's estimate there. Early on the prior counts as one observation and the
-    estimate is a plain mean (weight 1/(n+1) for the n-th), until that weight falls to `rate`, so a
-    new sequence leaves the prior in a few steps instead of 1/rate.
-
-    Memory is bounded: `max_positions` per sequence (deeper positions read the deepest tracked
-    one), and at most `max_sequences` sequences, the least recently observed evicted first, so a
-    sequence that ended without `forget` cannot make it grow.
-
-    With `pooled_prior`, a sequence never observed reads instead an EMA over every observation
-    of every sequence (`prior` until the first): new requests start from what the drafter has
-    been achieving, so an engine whose drafts all miss does not spend each new request's first
-    steps re-learning that.
-    """
-
-    def __init__(
-        self,
-        max_positions: int = 8,
-        prior: float = 0.5,
-        rate: float = 0.2,
-        max_sequences: int = 4096,
-        pooled_prior: bool = False,
-    ) -> None:
-        if max_positions < 1 or max_sequences < 1:
-            raise ValueError("max_positions and max_sequences must be at least 1")
-        if not 0.0 < rate <= 1.0 or not 0.0 <= prior <= 1.0:
-            raise ValueError(f"need 0 < rate <= 1 and 0 <= prior <= 1, got {rate}, {prior}")
-        self.max_positions = max_positions
-        self.prior = prior
-        self.rate = rate
-        self.max_sequences = max_sequences
-        # Counts stop at the step where the weight reaches `rate`: beyond it they change nothing.
-        self._count_cap = math.ceil(1.0 / rate)
-        self._seqs: OrderedDict[Hashable, tuple[list[float], list[int]]] = OrderedDict()
-        self._pooled = ([prior] * max_positions, [0] * max_positions) if pooled_prior else None
-
-    def __len__(self) -> int:
-        return len(self._seqs)
-
-    def observe(self, seq_id: Hashable, matches: Sequence[bool]) -> None:
-        """Record one verify of `seq_id`: `matches[j]` is whether draft j + 1 matched."""
-        stats = self._seqs.pop(seq_id, None)
-        if stats is None:
-            start = [self.prior] * self.max_positions
-            if self._pooled is not None and self._pooled[1][0] > 0:
-                start = list(self._pooled[0])  # a new sequence starts where the pool stands
-            stats = (start, [0] * self.max_positions)
-            while len(self._seqs) >= self.max_sequences:
-                self._seqs.popitem(last=False)
-        self._seqs[seq_id] = stats
-        self._update(stats, matches)
-        if self._pooled is not None:
-            self._update(self._pooled, matches)
-
-    def _update(self, stats: tuple[list[float], list[int]], matches: Sequence[bool]) -> None:
-        est, count = stats
-        for j, matched in enumerate(matches[: self.max_positions]):
-            count[j] = min(count[j] + 1, self._count_cap)
-            weight = max(self.rate, 1.0 / (count[j] + 1))
-            est[j] += weight * (float(bool(matched)) - est[j])
-
-    def estimate(
-        self, seq_id: Hashable, depth: int, probs: Sequence[float] | None = None
-    ) -> list[float]:
-        """a_{j+1} for j < depth; `probs[j]` (the drafter's confidence in draft j + 1, this step)
-        replaces the EMA where given."""
-        stats = self._seqs.get(seq_id)
-        if stats is None and self._pooled is not None and self._pooled[1][0] > 0:
-            stats = self._pooled
-        out = []
-        for j in range(depth):
-            if probs is not None and j < len(probs):
-                out.append(_prob(probs[j]))
-                continue
-            pos = min(j, self.max_positions - 1)
-            if stats is not None and stats[1][pos] > 0:
-                out.append(stats[0][pos])
-            elif stats is not None and j > 0:
-                # Never verified this deep: assume the previous position's rate, so a sequence
-                # whose first drafts land gets deeper (the prior would pin it shallow forever).
-                out.append(out[-1])
-            else:
-                out.append(self.prior)
-        return out
-
-    def forget(self, seq_id: Hashable) -> None:
-        """Drop a finished (or aborted) sequence; unknown ids are fine."""
-        self._seqs.pop(seq_id, None)
 
 
 @dataclass(frozen=True)
