@@ -84,7 +84,7 @@ class PicksAdversary:
                 continue
             q = torch.full((k, self.vocab), 0.1 / (self.vocab - 1))
             q[range(k), tokens] = 0.9
-            rng = random.Random(f"{seq.seed}:{seq.num_tokens}:{seq.num_verifies}")
+            rng = random.Random(f"{seq.seed}:{seq.num_tokens}:{seq.noise_epoch}")
             drawn = [rng.choices(range(self.vocab), weights=row.tolist())[0] for row in q]
             out.append(Draft(drawn, q))
         return out
@@ -122,3 +122,71 @@ def test_an_adversarial_drafter_cannot_bias_sampling(model_dir, exact, with_prob
         plain = LLM(model_dir, device="cpu", max_num_seqs=512, max_num_batched_tokens=4096)
         ref = plain.generate([PROMPT] * 300, params[:300], use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs[:300]] == [o.outputs[0].token_ids for o in ref]
+
+
+def _choosy_adversary_hits(fresh: bool, adversarial: bool, n: int = 4000) -> float:
+    """P(x2 = 0) under a q-drafter that learns the sample at position 2 from a bonus-row pick,
+    then leaves position 2 to the target's own sample when it is token 0 and otherwise judges it
+    with an honest q draft (p is the same at every position, so the pick stays informative).
+    The n sequences (seeds) run as one batch per step."""
+    from metrale.engine.logits_pipeline import SamplingBatch, SamplingRow
+    from metrale.speculative.verify import accept, build_layout
+
+    vocab, logp = 4, torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    params = SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=10)
+    cpu = torch.device("cpu")
+
+    def verify(seqs):  # seqs: [(seed, out, epoch, drafts, q or None)] -> [(tokens, picks)]
+        rows = [
+            SamplingRow(params, sd, [1], list(o), (), tuple(d), e, fresh) for sd, o, e, d, _ in seqs
+        ]
+        batch = SamplingBatch.build(rows, vocab, cpu)
+        layout = build_layout([len(d) for *_, d, _ in seqs], [d for *_, d, _ in seqs], cpu)
+        q_all = torch.cat(
+            [
+                torch.cat(
+                    [q if q is not None else torch.zeros(len(d), vocab), torch.zeros(1, vocab)]
+                )
+                for *_, d, q in seqs
+            ]
+        )
+        q_rows = torch.tensor([f for *_, d, q in seqs for f in [q is not None] * len(d) + [False]])
+        acc = accept(
+            logp.expand(batch.num_rows, vocab).clone(), batch, layout, q_all, q_rows=q_rows
+        )
+        emitted, accepted, out, row = acc.emitted.tolist(), acc.num_accepted.tolist(), [], 0
+        for (*_, d, _), a in zip(seqs, accepted, strict=True):
+            picks = emitted[row : row + len(d) + 1]
+            out.append((list(d[:a]) + [picks[a]], picks))
+            row += len(d) + 1
+        return out
+
+    first_q = torch.zeros(2, vocab)
+    first_q[:, 3] = 1.0
+    state = {}  # seed -> [out, epoch, revealed]
+    for seed, (toks, picks) in zip(
+        range(n), verify([(s, [], 0, [3, 3], first_q) for s in range(n)]), strict=True
+    ):
+        state[seed] = [toks, 1, picks[2]]  # the bonus row's pick: the sample at position 2
+    while any(len(v[0]) < 3 for v in state.values()):
+        todo = [s for s, v in state.items() if len(v[0]) < 3]
+        seqs = []
+        for s in todo:
+            out, epoch, revealed = state[s]
+            if len(out) == 2 and adversarial and revealed != 0:
+                draft = random.Random(s).randrange(vocab)  # honest: drawn from q, uniform
+                seqs.append((s, out, epoch, [draft], torch.full((1, vocab), 0.25)))
+            else:
+                seqs.append((s, out, epoch, [], None))
+        for s, (toks, _) in zip(todo, verify(seqs), strict=True):
+            state[s][0] = state[s][0] + toks
+            state[s][1] += 1
+    return sum(v[0][2] == 0 for v in state.values()) / n
+
+
+def test_a_drafter_choosing_which_positions_get_judged_cannot_bias_them():
+    """Noise keyed by the sampling step once q-drafts appear: the choice gains nothing. (Keyed
+    by position alone, the same adversary lifts P(x2 = 0) from 0.40 to about 0.64.)"""
+    assert abs(_choosy_adversary_hits(fresh=True, adversarial=True) - 0.4) < 0.035
+    assert abs(_choosy_adversary_hits(fresh=True, adversarial=False) - 0.4) < 0.035
+    assert _choosy_adversary_hits(fresh=False, adversarial=True) > 0.55  # the test has power

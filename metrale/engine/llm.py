@@ -341,7 +341,7 @@ class LLMEngine:
             if v is not None:
                 seq.num_draft_tokens += len(entry.drafts)
                 seq.num_accepted_tokens += accepted
-                seq.num_verifies += bool(entry.drafts)
+                seq.noise_epoch += 1
                 delta = self.emitter.emit(seq, v.tokens)
                 tokens = delta[1]
                 emitted += len(tokens)

@@ -37,9 +37,12 @@ class SamplingRow:
     output_token_ids: Sequence[int]  # tokens emitted before the first row's pick
     eos_token_ids: tuple[int, ...] = ()  # model EOS ids
     drafts: Sequence[int] = ()
-    # how many verifies of this sequence came before: keys the accept and residual uniforms of
-    # drafts with a distribution, so a position judged again never reuses its noise
-    attempt: int = 0
+    # Noise keys: by default a row's noise is keyed by (seed, output position), so speculation
+    # reproduces plain seeded decoding. A sequence that has had drafts with a distribution q
+    # (`fresh_noise`) keys it by its sampling-step count (`epoch`) too: a position decided again
+    # in a later step never meets the noise a drafter may have seen there (Verdict.picks).
+    epoch: int = 0
+    fresh_noise: bool = False
 
 
 def _to_int64(value: int) -> int:
@@ -87,8 +90,9 @@ class SamplingBatch:
     presence_penalty: Tensor  # [N] f32
     frequency_penalty: Tensor  # [N] f32
     seed: Tensor  # [N] i64
-    step: Tensor  # [N] i64, = len(output_token_ids): the output position of the pick
-    attempt: Tensor  # [N] i64, the sequence's verifies before this one (`SamplingRow.attempt`)
+    # [N] i64 the noise key's position word: len(output_token_ids), the output position of the
+    # pick, plus epoch << 32 on fresh-noise rows (`SamplingRow.fresh_noise`)
+    step: Tensor
     bias_index: Tensor | None  # [2, M] i64: (row, token) of each logit-bias entry
     bias_value: Tensor | None  # [M] f32
     ban_index: Tensor | None  # [2, B] i64: (row, token) banned by min_tokens
@@ -119,7 +123,7 @@ class SamplingBatch:
         if n == 0:
             raise ValueError("SamplingBatch.build: no rows")
         floats: list[tuple[float, ...]] = []  # per row: temperature, top_p, min_p, rep, pres, freq
-        ints: list[tuple[int, ...]] = []  # per row: top_k, seed, step, greedy, attempt
+        ints: list[tuple[int, ...]] = []  # per row: top_k, seed, noise step, greedy
         bias_rows, bias_toks, bias_vals = [], [], []
         ban_rows, ban_toks = [], []
         # Histories for the penalties, flattened; per-row lengths are 0 where a row needs none.
@@ -150,7 +154,8 @@ class SamplingBatch:
             )
             floats.extend([settings] * r)
             seed = _to_int64(row.seed)
-            ints.extend((top_k, seed, first_step + j, int(greedy), row.attempt) for j in range(r))
+            key = first_step + (row.epoch << 32 if row.fresh_noise else 0)
+            ints.extend((top_k, seed, key + j, int(greedy)) for j in range(r))
             if p.logit_bias:
                 toks = list(p.logit_bias)
                 _check_ids(toks, v, "logit_bias")
@@ -218,9 +223,9 @@ class SamplingBatch:
             ones = torch.ones(idx.shape[1], dtype=torch.float32, device=device)
             output_counts.index_put_((idx[0], idx[1]), ones, accumulate=True)
 
-        greedy_flags = [g for _, _, _, g, _ in ints]
+        greedy_flags = [g for *_, g in ints]
         enabled_k = [k for k, *_ in ints if k < v]
-        sampled = [row for row, (_, _, _, g, _) in zip(floats, ints, strict=True) if not g]
+        sampled = [row for row, (*_, g) in zip(floats, ints, strict=True) if not g]
         return cls(
             num_rows=n,
             vocab_size=v,
@@ -235,7 +240,6 @@ class SamplingBatch:
             frequency_penalty=f[:, 5],
             seed=it[:, 1],
             step=it[:, 2],
-            attempt=it[:, 4],
             bias_index=bias_index,
             bias_value=bias_value,
             ban_index=ban_index,

@@ -281,7 +281,8 @@ class ModelRunner:
                     output_token_ids=e.seq.output_token_ids,
                     eos_token_ids=e.seq.eos_token_ids,
                     drafts=e.drafts,  # its rows: the last token's, then one per draft
-                    attempt=e.seq.num_verifies,
+                    epoch=e.seq.noise_epoch,
+                    fresh_noise=e.seq.fresh_noise,
                 )
                 for e, _ in sampling
             ],

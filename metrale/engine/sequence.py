@@ -59,7 +59,10 @@ class Sequence:
     # speculative decoding of this sequence: drafts verified and accepted so far
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    num_verifies: int = 0  # steps that verified drafts of it (keys fresh acceptance noise)
+    # steps that sampled for it, and whether its noise is keyed by them (it had drafts with a
+    # distribution q: see `SamplingRow.fresh_noise`)
+    noise_epoch: int = 0
+    fresh_noise: bool = False
     # drafts proposed for the next verify (a `speculative.drafter.Draft`), cut to the planned depth
     draft: Any = None
 

@@ -127,6 +127,9 @@ class SpeculativeDecoder:
             return []
         drafts, failed = self._propose(seqs, caps)
         live = [(s, d) for s, d in zip(seqs, drafts, strict=True) if d is not None and d.tokens]
+        for seq, draft in live:
+            if draft.probs is not None:
+                seq.fresh_noise = True  # from now on, for good: see `SamplingRow.fresh_noise`
         full = planned and len(live) == len(seqs)
         if full and all(len(d.tokens) == c for (_, d), c in zip(live, caps, strict=True)):
             # Every sequence drafted as deep as planned: the plan stands, no second planning.

@@ -13,10 +13,12 @@ without speculation (the output so far plus the drafts before it), so penalties,
   one-hot q, and the emitted tokens are plain seeded decoding's, whatever the drafts, the batch
   or the depths D-Cut picked;
 - sampled rows whose drafter gave a distribution q (Leviathan/Chen): accept d with probability
-  min(1, p(d)/q(d)); on rejection emit a sample of norm(max(0, p - q)). Their uniforms are keyed
-  by the sequence's verify count too (`SamplingBatch.attempt`), so a position judged again in a
-  later step never reuses them (a drafter that re-proposes what a rejection revealed cannot bias
-  the output).
+  min(1, p(d)/q(d)); on rejection emit a sample of norm(max(0, p - q)). Once a sequence has had
+  such drafts, every row of it is keyed by its sampling-step count as well (`SamplingRow.
+  fresh_noise`), so a position decided in a later step never meets noise a drafter saw through
+  `Verdict.picks`: neither re-proposing revealed picks nor choosing which positions get judged
+  can bias the output. (A drafter that recomputes the noise from the seed itself is outside any
+  such guarantee.)
 
 A sequence accepts the longest matching prefix (`a` drafts), then emits one more token from row
 a: the correction above, or after a full accept (or with no drafts, a plain decode) the seeded
@@ -124,16 +126,13 @@ def accept(
         if draft_probs is not None:
             q = draft_probs.to(p.dtype)
             judged = has_draft if q_rows is None else has_draft & q_rows
-            # a fresh key for every verify of a sequence: (position, attempt) never repeats
-            step = batch.step + (batch.attempt << 32)
             p_d = p.gather(1, safe_drafts).squeeze(1)
             q_d = q.gather(1, safe_drafts).squeeze(1).clamp(min=1e-30)
-            u = seeded_uniform(batch.seed, step, 1, ACCEPT_STREAM)[:, 0]  # [R]
+            u = seeded_uniform(batch.seed, batch.step, 1, ACCEPT_STREAM)[:, 0]  # [R]
             residual = (p - q).clamp_(min=0.0)
             # p == q leaves no residual mass; a rejection is then impossible, but keep p finite.
             residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-            noise = seeded_uniform(batch.seed, step, p.shape[-1], RESIDUAL_STREAM)
-            corrected = residual.div(noise.log_().neg_()).argmax(dim=-1)
+            corrected = _race(residual, batch, RESIDUAL_STREAM)
             sampled_match = torch.where(judged, u < (p_d / q_d).clamp(max=1.0), sampled_match)
             sampled_pick = torch.where(judged, corrected, sampled_pick)
         matches = has_draft & torch.where(batch.greedy, greedy_pick == drafts, sampled_match)
