@@ -40,23 +40,23 @@ def main(args) -> int:
     if args.acceptance:
         from metrale.bench.acceptance import format_report, run_acceptance
 
-        report = run_acceptance(args)
-        (out / "acceptance.json").write_text(json.dumps(report, indent=2))
-        print(format_report(report))
-        print(json.dumps(report))
-        return 0
+        return _report(out / "acceptance.json", run_acceptance(args), format_report)
     if args.e2e_drafter:
         from metrale.bench.drafter import drafter_e2e, format_drafter_e2e
 
-        result = drafter_e2e(args)
-        (out / "drafter_e2e.json").write_text(json.dumps(result, indent=2))
-        print(format_drafter_e2e(result))
-        print(json.dumps(result))
-        return 0
+        return _report(out / "drafter_e2e.json", drafter_e2e(args), format_drafter_e2e)
     result = run(args)
     (out / "bench.json").write_text(json.dumps(result, indent=2))
     result["plot"] = str(out / "bench.png") if plot(result, out / "bench.png") else None
     print(table(result))
+    print(json.dumps(result))
+    return 0
+
+
+def _report(path: Path, result: dict, text) -> int:
+    """Write `result` as JSON to `path`, print `text(result)` then the JSON line."""
+    path.write_text(json.dumps(result, indent=2))
+    print(text(result))
     print(json.dumps(result))
     return 0
 

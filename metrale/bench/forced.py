@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from metrale.speculative.verify import Acceptance, RowLayout
+from metrale.speculative.verify import Acceptance, RowLayout, accepted_prefix
 
 
 class ForcedAcceptance:
@@ -35,8 +35,6 @@ class ForcedAcceptance:
         drafts = layout.draft_of_row
         u = torch.rand(drafts.shape, generator=self._generator(drafts.device), device=drafts.device)
         matches = (drafts >= 0) & (u < self.alpha)
-        padded = torch.where(layout.pad_index >= 0, matches[layout.pad_index.clamp(min=0)], False)
-        num_accepted = padded[:, :-1].long().cumprod(dim=1).sum(dim=1)
         # `emitted` already holds the target's pick on every row: where a real draft matched
         # greedily, the draft is the pick.
-        return acc._replace(num_accepted=num_accepted, matches=matches)
+        return acc._replace(num_accepted=accepted_prefix(matches, layout), matches=matches)

@@ -29,6 +29,7 @@ from metrale.engine.kv_cache import DUMMY_PAGE
 from metrale.engine.program_shapes import (
     RaggedShape,
     all_ragged_shapes,
+    capture_layout,
     default_max_rows,
     max_ragged_seqs,
 )
@@ -256,15 +257,11 @@ class GraphRunner:
         seqs = table.num_seqs
         self.input_ids.zero_()
         self.slots.fill_(DUMMY_PAGE * self.page_size)
-        starts, lens, positions = [0], [], []
         if isinstance(table, RaggedShape):
-            per_seq = table.layout()
+            lens = table.layout()
         else:
-            per_seq = [run.k for run in table.runs for _ in range(run.count)]
-        for k in per_seq:
-            starts.append(starts[-1] + k)
-            lens.append(k)
-            positions.extend(range(k))
+            lens = [run.k for run in table.runs for _ in range(run.count)]
+        starts, positions = capture_layout(lens)
         self.query_start_loc[: seqs + 1] = torch.tensor(starts, device=self.device)
         self.seq_lens[:seqs] = torch.tensor(lens, device=self.device)
         self.positions[: len(positions)] = torch.tensor(positions, device=self.device)

@@ -128,3 +128,14 @@ def default_max_rows(max_seqs: int, max_q: int, ragged: bool) -> int:
     1..max_q rows fits, padded as row-table programs pad or, when `ragged`, as ragged ones."""
     rows = max_padded_rows(max_seqs, max_q)
     return max(rows, max_ragged_rows(max_seqs, max_q)) if ragged else rows
+
+
+def capture_layout(rows_per_seq: list[int]) -> tuple[list[int], list[int]]:
+    """Capture-time inputs for sequences of these row counts, each alone on the dummy page with
+    its rows at positions 0..k-1 (the capture's warm-up really runs, so every row must see a
+    key): (query start offsets [S + 1], positions [rows]); the lengths are the row counts."""
+    starts, positions = [0], []
+    for k in rows_per_seq:
+        starts.append(starts[-1] + k)
+        positions.extend(range(k))
+    return starts, positions

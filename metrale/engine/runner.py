@@ -334,14 +334,26 @@ class ModelRunner:
                 row += q
             padded += group + [None] * (decode_bucket(len(group)) - len(group))
             depths += [q] * decode_bucket(len(group))
-        input_ids, positions, meta = self.span_metadata(spans)
         state = None
         if self.states is not None:
             state = self.states.addresses(padded, any(e.drafts for e in batch.entries))
         table = RowTable.from_dispatch(range(len(depths)), depths)
+        ran = self._run_program(table, spans, state)
+        if ran is None:
+            return None
+        hidden, logits, state_view = ran
+        if len(real_rows) == hidden.shape[0]:
+            return hidden.clone(), logits, state_view, padded
+        (index,) = to_device_packed([real_rows], self.device)
+        return hidden.index_select(0, index), logits.index_select(0, index), state_view, padded
+
+    def _run_program(self, key, spans, state=None):
+        """(hidden, logits, state view) of the program for `key` (a row table or ragged shape)
+        over the padded `spans`, or None when the cache refuses it (the step runs eagerly)."""
+        input_ids, positions, meta = self.span_metadata(spans)
         try:
-            hidden, logits, state_view = self.graphs.run(
-                table,
+            return self.graphs.run(
+                key,
                 input_ids,
                 positions,
                 meta.slot_mapping,
@@ -354,37 +366,20 @@ class ModelRunner:
         except ValueError:  # refused: too wide for the workspace
             self.graph_refusals += 1
             return None
-        if len(real_rows) == hidden.shape[0]:
-            return hidden.clone(), logits, state_view, padded
-        (index,) = to_device_packed([real_rows], self.device)
-        return hidden.index_select(0, index), logits.index_select(0, index), state_view, padded
 
     def _replay_ragged(self, batch: Batch):
         """`_replay` for a ragged program (dense targets, `program_shapes.RaggedShape`): the
         real rows come first, in batch order; padding sequences on the dummy page follow."""
-        spans = [
-            (e.seq.block_table, e.seq.num_computed_tokens, e.token_ids()) for e in batch.entries
-        ]
+        spans = self._spans(batch)
         num_rows = sum(e.num_rows for e in batch.entries)
         shape = ragged_shape(len(spans), num_rows, self.graphs.max_q)
         dummy_table = [DUMMY_PAGE] * -(-self.graphs.max_q // self.page_size)
         for rows in padding_rows(shape, len(spans), num_rows):
             spans.append((dummy_table, 0, [0] * rows))
-        input_ids, positions, meta = self.span_metadata(spans)
-        try:
-            hidden, logits, _ = self.graphs.run(
-                shape,
-                input_ids,
-                positions,
-                meta.slot_mapping,
-                meta.query_start_loc,
-                meta.seq_lens,
-                meta.block_tables,
-                meta.max_seq_len,
-            )
-        except ValueError:  # refused: too wide for the workspace
-            self.graph_refusals += 1
+        ran = self._run_program(shape, spans)
+        if ran is None:
             return None
+        hidden, logits, _ = ran
         # hidden is the program's own output, rewritten by its next replay: drafters keep it
         return hidden[:num_rows].clone(), logits[:num_rows], None, list(batch.entries)
 

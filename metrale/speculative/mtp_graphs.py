@@ -26,6 +26,7 @@ from metrale.engine.kv_cache import DUMMY_PAGE
 from metrale.engine.program_shapes import (
     RaggedShape,
     all_ragged_shapes,
+    capture_layout,
     decode_bucket,
     padding_rows,
     ragged_shape,
@@ -187,10 +188,7 @@ class DraftChainGraphs:
             self.c_tokens.zero_()
             self.c_hidden.zero_()
             self.c_tables.fill_(DUMMY_PAGE)
-            starts = [0]
-            for k in layout:
-                starts.append(starts[-1] + k)
-            positions = [p for k in layout for p in range(k)]
+            starts, positions = capture_layout(layout)
             device = self.runner.device
             self.c_starts[: len(starts)] = torch.tensor(starts, device=device)
             self.c_lens[: len(layout)] = torch.tensor(layout, device=device)

@@ -86,6 +86,13 @@ def build_layout(depths: list[int], drafts: list[list[int]], device: torch.devic
     return RowLayout(seq_t, draft_t, pad_t.view(len(depths), kmax + 1), depths_t)
 
 
+def accepted_prefix(matches: Tensor, layout: RowLayout) -> Tensor:
+    """[R] bool row matches -> [S] int64 each sequence's longest matching prefix of drafts
+    (padding past a sequence's rows counts as a miss)."""
+    padded = torch.where(layout.pad_index >= 0, matches[layout.pad_index.clamp(min=0)], False)
+    return padded[:, :-1].long().cumprod(dim=1).sum(dim=1)
+
+
 def _race(probs: Tensor, batch: SamplingBatch, stream: int) -> Tensor:
     """Exponential race: argmax(p / E), E ~ Exp(1) seeded per (request, position, stream)."""
     u = seeded_uniform(batch.seed, batch.step, probs.shape[-1], stream)  # [R, V]
@@ -138,13 +145,7 @@ def accept(
         matches = has_draft & torch.where(batch.greedy, greedy_pick == drafts, sampled_match)
         pick = torch.where(batch.greedy, greedy_pick, sampled_pick)
 
-    # [S, Kmax + 1] -> accepted prefix length per sequence (padding counts as a miss)
-    padded = torch.where(layout.pad_index >= 0, matches[layout.pad_index.clamp(min=0)], False)
-    num_accepted = (
-        padded[:, :-1].long().cumprod(dim=1).sum(dim=1)
-        if padded.shape[1] > 1
-        else (torch.zeros(padded.shape[0], dtype=torch.int64, device=logits.device))
-    )
+    num_accepted = accepted_prefix(matches, layout)
     emitted = torch.where(matches, drafts, pick)  # [R]
     if batch.max_logprobs is None:
         return Acceptance(num_accepted, matches, emitted, None, None, None, None)
