@@ -47,6 +47,7 @@ def test_index_stays_within_the_window():
         index.extend(new)
         assert index.length == len(tokens)
         assert len(index.tokens) <= 2 * window + 3 + 6
-        assert sum(len(v) for v in index.starts.values()) <= 3 * len(index.tokens)
+        assert sum(len(chain) for chain in index.prev) <= 3 * len(index.tokens)
+        assert all(len(latest) <= len(index.tokens) for latest in index.latest)
         for k in (1, 4):
             assert index.lookup(k) == lookup(tokens[-window:], 1, 3, k)

@@ -4,7 +4,8 @@ The replay drafter of `bench.py` fixes the acceptance to measure the engine; thi
 model: held-out prompts (`acceptance.heldout_prompts`), greedy, one engine with the drafter, each
 batch size run with `SamplingParams(speculative=False)` and then with speculation, each timed as
 the second of two identical runs (graphs captured, caches warm). Reports tokens/s both ways, the
-speedup, the mean acceptance length, and how many outputs equal the non-speculative ones (bf16
+speedup (end to end, and of the decode phase alone: time per output token with the prefill
+subtracted), the mean acceptance length, and how many outputs equal the non-speculative ones (bf16
 verify rows round differently from decode rows, so near-ties may flip; float32 never does).
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from metrale.api import LLM
 from metrale.bench.acceptance import heldout_prompts
-from metrale.bench.e2e import timed_generate
+from metrale.bench.e2e import prefill_seconds, timed_generate
 from metrale.config import SamplingParams
 
 
@@ -47,6 +48,10 @@ def drafter_e2e(args) -> dict:
         spec, t_spec = timed_generate(llm, prompts, SamplingParams(**base))
         # The counters cover both timed-helper runs, which are identical.
         drafts, accepted = tel.num_drafts - before[0], tel.num_accepted_tokens - before[1]
+        # the decode phase alone: the prefill and first token subtracted from both runs
+        t_prefill = prefill_seconds(llm, prompts)
+        decode_plain, decode_spec = t_plain - t_prefill, t_spec - t_prefill
+        steps = max(args.max_tokens - 1, 1)
         tokens = batch * args.max_tokens
         rows.append(
             {
@@ -54,6 +59,10 @@ def drafter_e2e(args) -> dict:
                 "tokens_per_s_plain": tokens / t_plain,
                 "tokens_per_s_spec": tokens / t_spec,
                 "speedup": t_plain / t_spec,
+                "prefill_ms": t_prefill * 1e3,
+                "tpot_ms_plain": decode_plain / steps * 1e3,
+                "tpot_ms_spec": decode_spec / steps * 1e3,
+                "decode_speedup": decode_plain / decode_spec,
                 "mean_acceptance_length": 1 + accepted / max(drafts, 1),
                 "identical_outputs": sum(
                     a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -79,12 +88,14 @@ def format_drafter_e2e(result: dict) -> str:
     lines = [
         f"{result['drafter']} K={result['num_drafts']} on {result['model']} "
         f"({result['device']}, {result['dtype']})",
-        "batch  plain_tok_s  spec_tok_s  speedup  accept_len  identical",
+        "batch  plain_tok_s  spec_tok_s  speedup  tpot_plain_ms  tpot_spec_ms  decode_x  "
+        "accept_len  identical",
     ]
     for r in result["e2e"]:
         lines.append(
             f"{r['batch']:5d}  {r['tokens_per_s_plain']:11.1f}  {r['tokens_per_s_spec']:10.1f}  "
-            f"{r['speedup']:7.2f}  {r['mean_acceptance_length']:10.2f}  "
+            f"{r['speedup']:7.2f}  {r['tpot_ms_plain']:13.3f}  {r['tpot_ms_spec']:12.3f}  "
+            f"{r['decode_speedup']:8.2f}  {r['mean_acceptance_length']:10.2f}  "
             f"{r['identical_outputs']:9.2f}"
         )
     return "\n".join(lines)

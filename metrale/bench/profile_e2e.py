@@ -1,7 +1,9 @@
 """cProfile of `metrale bench`'s end-to-end runs at one batch size: where the host time of a
-plain and a speculative (replay drafter) generation goes, with per-phase step counts and times.
+plain and a speculative generation goes. A random-weight shape runs with the replay drafter; a
+checkpoint (`--model`) with its own drafter (`--drafter mtp|ngram`) on held-out prompts.
 
     python -m metrale.bench.profile_e2e --shape qwen3-8b --batch 1 --max-tokens 48
+    python -m metrale.bench.profile_e2e --model metrale/assets/default-model --drafter mtp --batch 8
 """
 
 from __future__ import annotations
@@ -11,42 +13,146 @@ import cProfile
 import io
 import pstats
 import random
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from metrale.api import LLM
+from metrale.bench.acceptance import heldout_prompts
 from metrale.bench.shapes import write_shape
 from metrale.config import SamplingParams
+from metrale.engine.calibrate import sync
 from metrale.speculative.replay import ReplayDrafter
+
+
+class PhaseTimer:
+    """Wall time per engine phase (inclusive, host side: a phase that syncs includes the wait),
+    by wrapping the phases' functions for the duration of a `with` block; far lighter than
+    cProfile, so the proportions are the engine's own."""
+
+    def __init__(self, llm: LLM) -> None:
+        import metrale.engine.runner as runner_mod
+
+        engine = llm.engine
+        self.targets = [
+            (engine, "step"),
+            (engine.scheduler, "schedule"),
+            (engine.runner, "execute"),
+            (engine.runner, "_replay"),
+            (engine.runner, "_metadata"),
+            (runner_mod, "accept"),
+            (runner_mod, "verdicts_of"),
+            (engine, "_commit"),
+            (engine.emitter, "emit"),
+        ]
+        if engine.spec is not None:
+            self.targets += [
+                (engine.spec, "prepare"),
+                (engine.spec, "_planned"),
+                (engine.spec, "_cut"),
+                (engine.spec.drafter, "propose"),
+                (engine.spec, "observe"),
+                (engine.spec.drafter, "observe"),
+            ]
+        self.totals: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def _wrap(self, obj, name: str):
+        fn = getattr(obj, name)
+        label = f"{type(obj).__name__ if not hasattr(obj, '__file__') else 'runner'}.{name}"
+
+        def timed(*a, **kw):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.totals[label] = self.totals.get(label, 0.0) + time.perf_counter() - start
+                self.calls[label] = self.calls.get(label, 0) + 1
+
+        return timed
+
+    def __enter__(self):
+        self.saved = [(obj, name, obj.__dict__.get(name)) for obj, name in self.targets]
+        for obj, name in self.targets:
+            setattr(obj, name, self._wrap(obj, name))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for obj, name, old in self.saved:
+            if old is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+
+    def report(self) -> str:
+        steps = max(self.calls.get("LLMEngine.step", 1), 1)
+        lines = [f"{'phase':28s} {'calls':>6s} {'total_ms':>9s} {'per_step_ms':>11s}"]
+        for label, total in sorted(self.totals.items(), key=lambda kv: -kv[1]):
+            lines.append(
+                f"{label:28s} {self.calls[label]:6d} {total * 1e3:9.2f} {total * 1e3 / steps:11.3f}"
+            )
+        return "\n".join(lines)
+
+
+def phased(llm: LLM, prompts, params, label: str) -> list:
+    llm.generate(prompts, params, use_tqdm=False)  # warm: graphs captured
+    sync(llm.engine.runner.device)
+    with PhaseTimer(llm) as timer:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        sync(llm.engine.runner.device)
+        elapsed = time.perf_counter() - start
+    print(f"== {label}: {elapsed * 1e3:.1f} ms\n{timer.report()}", flush=True)
+    return outs
 
 
 def profiled(llm: LLM, prompts, params, label: str) -> list:
     llm.generate(prompts, params, use_tqdm=False)  # warm: graphs captured
-    torch.cuda.synchronize()
+    sync(llm.engine.runner.device)
     prof = cProfile.Profile()
     start = time.perf_counter()
     prof.enable()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    torch.cuda.synchronize()
+    sync(llm.engine.runner.device)
     prof.disable()
     elapsed = time.perf_counter() - start
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(45)
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
     print(f"== {label}: {elapsed * 1e3:.1f} ms", flush=True)
-    print("\n".join(line[:160] for line in text.getvalue().splitlines()[6:60]), flush=True)
+    lines = [line for line in text.getvalue().splitlines() if "(" in line or "ncalls" in line]
+    print("\n".join(line[:160] for line in lines), flush=True)
     return outs
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-8b")
+    ap.add_argument("--model", default=None, help="a checkpoint: profile its own drafter")
+    ap.add_argument("--drafter", default="mtp", choices=("mtp", "ngram"))
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--alpha", type=float, default=0.8)
+    ap.add_argument("--phases", action="store_true", help="wall time per phase, not cProfile")
     args = ap.parse_args()
+    global profiled
+    if args.phases:
+        profiled = phased
+    if args.model is not None:
+        llm = LLM(
+            args.model,
+            max_model_len=128 + args.max_tokens + 64,
+            max_num_seqs=max(args.batch, 8),
+            kv_cache_memory_gb=8.0,
+            spec={"method": args.drafter, "num_drafts": 3},
+        )
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        prompts = heldout_prompts(stdlib, llm.tokenizer, args.batch, 128)
+        base = dict(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+        profiled(llm, prompts, SamplingParams(**base, speculative=False), "plain")
+        profiled(llm, prompts, SamplingParams(**base), "spec")
+        return
     drafter = ReplayDrafter({}, args.alpha, vocab_size=2)
     llm = LLM(
         write_shape(args.shape, Path(tempfile.mkdtemp()) / "shape"),
