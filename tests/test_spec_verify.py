@@ -107,3 +107,59 @@ def test_raw_argmax_ignores_the_pipeline_on_draft_rows():
     assert piped.num_accepted.tolist() == [0] and piped.emitted.tolist() == [2, 2]
     # the draft row judges on the raw argmax (1, accepted); the bonus row keeps the pipeline
     assert raw.num_accepted.tolist() == [1] and raw.emitted.tolist() == [1, 2]
+
+
+def test_greedy_fast_path_equals_the_pipeline_and_accept():
+    """`greedy_verdicts` (the runner's path for plain greedy rows) gives exactly the verdicts of
+    the full pipeline + `accept`, on random logits with ties and drafts that match in part."""
+    from metrale.engine.sequence import ScheduledSeq, Sequence
+    from metrale.engine.step_output import greedy_verdicts, verdicts_of
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, sp = 11, SamplingParams(temperature=0.0, max_tokens=64)
+    for trial in range(20):
+        depths = [int(d) for d in torch.randint(0, 5, (6,), generator=gen)]
+        rows = sum(depths) + len(depths)
+        # few distinct values: many ties, where the first maximal id must win on both paths
+        logits = torch.randint(0, 4, (rows, vocab), generator=gen).float()
+        picks = logits.argmax(dim=-1).tolist()
+        entries, start = [], 0
+        for s, k in enumerate(depths):
+            # drafts equal to the row's argmax until a random cut, then random tokens
+            cut = int(torch.randint(0, k + 1, (1,), generator=gen))
+            drafts = picks[start : start + cut] + [
+                int(t) for t in torch.randint(0, vocab, (k - cut,), generator=gen)
+            ]
+            seq = Sequence(s, f"r{s}", [1, 2, 3], sp, seed=s, eos_token_ids=(0,), arrival=s)
+            seq.num_computed_tokens = 2
+            entries.append(ScheduledSeq(seq, 1 + k, drafts))
+            start += k + 1
+        sb = SamplingBatch.build(
+            [SamplingRow(sp, 0, [1, 2, 3], [], drafts=e.drafts) for e in entries],
+            vocab,
+            torch.device("cpu"),
+        )
+        layout = build_layout(depths, [e.drafts for e in entries], torch.device("cpu"))
+        slow = verdicts_of(entries, accept(logits, sb, layout))
+        fast = greedy_verdicts(entries, logits.argmax(dim=-1))
+        for a, b in zip(slow, fast, strict=True):
+            assert (a.num_accepted, a.matches, a.picks) == (b.num_accepted, b.matches, b.picks)
+            assert [t.token_id for t in a.tokens] == [t.token_id for t in b.tokens], trial
+
+
+def test_plain_greedy_covers_every_pipeline_stage_that_touches_greedy_rows():
+    from metrale.engine.logits_pipeline import is_plain_greedy
+
+    assert is_plain_greedy(SamplingParams(temperature=0.0), 0)
+    assert is_plain_greedy(SamplingParams(temperature=0.0, top_p=0.5, top_k=3), 0)
+    for changed in (
+        dict(temperature=0.7),
+        dict(repetition_penalty=1.1),
+        dict(presence_penalty=0.5),
+        dict(frequency_penalty=0.5),
+        dict(logit_bias={3: 1.0}),
+        dict(logprobs=0),
+        dict(min_tokens=2),
+    ):
+        assert not is_plain_greedy(SamplingParams(**{"temperature": 0.0, **changed}), 1), changed
+    assert is_plain_greedy(SamplingParams(temperature=0.0, min_tokens=2), 2)

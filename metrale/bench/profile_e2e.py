@@ -33,6 +33,7 @@ class PhaseTimer:
 
     def __init__(self, llm: LLM) -> None:
         import metrale.engine.runner as runner_mod
+        from metrale.engine.sampler import SamplingBatch
 
         engine = llm.engine
         self.targets = [
@@ -42,7 +43,10 @@ class PhaseTimer:
             (engine.runner, "_replay"),
             (engine.runner, "_metadata"),
             (runner_mod, "accept"),
+            (runner_mod, "build_layout"),
+            (SamplingBatch, "build"),
             (runner_mod, "verdicts_of"),
+            (runner_mod, "greedy_verdicts"),
             (engine, "_commit"),
             (engine.emitter, "emit"),
         ]
@@ -60,7 +64,8 @@ class PhaseTimer:
 
     def _wrap(self, obj, name: str):
         fn = getattr(obj, name)
-        label = f"{type(obj).__name__ if not hasattr(obj, '__file__') else 'runner'}.{name}"
+        owner = obj.__name__ if isinstance(obj, type) else type(obj).__name__
+        label = f"{'runner' if hasattr(obj, '__file__') else owner}.{name}"
 
         def timed(*a, **kw):
             start = time.perf_counter()

@@ -45,6 +45,22 @@ class SamplingRow:
     fresh_noise: bool = False
 
 
+def is_plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
+    """True when the pipeline leaves this sequence's logits rows untouched and picks their
+    argmax: greedy, no penalty, bias or min_tokens ban now, no logprobs. Such rows need no
+    `SamplingBatch` at all (the runner's greedy fast path). Keep in step with `build` and
+    `apply_logits_pipeline`: any stage added there that can touch a greedy row belongs here."""
+    return (
+        params.temperature < GREEDY_TEMPERATURE_EPS
+        and params.repetition_penalty == 1.0
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and not params.logit_bias
+        and num_output_tokens >= params.min_tokens
+        and params.logprobs is None
+    )
+
+
 def _to_int64(value: int) -> int:
     """Wrap any Python int into int64 range (two's complement), so huge or negative seeds work."""
     value &= _U64

@@ -14,12 +14,13 @@ import torch
 from metrale.config import EngineConfig, ModelConfig
 from metrale.engine.graphs import GraphRunner
 from metrale.engine.kv_cache import DUMMY_PAGE, allocate_kv_cache, kv_page_bytes
+from metrale.engine.logits_pipeline import is_plain_greedy
 from metrale.engine.program_shapes import decode_bucket, padding_rows, ragged_shape
 from metrale.engine.sampler import SamplingBatch, SamplingRow
 from metrale.engine.sequence import Batch, Phase, ScheduledSeq
 from metrale.engine.staging import to_device_packed
 from metrale.engine.state_cache import StateSlots
-from metrale.engine.step_output import StepOutput, verdicts_of
+from metrale.engine.step_output import StepOutput, greedy_verdicts, verdicts_of
 from metrale.kernels.paged_attention import TritonPagedAttention, triton_available
 from metrale.models.attention import AttentionMetadata, TorchPagedAttention
 from metrale.models.loader import load_weights
@@ -272,31 +273,15 @@ class ModelRunner:
             logits = all_logits
         else:
             logits = self.model.compute_logits(hidden, torch.tensor(rows, device=self.device))
-        sb = SamplingBatch.build(
-            [
-                SamplingRow(
-                    params=e.seq.params,
-                    seed=e.seq.seed,
-                    prompt_token_ids=e.seq.prompt_token_ids,
-                    output_token_ids=e.seq.output_token_ids,
-                    eos_token_ids=e.seq.eos_token_ids,
-                    drafts=e.drafts,  # its rows: the last token's, then one per draft
-                    epoch=e.seq.noise_epoch,
-                    fresh_noise=e.seq.fresh_noise,
-                )
-                for e, _ in sampling
-            ],
-            vocab_size=logits.shape[-1],
-            device=self.device,
-        )
-        layout = build_layout(
-            [len(e.drafts) for e, _ in sampling], [e.drafts for e, _ in sampling], self.device
-        )
-        q, q_rows = self._draft_probs([e for e, _ in sampling], logits)
-        acc = accept(logits, sb, layout, q, raw_argmax=self.verify_raw_argmax, q_rows=q_rows)
-        if self.forced_acceptance is not None:  # `metrale bench --forced-acceptance` only
-            acc = self.forced_acceptance(acc, layout)
-        verdicts = verdicts_of([e for e, _ in sampling], acc)
+        entries = [e for e, _ in sampling]
+        if self.forced_acceptance is None and all(
+            is_plain_greedy(e.seq.params, len(e.seq.output_token_ids)) for e in entries
+        ):
+            # The common case needs only each row's argmax: no sampling tensors, no kernels
+            # beyond the argmax, the same one host sync.
+            verdicts = greedy_verdicts(entries, logits.argmax(dim=-1))
+        else:
+            verdicts = self._accept(entries, logits)
         if verify_state:
             # Each sequence's committed state: the one after its last token + accepted drafts.
             accepted = {id(v.entry): v.num_accepted for v in verdicts}
@@ -382,6 +367,34 @@ class ModelRunner:
         hidden, logits, _ = ran
         # hidden is the program's own output, rewritten by its next replay: drafters keep it
         return hidden[:num_rows].clone(), logits[:num_rows], None, list(batch.entries)
+
+    def _accept(self, entries: list[ScheduledSeq], logits: torch.Tensor):
+        """Verdicts through the logits pipeline and `accept` (sampling, penalties, logprobs)."""
+        sb = SamplingBatch.build(
+            [
+                SamplingRow(
+                    params=e.seq.params,
+                    seed=e.seq.seed,
+                    prompt_token_ids=e.seq.prompt_token_ids,
+                    output_token_ids=e.seq.output_token_ids,
+                    eos_token_ids=e.seq.eos_token_ids,
+                    drafts=e.drafts,  # its rows: the last token's, then one per draft
+                    epoch=e.seq.noise_epoch,
+                    fresh_noise=e.seq.fresh_noise,
+                )
+                for e in entries
+            ],
+            vocab_size=logits.shape[-1],
+            device=self.device,
+        )
+        layout = build_layout(
+            [len(e.drafts) for e in entries], [e.drafts for e in entries], self.device
+        )
+        q, q_rows = self._draft_probs(entries, logits)
+        acc = accept(logits, sb, layout, q, raw_argmax=self.verify_raw_argmax, q_rows=q_rows)
+        if self.forced_acceptance is not None:  # `metrale bench --forced-acceptance` only
+            acc = self.forced_acceptance(acc, layout)
+        return verdicts_of(entries, acc)
 
     def _draft_probs(self, entries: list[ScheduledSeq], logits: torch.Tensor):
         """([R, V] draft distributions, zeros elsewhere; [R] bool, the rows that have one), or

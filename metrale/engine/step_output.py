@@ -91,3 +91,20 @@ def verdicts_of(entries: list[ScheduledSeq], acc) -> list[SeqVerdict]:
             tokens.append(token)
         result.append(SeqVerdict(e, accepted, matches, tokens, [int(r[1]) for r in rows]))
     return result
+
+
+def greedy_verdicts(entries: list[ScheduledSeq], picks: torch.Tensor) -> list[SeqVerdict]:
+    """`verdicts_of(entries, accept(...))` for plain greedy rows (`is_plain_greedy`), from the
+    argmax of every row alone: a draft matches iff it is its row's argmax, and every row emits
+    its argmax. One host sync, no sampling tensors, no acceptance kernels."""
+    table = picks.tolist()  # [R]
+    result, row = [], 0
+    for e in entries:
+        k = len(e.drafts)
+        rows = table[row : row + k + 1]
+        row += k + 1
+        matches = [d == t for d, t in zip(e.drafts, rows, strict=False)]
+        accepted = next((i for i, m in enumerate(matches) if not m), k)
+        tokens = [SampledToken(e.seq, t) for t in rows[: accepted + 1]]
+        result.append(SeqVerdict(e, accepted, matches, tokens, rows))
+    return result

@@ -15,8 +15,8 @@ one sequence (`SpecConfig.mtp_max_seqs` = 1), they are re-fed with the target's 
 the mapping; 0 is right) and `METRALE_MTP_REFEED_DEBUG=1` logging a fingerprint of each re-fed
 hidden. Rows the chain never wrote (prefill, plain decodes, the bonus row) are always fed.
 
-On CUDA with graphs, the chain steps replay captured programs (`mtp_graphs.py`); the catch-up,
-whose rows vary per sequence, runs eagerly.
+On CUDA with graphs, the whole chain is one captured program and the catch-up a ragged one
+(`mtp_graphs.py`); prefill catch-ups and the CPU run eagerly.
 
 NOTE: rollback: chain rows of rejected drafts lie past the committed positions; the next
 catch-up rewrites them before any row reads them. The MTP KV shares the target's block tables,
@@ -152,37 +152,53 @@ class MTPDrafter:
             return drafts
         device = self.runner.device
         slots = to_device_packed([[seq.slot for _, seq, _, _ in live]], device)[0]
-        columns = [self._first.index_select(0, slots)]  # [S] draft 1 of each
+        first = self._first.index_select(0, slots)  # [S] draft 1 of each
         hidden = self._hidden.index_select(0, slots)  # [S, H]
-        for j in range(1, max(k for _, _, k, _ in live)):
+        steps = max(k for _, _, k, _ in live) - 1
+        columns = None
+        if steps > 0 and self.chain_graphs is not None:
+            columns = self.chain_graphs.chain(
+                first,
+                hidden,
+                [state[0] for _, _, _, state in live],
+                [seq.block_table for _, seq, _, _ in live],
+                steps,
+            )
+        if steps == 0:
+            table = first[:, None].tolist()
+        elif columns is not None:
+            table = torch.cat([first[:, None], columns], dim=1).tolist()  # the one host sync
+        else:
+            table = self._eager_chain(live, first, hidden, steps)
+        for (i, _, k, state), row in zip(live, table, strict=True):
+            drafts[i] = Draft(row[:k])
+            state[1] = k - 1
+        return drafts
+
+    def _eager_chain(self, live, first: torch.Tensor, hidden: torch.Tensor, steps: int):
+        """The chain without graphs (CPU, or past the workspace): each sequence stops at its
+        own depth. [S, 1 + steps] draft rows, -1 past a sequence's depth."""
+        device = self.runner.device
+        columns = [first]
+        for j in range(1, steps + 1):
             chain = [n for n, (_, _, k, _) in enumerate(live) if k > j]
             # Usually every sequence goes on: then nothing is gathered or scattered.
             index = None if len(chain) == len(live) else to_device_packed([chain], device)[0]
             tokens = columns[-1] if index is None else columns[-1].index_select(0, index)
             h_in = hidden if index is None else hidden.index_select(0, index)
             spans = [(live[n][1].block_table, live[n][3][0] + j, [0]) for n in chain]
-            out = None
-            if self.chain_graphs is not None:
-                module_index = j % self.heads.num_layers  # the module `for_step(j)` returns
-                out = self.chain_graphs.step(module_index, tokens, h_in, spans)
-            if out is None:
-                _, positions, meta = self.runner.span_metadata(spans)
-                module = self.heads.for_step(j)
-                logits_in, next_hidden = module(
-                    tokens, positions, h_in, meta, self.runner.model.model.embed_tokens
-                )
-                out = self.runner.model.compute_logits(logits_in).argmax(dim=-1), next_hidden
+            _, positions, meta = self.runner.span_metadata(spans)
+            logits_in, next_hidden = self.heads.for_step(j)(
+                tokens, positions, h_in, meta, self.runner.model.model.embed_tokens
+            )
+            column = self.runner.model.compute_logits(logits_in).argmax(dim=-1)
             if index is None:
-                column, hidden = out
+                hidden = next_hidden
             else:
-                column = torch.full_like(columns[0], -1).index_copy_(0, index, out[0])
-                hidden = hidden.index_copy(0, index, out[1])
+                column = torch.full_like(first, -1).index_copy_(0, index, column)
+                hidden = hidden.index_copy(0, index, next_hidden)
             columns.append(column)
-        table = torch.stack(columns, dim=1).tolist()  # [S, Kmax]: the propose's one host sync
-        for (i, _, k, state), row in zip(live, table, strict=True):
-            drafts[i] = Draft(row[:k])
-            state[1] = k - 1
-        return drafts
+        return torch.stack(columns, dim=1).tolist()  # [S, 1 + steps]: the one host sync
 
     def release(self, seq: Sequence) -> None:
         self._pos.pop(seq.seq_id, None)

@@ -3,12 +3,13 @@
 A chained draft step runs one MTP depth module over one row per sequence, then the target's head
 and an argmax: a few dozen small kernels whose launch costs (tens of microseconds each, eagerly)
 exceed their run time. Run eagerly, the K - 1 chain steps of a verify cost more than the target's
-whole decode step on a small model. Each (depth module, padded sequence count) is captured once
-and replayed; padding rows are one-row sequences on the dummy page, like decode padding.
+whole decode step on a small model. So the whole chain (steps 1 .. K - 1) is one program per
+(padded sequence count, chain length), captured on first use and replayed: the host uploads the
+first drafts, hiddens, base positions and block tables once, and each step's positions, slots and
+lengths are computed on the device. Padding rows are one-row sequences on the dummy page.
 
-Inputs are copied into one static workspace that all programs read: draft tokens, positions,
-slots, the block tables and the chain's hidden states. The outputs (draft ids, next hiddens)
-live in the graph pool and are consumed before the next replay.
+Inputs are copied into one static workspace that all programs read. The outputs (the draft
+columns) live in the graph pool and are consumed before the next replay.
 
 The catch-up after a decode or verify step (1 .. 1 + K committed rows per sequence, through the
 first module, then the head's argmax and the next hidden at each sequence's newest row) runs as
@@ -31,11 +32,13 @@ from metrale.engine.program_shapes import (
     padding_rows,
     ragged_shape,
 )
+from metrale.engine.staging import to_device_packed
 from metrale.models.attention import AttentionMetadata
 
 
 class DraftChainGraphs:
-    """Programs keyed by (depth module index, padded sequence count)."""
+    """Chain programs keyed by (padded sequence count, chain steps); catch-up programs by
+    ragged shape."""
 
     def __init__(
         self, runner, heads, max_seqs: int, max_model_len: int, num_slots: int | None = None
@@ -52,82 +55,92 @@ class DraftChainGraphs:
         def zeros(*shape, dtype=torch.long):
             return torch.zeros(*shape, dtype=dtype, device=device)
 
-        self.tokens, self.positions, self.slots = zeros(n), zeros(n), zeros(n)
+        self.tokens, self.positions = zeros(n), zeros(n)
         self.starts = torch.arange(n + 1, device=device)  # one row per sequence, always
-        self.seq_lens = zeros(n)
         self.block_tables = zeros(n, pages)
         self.hidden = zeros(n, runner.model.config.hidden_size, dtype=runner.dtype)
         self.pool = runner.graphs.pool
         self._programs: dict[tuple[int, int], tuple] = {}
         self._catch_up_setup(num_slots or max_seqs, runner.graphs.max_q, pages)
 
-    def _step_fn(self, module_index: int, n: int):
-        module = self.heads.depths[module_index]
-        model = self.runner.model
+    def _chain_fn(self, n: int, steps: int):
+        """Draft steps 1..`steps` of n sequences, each a one-row step at position base + j whose
+        slot and length are computed here, on the device, from the block tables: the host
+        uploads the base positions and tables once per chain, not once per step."""
+        model, page = self.runner.model, self.page_size
+        width = self.block_tables.shape[1]
 
         def run():
-            meta = AttentionMetadata(
-                slot_mapping=self.slots[:n],
-                positions=self.positions[:n],
-                query_start_loc=self.starts[: n + 1],
-                seq_lens=self.seq_lens[:n],
-                block_tables=self.block_tables[:n],
-                max_query_len=1,
-                max_seq_len=self.max_model_len,
-                page_size=self.page_size,
-            )
-            logits_in, next_hidden = module(
-                self.tokens[:n], self.positions[:n], self.hidden[:n], meta, model.model.embed_tokens
-            )
-            return model.compute_logits(logits_in).argmax(dim=-1), next_hidden
+            tables, base = self.block_tables[:n], self.positions[:n]
+            tokens, hidden, columns = self.tokens[:n], self.hidden[:n], []
+            for j in range(1, steps + 1):
+                positions = base + j
+                column = positions // page
+                # NOTE: a sequence chains to the longest depth of the batch; rows past its own
+                # pages (its table is padded with the dummy page, and past the table's width
+                # nothing is read) write their K/V to the dummy page, and are discarded.
+                inside = column < width
+                pages = tables.gather(1, column.clamp(max=width - 1)[:, None]).squeeze(1)
+                pages = torch.where(inside, pages, DUMMY_PAGE)
+                meta = AttentionMetadata(
+                    slot_mapping=pages * page + positions % page,
+                    positions=positions,
+                    query_start_loc=self.starts[: n + 1],
+                    seq_lens=positions + 1,
+                    block_tables=tables,
+                    max_query_len=1,
+                    max_seq_len=self.max_model_len,
+                    page_size=page,
+                )
+                logits_in, hidden = self.heads.for_step(j)(
+                    tokens, positions, hidden, meta, model.model.embed_tokens
+                )
+                tokens = model.compute_logits(logits_in).argmax(dim=-1)
+                columns.append(tokens)
+            return torch.stack(columns, dim=1)  # [n, steps]
 
         return run
 
-    def _program(self, module_index: int, n: int):
-        key = (module_index, n)
+    def _program(self, n: int, steps: int):
+        key = (n, steps)
         if key not in self._programs:
             # Capture-time inputs: every row a one-row sequence on the dummy page.
             self.tokens.zero_()
             self.positions.zero_()
-            self.slots.fill_(DUMMY_PAGE * self.page_size)
-            self.seq_lens.fill_(1)
             self.block_tables.fill_(DUMMY_PAGE)
-            self._programs[key] = capture(
-                self._step_fn(module_index, n), self.pool, self.runner.device
-            )
+            self._programs[key] = capture(self._chain_fn(n, steps), self.pool, self.runner.device)
         return self._programs[key]
 
-    def step(
+    def chain(
         self,
-        module_index: int,
-        tokens: torch.Tensor,
+        first: torch.Tensor,
         hidden: torch.Tensor,
-        spans: list[tuple[list[int], int, list[int]]],
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(draft ids [C], next hidden [C, H]) of one chained step over C sequences (`spans`:
-        block table, position, one placeholder token each), or None when C is past the
-        workspace (the caller then runs eagerly)."""
-        count = len(spans)
+        positions: list[int],
+        tables: list[list[int]],
+        steps: int,
+    ) -> torch.Tensor | None:
+        """Drafts 2 .. 1 + `steps` [C, steps] of C sequences, chained from their first drafts
+        `first` [C] and hiddens [C, H] at their newest committed positions `positions` (block
+        tables `tables`), in one replay; None when C is past the workspace (the caller then
+        runs eagerly). Each sequence is chained `steps` deep: keep the columns it asked for."""
+        count = len(positions)
         n = decode_bucket(count)
         if n > self.max_seqs:
             return None
-        graph, (drafts, next_hidden) = self._program(module_index, n)
-        _, positions, meta = self.runner.span_metadata(spans)
-        self.tokens[:count].copy_(tokens, non_blocking=True)
+        graph, columns = self._program(n, steps)
+        width = max(len(t) for t in tables)
+        flat = [p for t in tables for p in t + [DUMMY_PAGE] * (width - len(t))]
+        pos_t, tables_t = to_device_packed([positions, flat], self.runner.device)
+        self.tokens[:count].copy_(first, non_blocking=True)
         self.hidden[:count].copy_(hidden, non_blocking=True)
-        self.positions[:count].copy_(positions, non_blocking=True)
-        self.slots[:count].copy_(meta.slot_mapping, non_blocking=True)
-        self.seq_lens[:count].copy_(meta.seq_lens, non_blocking=True)
+        self.positions[:count].copy_(pos_t, non_blocking=True)
         self.block_tables[:n].fill_(DUMMY_PAGE)
-        width = meta.block_tables.shape[1]
-        self.block_tables[:count, :width].copy_(meta.block_tables, non_blocking=True)
-        # NOTE: padding rows write their K/V to the dummy page and see only it.
+        self.block_tables[:count, :width].copy_(tables_t.view(count, width), non_blocking=True)
+        # NOTE: padding rows are one-row sequences on the dummy page, as in decode padding.
         self.tokens[count:n].zero_()
         self.positions[count:n].zero_()
-        self.slots[count:n].fill_(DUMMY_PAGE * self.page_size)
-        self.seq_lens[count:n].fill_(1)
         graph.replay()
-        return drafts[:count].clone(), next_hidden[:count].clone()
+        return columns[:count]
 
     # ---- the catch-up ---------------------------------------------------------------------
 

@@ -1,0 +1,87 @@
+"""The MTP drafter's captured programs on CPU: `DraftChainGraphs` with its capture replaced by
+"run the captured function again on every replay", so that the graphed chain (one program for
+every chain step, positions and slots computed on the device, every sequence chained to the
+batch's deepest depth) and the ragged catch-up are checked against the eager drafter: the same
+drafts, step for step. `tests/test_gpu.py` runs the real graphs on CUDA."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from metrale import LLM, SamplingParams
+from metrale.speculative import mtp_graphs
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\n\n\ndef main():\n",
+    "class Stack:\n    def __init__(self):\n",
+    "for i in range(10):",
+]
+
+
+class RerunGraph:
+    def __init__(self, fn, outputs) -> None:
+        self.fn, self.outputs = fn, outputs
+
+    def replay(self) -> None:
+        fresh = self.fn()
+        for out, new in zip(
+            self.outputs if isinstance(self.outputs, tuple) else (self.outputs,),
+            fresh if isinstance(fresh, tuple) else (fresh,),
+            strict=True,
+        ):
+            out.copy_(new)
+
+
+def drafts_of(llm: LLM, params) -> tuple[list, list]:
+    """(outputs, every propose call's drafts) of one generation."""
+    drafter, proposed = llm.engine.spec.drafter, []
+    propose = drafter.propose
+
+    def recorded(seqs, caps):
+        drafts = propose(seqs, caps)
+        proposed.append([(s.seq_id - seqs[0].seq_id, d.tokens) for s, d in zip(seqs, drafts)])
+        return drafts
+
+    drafter.propose = recorded
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], proposed
+
+
+@pytest.mark.parametrize("num_drafts", [3, 4])
+def test_graphed_chain_and_catch_up_draft_what_the_eager_drafter_drafts(monkeypatch, num_drafts):
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    spec = {"method": "mtp", "num_drafts": num_drafts, "dcut": False}
+    eager = LLM(device="cpu", dtype="float32", spec=spec)
+    want, want_drafts = drafts_of(eager, params)
+
+    captured: list[RerunGraph] = []
+
+    def capture(fn, pool, device):
+        graph = RerunGraph(fn, fn())
+        captured.append(graph)
+        return graph, graph.outputs
+
+    monkeypatch.setattr(mtp_graphs, "capture", capture)
+    llm = LLM(device="cpu", dtype="float32", spec=spec)
+    runner, drafter = llm.engine.runner, llm.engine.spec.drafter
+    runner.graphs = SimpleNamespace(pool=None, max_q=num_drafts + 1)
+    try:
+        drafter.chain_graphs = mtp_graphs.DraftChainGraphs(
+            runner, drafter.heads, 8, llm.engine.max_model_len + llm.engine.lookahead, 8
+        )
+    finally:
+        runner.graphs = None  # the target's own steps stay eager
+    got, got_drafts = drafts_of(llm, params)
+    assert got == want
+    assert got_drafts == want_drafts
+    chain = drafter.chain_graphs
+    assert chain._programs  # the chain really ran as programs
+    assert chain.catch_up_replays > 0
+    # several sequences at different depths shared one program, chained to the deepest
+    assert any(len({len(d) for _, d in step if d}) > 1 for step in got_drafts)
+    assert sum(len(d) for step in got_drafts for _, d in step) > 20
+    assert isinstance(chain.block_tables, torch.Tensor)
