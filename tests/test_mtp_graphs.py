@@ -1,8 +1,8 @@
 """The MTP drafter's captured programs on CPU: `DraftChainGraphs` with its capture replaced by
 "run the captured function again on every replay", so that the graphed chain (one program for
 every chain step, positions and slots computed on the device, every sequence chained to the
-batch's deepest depth) and the ragged catch-up are checked against the eager drafter: the same
-drafts, step for step. `tests/test_gpu.py` runs the real graphs on CUDA."""
+batch's deepest depth, chained ahead right after the catch-up) and the ragged catch-up are checked
+against the eager drafter: the same drafts, step for step. `tests/test_gpu.py` runs the real graphs on CUDA."""
 
 from __future__ import annotations
 
@@ -71,7 +71,12 @@ def test_graphed_chain_and_catch_up_draft_what_the_eager_drafter_drafts(monkeypa
     runner.graphs = SimpleNamespace(pool=None, max_q=num_drafts + 1)
     try:
         drafter.chain_graphs = mtp_graphs.DraftChainGraphs(
-            runner, drafter.heads, 8, llm.engine.max_model_len + llm.engine.lookahead, 8
+            runner,
+            drafter.heads,
+            8,
+            llm.engine.max_model_len + llm.engine.lookahead,
+            8,
+            (drafter._first, drafter._hidden),
         )
     finally:
         runner.graphs = None  # the target's own steps stay eager
@@ -81,6 +86,8 @@ def test_graphed_chain_and_catch_up_draft_what_the_eager_drafter_drafts(monkeypa
     chain = drafter.chain_graphs
     assert chain._programs  # the chain really ran as programs
     assert chain.catch_up_replays > 0
+    # most drafts were chained ahead, right after the catch-up, and read back by propose
+    assert drafter.drafted_ahead > sum(1 for step in got_drafts for _, d in step if d) // 2
     # several sequences at different depths shared one program, chained to the deepest
     assert any(len({len(d) for _, d in step if d}) > 1 for step in got_drafts)
     assert sum(len(d) for step in got_drafts for _, d in step) > 20

@@ -219,3 +219,42 @@ def test_probe_steps_keep_the_planned_sequences(tiny_model_dir):
     probes = [n for step, n in sizes if step % spec.cfg.dcut_probe_every == 0]
     others = [n for step, n in sizes if step % spec.cfg.dcut_probe_every != 0]
     assert probes and others and min(probes) >= max(others[:3])
+
+
+@pytest.mark.parametrize("replan_every", [1, 4])
+def test_a_plan_stands_for_replan_every_steps_while_the_batch_is_the_same(
+    tiny_model_dir, monkeypatch, replan_every
+):
+    """D-Cut plans at most once per `dcut_replan_every` steps while the running sequences stay
+    the same (probe steps plan afresh), and the output is still plain decoding's."""
+    from metrale.speculative import controller
+
+    prompts = [[(5 * i + 2 * j) % 200 + 3 for j in range(6 + i)] for i in range(4)]
+    params = greedy(40)
+    ref = [
+        o.outputs[0].token_ids
+        for o in LLM(tiny_model_dir, device="cpu").generate(prompts, params, use_tqdm=False)
+    ]
+    drafter = ReplayDrafter(dict(zip(map(tuple, prompts), ref, strict=True)), 0.9, 200)
+    spec = {"num_drafts": 3, "dcut_replan_every": replan_every, "dcut_probe_every": 1000}
+    llm = LLM(tiny_model_dir, device="cpu", drafter=drafter, spec=spec)
+    llm.engine.spec.cost = VerifyCostModel.from_points({(1, 4.0): 1.01, (4, 4.0): 1.01})
+    planned_at, real_plan = [], controller.plan
+    dec = llm.engine.spec
+
+    def plan(inputs, cost, cap):
+        planned_at.append((dec._steps, tuple(sorted(x.slot for x in inputs))))
+        return real_plan(inputs, cost, cap)
+
+    monkeypatch.setattr(controller, "plan", plan)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    steps = [step for step, _ in planned_at]
+    assert len(steps) >= 3
+    if replan_every == 1:
+        assert len(set(steps)) >= max(steps) - min(steps) - 2  # every step planned
+    else:
+        # while the same sequences run, a plan is made at most once in any 4 steps
+        same = [(a, b) for a, b in zip(planned_at, planned_at[1:]) if a[1] == b[1]]
+        assert same and all(b[0] - a[0] >= replan_every for a, b in same if b[0] != a[0])
+        assert len(set(steps)) < (max(steps) - min(steps)) / 2

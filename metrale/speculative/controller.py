@@ -96,6 +96,9 @@ class SpeculativeDecoder:
         # the running sequences of the last step D-Cut planned at depth 0 everywhere, while no
         # estimate has changed since (None: plan again)
         self._quiet: tuple[int, ...] | None = None
+        # (running seq_ids, seq_id -> planned depth, the step it was planned at) of the last
+        # plan, reused while the running set is the same, for `dcut_replan_every` steps
+        self._last_plan: tuple[tuple[int, ...], dict[int, int], int] | None = None
         # whether this step's verdicts go to `observe` (False: nothing drafted, and the drafter
         # is `stateless`, so the step is a plain decode step end to end)
         self.observing = False
@@ -152,12 +155,13 @@ class SpeculativeDecoder:
         chose (D-Cut on).
 
         A step planned at depth 0 everywhere is remembered: until an estimate changes or the
-        running set does, the next steps skip planning (a plain step does no D-Cut work). Every
-        `dcut_probe_every` steps a few sequences, in turn, draft anyway."""
+        running set does, the next steps skip planning (a plain step does no D-Cut work). Any
+        other plan stands for `dcut_replan_every` steps while the running set is the same.
+        Every `dcut_probe_every` steps a few sequences, in turn, draft anyway."""
         if self._steps % self.cfg.dcut_probe_every == 0:
             # The plan's sequences, plus a few of the others in turn, drafting up to their caps
             # (the cut after drafting decides their depths; those at 0 learn their first draft).
-            self._quiet = None
+            self._quiet = self._last_plan = None
             chosen = set(self._worth_drafting(seqs, caps)[0])
             first = (self._steps // self.cfg.dcut_probe_every * PROBE_SEQS) % len(seqs)
             probed = {(first + i) % len(seqs) for i in range(min(PROBE_SEQS, len(seqs)))}
@@ -166,8 +170,16 @@ class SpeculativeDecoder:
         running = tuple(s.seq_id for s in seqs)
         if running == self._quiet:
             return [], [], False
+        last = self._last_plan
+        fresh = last is not None and self._steps - last[2] < self.cfg.dcut_replan_every
+        if fresh and last[0] == running:
+            keep = [i for i, s in enumerate(seqs) if last[1].get(s.seq_id, 0) > 0]
+            depths = [min(caps[i], last[1][seqs[i].seq_id]) for i in keep]
+            return [seqs[i] for i in keep], depths, True
         keep, depths = self._worth_drafting(seqs, caps)
         self._quiet = None if keep else running
+        depth_of = {seqs[i].seq_id: d for i, d in zip(keep, depths, strict=True)}
+        self._last_plan = (running, depth_of, self._steps)
         return [seqs[i] for i in keep], depths, True
 
     def _worth_drafting(self, seqs: list[Sequence], caps: list[int]):

@@ -66,11 +66,26 @@ class MTPDrafter:
         # observe writes and propose reads every sequence's state with one indexed copy.
         self._pos: dict[int, list[int]] = {}
         hidden_size = runner.model.config.hidden_size
-        self._hidden = torch.zeros(num_slots, hidden_size, dtype=runner.dtype, device=runner.device)
-        self._first = torch.zeros(num_slots, dtype=torch.long, device=runner.device)
+        # one entry past the slots: the catch-up programs' padding sequences write there
+        self._hidden = torch.zeros(
+            num_slots + 1, hidden_size, dtype=runner.dtype, device=runner.device
+        )
+        self._first = torch.zeros(num_slots + 1, dtype=torch.long, device=runner.device)
+        # The next step's drafts, chained ahead by `observe` (see `_draft_ahead`): rows [S, K]
+        # on the device, and seq_id -> (its row, the position the row starts from).
+        self._ahead_table: torch.Tensor | None = None
+        self._ahead_rows: dict[int, tuple[int, int]] = {}
+        self.drafted_ahead = 0  # sequence-drafts served from rows chained ahead
         graphs = runner.graphs
         self.chain_graphs = (
-            DraftChainGraphs(runner, self.heads, max_seqs, graphs.max_model_len, num_slots)
+            DraftChainGraphs(
+                runner,
+                self.heads,
+                max_seqs,
+                graphs.max_model_len,
+                num_slots,
+                (self._first, self._hidden),
+            )
             if graphs is not None and graphs.paged_kernel and not k.no_mtp_chain_graphs
             else None
         )
@@ -101,17 +116,31 @@ class MTPDrafter:
         if not spans:
             return
         hidden = torch.cat(hiddens)
-        caught = None if self.chain_graphs is None else self.chain_graphs.catch_up(spans, hidden)
-        if caught is None:  # eager: prefill chunks, or no graphs
+        slots = [seq.slot for seq in owners]
+        for seq, (_, first, tokens) in zip(owners, spans, strict=True):
+            self._pos[seq.seq_id] = [first + len(tokens) - 1, 0]
+        # Draft ahead when most of these sequences verified drafts (in steady state the ones
+        # D-Cut drafts again): the chain then runs in the catch-up's own program, while the
+        # host emits and schedules, and `propose` only reads it back. Otherwise (D-Cut leaves
+        # most at depth 0) `propose` chains the few it drafts.
+        drafted = sum(1 for v in verdicts if v.drafts)
+        self._ahead_rows = {}
+        table, ahead = None, False
+        if self.chain_graphs is not None:
+            ahead = 2 * drafted >= len(owners) and self.chain_graphs.max_q > 2
+            table = self.chain_graphs.catch_up(spans, hidden, slots, ahead)
+        if table is None:  # eager: prefill chunks, or no graphs
             logits_in, next_hidden, meta = self._forward(0, spans, hidden)
             last = meta.query_start_loc[1:] - 1  # [S] each span's newest row
             firsts = self.runner.model.compute_logits(logits_in, last).argmax(dim=-1)  # [S]
-            caught = firsts, next_hidden.index_select(0, last)
-        slots = to_device_packed([[seq.slot for seq in owners]], self.runner.device)[0]
-        self._first.index_copy_(0, slots, caught[0])
-        self._hidden.index_copy_(0, slots, caught[1])
-        for seq, (_, first, tokens) in zip(owners, spans, strict=True):
-            self._pos[seq.seq_id] = [first + len(tokens) - 1, 0]
+            index = to_device_packed([slots], self.runner.device)[0]
+            self._first.index_copy_(0, index, firsts)
+            self._hidden.index_copy_(0, index, next_hidden.index_select(0, last))
+        elif ahead:
+            self._ahead_table = table
+            self._ahead_rows = {
+                seq.seq_id: (row, self._pos[seq.seq_id][0]) for row, seq in enumerate(owners)
+            }
 
     def _rows_to_feed(self, v: Verdict) -> tuple[torch.Tensor, int]:
         """The committed rows to run through the MTP layer: (target hiddens, first position)."""
@@ -150,6 +179,30 @@ class MTPDrafter:
         drafts: list[Draft] = [Draft([]) for _ in seqs]
         if not live:
             return drafts
+        # rows chained ahead by the last observe, for sequences still at that position
+        ahead, self._ahead_rows = self._ahead_rows, {}
+        covered = [
+            (seq.seq_id, ahead[seq.seq_id][0])
+            for _, seq, _, state in live
+            if ahead.get(seq.seq_id, (0, -1))[1] == state[0]
+        ]
+        rows = {}
+        if covered:
+            host = self._ahead_table.tolist()  # the one host sync, usually long done
+            rows = {seq_id: host[row] for seq_id, row in covered}
+            self.drafted_ahead += len(covered)
+        rest = [entry for entry in live if entry[1].seq_id not in rows]
+        if rest:
+            for (_, seq, _, _), row in zip(rest, self._chain_now(rest), strict=True):
+                rows[seq.seq_id] = row
+        table = [rows[seq.seq_id] for _, seq, _, _ in live]
+        for (i, _, k, state), row in zip(live, table, strict=True):
+            drafts[i] = Draft(row[:k])
+            state[1] = k - 1
+        return drafts
+
+    def _chain_now(self, live) -> list[list[int]]:
+        """[S, 1 + steps] draft rows of `live` (index, seq, depth, state) entries, chained now."""
         device = self.runner.device
         slots = to_device_packed([[seq.slot for _, seq, _, _ in live]], device)[0]
         first = self._first.index_select(0, slots)  # [S] draft 1 of each
@@ -165,15 +218,10 @@ class MTPDrafter:
                 steps,
             )
         if steps == 0:
-            table = first[:, None].tolist()
-        elif columns is not None:
-            table = torch.cat([first[:, None], columns], dim=1).tolist()  # the one host sync
-        else:
-            table = self._eager_chain(live, first, hidden, steps)
-        for (i, _, k, state), row in zip(live, table, strict=True):
-            drafts[i] = Draft(row[:k])
-            state[1] = k - 1
-        return drafts
+            return first[:, None].tolist()
+        if columns is not None:
+            return torch.cat([first[:, None], columns], dim=1).tolist()  # the one host sync
+        return self._eager_chain(live, first, hidden, steps)
 
     def _eager_chain(self, live, first: torch.Tensor, hidden: torch.Tensor, steps: int):
         """The chain without graphs (CPU, or past the workspace): each sequence stops at its
@@ -202,3 +250,4 @@ class MTPDrafter:
 
     def release(self, seq: Sequence) -> None:
         self._pos.pop(seq.seq_id, None)
+        self._ahead_rows.pop(seq.seq_id, None)
