@@ -180,6 +180,32 @@ def test_forced_acceptance_draws_prefixes_at_rate_alpha():
         assert torch.equal(forced.num_accepted, m.cumprod(dim=1).sum(dim=1))
 
 
+def test_forced_acceptance_on_the_greedy_fast_path():
+    """The runner's host-side greedy verdicts under forced acceptance: matches at rate alpha,
+    the accepted count their prefix, every emitted token the target's pick at its row."""
+    from metrale.bench.forced import ForcedAcceptance
+    from metrale.config import SamplingParams
+    from metrale.engine.sequence import ScheduledSeq, Sequence
+    from metrale.engine.step_output import greedy_verdicts
+
+    k, seqs, sp = 3, 3000, SamplingParams(temperature=0.0)
+    entries = []
+    for s in range(seqs):
+        seq = Sequence(s, f"r{s}", [1, 2], sp, seed=s, eos_token_ids=(0,), arrival=s)
+        seq.num_computed_tokens = 1
+        entries.append(ScheduledSeq(seq, k + 1, [5, 6, 7]))
+    picks = torch.arange(seqs * (k + 1))
+    for alpha in (0.0, 0.5, 1.0):
+        verdicts = greedy_verdicts(entries, picks, ForcedAcceptance(alpha, seed=2))
+        for n, v in enumerate(verdicts):
+            prefix = next((i for i, m in enumerate(v.matches) if not m), k)
+            assert v.num_accepted == prefix
+            rows = picks[n * (k + 1) : (n + 1) * (k + 1)].tolist()
+            assert [t.token_id for t in v.tokens] == rows[: prefix + 1]
+        mean = sum(v.num_accepted for v in verdicts) / seqs
+        assert mean == pytest.approx(sum(alpha**j for j in range(1, k + 1)), abs=0.08)
+
+
 def test_forced_acceptance_is_bench_only():
     """No engine, speculative or API option reaches it; the bench labels its rows."""
     import dataclasses

@@ -13,6 +13,8 @@ results as forced.
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from metrale.speculative.verify import Acceptance, RowLayout, accepted_prefix
@@ -24,6 +26,12 @@ class ForcedAcceptance:
             raise ValueError(f"alpha must be in [0, 1], got {alpha}")
         self.alpha, self.seed = alpha, seed
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._host = random.Random(seed)
+
+    def draw(self, k: int) -> list[bool]:
+        """Matches of k draft rows, each at rate alpha: the runner's greedy fast path, which
+        judges on the host (`step_output.greedy_verdicts`), draws them here."""
+        return [self._host.random() < self.alpha for _ in range(k)]
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)

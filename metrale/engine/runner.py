@@ -274,12 +274,10 @@ class ModelRunner:
         else:
             logits = self.model.compute_logits(hidden, torch.tensor(rows, device=self.device))
         entries = [e for e, _ in sampling]
-        if self.forced_acceptance is None and all(
-            is_plain_greedy(e.seq.params, len(e.seq.output_token_ids)) for e in entries
-        ):
+        if all(is_plain_greedy(e.seq.params, len(e.seq.output_token_ids)) for e in entries):
             # The common case needs only each row's argmax: no sampling tensors, no kernels
             # beyond the argmax, the same one host sync.
-            verdicts = greedy_verdicts(entries, logits.argmax(dim=-1))
+            verdicts = greedy_verdicts(entries, logits.argmax(dim=-1), self.forced_acceptance)
         else:
             verdicts = self._accept(entries, logits)
         if verify_state:

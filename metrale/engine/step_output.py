@@ -93,17 +93,23 @@ def verdicts_of(entries: list[ScheduledSeq], acc) -> list[SeqVerdict]:
     return result
 
 
-def greedy_verdicts(entries: list[ScheduledSeq], picks: torch.Tensor) -> list[SeqVerdict]:
+def greedy_verdicts(
+    entries: list[ScheduledSeq], picks: torch.Tensor, forced=None
+) -> list[SeqVerdict]:
     """`verdicts_of(entries, accept(...))` for plain greedy rows (`is_plain_greedy`), from the
     argmax of every row alone: a draft matches iff it is its row's argmax, and every row emits
-    its argmax. One host sync, no sampling tensors, no acceptance kernels."""
+    its argmax. One host sync, no sampling tensors, no acceptance kernels. `forced` (the
+    bench's `ForcedAcceptance`) draws the matches instead."""
     table = picks.tolist()  # [R]
     result, row = [], 0
     for e in entries:
         k = len(e.drafts)
         rows = table[row : row + k + 1]
         row += k + 1
-        matches = [d == t for d, t in zip(e.drafts, rows, strict=False)]
+        if forced is None:
+            matches = [d == t for d, t in zip(e.drafts, rows, strict=False)]
+        else:
+            matches = forced.draw(k)
         accepted = next((i for i, m in enumerate(matches) if not m), k)
         tokens = [SampledToken(e.seq, t) for t in rows[: accepted + 1]]
         result.append(SeqVerdict(e, accepted, matches, tokens, rows))
