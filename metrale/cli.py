@@ -27,9 +27,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16, help="KV rows per page")
     p.add_argument(
         "--spec",
-        choices=("ngram", "mtp"),
+        choices=("ngram", "mtp", "dflash"),
         default=None,
         help="speculative decoding drafter (output is unchanged; acceptance is printed at the end)",
+    )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="the drafter's own checkpoint (--spec dflash; default: the model's dflash/ folder)",
     )
     p.add_argument("--num-drafts", type=int, default=4, help="drafts per verify at most (K)")
     p.add_argument(
@@ -202,7 +207,10 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 def _spec(args: argparse.Namespace) -> dict | None:
     if args.spec is None:
         return None
-    return {"method": args.spec, "num_drafts": args.num_drafts, "dcut": not args.no_dcut}
+    spec = {"method": args.spec, "num_drafts": args.num_drafts, "dcut": not args.no_dcut}
+    if args.draft_model is not None:
+        spec["model"] = args.draft_model
+    return spec
 
 
 def _llm(args: argparse.Namespace):

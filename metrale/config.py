@@ -217,7 +217,7 @@ class ModelConfig:
         )
 
 
-SPEC_METHODS = ("ngram", "mtp")
+SPEC_METHODS = ("ngram", "mtp", "dflash")
 
 
 HYBRID_VERIFY_STATES = ("write_on_accept", "per_row_slots")
@@ -238,6 +238,8 @@ class SpecConfig:
 
     method: str | None = None
     num_drafts: int = 4
+    # a drafter checkpoint of its own (DFlash); None: `<target dir>/dflash`
+    model: str | None = None
     ngram_min: int = 1
     ngram_max: int = 4
     ngram_window: int = 4096  # tokens searched back from the end: bounds the host-side lookup

@@ -27,6 +27,7 @@ from metrale.engine.step_output import StepOutput
 from metrale.knobs import knobs
 from metrale.outputs import RequestOutput
 from metrale.speculative.controller import SpeculativeDecoder
+from metrale.speculative.dflash import DFlashDrafter
 from metrale.speculative.drafter import Drafter, Verdict
 from metrale.speculative.mtp import MTPDrafter
 from metrale.speculative.ngram import NgramDrafter
@@ -80,6 +81,7 @@ class LLMEngine:
             self.lookahead,
             with_mtp=drafter is None and self.config.spec.method == "mtp",
             num_drafts=self.config.spec.num_drafts if spec_on else 0,
+            dflash_dir=self._dflash_dir() if drafter is None else None,
         )
         self.allocator = PageAllocator(self.runner.num_pages, self.config.page_size)
         self.scheduler = Scheduler(
@@ -114,6 +116,20 @@ class LLMEngine:
         self.spec.cost = measured_cost_model(self, k, seqs, context)
         log.info("D-Cut verify cost measured in %.1f s", time.perf_counter() - start)
 
+    def _dflash_dir(self) -> Path | None:
+        """The DFlash checkpoint for `spec.method="dflash"`: `spec.model`, else `dflash/`
+        beside the target's weights."""
+        spec = self.config.spec
+        if spec.method != "dflash":
+            return None
+        path = Path(spec.model) if spec.model else self.model_dir / "dflash"
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"spec.model: no DFlash drafter at {path} (give spec=dict(method='dflash', "
+                "model=DIR), or put one in the target's dflash/ folder)"
+            )
+        return path
+
     def _speculative_decoder(self, drafter: Drafter | None) -> SpeculativeDecoder | None:
         spec = self.config.spec
         if drafter is None:
@@ -121,6 +137,14 @@ class LLMEngine:
                 return None
             if spec.method == "ngram":
                 drafter = NgramDrafter(spec.ngram_min, spec.ngram_max, spec.ngram_window)
+            elif spec.method == "dflash":
+                block = self.runner.dflash.config.block_size
+                if spec.num_drafts > block - 1:
+                    raise ValueError(
+                        f"spec.num_drafts={spec.num_drafts}: the DFlash drafter's block of {block} "
+                        f"proposes at most {block - 1}"
+                    )
+                drafter = DFlashDrafter(self.runner)
             else:  # "mtp": the runner loaded the checkpoint's heads (or refused)
                 drafter = MTPDrafter(
                     self.runner,

@@ -4,7 +4,6 @@ computes logits for the rows that sample, samples, and copies the picks back wit
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 from pathlib import Path
@@ -13,8 +12,9 @@ import torch
 
 from metrale.config import EngineConfig, ModelConfig
 from metrale.engine.graphs import GraphRunner
-from metrale.engine.kv_cache import DUMMY_PAGE, allocate_kv_cache, kv_page_bytes
+from metrale.engine.kv_cache import DUMMY_PAGE, allocate_kv_cache
 from metrale.engine.logits_pipeline import is_plain_greedy
+from metrale.engine.model_setup import default_dtype, dummy_weights, num_pages_for
 from metrale.engine.program_shapes import decode_bucket, padding_rows, ragged_shape
 from metrale.engine.sampler import SamplingBatch, SamplingRow
 from metrale.engine.sequence import Batch, Phase, ScheduledSeq
@@ -23,64 +23,16 @@ from metrale.engine.state_cache import StateSlots
 from metrale.engine.step_output import StepOutput, greedy_verdicts, verdicts_of
 from metrale.kernels.paged_attention import TritonPagedAttention, triton_available
 from metrale.models.attention import AttentionMetadata, TorchPagedAttention
+from metrale.models.dflash import load_dflash
+from metrale.models.layers import HiddenTaps
 from metrale.models.loader import load_weights
 from metrale.models.mtp import load_mtp
 from metrale.models.qwen3 import Qwen3ForCausalLM
-from metrale.models.qwen3_next import Qwen3NextForCausalLM, ZeroCentredRMSNorm
+from metrale.models.qwen3_next import Qwen3NextForCausalLM
 from metrale.speculative.row_table import RowTable
 from metrale.speculative.verify import accept, build_layout
 
 log = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
-def num_pages_for(
-    model_cfg: ModelConfig,
-    cfg: EngineConfig,
-    max_model_len: int,
-    dtype: torch.dtype,
-    lookahead: int,
-    num_layers: int,
-) -> int:
-    """Pool size: `num_kv_pages` if given, else room for `max_num_seqs` full-length sequences,
-    capped by `kv_cache_memory_gb`; plus the dummy page."""
-    if cfg.num_kv_pages is not None:
-        return cfg.num_kv_pages
-    pages_per_seq = -(-(max_model_len + lookahead) // cfg.page_size)
-    wanted = cfg.max_num_seqs * pages_per_seq
-    page_bytes = kv_page_bytes(model_cfg, cfg.page_size, dtype, num_layers)
-    affordable = int(cfg.kv_cache_memory_gb * 2**30) // page_bytes
-    pages = min(wanted, affordable)
-    if pages < pages_per_seq:
-        raise ValueError(
-            f"kv_cache_memory_gb={cfg.kv_cache_memory_gb} holds {pages} pages, fewer than one "
-            f"sequence of max_model_len={max_model_len} needs ({pages_per_seq})"
-        )
-    return pages + 1
-
-
-@torch.no_grad()
-def dummy_weights(model: torch.nn.Module, seed: int) -> None:
-    """Random weights for `load_format="dummy"`: N(0, 0.02) matrices, unit norms (a (1 + w)
-    norm's w = 0), seeded."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
-        else:
-            param.normal_(0.0, 0.02, generator=gen)
-    for module in model.modules():
-        if isinstance(module, ZeroCentredRMSNorm):
-            module.weight.zero_()
 
 
 class ModelRunner:
@@ -93,10 +45,12 @@ class ModelRunner:
         lookahead: int = 0,
         with_mtp: bool = False,
         num_drafts: int = 0,
+        dflash_dir: str | Path | None = None,
     ) -> None:
         """`lookahead`: rows reserved past each sampling sequence's step (drafts and drafter
         KV). `with_mtp`: also load the checkpoint's MTP heads, with KV layers of their own.
-        `num_drafts`: the most drafts a sequence verifies (0: no speculation)."""
+        `num_drafts`: the most drafts a sequence verifies (0: no speculation). `dflash_dir`: load
+        a DFlash drafter, give it context K/V pages and tap the target's hidden states for it."""
         self.device = cfg.resolve_device()
         self.dtype = cfg.resolve_dtype(model_cfg, self.device)
         self.model_cfg = model_cfg
@@ -125,8 +79,15 @@ class ModelRunner:
         layers = self.model.attention_layers + (
             [] if self.mtp is None else self.mtp.attention_layers
         )
+        self.dflash = None
+        if dflash_dir is not None:
+            positions = max_model_len + lookahead
+            self.dflash = load_dflash(dflash_dir, model_cfg, positions, self.device, self.dtype)
+        extra = (
+            0 if self.dflash is None else self.dflash.config.page_bytes(self.page_size, self.dtype)
+        )
         self.num_pages = num_pages_for(
-            model_cfg, cfg, max_model_len, self.dtype, lookahead, len(layers)
+            model_cfg, cfg, max_model_len, self.dtype, lookahead, len(layers), extra
         )
         self.kv_cache = allocate_kv_cache(
             model_cfg, self.num_pages, cfg.page_size, self.dtype, self.device, len(layers)
@@ -153,6 +114,9 @@ class ModelRunner:
                 max_q=num_drafts + 1,
                 max_seqs=cfg.max_num_seqs,
             )
+        self.taps = None
+        if self.dflash is not None:  # before any capture: the programs write the taps too
+            self._attach_dflash(cfg, num_drafts)
         if self.graphs is not None and self.graphs.ragged:
             free = torch.cuda.mem_get_info(self.device)[0]
             programs, seconds = self.graphs.capture_ragged()
@@ -173,6 +137,20 @@ class ModelRunner:
             self.num_pages,
             self.page_size,
         )
+
+    def _attach_dflash(self, cfg: EngineConfig, num_drafts: int) -> None:
+        """The DFlash drafter's context K/V layers (paged like the target's KV, addressed by the
+        same block tables) and the taps of the target layers it reads."""
+        d = self.dflash.config
+        shape = (d.num_layers, 2, self.num_pages, self.page_size, d.num_kv_heads, d.head_dim)
+        self.dflash_kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        rows = max(cfg.max_num_batched_tokens, cfg.max_num_seqs * (num_drafts + 1))
+        if self.graphs is not None:
+            rows = max(rows, self.graphs.cache.workspace.rows)
+        self.taps = HiddenTaps(
+            d.target_layer_ids, self.model_cfg.hidden_size, rows, self.device, self.dtype
+        )
+        self.model.model.taps = self.taps
 
     def span_metadata(
         self, spans: list[tuple[list[int], int, list[int]]]
@@ -266,6 +244,8 @@ class ModelRunner:
         if not sampling:
             if verify_state:  # unreachable: drafts only come with sampling entries
                 raise RuntimeError("a verify step without sampling entries")
+            if replayed is None and self.taps is not None:  # the drafter reads the taps
+                hidden = self.taps.buffer[: hidden.shape[0]].clone()
             return StepOutput(batch.entries, [], hidden, ends)
         # The last 1 + k rows of each sampling sequence: its last token, then its k drafts.
         rows = [r for e, end in sampling for r in range(end - 1 - len(e.drafts), end)]
@@ -289,6 +269,8 @@ class ModelRunner:
             ]
             graph_commit = None if replayed is None else self.graphs.commit
             self.states.commit(state, state_entries, last_rows, graph_commit)
+        if replayed is None and self.taps is not None:  # the drafter reads the taps
+            hidden = self.taps.buffer[: hidden.shape[0]].clone()
         return StepOutput(batch.entries, verdicts, hidden, ends)
 
     def _replay(self, batch: Batch):
@@ -325,6 +307,8 @@ class ModelRunner:
         if ran is None:
             return None
         hidden, logits, state_view = ran
+        if self.taps is not None:  # the drafter reads the taps, not the final hidden
+            hidden = self.taps.buffer[: hidden.shape[0]]
         if len(real_rows) == hidden.shape[0]:
             return hidden.clone(), logits, state_view, padded
         (index,) = to_device_packed([real_rows], self.device)
@@ -364,6 +348,7 @@ class ModelRunner:
             return None
         hidden, logits, _ = ran
         # hidden is the program's own output, rewritten by its next replay: drafters keep it
+        hidden = hidden if self.taps is None else self.taps.buffer
         return hidden[:num_rows].clone(), logits[:num_rows], None, list(batch.entries)
 
     def _accept(self, entries: list[ScheduledSeq], logits: torch.Tensor):

@@ -159,3 +159,27 @@ class SwiGLUMLP(nn.Module):
             return self.down_proj(fused.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+
+class HiddenTaps:
+    """The target's residual stream after chosen layers (HF `hidden_states[l + 1]`), which a
+    drafter reads (DFlash's context features): every forward writes them into one persistent
+    buffer [rows, len(layers) * H], so a captured CUDA graph writes it too, at no extra pass."""
+
+    def __init__(self, layers, hidden_size: int, max_rows: int, device, dtype) -> None:
+        # layer -> its columns (a checkpoint may read one layer twice)
+        self.columns: dict[int, list[int]] = {}
+        for j, layer in enumerate(layers):
+            self.columns.setdefault(layer, []).append(j * hidden_size)
+        self.hidden_size = hidden_size
+        self.buffer = torch.zeros(max_rows, len(layers) * hidden_size, device=device, dtype=dtype)
+
+    def write(self, layer: int, hidden: torch.Tensor, residual: torch.Tensor) -> None:
+        cols = self.columns.get(layer)
+        if cols is None:
+            return
+        rows = hidden.shape[0]
+        if rows > self.buffer.shape[0]:
+            raise ValueError(f"hidden taps: {rows} rows, the buffer holds {self.buffer.shape[0]}")
+        for col in cols:
+            torch.add(hidden, residual, out=self.buffer[:rows, col : col + self.hidden_size])

@@ -16,7 +16,7 @@ from torch import nn
 from metrale.config import ModelConfig
 from metrale.kernels import fused
 from metrale.models.attention import AttentionBackend, AttentionMetadata
-from metrale.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+from metrale.models.layers import HiddenTaps, RMSNorm, RotaryEmbedding, SwiGLUMLP
 
 # fused parameter suffix -> [(HF suffix, shard index)]; shards are concatenated along dim 0.
 PACKED_MODULES = {
@@ -109,14 +109,18 @@ class Qwen3Model(nn.Module):
             Qwen3DecoderLayer(cfg, self.rotary, backend) for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.taps: HiddenTaps | None = None  # set by a runner whose drafter reads them
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        taps = self.taps
+        for i, layer in enumerate(self.layers):
             hidden, residual = layer(positions, hidden, residual, meta)
+            if taps is not None:
+                taps.write(i, hidden, residual)
         hidden, _ = self.norm.forward_residual(hidden, residual)
         return hidden
 

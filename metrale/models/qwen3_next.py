@@ -22,7 +22,7 @@ from metrale.config import ModelConfig
 from metrale.models.attention import AttentionBackend, AttentionMetadata
 from metrale.models.gdn import GatedRMSNorm, RowLayout
 from metrale.models.gdn_state import GDNState
-from metrale.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+from metrale.models.layers import HiddenTaps, RMSNorm, RotaryEmbedding, SwiGLUMLP
 from metrale.models.qwen3 import PACKED_MODULES
 from metrale.models.qwen3_next_moe import Qwen3NextSparseMoeBlock
 
@@ -214,6 +214,7 @@ class Qwen3NextModel(nn.Module):
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.taps: HiddenTaps | None = None  # set by a runner whose drafter reads them
 
     def forward(
         self,
@@ -225,8 +226,11 @@ class Qwen3NextModel(nn.Module):
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
+        taps = self.taps
+        for i, layer in enumerate(self.layers):
             hidden, residual = layer(positions, hidden, residual, meta, layout, state)
+            if taps is not None:
+                taps.write(i, hidden, residual)
         hidden, _ = self.norm.forward_residual(hidden, residual)
         return hidden
 

@@ -1,4 +1,4 @@
-"""The `metrale train tokenizer | target | mtp` sub-commands: their flags and their runner.
+"""The `metrale train tokenizer | target | mtp | dflash` sub-commands: their flags and their runner.
 
 Kept beside the training code so that `metrale/cli.py` stays about serving; importing this module
 loads no training code (the stages are imported when one runs).
@@ -134,6 +134,24 @@ def add_train_parsers(sub) -> None:
         "--num-mtp-layers", type=_positive_int, default=1, help="MTP decoder layers (cycled)"
     )
     _add_optim_args(mtp, steps=1000, lr=1e-3)
+    dfl = stages.add_parser("dflash", help="a DFlash block drafter for a frozen target")
+    dfl.add_argument("--target", required=True, help="target checkpoint directory")
+    dfl.add_argument(
+        "--out", default=None, help="write <OUT>/dflash instead of <TARGET>/dflash (the default)"
+    )
+    _add_corpus_args(dfl)
+    dfl.add_argument("--block-size", type=_positive_int, default=8, help="block (drafts + 1)")
+    dfl.add_argument("--num-draft-layers", type=_positive_int, default=1, help="draft layers")
+    dfl.add_argument(
+        "--num-taps", type=_positive_int, default=3, help="target layers read (evenly spaced)"
+    )
+    dfl.add_argument(
+        "--gamma", type=float, default=4.0, help="loss decay over block rows: exp(-(j-1)/gamma)"
+    )
+    dfl.add_argument(
+        "--anchor-stride", type=_positive_int, default=16, help="one block every this many tokens"
+    )
+    _add_optim_args(dfl, steps=1000, lr=1e-3)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -167,6 +185,18 @@ def cmd_train(args: argparse.Namespace) -> int:
                 vocab_multiple=args.vocab_multiple,
             )
             summary = train.train_target(args.tokenizer, args.out, corpus, shape, opts)
+        elif args.stage == "dflash":
+            summary = train.train_dflash(
+                args.target,
+                corpus,
+                opts,
+                block_size=args.block_size,
+                num_layers=args.num_draft_layers,
+                num_taps=args.num_taps,
+                gamma=args.gamma,
+                anchor_stride=args.anchor_stride,
+                out_dir=args.out,
+            )
         else:
             summary = train.train_mtp(
                 args.target,

@@ -1,0 +1,64 @@
+"""Building a runner's model and KV pool: the default dtype while modules are made, the pool size
+that the memory budget affords, and seeded random weights for `load_format="dummy"`."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from metrale.config import EngineConfig, ModelConfig
+from metrale.engine.kv_cache import kv_page_bytes
+from metrale.models.qwen3_next import ZeroCentredRMSNorm
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def num_pages_for(
+    model_cfg: ModelConfig,
+    cfg: EngineConfig,
+    max_model_len: int,
+    dtype: torch.dtype,
+    lookahead: int,
+    num_layers: int,
+    extra_page_bytes: int = 0,
+) -> int:
+    """Pool size: `num_kv_pages` if given, else room for `max_num_seqs` full-length sequences,
+    capped by `kv_cache_memory_gb`; plus the dummy page. `extra_page_bytes`: what a drafter
+    keeps per page beside the target's KV (DFlash's context K/V)."""
+    if cfg.num_kv_pages is not None:
+        return cfg.num_kv_pages
+    pages_per_seq = -(-(max_model_len + lookahead) // cfg.page_size)
+    wanted = cfg.max_num_seqs * pages_per_seq
+    page_bytes = kv_page_bytes(model_cfg, cfg.page_size, dtype, num_layers) + extra_page_bytes
+    affordable = int(cfg.kv_cache_memory_gb * 2**30) // page_bytes
+    pages = min(wanted, affordable)
+    if pages < pages_per_seq:
+        raise ValueError(
+            f"kv_cache_memory_gb={cfg.kv_cache_memory_gb} holds {pages} pages, fewer than one "
+            f"sequence of max_model_len={max_model_len} needs ({pages_per_seq})"
+        )
+    return pages + 1
+
+
+@torch.no_grad()
+def dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """Random weights for `load_format="dummy"`: N(0, 0.02) matrices, unit norms (a (1 + w)
+    norm's w = 0), seeded."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=gen)
+    for module in model.modules():
+        if isinstance(module, ZeroCentredRMSNorm):
+            module.weight.zero_()

@@ -1,0 +1,108 @@
+"""DFlash drafter: one forward of the block drafter (`models/dflash.py`) proposes up to
+block_size - 1 drafts per sequence, conditioned on the target's hidden states.
+
+After every target forward, `observe` turns the committed rows' tapped hidden states (the runner's
+`HiddenTaps`, from the same forward: no extra pass) into the drafter's context K/V and writes
+them into its own paged KV layers, addressed by the target's block tables: the seed's
+`commit_verified_ctx`. Rows of rejected drafts are never committed, so they never reach the
+context; after a preemption the recompute's rows rebuild it from position 0.
+
+`propose` embeds each sequence's block `[last token, MASK x (B - 1)]` at positions n-1 .. n+B-2
+(n tokens; the target has computed rows 0 .. n-2, exactly the context), gathers the context K/V
+from the pages, runs the draft layers over all sequences at once and reads the drafts from block
+rows 1 .. k through the target's head: one drafter forward per step, whatever the depth. Drafts
+are greedy (one-hot q): lossless at any temperature.
+
+NOTE: the drafter forward runs eagerly (the context gather is sized by the longest context);
+capturing it as a CUDA graph is future work.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metrale.engine.kv_cache import DUMMY_PAGE
+from metrale.engine.sequence import Sequence
+from metrale.engine.staging import to_device_packed
+from metrale.models.attention import write_kv
+from metrale.speculative.drafter import Draft, Verdict
+
+
+class DFlashDrafter:
+    name = "dflash"
+    needs_hidden = True  # the runner hands it the tapped hidden states of committed rows
+
+    def __init__(self, runner) -> None:
+        if runner.dflash is None:
+            raise ValueError("the DFlash drafter needs a runner loaded with a DFlash model")
+        self.runner = runner
+        self.model = runner.dflash
+        self.cfg = self.model.config
+        self.kv = runner.dflash_kv  # [layers, 2, pages, page_size, Hkv, D]
+        self._context: dict[int, int] = {}  # seq_id -> context rows written (positions 0..n-1)
+
+    @torch.inference_mode()
+    def observe(self, verdicts: list[Verdict]) -> None:
+        page = self.runner.page_size
+        taps, positions, slots = [], [], []
+        for v in verdicts:
+            seq, rows = v.seq, 0 if v.hidden is None else v.hidden.shape[0]
+            if rows == 0 or seq.slot < 0 or not seq.params.speculative:
+                continue
+            first, have = v.first_position, self._context.get(seq.seq_id, 0)
+            if first > have:  # a gap in its context: it is never drafted for again
+                self._context[seq.seq_id] = -1
+                continue
+            table = seq.block_table
+            taps.append(v.hidden)
+            positions += range(first, first + rows)
+            slots += (table[p // page] * page + p % page for p in range(first, first + rows))
+            self._context[seq.seq_id] = max(have, first + rows)
+        if not taps:
+            return
+        pos_t, slots_t = to_device_packed([positions, slots], self.runner.device)
+        for layer, (k, v) in enumerate(self.model.context_kv(torch.cat(taps), pos_t)):
+            write_kv(self.kv[layer], k, v, slots_t)
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> list[Draft]:
+        drafts = [Draft([]) for _ in seqs]
+        live = [
+            (i, seq, min(k, self.cfg.block_size - 1))
+            for i, (seq, k) in enumerate(zip(seqs, max_drafts, strict=True))
+            if k > 0 and self._context.get(seq.seq_id) == seq.num_tokens - 1
+        ]
+        if not live:
+            return drafts
+        b, device, page = self.cfg.block_size, self.runner.device, self.runner.page_size
+        lens = [seq.num_tokens - 1 for _, seq, _ in live]  # context rows: 0 .. n - 2
+        width = max(len(seq.block_table) for _, seq, _ in live)
+        pad = [[DUMMY_PAGE] * (width - len(seq.block_table)) for _, seq, _ in live]
+        tables = [p for (_, seq, _), extra in zip(live, pad) for p in seq.block_table + extra]
+        # each block: [last token, MASK x (B - 1)]
+        mask = [self.cfg.mask_token_id] * (b - 1)
+        ids = [t for (_, seq, _), n in zip(live, lens) for t in seq.tokens(n, n + 1) + mask]
+        ids, lens_t, tables_t = to_device_packed([ids, lens, tables], device)
+        tables_t = tables_t.view(len(live), width)
+        positions = lens_t[:, None] + torch.arange(b, device=device)  # [S, B]: n-1 .. n+B-2
+        # the context K/V of every sequence, gathered from its pages ([S, L] padded)
+        kv_pos = torch.arange(max(max(lens), 1), device=device)
+        page_of = tables_t.gather(1, (kv_pos // page).clamp(max=width - 1).expand(len(live), -1))
+        valid = kv_pos[None, :] < lens_t[:, None]
+        ctx_slots = torch.where(valid, page_of * page + kv_pos % page, 0)
+        flat = self.kv.view(self.cfg.num_layers, 2, -1, *self.kv.shape[-2:])
+        zero = ~valid[:, :, None, None]
+        keys = [flat[i, 0][ctx_slots].masked_fill(zero, 0.0) for i in range(self.cfg.num_layers)]
+        values = [flat[i, 1][ctx_slots].masked_fill(zero, 0.0) for i in range(self.cfg.num_layers)]
+        target = self.runner.model
+        block = target.model.embed_tokens(ids.view(len(live), b)) * self.cfg.input_embedding_scale
+        hidden = self.model(block, positions, keys, values, valid)  # [S, B, H]
+        depth = max(k for _, _, k in live)
+        logits = self.model.logits(hidden[:, 1 : 1 + depth].reshape(-1, hidden.shape[-1]), target)
+        rows = logits.argmax(dim=-1).view(len(live), depth).tolist()  # the one host sync
+        for (i, _, k), row in zip(live, rows, strict=True):
+            drafts[i] = Draft(row[:k])
+        return drafts
+
+    def release(self, seq: Sequence) -> None:
+        self._context.pop(seq.seq_id, None)

@@ -1,0 +1,193 @@
+"""The DFlash stage: train a block drafter (`metrale/models/dflash.py`) for a frozen target.
+
+Each window x[0..T] is run through the target once, tapping the residual stream after the
+drafter's `target_layer_ids`; the drafter turns every position's taps into context K/V
+(`DFlashDraftModel.context_kv`). Anchors a are spread over the window (a fixed stride, offset by a
+digest of the window's tokens, so a step is a function of its batch and resumption is exact).
+Each anchor is one block, as at inference: `[x[a], MASK x (B - 1)]` at positions a .. a+B-1,
+seeing the context of positions < a (strictly) and its own block bidirectionally. Block row j
+(j >= 1) predicts x[a + j], with loss weight exp(-(j - 1) / gamma) (the published recipe's
+position decay). The target's embedding and head are shared and frozen; only the drafter trains.
+
+The drafter is saved in the published layout under `<out>/dflash/`, where the engine finds it
+(`spec=dict(method="dflash")`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from metrale.config import ModelConfig
+from metrale.models.dflash import DFlashConfig, DFlashDraftModel, evenly_spaced_layers, save_dflash
+from metrale.train.bpe import load_tokenizer
+from metrale.train.corpus import CorpusSpec, tokenize_corpus
+from metrale.train.loop import TrainOptions, resolve_device, run_training
+from metrale.train.model import CausalLM, init_weights
+
+DFLASH_DIR = "dflash"
+STATE_FILE = "dflash_train_state.pt"
+SUMMARY_FILE = "dflash_train_summary.json"
+
+
+def position_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """Loss weight of block rows 1 .. B-1: exp(-(j - 1) / gamma), normalised to sum 1."""
+    w = torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / gamma)
+    return w / w.sum()
+
+
+def anchors_of(batch: torch.Tensor, block_size: int, stride: int) -> torch.Tensor:
+    """Anchor positions of a batch of windows [Bw, T + 1]: every `stride` from 1 + offset, each
+    with a full block of labels inside the window; the offset is a digest of the batch."""
+    length = batch.shape[1]
+    offset = int(batch[:, :8].sum()) % stride
+    last = length - block_size  # a + B - 1 <= length - 1
+    return torch.arange(1 + offset, last + 1, stride, device=batch.device)
+
+
+def tapped(target: CausalLM, ids: torch.Tensor, layers: tuple[int, ...]):
+    """(taps [Bw, T, |S| * H] after the given layers, final-normed hidden [Bw, T, H])."""
+    positions = torch.arange(ids.shape[1], device=ids.device)
+    x, taps = target.model.embed_tokens(ids), {}
+    for i, layer in enumerate(target.model.layers):
+        x = layer(x, positions, target.rotary)
+        if i in layers:
+            taps[i] = x
+    return torch.cat([taps[i] for i in layers], dim=-1), target.model.norm(x)
+
+
+def train_dflash(
+    target_dir: str | Path,
+    corpus: CorpusSpec,
+    opts: TrainOptions,
+    block_size: int = 8,
+    num_layers: int = 1,
+    num_taps: int = 3,
+    gamma: float = 4.0,
+    anchor_stride: int = 16,
+    out_dir: str | Path | None = None,
+) -> dict:
+    """The DFlash stage; the drafter goes to `<out_dir or target_dir>/dflash/`. Returns the
+    summary (also `dflash_train_summary.json` there once complete)."""
+    start = time.perf_counter()
+    target_dir = Path(target_dir)
+    if not (target_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{target_dir}: no config.json (run `metrale train target`)")
+    if block_size < 2 or block_size + 1 > opts.seq_len:
+        raise ValueError(f"block_size must be in [2, seq_len - 1], got {block_size}")
+    if not gamma > 0 or anchor_stride < 1 or num_taps < 1:
+        raise ValueError("gamma must be > 0, anchor_stride and num_taps >= 1")
+    tcfg = ModelConfig.from_hf(target_dir)
+    target_raw = json.loads((target_dir / "config.json").read_text())
+    out = (Path(out_dir) if out_dir is not None else target_dir) / DFLASH_DIR
+    cfg = DFlashConfig(
+        hidden_size=tcfg.hidden_size,
+        num_layers=num_layers,
+        num_heads=tcfg.num_attention_heads,
+        num_kv_heads=tcfg.num_key_value_heads,
+        head_dim=tcfg.head_dim,
+        intermediate_size=tcfg.intermediate_size,
+        rms_norm_eps=tcfg.rms_norm_eps,
+        rope=tcfg.rope,
+        block_size=block_size,
+        # a token the data never holds would be best; the last id is the tokenizer's rarest
+        mask_token_id=tcfg.vocab_size - 1,
+        target_layer_ids=evenly_spaced_layers(tcfg.num_hidden_layers, num_taps),
+    )
+    tok = load_tokenizer(target_dir)
+    data = tokenize_corpus(corpus, tok, opts.seq_len)
+    device = resolve_device(opts.device)
+    target = CausalLM.from_checkpoint(target_dir, max_positions=opts.seq_len + block_size)
+    target.requires_grad_(False).eval().to(device)
+    drafter = DFlashDraftModel(cfg, opts.seq_len + block_size)
+    init_weights(drafter, torch.Generator().manual_seed(opts.seed), num_layers)
+    weights = position_weights(block_size, gamma).to(device)
+    embed = target.model.embed_tokens
+    layers = cfg.target_layer_ids
+
+    def loss_fn(batch: torch.Tensor):
+        ids = batch[:, :-1]  # [Bw, T]: the window; its last token only labels
+        with torch.no_grad():
+            taps, final = tapped(target, ids, layers)
+            greedy = None if drafter.training else target.logits(final).argmax(-1)
+        bw, t = ids.shape
+        anchors = anchors_of(batch, block_size, anchor_stride)
+        anchors = anchors[anchors + block_size - 1 <= t]  # labels x[a + j] inside the window
+        a = anchors.numel()
+        positions = torch.arange(t, device=ids.device)
+        kvs = drafter.context_kv(taps.reshape(bw * t, -1), positions.repeat(bw))
+        # every block sees its own window's context, positions < anchor
+        valid = (positions[None, :] < anchors[:, None]).repeat(bw, 1)  # [Bw*A, T]
+
+        def per_block(x):  # [Bw*T, Hkv, D] -> [Bw*A, T, Hkv, D]
+            return x.view(bw, 1, t, *x.shape[1:]).expand(-1, a, -1, -1, -1).flatten(0, 1)
+
+        keys = [per_block(k) for k, _ in kvs]
+        values = [per_block(v) for _, v in kvs]
+        offsets = torch.arange(block_size, device=ids.device)
+        block_pos = (anchors[:, None] + offsets).repeat(bw, 1)  # [Bw*A, B]
+        first = ids[:, anchors].reshape(-1, 1)  # the clean anchor token
+        masks = torch.full((bw * a, block_size - 1), cfg.mask_token_id, device=ids.device)
+        block = embed(torch.cat([first, masks], dim=1)) * cfg.input_embedding_scale
+        hidden = drafter(block, block_pos, keys, values, valid)[:, 1:]  # rows 1 .. B-1
+        logits = target.logits(hidden)  # [Bw*A, B-1, V]
+        label_pos = (anchors[:, None] + offsets[1:]).repeat(bw, 1)
+        rows = torch.arange(bw, device=ids.device).repeat_interleave(a)[:, None]
+        labels = batch[rows, label_pos]
+        ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+        loss = (ce.view(-1, block_size - 1) * weights).sum(-1).mean()
+        metrics = {"loss_row1": ce.view(-1, block_size - 1)[:, 0].mean().detach()}
+        if greedy is not None:
+            pred = logits.argmax(-1)
+            # teacher-forced acceptance: the target's own pick for x[a + j] (at a + j - 1)
+            agree = (pred == greedy[rows, label_pos - 1]).float()
+            metrics["agree_row1"] = agree[:, 0].mean()
+            metrics["accept_len"] = 1 + agree.cumprod(dim=1).sum(dim=1).mean()
+        return loss, metrics
+
+    fingerprint = {
+        "stage": "dflash",
+        "target_config": target_raw,
+        "corpus": corpus.describe(),
+        "block_size": block_size,
+        "num_layers": num_layers,
+        "target_layer_ids": list(layers),
+        "gamma": gamma,
+        "anchor_stride": anchor_stride,
+    }
+    result = run_training(
+        drafter,
+        loss_fn,
+        data,
+        opts,
+        out,
+        STATE_FILE,
+        fingerprint,
+        "dflash",
+        on_complete=lambda: save_dflash(_cast(drafter, tcfg.dtype), out, target_raw),
+    )
+    summary = {
+        "stage": "dflash",
+        **result,
+        "parameters": sum(p.numel() for p in drafter.parameters()),
+        "block_size": block_size,
+        "target_layer_ids": list(layers),
+        "gamma": gamma,
+        "target": str(target_dir),
+        "corpus": data.stats,
+        "session_time_s": round(time.perf_counter() - start, 3),
+    }
+    if result["completed"]:
+        (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _cast(model: DFlashDraftModel, dtype: torch.dtype) -> DFlashDraftModel:
+    """A copy of the drafter in the target's checkpoint dtype, for saving."""
+    copy = DFlashDraftModel(model.config, 1)
+    copy.load_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()})
+    return copy.to(dtype)

@@ -1,0 +1,208 @@
+"""The DFlash block drafter: a tiny random drafter saved in the published layout loads and drafts;
+speculative output equals plain output (greedy, seeded sampling, a batch of 16 with preemption),
+on dense and hybrid targets; the drafter's context after a verify is exactly the committed rows'
+features."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from metrale import LLM, SamplingParams
+from metrale.config import ModelConfig
+from metrale.models.dflash import DFlashConfig, DFlashDraftModel, load_dflash, save_dflash
+from tests.test_hybrid_engine import hybrid_dir  # noqa: F401
+
+PROMPTS = [[(7 * i + 3 * j) % 200 + 3 for j in range(5 + (3 * i) % 11)] for i in range(16)]
+
+
+def write_dflash(
+    target_dir, path, block_size=4, layers=(0, 1), seed=0, num_layers=1, echo_mask=None
+):
+    """A random DFlash drafter for the target in `target_dir`, in the published layout.
+
+    `echo_mask`: a drafter whose layers add nothing (o_proj and down_proj zero), with that token
+    as its MASK: every draft is then argmax(head(norm(embed(MASK)))), which on a tied random
+    model is the MASK token itself, so drafts are accepted wherever the target repeats it."""
+    target = json.loads((target_dir / "config.json").read_text())
+    tcfg = ModelConfig.from_hf(target_dir)
+    cfg = DFlashConfig(
+        hidden_size=tcfg.hidden_size,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        rms_norm_eps=1e-6,
+        rope=tcfg.rope,
+        block_size=block_size,
+        mask_token_id=tcfg.vocab_size - 1 if echo_mask is None else echo_mask,
+        target_layer_ids=tuple(layers),
+    )
+    torch.manual_seed(seed)
+    model = DFlashDraftModel(cfg, 64)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                param.normal_(0.0, 0.2)
+            if echo_mask is not None and name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.zero_()
+    return save_dflash(model, path, target)
+
+
+@pytest.fixture(scope="module")
+def dense_dflash(tiny_model_dir, tmp_path_factory):
+    return write_dflash(tiny_model_dir, tmp_path_factory.mktemp("dflash") / "d")
+
+
+def plain(model_dir, prompts, params, **kw):
+    llm = LLM(model_dir, device="cpu", dtype="float32", **kw)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_published_layout_loads_with_its_names(tiny_model_dir, dense_dflash):
+    from safetensors import safe_open
+
+    with safe_open(dense_dflash / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight"} <= names
+    assert "layers.0.self_attn.k_norm.weight" in names and "layers.0.mlp.gate_proj.weight" in names
+    raw = json.loads((dense_dflash / "config.json").read_text())
+    assert raw["dflash_config"]["target_layer_ids"] == [0, 1]
+    tcfg = ModelConfig.from_hf(tiny_model_dir)
+    model = load_dflash(dense_dflash, tcfg, 64, torch.device("cpu"), torch.float32)
+    assert model.config.block_size == 4 and model.config.mask_token_id == tcfg.vocab_size - 1
+    bad = json.loads((dense_dflash / "config.json").read_text())
+    bad["dflash_config"]["target_layer_ids"] = [0, 7]
+    (dense_dflash.parent / "bad").mkdir(exist_ok=True)
+    (dense_dflash.parent / "bad" / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        load_dflash(dense_dflash.parent / "bad", tcfg, 64, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("num_drafts", [1, 3])
+def test_greedy_output_equals_plain_alone_and_in_a_batch(tiny_model_dir, dense_dflash, num_drafts):
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = plain(tiny_model_dir, PROMPTS, params)
+    spec = {"method": "dflash", "model": str(dense_dflash), "num_drafts": num_drafts}
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", spec=spec)
+    alone = llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    assert alone[0].outputs[0].token_ids == want[0]
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want
+    tel = llm.engine.telemetry.spec
+    assert tel.num_draft_tokens > 0  # it really drafted, and every verify was judged
+
+
+def test_a_batch_of_16_with_preemption(tiny_model_dir, dense_dflash):
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    want = plain(tiny_model_dir, PROMPTS, params)
+    spec = {"method": "dflash", "model": str(dense_dflash), "num_drafts": 3, "dcut": False}
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", spec=spec, num_kv_pages=40)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert llm.engine.telemetry.preemptions > 0
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
+
+
+def test_seeded_sampling_equals_plain_seeded_sampling(tiny_model_dir, dense_dflash):
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.9, max_tokens=24, ignore_eos=True, seed=i)
+        for i in range(8)
+    ]
+    want = plain(tiny_model_dir, PROMPTS[:8], params)
+    spec = {"method": "dflash", "model": str(dense_dflash), "num_drafts": 3}
+    assert plain(tiny_model_dir, PROMPTS[:8], params, spec=spec) == want
+
+
+def test_hybrid_target(hybrid_dir, tmp_path):  # noqa: F811
+    drafter = write_dflash(hybrid_dir, tmp_path / "d", layers=(1, 1))  # one layer read twice
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompts = [[t % 300 + 3 for t in p] for p in PROMPTS[:5]]
+    want = plain(hybrid_dir, prompts, params)
+    spec = {"method": "dflash", "model": str(drafter), "num_drafts": 3}
+    assert plain(hybrid_dir, prompts, params, spec=spec) == want
+
+
+def test_context_holds_exactly_the_committed_rows_features(tiny_model_dir, dense_dflash):
+    spec = {"method": "dflash", "model": str(dense_dflash), "num_drafts": 3, "dcut": False}
+    check_context(tiny_model_dir, spec, PROMPTS[3])
+
+
+def check_context(tiny_model_dir, spec, prompt):
+    """After some verifies, every context row in the drafter's pages equals the K/V computed
+    afresh from a plain forward over the sequence's committed tokens."""
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", spec=spec)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    engine.add_request("r", prompt, params)
+    for _ in range(6):
+        engine.step()
+    seq = engine.requests["r"].seqs[0]
+    drafter, runner = engine.spec.drafter, engine.runner
+    n = drafter._context[seq.seq_id]
+    assert n == seq.num_computed_tokens and n > len(prompt)
+    # a fresh target forward over the committed tokens, tapping the same layers
+    fresh = LLM(tiny_model_dir, device="cpu", dtype="float32", spec=spec).engine
+    fresh.add_request("f", seq.tokens(0, n), SamplingParams(temperature=0.0, max_tokens=1))
+    fresh.step()
+    taps = fresh.runner.taps.buffer[:n]
+    want = runner.dflash.context_kv(taps, torch.arange(n))
+    page = runner.page_size
+    slots = torch.tensor([seq.block_table[p // page] * page + p % page for p in range(n)])
+    for layer, (k, v) in enumerate(want):
+        flat = runner.dflash_kv[layer].view(2, -1, *k.shape[1:])
+        torch.testing.assert_close(flat[0][slots], k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(flat[1][slots], v, rtol=1e-5, atol=1e-5)
+
+
+def test_num_drafts_beyond_the_block_is_refused(tiny_model_dir, dense_dflash):
+    spec = {"method": "dflash", "model": str(dense_dflash), "num_drafts": 4}
+    with pytest.raises(ValueError, match="num_drafts"):
+        LLM(tiny_model_dir, device="cpu", spec=spec)
+    with pytest.raises(ValueError, match="spec.model"):
+        LLM(tiny_model_dir, device="cpu", spec={"method": "dflash"})
+
+
+def test_accepted_blocks_commit_their_rows_to_the_context(tiny_model_dir, tmp_path):
+    """A drafter whose drafts the target often accepts (it echoes a token the target repeats):
+    multi-row commits land in the context exactly, and the output is still plain greedy's."""
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    want = plain(tiny_model_dir, PROMPTS, params)
+    repeated = max(set(want[0]), key=want[0].count)
+    drafter = write_dflash(tiny_model_dir, tmp_path / "echo", echo_mask=repeated)
+    spec = {"method": "dflash", "model": str(drafter), "num_drafts": 3, "dcut": False}
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", spec=spec)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want
+    tel = llm.engine.telemetry.spec
+    assert tel.num_accepted_tokens > 20
+    check_context(tiny_model_dir, spec, PROMPTS[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_cuda_graphs_tap_the_hidden_states(tiny_model_dir, hybrid_dir, tmp_path, hybrid):  # noqa: F811
+    """On CUDA the target's programs write the taps themselves: the graphed context equals the
+    eager one's, acceptance included (float32), and the output is plain decoding's."""
+    target = hybrid_dir if hybrid else tiny_model_dir
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    prompts = [[t % 300 + 3 for t in p] for p in PROMPTS]
+    want = [
+        o.outputs[0].token_ids
+        for o in LLM(target, device="cuda", dtype="float32").generate(prompts, params)
+    ]
+    repeated = max(set(want[0]), key=want[0].count)
+    layers = (1,) if hybrid else (0, 1)
+    drafter = write_dflash(target, tmp_path / "echo", echo_mask=repeated, layers=layers)
+    spec = {"method": "dflash", "model": str(drafter), "num_drafts": 3, "dcut": False}
+    runs = {}
+    for graphs in (False, True):
+        llm = LLM(target, device="cuda", dtype="float32", spec=spec, cuda_graphs=graphs)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert got == want
+        runs[graphs] = llm.engine.telemetry.spec.num_accepted_tokens
+    assert runs[True] == runs[False] > 0

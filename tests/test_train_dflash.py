@@ -1,0 +1,71 @@
+"""`metrale train dflash`: the DFlash stage on a tiny target trained from scratch: the loss falls,
+the engine loads the saved drafter and accepts its drafts with output unchanged, a resumed run
+writes the uninterrupted weights, and the CLI runs it. CPU only, tiny shapes."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from metrale import LLM, SamplingParams
+from metrale.cli import main
+from metrale.train import train_dflash
+from tests.test_train import OPTS, corpus, target, tok_dir  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def dflash(corpus, target, tmp_path_factory):  # noqa: F811
+    out = tmp_path_factory.mktemp("dflash")
+    opts = replace(OPTS, steps=60, lr=5e-3)
+    return out / "dflash", train_dflash(target[0], corpus, opts, block_size=4, out_dir=out)
+
+
+def test_dflash_loss_falls_and_the_engine_accepts_its_drafts(dflash, target):  # noqa: F811
+    path, summary = dflash
+    assert summary["completed"]
+    assert summary["final_train_loss"] < 0.5 * summary["initial_train_loss"]
+    assert (path / "config.json").is_file() and (path / "dflash_train_summary.json").is_file()
+    assert not (target[0] / "dflash").exists()  # --out left the target alone
+    prompts = ["def add_3(x):\n", "def add_7(x):\n    return", "\n\ndef"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(target[0], device="cpu", dtype="float32").generate(prompts, params)
+    spec = dict(method="dflash", model=str(path), num_drafts=3, dcut=False)
+    llm = LLM(target[0], device="cpu", dtype="float32", spec=spec)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    stats = llm.engine.telemetry.spec
+    assert stats.num_draft_tokens > 20
+    # trained with the engine's block and context conventions, most first drafts land
+    assert stats.acceptance_by_position()[0] > 0.5
+    assert summary["heldout"]["accept_len"] > 1.5
+
+
+def test_dflash_resume_writes_the_uninterrupted_drafter(corpus, target, tmp_path):  # noqa: F811
+    opts = replace(OPTS, steps=6, seq_len=24, eval_every=0)
+    full = train_dflash(target[0], corpus, opts, block_size=4, out_dir=tmp_path / "full")
+    part = train_dflash(
+        target[0], corpus, replace(opts, stop_at=3), block_size=4, out_dir=tmp_path / "r"
+    )
+    assert not part["completed"]
+    with pytest.raises(ValueError, match="block_size: saved 4, now 3"):
+        train_dflash(
+            target[0], corpus, replace(opts, resume=True), block_size=3, out_dir=tmp_path / "r"
+        )
+    done = train_dflash(
+        target[0], corpus, replace(opts, resume=True), block_size=4, out_dir=tmp_path / "r"
+    )
+    assert done["completed"] and done["final_train_loss"] == full["final_train_loss"]
+    a, b = (load_file(str(tmp_path / d / "dflash" / "model.safetensors")) for d in ("full", "r"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_cli_trains_a_dflash_drafter(corpus, target, tmp_path, capsys):  # noqa: F811
+    args = ["train", "dflash", "--target", str(target[0]), "--out", str(tmp_path), "-q"]
+    args += ["--corpus", str(corpus.dirs[0]), "--steps", "3", "--seq-len", "24"]
+    args += ["--batch-size", "2", "--block-size", "4", "--eval-every", "0", "--device", "cpu"]
+    assert main(args) == 0
+    assert (tmp_path / "dflash" / "model.safetensors").is_file()
+    assert '"stage": "dflash"' in capsys.readouterr().out
