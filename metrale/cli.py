@@ -131,10 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--num-prompts", type=int, default=16, help="held-out prompts")
     bench.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt")
     bench.add_argument("--ks", type=_int_list, default=[1, 2, 3, 4, 5], help="draft depths K")
-    bench.add_argument("--drafters", default="mtp,ngram", help="drafters to report")
+    bench.add_argument("--drafters", default="mtp,ngram,dflash", help="drafters to report")
     bench.add_argument(
         "--e2e-drafter",
-        choices=("mtp", "ngram"),
+        choices=("mtp", "ngram", "dflash"),
         default=None,
         help="instead: real tokens/s with and without this drafter on --model, held-out prompts",
     )

@@ -180,6 +180,12 @@ class Knobs:
         bool,
         "=1: run the MTP drafter's chained steps eagerly on CUDA too (A/B runs)",
     )
+    no_dflash_graphs: bool = _knob(
+        "METRALE_NO_DFLASH_GRAPHS",
+        _is_one,
+        bool,
+        "=1: run the DFlash drafter's forward eagerly on CUDA too (A/B runs)",
+    )
     no_gdn_triton: bool = _knob(
         "METRALE_NO_GDN_TRITON",
         _is_one,

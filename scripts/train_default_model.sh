@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The recipe of metrale's shipped default model (MODEL_CARD.md): a byte-level BPE tokenizer, a
-# small Qwen3 target and its MTP head, trained on the .py files of the installed packages.
+# small Qwen3 target, its MTP head and its DFlash drafter (dflash/), trained on the .py files of the installed packages.
 # Usage: scripts/train_default_model.sh OUT_DIR [extra target flags]; run on one GPU.
 set -euo pipefail
 OUT=${1:?usage: train_default_model.sh OUT_DIR}
@@ -17,3 +17,7 @@ metrale train target --tokenizer "$WORK/tok" --out "$OUT" --max-bytes 150000000 
 metrale train mtp --target "$OUT" --max-bytes 150000000 --depths 3 \
   --steps 800 --batch-size 32 --seq-len 512 --lr 2e-3 --warmup-steps 50 \
   --eval-every 400 --save-every 0 --max-seconds 90 -q
+metrale train dflash --target "$OUT" --max-bytes 150000000 --block-size 8 \
+  --num-draft-layers 2 --target-layers 1,3,5 --anchor-stride 8 --steps 10000 --batch-size 32 \
+  --seq-len 512 --lr 2e-3 --warmup-steps 200 --eval-every 2500 --save-every 0 \
+  --max-seconds 290 -q

@@ -206,3 +206,17 @@ def test_cuda_graphs_tap_the_hidden_states(tiny_model_dir, hybrid_dir, tmp_path,
         assert got == want
         runs[graphs] = llm.engine.telemetry.spec.num_accepted_tokens
     assert runs[True] == runs[False] > 0
+
+
+def test_the_shipped_model_ships_a_trained_dflash_drafter():
+    """`spec=dict(method="dflash")` on the default model finds `dflash/` beside it; its drafts
+    are accepted on code, and the output is plain greedy's."""
+    prompts = ["import os\n\n\ndef main():\n", "class Stack:\n    def __init__(self):\n"]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    plain = LLM(device="cpu", dtype="float32").generate(prompts, params, use_tqdm=False)
+    llm = LLM(device="cpu", dtype="float32", spec={"method": "dflash", "num_drafts": 7})
+    assert llm.engine.runner.dflash.config.block_size == 8
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    tel = llm.engine.telemetry.spec
+    assert tel.num_accepted_tokens / max(tel.num_drafts, 1) > 0.8  # tokens per verify past 1

@@ -69,3 +69,13 @@ def test_cli_trains_a_dflash_drafter(corpus, target, tmp_path, capsys):  # noqa:
     assert main(args) == 0
     assert (tmp_path / "dflash" / "model.safetensors").is_file()
     assert '"stage": "dflash"' in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_training_runs_through_autograd(corpus, target, tmp_path):  # noqa: F811
+    """On CUDA the engine's norms have a fused kernel without a backward: training the drafter
+    must take the differentiable path (the loss falls)."""
+    opts = replace(OPTS, steps=30, lr=5e-3, device="cuda", eval_every=0)
+    summary = train_dflash(target[0], corpus, opts, block_size=4, out_dir=tmp_path)
+    assert summary["final_train_loss"] < 0.7 * summary["initial_train_loss"]

@@ -26,11 +26,12 @@ import torch
 
 from metrale.api import LLM
 from metrale.config import ModelConfig, SamplingParams
+from metrale.models.dflash import DFlashConfig
 from metrale.models.mtp import detect_mtp_layout
 from metrale.telemetry import SpecTelemetry
 from metrale.tokenizer import Tokenizer
 
-DRAFTERS = ("mtp", "ngram")
+DRAFTERS = ("mtp", "ngram", "dflash")
 KS = (1, 2, 3, 4, 5)
 EXCLUDED_DIRS = ("site-packages", "dist-packages", "__pycache__", ".git")
 MAX_CHARS = 200_000  # of each held-out file read: bounds the tokenizer's work on huge files
@@ -215,7 +216,14 @@ def acceptance_report(
         ):
             report["skipped"][drafter] = f"{model_dir} holds no MTP weights"
             continue
-        spec = dict(method=drafter, num_drafts=max(ks), dcut=False)
+        drafter_ks = ks
+        if drafter == "dflash":
+            if not (Path(model_dir) / "dflash" / "config.json").is_file():
+                report["skipped"][drafter] = f"{model_dir} has no dflash/ drafter"
+                continue
+            block = DFlashConfig.from_dir(Path(model_dir) / "dflash").block_size
+            drafter_ks = [k for k in ks if k < block]
+        spec = dict(method=drafter, num_drafts=max(drafter_ks), dcut=False)
         llm = LLM(model_dir, device=device, dtype=dtype, spec=spec, **engine_options)
         report["device"] = str(llm.engine.runner.device)
         report["dtype"] = str(llm.engine.runner.dtype).removeprefix("torch.")
@@ -224,7 +232,7 @@ def acceptance_report(
             baseline, seconds = _generate(llm, prompts, plain)
             report["baseline_seconds"] = seconds
         tel = llm.engine.telemetry
-        for k in ks:
+        for k in drafter_ks:
             before = spec_counters(tel.spec), tel.steps, tel.decode_tokens
             outputs, seconds = _generate(llm, prompts, SamplingParams(num_drafts=k, **greedy))
             delta = counter_delta(before[0], spec_counters(tel.spec), k)
@@ -302,7 +310,8 @@ def run_acceptance(args) -> dict:
       max_tokens (64): greedy tokens generated per prompt and run.
       device ("auto"), dtype ("auto"): as `LLM`'s options.
       ks ((1, 2, 3, 4, 5)): drafts per verify to measure; ints or "1,2,3".
-      drafters (("mtp", "ngram")): names or "mtp,ngram".
+      drafters (("mtp", "ngram", "dflash")): names or "mtp,ngram"; a drafter the checkpoint
+        lacks (MTP weights, a dflash/ folder) is skipped, saying why.
       seed (0), glob ("**/*.py"): pick the held-out windows and files.
     """
     model = getattr(args, "model", None)

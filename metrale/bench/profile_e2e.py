@@ -135,7 +135,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-8b")
     ap.add_argument("--model", default=None, help="a checkpoint: profile its own drafter")
-    ap.add_argument("--drafter", default="mtp", choices=("mtp", "ngram"))
+    ap.add_argument("--drafter", default="mtp", choices=("mtp", "ngram", "dflash"))
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--alpha", type=float, default=0.8)

@@ -144,7 +144,7 @@ class LLMEngine:
                         f"spec.num_drafts={spec.num_drafts}: the DFlash drafter's block of {block} "
                         f"proposes at most {block - 1}"
                     )
-                drafter = DFlashDrafter(self.runner)
+                drafter = DFlashDrafter(self.runner, self.config.max_num_seqs)
             else:  # "mtp": the runner loaded the checkpoint's heads (or refused)
                 drafter = MTPDrafter(
                     self.runner,

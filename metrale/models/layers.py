@@ -29,7 +29,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fused.fused_enabled(x):
+        # the fused kernel has no backward: a forward that autograd records (training a
+        # drafter made of these modules) takes the torch path
+        if fused.fused_enabled(x) and not (torch.is_grad_enabled() and self.weight.requires_grad):
             return fused.add_rmsnorm(x, None, self.weight, self.eps, self.zero_centred)[0]
         return self._reference(x)
 

@@ -13,17 +13,21 @@ from the pages, runs the draft layers over all sequences at once and reads the d
 rows 1 .. k through the target's head: one drafter forward per step, whatever the depth. Drafts
 are greedy (one-hot q): lossless at any temperature.
 
-NOTE: the drafter forward runs eagerly (the context gather is sized by the longest context);
-capturing it as a CUDA graph is future work.
+On CUDA the drafter forward replays captured programs (`DraftGraphs`, keyed by padded sequence
+count and a power-of-two context bucket, captured on first use); the context write after each
+step runs eagerly.
 """
 
 from __future__ import annotations
 
 import torch
 
+from metrale.engine.graphs import capture
 from metrale.engine.kv_cache import DUMMY_PAGE
+from metrale.engine.program_shapes import decode_bucket
 from metrale.engine.sequence import Sequence
 from metrale.engine.staging import to_device_packed
+from metrale.knobs import knobs
 from metrale.models.attention import write_kv
 from metrale.speculative.drafter import Draft, Verdict
 
@@ -32,7 +36,8 @@ class DFlashDrafter:
     name = "dflash"
     needs_hidden = True  # the runner hands it the tapped hidden states of committed rows
 
-    def __init__(self, runner) -> None:
+    def __init__(self, runner, max_seqs: int) -> None:
+        """`max_seqs`: the engine's `max_num_seqs` (the widest batch a graph serves)."""
         if runner.dflash is None:
             raise ValueError("the DFlash drafter needs a runner loaded with a DFlash model")
         self.runner = runner
@@ -40,6 +45,10 @@ class DFlashDrafter:
         self.cfg = self.model.config
         self.kv = runner.dflash_kv  # [layers, 2, pages, page_size, Hkv, D]
         self._context: dict[int, int] = {}  # seq_id -> context rows written (positions 0..n-1)
+        graphs = runner.graphs
+        self.graphs = None
+        if graphs is not None and not knobs().no_dflash_graphs:
+            self.graphs = DraftGraphs(self, max_seqs, graphs.max_model_len, graphs.pool)
 
     @torch.inference_mode()
     def observe(self, verdicts: list[Verdict]) -> None:
@@ -74,7 +83,7 @@ class DFlashDrafter:
         ]
         if not live:
             return drafts
-        b, device, page = self.cfg.block_size, self.runner.device, self.runner.page_size
+        b, device = self.cfg.block_size, self.runner.device
         lens = [seq.num_tokens - 1 for _, seq, _ in live]  # context rows: 0 .. n - 2
         width = max(len(seq.block_table) for _, seq, _ in live)
         pad = [[DUMMY_PAGE] * (width - len(seq.block_table)) for _, seq, _ in live]
@@ -83,26 +92,85 @@ class DFlashDrafter:
         mask = [self.cfg.mask_token_id] * (b - 1)
         ids = [t for (_, seq, _), n in zip(live, lens) for t in seq.tokens(n, n + 1) + mask]
         ids, lens_t, tables_t = to_device_packed([ids, lens, tables], device)
-        tables_t = tables_t.view(len(live), width)
-        positions = lens_t[:, None] + torch.arange(b, device=device)  # [S, B]: n-1 .. n+B-2
-        # the context K/V of every sequence, gathered from its pages ([S, L] padded)
-        kv_pos = torch.arange(max(max(lens), 1), device=device)
-        page_of = tables_t.gather(1, (kv_pos // page).clamp(max=width - 1).expand(len(live), -1))
-        valid = kv_pos[None, :] < lens_t[:, None]
+        ids, tables_t = ids.view(len(live), b), tables_t.view(len(live), width)
+        tokens = None
+        if self.graphs is not None:
+            tokens = self.graphs.run(ids, lens_t, tables_t, max(lens))
+        if tokens is None:
+            tokens = self.draft_tokens(ids, lens_t, tables_t, max(max(lens), 1))
+        depth = max(k for _, _, k in live)
+        rows = tokens[:, :depth].tolist()  # the one host sync
+        for (i, _, k), row in zip(live, rows, strict=True):
+            drafts[i] = Draft(row[:k])
+        return drafts
+
+    def draft_tokens(self, ids, lens, tables, context: int) -> torch.Tensor:
+        """The drafts [S, B - 1] of blocks `ids` [S, B] after contexts of `lens` [S] rows (block
+        tables [S, W]), gathering `context` >= max(lens) rows of K/V per sequence."""
+        s, b = ids.shape
+        page, width = self.runner.page_size, tables.shape[1]
+        positions = lens[:, None] + torch.arange(b, device=ids.device)  # [S, B]: n-1 .. n+B-2
+        kv_pos = torch.arange(context, device=ids.device)
+        page_of = tables.gather(1, (kv_pos // page).clamp(max=width - 1).expand(s, -1))
+        valid = kv_pos[None, :] < lens[:, None]
         ctx_slots = torch.where(valid, page_of * page + kv_pos % page, 0)
         flat = self.kv.view(self.cfg.num_layers, 2, -1, *self.kv.shape[-2:])
         zero = ~valid[:, :, None, None]
         keys = [flat[i, 0][ctx_slots].masked_fill(zero, 0.0) for i in range(self.cfg.num_layers)]
         values = [flat[i, 1][ctx_slots].masked_fill(zero, 0.0) for i in range(self.cfg.num_layers)]
         target = self.runner.model
-        block = target.model.embed_tokens(ids.view(len(live), b)) * self.cfg.input_embedding_scale
-        hidden = self.model(block, positions, keys, values, valid)  # [S, B, H]
-        depth = max(k for _, _, k in live)
-        logits = self.model.logits(hidden[:, 1 : 1 + depth].reshape(-1, hidden.shape[-1]), target)
-        rows = logits.argmax(dim=-1).view(len(live), depth).tolist()  # the one host sync
-        for (i, _, k), row in zip(live, rows, strict=True):
-            drafts[i] = Draft(row[:k])
-        return drafts
+        block = target.model.embed_tokens(ids) * self.cfg.input_embedding_scale
+        hidden = self.model(block, positions, keys, values, valid)[:, 1:]  # [S, B - 1, H]
+        logits = self.model.logits(hidden.reshape(-1, hidden.shape[-1]), target)
+        return logits.argmax(dim=-1).view(s, b - 1)
 
     def release(self, seq: Sequence) -> None:
         self._context.pop(seq.seq_id, None)
+
+
+def context_bucket(rows: int) -> int:
+    """The context rows a graphed draft gathers: a power of two, at least 64."""
+    return max(64, 1 << (max(rows, 1) - 1).bit_length())
+
+
+class DraftGraphs:
+    """The drafter forward as CUDA graphs keyed by (padded sequence count, context bucket):
+    one replay per step instead of a few hundred small launches. Inputs are copied into a
+    static workspace; padding sequences have no context and dummy-page tables."""
+
+    def __init__(self, drafter: DFlashDrafter, max_seqs: int, max_len: int, pool) -> None:
+        self.drafter, self.pool = drafter, pool
+        self.max_seqs = decode_bucket(max_seqs)
+        self.max_context = context_bucket(max_len)
+        device, b = drafter.runner.device, drafter.cfg.block_size
+        pages = -(-self.max_context // drafter.runner.page_size) + 1
+        self.ids = torch.zeros(self.max_seqs, b, dtype=torch.long, device=device)
+        self.lens = torch.zeros(self.max_seqs, dtype=torch.long, device=device)
+        self.tables = torch.full((self.max_seqs, pages), DUMMY_PAGE, device=device)
+        self._programs: dict[tuple[int, int], tuple] = {}
+
+    def run(self, ids, lens, tables, longest: int) -> torch.Tensor | None:
+        """Drafts [S, B - 1] from the program for this batch, or None past the workspace."""
+        count, n, context = ids.shape[0], decode_bucket(ids.shape[0]), context_bucket(longest)
+        if n > self.max_seqs or context > self.max_context:
+            return None
+        key = (n, context)
+        if key not in self._programs:
+            self.lens.zero_()
+            self.tables.fill_(DUMMY_PAGE)
+
+            def fn():
+                return self.drafter.draft_tokens(
+                    self.ids[:n], self.lens[:n], self.tables[:n], context
+                )
+
+            self._programs[key] = capture(fn, self.pool, self.ids.device)
+        graph, out = self._programs[key]
+        self.ids[:count].copy_(ids, non_blocking=True)
+        self.ids[count:n].zero_()
+        self.lens[:count].copy_(lens, non_blocking=True)
+        self.lens[count:n].zero_()
+        self.tables[:n].fill_(DUMMY_PAGE)
+        self.tables[:count, : tables.shape[1]].copy_(tables, non_blocking=True)
+        graph.replay()
+        return out[:count]

@@ -21,6 +21,15 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _int_list(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 1,3,5, got {text!r}") from None
+
+
 def _add_corpus_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--corpus",
@@ -146,6 +155,11 @@ def add_train_parsers(sub) -> None:
         "--num-taps", type=_positive_int, default=3, help="target layers read (evenly spaced)"
     )
     dfl.add_argument(
+        "--target-layers",
+        default=None,
+        help="target layers read, e.g. 1,3,5 (default: --num-taps evenly spaced)",
+    )
+    dfl.add_argument(
         "--gamma", type=float, default=4.0, help="loss decay over block rows: exp(-(j-1)/gamma)"
     )
     dfl.add_argument(
@@ -193,6 +207,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 block_size=args.block_size,
                 num_layers=args.num_draft_layers,
                 num_taps=args.num_taps,
+                target_layers=_int_list(args.target_layers),
                 gamma=args.gamma,
                 anchor_stride=args.anchor_stride,
                 out_dir=args.out,

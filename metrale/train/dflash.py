@@ -67,12 +67,14 @@ def train_dflash(
     block_size: int = 8,
     num_layers: int = 1,
     num_taps: int = 3,
+    target_layers: tuple[int, ...] | None = None,
     gamma: float = 4.0,
     anchor_stride: int = 16,
     out_dir: str | Path | None = None,
 ) -> dict:
-    """The DFlash stage; the drafter goes to `<out_dir or target_dir>/dflash/`. Returns the
-    summary (also `dflash_train_summary.json` there once complete)."""
+    """The DFlash stage; the drafter goes to `<out_dir or target_dir>/dflash/`. The drafter reads
+    `target_layers` of the target (default: `num_taps` evenly spaced). Returns the summary (also
+    `dflash_train_summary.json` there once complete)."""
     start = time.perf_counter()
     target_dir = Path(target_dir)
     if not (target_dir / "config.json").is_file():
@@ -96,8 +98,13 @@ def train_dflash(
         block_size=block_size,
         # a token the data never holds would be best; the last id is the tokenizer's rarest
         mask_token_id=tcfg.vocab_size - 1,
-        target_layer_ids=evenly_spaced_layers(tcfg.num_hidden_layers, num_taps),
+        target_layer_ids=tuple(target_layers)
+        if target_layers
+        else evenly_spaced_layers(tcfg.num_hidden_layers, num_taps),
     )
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < tcfg.num_hidden_layers]
+    if bad:
+        raise ValueError(f"target_layers {bad}: the target has {tcfg.num_hidden_layers} layers")
     tok = load_tokenizer(target_dir)
     data = tokenize_corpus(corpus, tok, opts.seq_len)
     device = resolve_device(opts.device)
