@@ -165,7 +165,8 @@ def test_report_covers_every_drafter_and_k_with_consistent_rates(report, prompts
             short = len(prompts) * k * (k - 1) // 2
             assert row["draft_tokens"] == k * row["verifies"] - short
     table = format_report(report)
-    assert len(table.splitlines()) == 2 + len(KS) * 2 + 1
+    assert len(table.splitlines()) == 2 + len(KS) * 2 + 1 + 1  # + the dflash skip line
+    assert "dflash   skipped" in table
     assert "mean_len" in table and "ngram     5" in table
 
 
