@@ -49,9 +49,9 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def _add(self, prompt: Prompt, params: SamplingParams) -> str:
+    def _add(self, prompt: Prompt, params: SamplingParams | dict) -> str:
         request_id = f"req-{next(self._ids)}"
-        self.engine.add_request(request_id, prompt, params)
+        self.engine.add_request(request_id, prompt, _params(params))
         return request_id
 
     def generate(
@@ -66,10 +66,10 @@ class LLM:
         ):
             prompts = [prompts]
         prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        if sampling_params is None or isinstance(sampling_params, (SamplingParams, dict)):
+            params_list = [_params(sampling_params)] * len(prompts)
         else:
-            params_list = list(sampling_params)
+            params_list = [_params(p) for p in sampling_params]
             if len(params_list) != len(prompts):
                 raise ValueError(
                     f"sampling_params: {len(params_list)} given for {len(prompts)} prompts"
@@ -78,7 +78,7 @@ class LLM:
         try:
             for prompt, params in zip(prompts, params_list, strict=True):
                 ids.append(self._add(prompt, params))
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             # Nothing half-queued: drop what this call added, then name the bad prompt.
             for request_id in ids:
                 self.engine.abort_request(request_id)
@@ -133,3 +133,18 @@ class LLM:
         if stream:
             return self.stream(ids, sampling_params)
         return self.generate([ids], sampling_params, use_tqdm=False)[0]
+
+
+def _params(params: SamplingParams | dict | None) -> SamplingParams:
+    """A request's SamplingParams; a dict of its fields is accepted too (ValueError naming an
+    unknown field)."""
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, dict):
+        try:
+            return SamplingParams(**params)
+        except TypeError as e:
+            raise ValueError(f"sampling_params: {e}") from None
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling_params: expected a SamplingParams, got {type(params).__name__}")
+    return params

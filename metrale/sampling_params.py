@@ -52,13 +52,14 @@ class SamplingParams:
     num_drafts: int | None = None
 
     MAX_LOGPROBS = 20
+    MAX_N = 128  # OpenAI's bound: one request cannot flood the engine with sequences
 
     def __post_init__(self) -> None:
         def set_(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= self.MAX_N:
+            raise ValueError(f"n must be an integer in [1, {self.MAX_N}], got {self.n!r}")
         _check_number("temperature", self.temperature, 0.0, 1e4)
         _check_number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
@@ -92,16 +93,24 @@ class SamplingParams:
             stop = ()
         elif isinstance(stop, str):
             stop = (stop,)
+        elif not isinstance(stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
         stop = tuple(stop)
         if any(not isinstance(s, str) or s == "" for s in stop):
             raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
         set_("stop", stop)
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(
+                f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}"
+            )
         ids = tuple(self.stop_token_ids or ())
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
             raise ValueError(
                 f"stop_token_ids must hold token ids >= 0, got {self.stop_token_ids!r}"
             )
         set_("stop_token_ids", ids)
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}")
         if self.logit_bias is not None:
             bias = {}
             for tok, value in self.logit_bias.items():

@@ -91,9 +91,14 @@ class LLMEngine:
             lookahead=self.lookahead,
         )
         self.telemetry = Telemetry()
-        self.eos_token_ids = tuple(
-            dict.fromkeys(self.model_config.eos_token_ids + self.tokenizer.eos_token_ids)
-        )
+        eos = dict.fromkeys(self.model_config.eos_token_ids + self.tokenizer.eos_token_ids)
+        outside = [t for t in eos if not 0 <= t < self.vocab_size]
+        if outside:
+            # a tokenizer may know ids the model's vocabulary lacks; they can never be sampled
+            log.warning(
+                "EOS ids %s are outside the vocabulary (%d): ignored", outside, self.vocab_size
+            )
+        self.eos_token_ids = tuple(t for t in eos if 0 <= t < self.vocab_size)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(self.config.seed)
         self._next_seq_id = 0
@@ -200,6 +205,10 @@ class LLMEngine:
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
     ) -> None:
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(
+                f"sampling_params: expected a SamplingParams, got {type(params).__name__}"
+            )
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self.validate(prompt, params)
@@ -387,7 +396,9 @@ class LLMEngine:
                     )
                 )
         if observing:
-            self.spec.observe(drafter_verdicts)
+            for seq, message in self.spec.observe(drafter_verdicts):
+                self._fail(seq, message)
+                changed.setdefault(seq.request_id, {}).setdefault(seq.seq_id, ("", []))
         self._finish(finished)
         return emitted
 

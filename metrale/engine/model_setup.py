@@ -39,7 +39,8 @@ def num_pages_for(
     pages_per_seq = -(-(max_model_len + lookahead) // cfg.page_size)
     wanted = cfg.max_num_seqs * pages_per_seq
     page_bytes = kv_page_bytes(model_cfg, cfg.page_size, dtype, num_layers) + extra_page_bytes
-    affordable = int(cfg.kv_cache_memory_gb * 2**30) // page_bytes
+    # a target without attention layers (an all-GDN hybrid) keeps no KV: pages are free
+    affordable = int(cfg.kv_cache_memory_gb * 2**30) // page_bytes if page_bytes else wanted
     pages = min(wanted, affordable)
     if pages < pages_per_seq:
         raise ValueError(

@@ -240,8 +240,10 @@ class SpeculativeDecoder:
             depth = min(depth, cap_of[seq.seq_id])
             seq.draft = pad_draft(draft, depth, self.vocab_size) if depth else None
 
-    def observe(self, verdicts: list[Verdict]) -> None:
-        """Record one step's verdicts (sequences that verified drafts and those that did not)."""
+    def observe(self, verdicts: list[Verdict]) -> list[tuple[Sequence, str]]:
+        """Record one step's verdicts (sequences that verified drafts and those that did not);
+        returns the sequences whose drafter `observe` raised, with why (they end; the others
+        go on)."""
         verified = [v for v in verdicts if v.drafts]
         if verified:
             slots = [v.seq.slot for v in verified]
@@ -276,9 +278,33 @@ class SpeculativeDecoder:
                     v.drafts,
                 )
         # A sequence that finished this step (its status changes after) has nothing to draft.
-        self.drafter.observe([v for v in verdicts if v.seq.finish_reason is None])
+        return self._drafter_observe([v for v in verdicts if v.seq.finish_reason is None])
+
+    def _drafter_observe(self, verdicts: list[Verdict]) -> list[tuple[Sequence, str]]:
+        """The drafter's `observe`; if it raises, each verdict alone, to find the sequence(s)
+        it fails for."""
+        try:
+            self.drafter.observe(verdicts)
+            return []
+        except Exception:  # noqa: BLE001 (isolate: only the failing sequences end)
+            if len(verdicts) == 1:
+                return self._observe_failed(verdicts[0])
+        failed = []
+        for v in verdicts:
+            try:
+                self.drafter.observe([v])
+            except Exception:  # noqa: BLE001
+                failed += self._observe_failed(v)
+        return failed
+
+    def _observe_failed(self, v: Verdict) -> list[tuple[Sequence, str]]:
+        log.exception("drafter %s observe failed for %s", self.drafter.name, v.seq.request_id)
+        return [(v.seq, f"drafter {self.drafter.name}: observe failed")]
 
     def release(self, seq: Sequence) -> None:
         seq.draft = None
         self.estimator.forget(seq.seq_id)
-        self.drafter.release(seq)
+        try:
+            self.drafter.release(seq)
+        except Exception:  # noqa: BLE001 (the sequence is leaving anyway: never lose its output)
+            log.exception("drafter %s release failed for %s", self.drafter.name, seq.request_id)

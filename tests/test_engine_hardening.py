@@ -1,0 +1,132 @@
+"""Engine-side hardening (issue 18): a plugged-in drafter that raises in any hook fails only its
+own sequence (and never loses a finished request's output); Python API input of the wrong type
+gives a ValueError naming the field and leaves nothing queued; config edges."""
+
+from __future__ import annotations
+
+import pytest
+
+from metrale import LLM, SamplingParams
+from metrale.speculative.drafter import Draft
+
+PROMPTS = [[(5 * i + 3 * j) % 200 + 3 for j in range(6 + i)] for i in range(4)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+class Raises:
+    """Drafts [1, 2] for everyone; raises in `hook` for the sequence of prompt `victim`."""
+
+    name, needs_hidden = "raises", False
+
+    def __init__(self, hook: str, victim: int) -> None:
+        self.hook, self.victim = hook, victim
+
+    def _check(self, hook, seqs) -> None:
+        if hook == self.hook and any(s.prompt_token_ids == PROMPTS[self.victim] for s in seqs):
+            raise RuntimeError(f"{hook} broke")
+
+    def propose(self, seqs, caps):
+        self._check("propose", seqs)
+        return [Draft([1, 2][:k]) for k in caps]
+
+    def observe(self, verdicts):
+        self._check("observe", [v.seq for v in verdicts])
+
+    def release(self, seq):
+        self._check("release", [seq])
+
+
+@pytest.mark.parametrize("hook", ["propose", "observe", "release"])
+@pytest.mark.parametrize("alone", [True, False])
+def test_a_drafter_raising_in_any_hook_fails_only_its_sequence(tiny_model_dir, hook, alone):
+    prompts = PROMPTS[:1] if alone else PROMPTS
+    want = LLM(tiny_model_dir, device="cpu").generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm = LLM(tiny_model_dir, device="cpu", drafter=Raises(hook, 0), spec={"num_drafts": 2})
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert len(outs) == len(prompts)  # every request has its final output
+    first = outs[0].outputs[0]
+    if hook == "release":  # the sequence was leaving anyway: its output stands
+        assert first.finish_reason == "length" and first.token_ids == want[0].outputs[0].token_ids
+    else:
+        assert first.finish_reason == "error"
+    for got, ref in zip(outs[1:], want[1 : len(prompts)], strict=True):
+        assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    assert engine.allocator.num_free == engine.allocator.num_usable
+    # the engine goes on serving
+    again = llm.generate(PROMPTS[1:2], GREEDY, use_tqdm=False)
+    assert again[0].outputs[0].token_ids == want[1].outputs[0].token_ids
+
+
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        ({"temperature": 0.0, "bogus": 1}, "bogus"),  # a dict with an unknown field
+        ({"stop": 5}, "stop"),
+        ({"stop_token_ids": 3}, "stop_token_ids"),
+        ({"logit_bias": [1, 2]}, "logit_bias"),
+        ({"n": 100000}, "n"),
+        ("greedy", "sampling_params"),  # not a SamplingParams at all
+    ],
+)
+def test_wrong_python_input_names_the_field_and_queues_nothing(tiny_model_dir, params, field):
+    llm = LLM(tiny_model_dir, device="cpu")
+    with pytest.raises(ValueError, match=field):
+        # the second request is the bad one: the first must not stay queued
+        llm.generate(PROMPTS[:2], [GREEDY, params], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
+
+
+def test_a_dict_of_fields_is_a_sampling_params(tiny_model_dir):
+    llm = LLM(tiny_model_dir, device="cpu")
+    want = llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    got = llm.generate(PROMPTS[:1], {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True})
+    assert got[0].outputs[0].token_ids == want
+
+
+def test_an_eos_id_outside_the_vocabulary_is_dropped(tiny_model_dir, tmp_path, caplog):
+    """A tokenizer EOS the model's vocabulary lacks is ignored with a warning; `min_tokens`
+    requests (which ban EOS ids) still run."""
+    import json
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["eos_token_id"] = [cfg.get("eos_token_id") or 0, 99999]
+    (model / "config.json").write_text(json.dumps(cfg))
+    with caplog.at_level("WARNING"):
+        llm = LLM(model, device="cpu")
+    assert 99999 not in llm.engine.eos_token_ids and "99999" in caplog.text
+    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=4)
+    assert len(llm.generate(PROMPTS[:1], params)[0].outputs[0].token_ids) >= 4
+
+
+def test_a_hybrid_without_attention_layers_runs(tmp_path, tokenizer_dir):
+    """An all-GDN Qwen3-Next (no full-attention layer) keeps no KV pool and generates what
+    transformers generates."""
+    import shutil
+
+    import torch
+
+    from tests.test_qwen3_next import TINY_NEXT, randomize, transformers
+
+    cfg = transformers.Qwen3NextConfig(
+        **{**TINY_NEXT, "vocab_size": 320, "layer_types": ["linear_attention"] * 4}
+    )
+    torch.manual_seed(0)
+    hf = transformers.Qwen3NextForCausalLM(cfg).eval()
+    randomize(hf, seed=3)
+    hf.save_pretrained(tmp_path / "m", safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, tmp_path / "m" / name)
+    prompt = [5, 17, 30, 42, 9]
+    llm = LLM(tmp_path / "m", device="cpu", dtype="float32")
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    ids = list(prompt)
+    with torch.no_grad():  # transformers' generate cannot size an all-linear cache: no cache
+        for _ in range(12):
+            ids.append(int(hf(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    assert out[0].outputs[0].token_ids == ids[len(prompt) :]
+    assert llm.engine.runner.kv_cache.shape[0] == 0  # no attention layer, no KV
