@@ -75,6 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000, help="TCP port")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     srv.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
+    srv.add_argument(
+        "--max-body-bytes", type=int, default=32 << 20, help="larger request bodies get a 413"
+    )
+    srv.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before being aborted",
+    )
     bench = sub.add_parser("bench", help="step times vs roofline, verify cost, speculation speedup")
     bench.add_argument("--model", default=None, help="HF checkpoint directory (else --shape)")
     bench.add_argument(
@@ -181,6 +190,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         page_size=args.page_size,
         max_num_seqs=args.max_num_seqs,
         spec=spec,
+        max_body_bytes=args.max_body_bytes,
+        shutdown_grace=args.shutdown_grace,
     )
     return 0
 

@@ -8,6 +8,7 @@ of generated ids into text deltas for streaming responses.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from datetime import datetime
@@ -172,6 +173,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of tokens including added ones (the model's embedding may be larger)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest token's text in characters, at least 1: a text of n characters is at
+        least n / max_token_chars tokens, so an over-long prompt is refused before tokenising."""
+        return max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1) or 1
 
     @property
     def has_chat_template(self) -> bool:

@@ -240,6 +240,16 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
+            # refused from its length alone, before any tokenising work
+            if len(prompt) > self.max_model_len * self.tokenizer.max_token_chars:
+                raise ValueError(
+                    f"prompt: {len(prompt)} characters cannot fit max_model_len="
+                    f"{self.max_model_len} tokens"
+                )
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"prompt: not valid Unicode text ({e.reason})") from None
             return prompt, self.tokenizer.encode(prompt)
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ValueError(

@@ -20,6 +20,7 @@ def build(
     api_key: str | None = None,
     max_waiting: int = 256,
     served_name: str | None = None,
+    max_body_bytes: int = 32 << 20,
     **engine_options,
 ):
     """(FastAPI app, EngineLoop) for a model directory (the default model when None)."""
@@ -32,7 +33,7 @@ def build(
         model = default_model_dir()
     engine = LLMEngine(model, engine_config_from(engine_options))
     loop = EngineLoop(engine, max_waiting=max_waiting)
-    app = create_app(loop, served_name or Path(model).name, api_key)
+    app = create_app(loop, served_name or Path(model).name, api_key, max_body_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -43,7 +44,8 @@ def build(
         gc.freeze()
         loop.start()
         yield
-        # NOTE: graceful shutdown (SIGTERM): in-flight requests end with finish_reason "abort".
+        # NOTE: graceful shutdown: `serve` drained first (no admission, a grace period, then
+        # every request aborted with finish_reason "abort"); this ends whatever is left.
         loop.stop()
 
     app.router.lifespan_context = lifespan
@@ -55,9 +57,13 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,
+    max_body_bytes: int = 32 << 20,
+    shutdown_grace: float = 30.0,
     **engine_options,
 ) -> None:
-    """Serve until SIGINT or SIGTERM, then shut down gracefully and return (exit status 0)."""
+    """Serve until SIGINT or SIGTERM, then drain and return (exit status 0): new requests get a
+    503, in-flight ones have `shutdown_grace` seconds to finish, then each remaining one ends
+    with finish_reason "abort" in a well-formed response or final chunk."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -66,6 +72,8 @@ def serve(
             # uvicorn re-raises the signal after its shutdown (exit status -15); here a signal
             # only asks for the graceful shutdown, and `serve` then returns normally.
             def stop(*_):
+                if not loop.draining:
+                    loop.drain(shutdown_grace)
                 self.should_exit = True
 
             previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -75,9 +83,14 @@ def serve(
                 for s, handler in previous.items():
                     signal.signal(s, handler)
 
-    app, _ = build(model, api_key, **engine_options)
+    app, loop = build(model, api_key, max_body_bytes=max_body_bytes, **engine_options)
     log.info("serving on http://%s:%d", host, port)
     config = uvicorn.Config(
-        app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=30
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        # past the grace period the drain aborts what is left; those responses then finish
+        timeout_graceful_shutdown=shutdown_grace + 10,
     )
     Server(config).run()

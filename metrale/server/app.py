@@ -1,26 +1,34 @@
 """The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions (with SSE streaming),
 /v1/models, /health and /metrics, over an `EngineLoop`.
 
-A client that disconnects mid-stream aborts its request (its pages return to the pool); bad input
-gets a 4xx in the OpenAI error shape and never reaches the engine; a full waiting queue gets a 503
-with Retry-After.
+A client that disconnects (mid-stream, or before a whole response is ready) aborts its request
+(its pages return to the pool); bad input gets a 4xx in the OpenAI error shape and never reaches
+the engine: bodies are size-capped (413) and read with a timeout (408), JSON and tokenising run
+off the event loop, and every field is checked before the request is submitted. Anything that
+still raises after submission aborts the request. A full queue or a draining server gets a 503
+with Retry-After. Metrics are labelled by route template, one label for unmatched paths.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from metrale.server.engine_loop import Busy, EngineLoop
 from metrale.server.metrics import ServerMetrics
 from metrale.server.protocol import (
     APIError,
     chat_logprobs,
+    chat_messages,
     completion_logprobs,
     now,
     sampling_params,
@@ -28,8 +36,23 @@ from metrale.server.protocol import (
     usage,
 )
 
+log = logging.getLogger(__name__)
 
-def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None) -> FastAPI:
+# Paths behind the API key when one is set (/health and /metrics stay open, as vLLM's do).
+_PROTECTED = ("/v1/", "/docs", "/redoc", "/openapi.json")
+# Bodies past this size are parsed on a worker thread, not on the event loop.
+_THREAD_PARSE_BYTES = 1 << 20
+
+
+def create_app(
+    loop: EngineLoop,
+    model_name: str,
+    api_key: str | None = None,
+    max_body_bytes: int = 32 << 20,
+    body_timeout: float = 60.0,
+) -> FastAPI:
+    """`max_body_bytes`: larger bodies get a 413 before they are read; `body_timeout`: seconds
+    a client may take to send its body (408 past it)."""
     app = FastAPI(title="metrale", version="0.1.0")
     metrics = ServerMetrics(loop)
     engine = loop.engine
@@ -39,27 +62,77 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None) ->
         headers = {"Retry-After": "1"} if exc.status == 503 else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException):
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code)
+        err = APIError(str(exc.detail), None, exc.status_code, kind or "invalid_request_error")
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request: Request, exc: Exception):  # the last net: still JSON
+        log.exception("unhandled error")
+        err = APIError(f"internal error: {type(exc).__name__}", None, 500, "internal_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    def route_of(request: Request) -> str:
+        """The route template serving this request: a bounded set of metric labels."""
+        for route in app.router.routes:
+            if route.matches(request.scope)[0] is Match.FULL:
+                return route.path
+        return "unmatched"
+
+    def authorized(request: Request) -> bool:
+        given = request.headers.get("authorization", "").encode()
+        return hmac.compare_digest(given, f"Bearer {api_key}".encode())
+
     @app.middleware("http")
     async def auth_and_count(request: Request, call_next):
         start = time.perf_counter()
-        path = request.url.path
-        authorized = request.headers.get("authorization", "") == f"Bearer {api_key}"
-        if api_key and path.startswith("/v1/") and not authorized:
+        route = route_of(request)
+        if api_key and request.url.path.startswith(_PROTECTED) and not authorized(request):
             err = APIError(
                 "missing or wrong API key", None, 401, "authentication_error", "invalid_api_key"
             )
-            metrics.requests.labels(path, "401").inc()
+            metrics.requests.labels(route, "401").inc()
             return JSONResponse(err.body(), status_code=401)
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > max_body_bytes:
+            err = APIError(f"the body is {length} bytes; the limit is {max_body_bytes}", None, 413)
+            metrics.requests.labels(route, "413").inc()
+            return JSONResponse(err.body(), status_code=413)
         response = await call_next(request)
-        metrics.requests.labels(path, str(response.status_code)).inc()
-        metrics.latency.labels(path).observe(time.perf_counter() - start)
+        metrics.requests.labels(route, str(response.status_code)).inc()
+        metrics.latency.labels(route).observe(time.perf_counter() - start)
         return response
 
+    async def read_raw(request: Request) -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise APIError(f"the body exceeds the limit of {max_body_bytes} bytes", None, 413)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def read_body(request: Request) -> dict:
+        kind = request.headers.get("content-type", "application/json").split(";")[0].strip()
+        if kind not in ("application/json", ""):
+            raise APIError(f"content type {kind!r}: send application/json", None, 415)
         try:
-            body = json.loads(await request.body())
+            raw = await asyncio.wait_for(read_raw(request), body_timeout)
+        except TimeoutError:
+            raise APIError(
+                f"the body took over {body_timeout:.0f} s to arrive", None, 408
+            ) from None
+        try:
+            if len(raw) > _THREAD_PARSE_BYTES:
+                body = await asyncio.to_thread(json.loads, raw)
+            else:
+                body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(f"malformed JSON body: {e}") from None
+        except RecursionError:
+            raise APIError("malformed JSON body: nested too deeply") from None
         if not isinstance(body, dict):
             raise APIError("the body must be a JSON object")
         model = body.get("model")
@@ -72,12 +145,25 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None) ->
             )
         return body
 
-    def validate(prompt, params) -> list[int]:
+    def validate_now(prompt, params) -> list[int]:
         try:
-            return engine.validate(prompt, params)[1]
+            ids = engine.validate(prompt, params)[1]
         except ValueError as e:
             field = str(e).split(":", 1)[0].split(" ", 1)[0]
             raise APIError(str(e), field if field.isidentifier() else "prompt") from None
+        limit = engine.max_model_len
+        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+            # refused, as vLLM does, rather than cut short without a word
+            raise APIError(
+                f"max_tokens: the prompt's {len(ids)} tokens plus max_tokens={params.max_tokens} "
+                f"exceed the context of {limit} tokens",
+                "max_tokens",
+            )
+        return ids
+
+    async def validate(prompt, params) -> list[int]:
+        """Tokenise and check on a worker thread: a long prompt never stalls the event loop."""
+        return await asyncio.to_thread(validate_now, prompt, params)
 
     def submit(request_id: str, ids: list[int], params) -> asyncio.Queue:
         try:
@@ -85,12 +171,18 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None) ->
         except Busy as e:
             raise APIError(str(e), None, 503, "server_busy", "server_busy") from None
 
-    async def outputs(request_id: str, queue: asyncio.Queue) -> AsyncIterator:
-        """Every RequestOutput of a request; aborts it if the consumer stops early."""
+    async def outputs(request: Request, request_id: str, queue: asyncio.Queue) -> AsyncIterator:
+        """Every RequestOutput of a request; aborts it if the consumer stops early or the client
+        goes away while it waits."""
         finished = False
         try:
             while not finished:
-                item = await queue.get()
+                try:
+                    item = await asyncio.wait_for(queue.get(), 0.5)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        return  # the finally aborts it
+                    continue
                 if isinstance(item, Exception):
                     raise APIError(str(item))
                 finished = item.finished
@@ -133,7 +225,7 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None) ->
             prompt = prompt[0]
         if prompt is None or not isinstance(prompt, (str, list)):
             raise APIError("prompt: expected a string or a list of token ids", "prompt")
-        ids = validate(prompt, params)
+        ids = await validate(prompt, params)
         request_id = loop.new_id("cmpl")
         return await respond(request, body, request_id, ids, params, chat=False)
 
@@ -141,31 +233,43 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None) ->
     async def chat(request: Request):
         body = await read_body(request)
         params = sampling_params(body, chat=True)
-        messages = body.get("messages")
-        if (
-            not isinstance(messages, list)
-            or not messages
-            or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)
-        ):
-            raise APIError("messages: expected a non-empty list of {role, content}", "messages")
-        try:
-            text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except ValueError as e:
-            raise APIError(str(e), "messages") from None
-        ids = validate(engine.tokenizer.encode(text, add_special_tokens=False), params)
+        messages = chat_messages(body.get("messages"))
+
+        def render() -> list[int]:
+            """The prompt's token ids (on a worker thread: templating and tokenising)."""
+            chars = sum(len(m["content"]) for m in messages)
+            if chars > engine.max_model_len * engine.tokenizer.max_token_chars:
+                raise APIError(f"messages: {chars} characters cannot fit the context", "messages")
+            try:
+                text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+                text.encode("utf-8")
+            except ValueError as e:  # UnicodeEncodeError included (a lone surrogate)
+                raise APIError(f"messages: {e}", "messages") from None
+            ids = engine.tokenizer.encode(text, add_special_tokens=False)
+            if not ids:
+                raise APIError("messages: the chat template rendered nothing", "messages")
+            return ids
+
+        ids = await validate(await asyncio.to_thread(render), params)
         request_id = loop.new_id("chatcmpl")
         return await respond(request, body, request_id, ids, params, chat=True)
 
     async def respond(request, body, request_id, ids, params, chat: bool):
         queue = submit(request_id, ids, params)
-        if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            stream = sse(request, request_id, queue, params, chat, include_usage)
-            return StreamingResponse(stream, media_type="text/event-stream")
-        final = None
-        async for out in outputs(request_id, queue):
-            final = out
-        return whole_response(final, request_id, params, chat)
+        try:
+            if body.get("stream"):
+                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                stream = sse(request, request_id, queue, params, chat, include_usage)
+                return StreamingResponse(stream, media_type="text/event-stream")
+            final = None
+            async for out in outputs(request, request_id, queue):
+                final = out
+            if final is None:  # the client went away; its request is aborted
+                return Response(status_code=499)
+            return whole_response(final, request_id, params, chat)
+        except BaseException:
+            loop.abort(request_id)  # nothing submitted keeps running for nobody
+            raise
 
     def whole_response(out, request_id, params, chat: bool) -> dict:
         k = params.logprobs or 0
@@ -205,7 +309,7 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None) ->
         k = params.logprobs or 0
         sent = [0] * params.n  # tokens already sent per choice
         final = None
-        async for out in outputs(request_id, queue):
+        async for out in outputs(request, request_id, queue):
             final = out
             if await request.is_disconnected():
                 return  # the finally of `outputs` aborts the request

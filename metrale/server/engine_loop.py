@@ -3,7 +3,10 @@
 Handlers validate a request on their own thread (`LLMEngine.validate` reads no engine state),
 then `submit` it; the engine thread adds it before its next step and pushes every RequestOutput
 of it to the request's asyncio queue. `abort` ends a request from any thread (a client that went
-away), and the waiting queue is bounded: past `max_waiting` requests, `submit` raises `Busy`.
+away), and admission is bounded by sequences (a request of n choices counts n): past
+`max_waiting` sequences beyond `max_num_seqs`, `submit` raises `Busy`. `drain` stops admitting
+(Busy: "shutting down") and, after a grace period, aborts whatever is still in flight, so each
+client gets a well-formed response ending with finish_reason "abort".
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ class EngineLoop:
         self.max_waiting = max_waiting
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", _Pending) | ("abort", id)
         self._live: dict[str, _Pending] = {}
+        self._live_seqs = 0  # sequences of the live requests (each request's n)
+        self._admission = threading.Lock()  # _live and _live_seqs change on two threads
+        self.draining = False
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._ids = itertools.count()
@@ -62,10 +68,15 @@ class EngineLoop:
 
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams) -> asyncio.Queue:
         """Queue an already validated request; returns the queue its outputs arrive on."""
-        if len(self._live) >= self.max_waiting + self.engine.config.max_num_seqs:
-            raise Busy(f"{len(self._live)} requests in flight; retry later")
+        if self.draining:
+            raise Busy("the server is shutting down")
+        capacity = self.max_waiting + self.engine.config.max_num_seqs
         pending = _Pending(request_id, prompt, params, asyncio.Queue(), asyncio.get_running_loop())
-        self._live[request_id] = pending
+        with self._admission:
+            if self._live and self._live_seqs + params.n > capacity:
+                raise Busy(f"{self._live_seqs} sequences in flight; retry later")
+            self._live[request_id] = pending
+            self._live_seqs += params.n
         self._inbox.put(("add", pending))
         self._wake.set()
         return pending.outputs
@@ -73,6 +84,24 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
         self._wake.set()
+
+    def drain(self, grace: float) -> None:
+        """Stop admitting; after `grace` seconds abort every request still in flight."""
+        self.draining = True
+        timer = threading.Timer(grace, self._abort_all)
+        timer.daemon = True
+        timer.start()
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._live):
+            self.abort(request_id)
+
+    def _forget(self, request_id: str) -> _Pending | None:
+        with self._admission:
+            pending = self._live.pop(request_id, None)
+            if pending is not None:
+                self._live_seqs -= pending.params.n
+        return pending
 
     def _deliver(self, pending: _Pending, item: RequestOutput | Exception) -> None:
         pending.loop.call_soon_threadsafe(pending.outputs.put_nowait, item)
@@ -87,11 +116,11 @@ class EngineLoop:
                 try:
                     self.engine.add_request(item.request_id, item.prompt, item.params)
                 except ValueError as e:  # validated already; a race with the pool, say
-                    self._live.pop(item.request_id, None)
+                    self._forget(item.request_id)
                     self._deliver(item, e)
             else:
                 out = self.engine.abort_request(item)
-                pending = self._live.pop(item, None)
+                pending = self._forget(item)
                 if pending is not None and out is not None:
                     self._deliver(pending, out)
 
@@ -114,9 +143,9 @@ class EngineLoop:
                     continue
                 self._deliver(pending, out)
                 if out.finished:
-                    self._live.pop(out.request_id, None)
+                    self._forget(out.request_id)
         for request_id in list(self._live):
             out = self.engine.abort_request(request_id)
-            pending = self._live.pop(request_id)
+            pending = self._forget(request_id)
             if out is not None:
                 self._deliver(pending, out)

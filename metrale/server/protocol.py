@@ -69,13 +69,86 @@ def _typed(body: dict, name: str, types: tuple) -> Any:
     return value
 
 
+# Fields that change what a request means, refused until supported (never silently ignored),
+# with the values that mean "not used".
+_UNSUPPORTED = {
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "suffix": ("",),
+    "echo": (False,),
+    "parallel_tool_calls": (True, False),
+}
+
+
+def check_request(body: dict, chat: bool) -> None:
+    """Type-check the fields outside SamplingParams and refuse what is not supported."""
+    for name, neutral in _UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and value not in neutral:
+            raise APIError(f"{name}: not supported by this server", name)
+    best_of = body.get("best_of")
+    if best_of is not None and best_of not in (1, body.get("n", 1)):
+        raise APIError("best_of: only best_of = n is supported", "best_of")
+    for name in ("stream", "logprobs") if chat else ("stream",):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise APIError(f"{name}: expected a boolean, got {body[name]!r}", name)
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise APIError("stream_options: expected an object", "stream_options")
+        usage = options.get("include_usage")
+        if usage is not None and not isinstance(usage, bool):
+            raise APIError("stream_options.include_usage: expected a boolean", "stream_options")
+
+
+def chat_messages(messages: Any) -> list[dict[str, str]]:
+    """The chat history with every `content` as text: a string, or a list of text parts
+    (joined by newlines, as vLLM does); null only for an assistant turn (tool calls)."""
+    if not isinstance(messages, list) or not messages:
+        raise APIError("messages: expected a non-empty list of {role, content}", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(f"messages[{i}]: expected an object with a string role", "messages")
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise APIError(
+                        f"messages[{i}].content[{j}]: only text parts are supported", "messages"
+                    )
+                if not isinstance(part.get("text"), str):
+                    raise APIError(
+                        f"messages[{i}].content[{j}].text: expected a string", "messages"
+                    )
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        elif content is None and m["role"] == "assistant":
+            content = ""
+        elif not isinstance(content, str):
+            raise APIError(
+                f"messages[{i}].content: expected a string or a list of text parts, "
+                f"got {type(content).__name__}",
+                "messages",
+            )
+        out.append({**m, "content": content})
+    return out
+
+
 def sampling_params(body: dict, chat: bool) -> SamplingParams:
+    check_request(body, chat)
     kw: dict[str, Any] = {}
     for name, (field, types) in _FIELDS.items():
         if body.get(name) is not None:
             kw[field] = _typed(body, name, types)
     max_name = (
-        "max_completion_tokens" if chat and body.get("max_completion_tokens") else "max_tokens"
+        "max_completion_tokens"
+        if chat and body.get("max_completion_tokens") is not None
+        else "max_tokens"
     )
     if body.get(max_name) is not None:
         kw["max_tokens"] = _typed(body, max_name, (int,))
@@ -90,8 +163,13 @@ def sampling_params(body: dict, chat: bool) -> SamplingParams:
         kw["logit_bias"] = _typed(body, "logit_bias", (dict,))
     if chat:
         if body.get("logprobs"):
-            top = body.get("top_logprobs") or 0
-            kw["logprobs"] = int(_typed(body, "top_logprobs", (int,)) if top else 0)
+            top = _typed(body, "top_logprobs", (int,)) if body.get("top_logprobs") else 0
+            if not 0 <= top <= SamplingParams.MAX_LOGPROBS:
+                raise APIError(
+                    f"top_logprobs: must be in [0, {SamplingParams.MAX_LOGPROBS}], got {top}",
+                    "top_logprobs",
+                )
+            kw["logprobs"] = top
     elif body.get("logprobs") is not None:
         kw["logprobs"] = _typed(body, "logprobs", (int,))
     spec = body.get("speculative")
@@ -106,12 +184,15 @@ def sampling_params(body: dict, chat: bool) -> SamplingParams:
         return SamplingParams(**kw)
     except (ValueError, TypeError) as e:
         param = str(e).split(" ", 1)[0].split(":", 1)[0].split("[", 1)[0]
+        if param == "max_tokens":
+            param = max_name  # the field the client sent
         raise APIError(str(e), param if param in _known_params() else None) from None
 
 
 def _known_params() -> set[str]:
     return {f for f, _ in _FIELDS.values()} | {
         "max_tokens",
+        "max_completion_tokens",
         "stop",
         "logit_bias",
         "logprobs",

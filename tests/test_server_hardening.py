@@ -1,0 +1,204 @@
+"""The server as a hostile client meets it (issue 18), each case against a real server on a
+loopback port: the status and the OpenAI error shape, /health answering within a second during
+and after, and the page pool back to idle; bounded bodies, bounded metric labels, admission
+by sequences, abandoned requests aborted, keys compared in constant time, and a drain on
+SIGTERM that ends every request well-formed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.test_server import Server, free_port
+
+CHAT = "/v1/chat/completions"
+CMPL = "/v1/completions"
+
+
+def user(content):
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    srv = Server(tiny_model_dir, max_num_seqs=8, max_body_bytes=1 << 20, max_model_len=256)
+    yield srv
+    srv.close()
+
+
+def assert_healthy(server) -> None:
+    start = time.perf_counter()
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+    assert time.perf_counter() - start < 1.0
+    server.wait_idle()
+
+
+def error_of(resp, status, param="?"):
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param != "?":
+        assert error["param"] == param, error
+    return error
+
+
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [
+        (CMPL, {"prompt": "\ud800 lone surrogate", "max_tokens": 4}, 400, "prompt"),
+        (CHAT, user("\ud800"), 400, "messages"),
+        (CHAT, user(None), 400, "messages"),
+        (CHAT, user(42), 400, "messages"),
+        (CHAT, user([{"type": "image_url", "image_url": {"url": "x"}}]), 400, "messages"),
+        (CHAT, {**user("hi"), "stream_options": "yes"}, 400, "stream_options"),
+        (CHAT, {**user("hi"), "stream": "no"}, 400, "stream"),
+        (CHAT, {**user("hi"), "logprobs": "yes"}, 400, "logprobs"),
+        (CHAT, {**user("hi"), "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+        (CHAT, {**user("hi"), "logprobs": True, "top_logprobs": 99}, 400, "top_logprobs"),
+        (CHAT, {**user("hi"), "response_format": {"type": "json_object"}}, 400, "response_format"),
+        (CHAT, {**user("hi"), "tools": [{"type": "function"}]}, 400, "tools"),
+        (CMPL, {"prompt": "x", "echo": True}, 400, "echo"),
+        (CMPL, {"prompt": "x", "best_of": 3}, 400, "best_of"),
+        (CMPL, {"prompt": "x", "n": 1000}, 400, "n"),
+        (CMPL, {"prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
+        (CMPL, {"prompt": "x" * 200000}, 400, "prompt"),  # refused from its length
+    ],
+)
+def test_bad_fields_get_4xx_and_nothing_runs(server, path, body, status, param):
+    resp = httpx.post(server.url + path, content=json.dumps(body), timeout=30)
+    error_of(resp, status, param)
+    assert_healthy(server)
+
+
+def test_malformed_bodies_and_routes_use_the_openai_shape(server):
+    deep = "[" * 100000 + "]" * 100000
+    error_of(httpx.post(server.url + CMPL, content=deep), 400)
+    error_of(httpx.post(server.url + CMPL, content="x", headers={"content-type": "text/plain"}), 415)
+    error_of(httpx.get(server.url + "/v1/nothing"), 404)
+    error_of(httpx.get(server.url + CMPL), 405)
+    assert_healthy(server)
+
+
+def test_text_parts_content_is_supported(server):
+    parts = [{"type": "text", "text": "def f"}, {"type": "text", "text": "(x):"}]
+    resp = httpx.post(server.url + CHAT, json={**user(parts), "temperature": 0}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    same = httpx.post(server.url + CHAT, json={**user("def f\n(x):"), "temperature": 0})
+    assert resp.json()["choices"][0]["message"] == same.json()["choices"][0]["message"]
+    assert_healthy(server)
+
+
+def test_a_big_body_is_refused_before_it_is_read(server):
+    big = json.dumps({"prompt": "y" * (3 << 20)})
+    result = {}
+
+    def send():
+        result["resp"] = httpx.post(server.url + CMPL, content=big, timeout=60)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    assert_healthy(server)  # the event loop keeps answering meanwhile
+    thread.join(60)
+    error_of(result["resp"], 413)
+
+
+def test_metric_labels_stay_bounded(server):
+    for i in range(40):
+        httpx.get(server.url + f"/no/such/path/{i}")
+    text = httpx.get(server.url + "/metrics").text
+    assert "/no/such/path" not in text and "unmatched" in text
+
+
+def test_an_abandoned_whole_response_request_is_aborted(server):
+    body = {"prompt": [5, 6, 7], "max_tokens": 240, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + CMPL, json=body, timeout=0.5)
+    server.wait_idle(timeout=15)  # aborted well before its 240 tokens
+
+
+def test_admission_counts_sequences_and_keys_guard_the_docs(tiny_model_dir):
+    srv = Server(tiny_model_dir, api_key="k3y", max_waiting=0, max_num_seqs=2)
+    try:
+        auth = {"Authorization": "Bearer k3y"}
+        for path in ("/docs", "/openapi.json", "/v1/models"):
+            error_of(httpx.get(srv.url + path), 401)
+            assert httpx.get(srv.url + path, headers=auth).status_code == 200
+        assert httpx.get(srv.url + "/health").status_code == 200
+        assert httpx.get(srv.url + "/metrics").status_code == 200
+        body = {"prompt": [3, 4], "max_tokens": 200, "ignore_eos": True, "n": 2}
+        first = {}
+        thread = threading.Thread(
+            target=lambda: first.setdefault(
+                "r", httpx.post(srv.url + CMPL, json=body, headers=auth, timeout=120)
+            )
+        )
+        thread.start()
+        deadline = time.time() + 30
+        while not srv.loop._live and time.time() < deadline:
+            time.sleep(0.02)
+        one = {"prompt": [3], "max_tokens": 2}
+        busy = httpx.post(srv.url + CMPL, json=one, headers=auth, timeout=30)
+        assert error_of(busy, 503)["type"] == "server_busy"  # 2 sequences in flight already
+        thread.join(120)
+        assert first["r"].status_code == 200
+        srv.wait_idle()
+    finally:
+        srv.close()
+
+
+def test_sigterm_drains_streams_and_whole_responses(tiny_model_dir, tmp_path):
+    port = free_port()
+    env = {**os.environ, "METRALE_HOME": str(tmp_path)}
+    args = [sys.executable, "-m", "metrale.cli", "serve", "--model", str(tiny_model_dir)]
+    args += ["--port", str(port), "--device", "cpu", "--shutdown-grace", "2"]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        results: list = []
+        body = {"prompt": [7, 8, 9], "max_tokens": 1000, "ignore_eos": True}
+
+        def stream():
+            finish = None
+            with httpx.stream("POST", url + CMPL, json={**body, "stream": True}, timeout=60) as r:
+                assert r.status_code == 200, r.read()
+                lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+            for line in lines[:-1]:
+                finish = json.loads(line[6:])["choices"][0]["finish_reason"] or finish
+            results.append(("stream", lines[-1] == "data: [DONE]", finish))
+
+        def whole():
+            r = httpx.post(url + CMPL, json=body, timeout=60)
+            results.append(("whole", r.status_code, r.json()["choices"][0]["finish_reason"]))
+
+        threads = [threading.Thread(target=stream) for _ in range(20)]
+        threads += [threading.Thread(target=whole) for _ in range(5)]
+        for t in threads:
+            t.start()
+        time.sleep(3)
+        start = time.time()
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert proc.wait(60) == 0, proc.stderr.read().decode()
+        assert time.time() - start < 2 + 15
+        assert len(results) == 25
+        for kind, ok, finish in results:
+            assert ok in (True, 200), (kind, ok)
+            assert finish in ("abort", "length"), (kind, finish)
+    finally:
+        proc.kill()
