@@ -4,6 +4,8 @@ gives a ValueError naming the field and leaves nothing queued; config edges."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from metrale import LLM, SamplingParams
@@ -130,3 +132,52 @@ def test_a_hybrid_without_attention_layers_runs(tmp_path, tokenizer_dir):
             ids.append(int(hf(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
     assert out[0].outputs[0].token_ids == ids[len(prompt) :]
     assert llm.engine.runner.kv_cache.shape[0] == 0  # no attention layer, no KV
+
+
+def test_a_chunk_one_short_of_the_end_reserves_the_lookahead():
+    """Every (chunk budget, page size) pair up to 16 x 16 and every prompt length: once a step
+    leaves a sequence one token short of its end (it drafts next, before the scheduler runs
+    again), its block table already covers the drafter's lookahead rows."""
+    from metrale.engine.kv_cache import PageAllocator
+    from metrale.engine.scheduler import Scheduler
+    from metrale.engine.sequence import Sequence
+
+    lookahead = 3
+    for page in range(1, 17):
+        for budget in range(1, 17):
+            for length in range(2, 3 * budget + 3):
+                alloc = PageAllocator(1 + -(-(length + lookahead) // page) + 1, page)
+                sched = Scheduler(alloc, 1, budget, lookahead=lookahead)
+                seq = Sequence(0, "r", list(range(length)), GREEDY, 0, (0,), 0)
+                sched.add(seq)
+                while seq.num_computed_tokens < length - 1:
+                    (entry,) = sched.schedule().entries
+                    seq.num_computed_tokens += entry.num_rows
+                    if seq.num_computed_tokens >= length - 1:
+                        covered = len(seq.block_table) * page
+                        assert covered >= length - 1 + lookahead, (page, budget, length)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "mtp", "dflash"])
+def test_lookahead_across_chunk_and_page_boundaries(drafter, tmp_path):
+    """Prefill chunks that stop one token short of the prompt's end exactly on a page boundary
+    (the next step drafts before the scheduler runs): every (chunk budget, page size) pair up to
+    16 x 16, with every drafter, generates plain greedy output and fails nothing."""
+    from metrale.default_model import random_model_dir
+    from tests.test_spec_dflash import write_dflash
+
+    model = random_model_dir()  # a tiny random Qwen3 with an MTP head
+    spec = {"method": drafter, "num_drafts": 3, "dcut": False}
+    if drafter == "dflash":
+        spec["model"] = str(write_dflash(model, tmp_path / "d", layers=(0, 1)))
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    for page in (1, 16):
+        for budget in (4, 16):  # a verify needs 1 + K rows
+            # the last prefill chunk stops one short of the end, on a page boundary
+            length = 2 * math.lcm(budget, page) + 1
+            prompt = [(7 * j) % 200 + 3 for j in range(length)]
+            opts = dict(page_size=page, max_num_batched_tokens=budget, device="cpu")
+            want = LLM(model, **opts).generate([prompt], params, use_tqdm=False)
+            got = LLM(model, spec=spec, **opts).generate([prompt, prompt[:-1]], params)
+            assert got[0].outputs[0].finish_reason == "length", (page, budget)
+            assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids, (page, budget)

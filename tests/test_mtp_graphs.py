@@ -1,8 +1,9 @@
 """The MTP drafter's captured programs on CPU: `DraftChainGraphs` with its capture replaced by
 "run the captured function again on every replay", so that the graphed chain (one program for
 every chain step, positions and slots computed on the device, every sequence chained to the
-batch's deepest depth, chained ahead right after the catch-up) and the ragged catch-up are checked
-against the eager drafter: the same drafts, step for step. `tests/test_gpu.py` runs the real graphs on CUDA."""
+batch's deepest depth, chained ahead right after the catch-up) and the ragged catch-up are
+checked against the eager drafter: the same drafts, step for step. `tests/test_gpu.py` runs the
+real graphs on CUDA."""
 
 from __future__ import annotations
 

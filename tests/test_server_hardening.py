@@ -81,7 +81,9 @@ def test_bad_fields_get_4xx_and_nothing_runs(server, path, body, status, param):
 def test_malformed_bodies_and_routes_use_the_openai_shape(server):
     deep = "[" * 100000 + "]" * 100000
     error_of(httpx.post(server.url + CMPL, content=deep), 400)
-    error_of(httpx.post(server.url + CMPL, content="x", headers={"content-type": "text/plain"}), 415)
+    error_of(
+        httpx.post(server.url + CMPL, content="x", headers={"content-type": "text/plain"}), 415
+    )
     error_of(httpx.get(server.url + "/v1/nothing"), 404)
     error_of(httpx.get(server.url + CMPL), 405)
     assert_healthy(server)

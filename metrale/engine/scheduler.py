@@ -44,9 +44,12 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _rows_needed(self, seq: Sequence, num_rows: int) -> int:
-        """Rows the block table must cover after this step (plus lookahead if it samples)."""
+        """Rows the block table must cover after this step, plus the lookahead when the
+        sequence can draft next step: when it samples now, and also when this chunk stops one
+        token short of the prompt's end (the next step is then a decode, and a drafter writes
+        its own rows past that token before the scheduler runs again)."""
         end = seq.num_computed_tokens + num_rows
-        return end + (self.lookahead if end >= seq.num_tokens else 0)
+        return end + (self.lookahead if end >= seq.num_tokens - 1 else 0)
 
     def _drafts_for(self, seq: Sequence, budget: int) -> list[int]:
         """The drafts a decoding sequence verifies this step, cut to the row budget."""

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
 from metrale.server.engine_loop import Busy, EngineLoop
@@ -107,11 +108,18 @@ def create_app(
 
     async def read_raw(request: Request) -> bytes:
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body_bytes:
-                raise APIError(f"the body exceeds the limit of {max_body_bytes} bytes", None, 413)
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_body_bytes:
+                    raise APIError(
+                        f"the body exceeds the limit of {max_body_bytes} bytes", None, 413
+                    )
+                chunks.append(chunk)
+        except ClientDisconnect:
+            # one line, not a traceback: nobody is left to answer
+            log.info("client %s left mid-body", request.client.host if request.client else "?")
+            raise APIError("the client disconnected mid-body", None, 400) from None
         return b"".join(chunks)
 
     async def read_body(request: Request) -> dict:
