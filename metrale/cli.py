@@ -16,7 +16,12 @@ from metrale.train.cli import add_train_parsers, cmd_train
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF model directory (default: embedded model)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="HF checkpoint directory or Hub id ORG/NAME (default: the embedded model)",
+    )
+    p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
     p.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda, cuda:1 ...")
     p.add_argument(
         "--dtype",
@@ -190,6 +195,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         page_size=args.page_size,
         max_num_seqs=args.max_num_seqs,
         spec=spec,
+        revision=args.revision,
         max_body_bytes=args.max_body_bytes,
         shutdown_grace=args.shutdown_grace,
     )
@@ -235,6 +241,7 @@ def _llm(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         page_size=args.page_size,
         spec=spec,
+        revision=args.revision,
     )
 
 

@@ -317,6 +317,8 @@ class EngineConfig:
     # "safetensors": the checkpoint's weights; "dummy": random weights of the config's shape
     # (benchmarks of published shapes without their weights, as vLLM's load_format=dummy)
     load_format: str = "safetensors"
+    # the Hub revision (branch, tag or commit) when the model is a Hugging Face Hub id
+    revision: str | None = None
     # CUDA graphs for decode and verify steps (CUDA only); tables of more rows run eagerly.
     # None: as many rows as `max_num_seqs` sequences of 1 + num_drafts rows can take after the
     # graph padding (`program_shapes`), so that no decode or verify step is refused.

@@ -24,6 +24,7 @@ from metrale.engine.runner import ModelRunner
 from metrale.engine.scheduler import Scheduler
 from metrale.engine.sequence import Batch, ScheduledSeq, Sequence
 from metrale.engine.step_output import StepOutput
+from metrale.hub import resolve_model
 from metrale.knobs import knobs
 from metrale.outputs import RequestOutput
 from metrale.speculative.controller import SpeculativeDecoder
@@ -61,9 +62,8 @@ class LLMEngine:
         """`drafter` plugs in a drafter of the caller's (a replay drafter for benchmarks, an
         oracle in tests); otherwise `config.spec.method` picks one (or none)."""
         self.config = config or EngineConfig()
-        self.model_dir = Path(model_dir)
-        if not self.model_dir.is_dir():
-            raise FileNotFoundError(f"model directory {self.model_dir} does not exist")
+        # a directory, or a Hub id resolved through huggingface_hub (the local cache offline)
+        self.model_dir = resolve_model(model_dir, self.config.revision)
         self.model_config = ModelConfig.from_hf(self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.max_model_len = self._resolve_max_model_len()

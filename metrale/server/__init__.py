@@ -11,6 +11,7 @@ from pathlib import Path
 
 from metrale.api import engine_config_from
 from metrale.engine.llm import LLMEngine
+from metrale.hub import is_hub_id
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,9 @@ def build(
         model = default_model_dir()
     engine = LLMEngine(model, engine_config_from(engine_options))
     loop = EngineLoop(engine, max_waiting=max_waiting)
-    app = create_app(loop, served_name or Path(model).name, api_key, max_body_bytes)
+    # a Hub id is served under its own name, a directory under its last component
+    name = served_name or (str(model) if is_hub_id(model) else Path(model).name)
+    app = create_app(loop, name, api_key, max_body_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

@@ -1,0 +1,41 @@
+"""Model names to checkpoint directories: a local directory as given, or a Hugging Face Hub id
+(`org/name`) through `huggingface_hub`: downloaded when online, resolved from the local HF cache
+when offline (`HF_HUB_OFFLINE=1` is honoured, as transformers and vLLM honour it)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+# What an engine reads from a checkpoint: configs, weights, tokenizer, chat template.
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "dflash/*"]
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def is_hub_id(model: str | Path) -> bool:
+    """`org/name` that is not a local directory."""
+    text = str(model)
+    return bool(_HUB_ID.match(text)) and not Path(text).exists()
+
+
+def resolve_model(model: str | Path, revision: str | None = None) -> Path:
+    """The checkpoint directory for a local path or a Hub id (FileNotFoundError, saying what
+    was tried, when neither gives one)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if not is_hub_id(model):
+        raise FileNotFoundError(f"model directory {path} does not exist")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(str(model), revision=revision, allow_patterns=ALLOW_PATTERNS))
+    except LocalEntryNotFoundError:
+        raise FileNotFoundError(
+            f"model {model!r}: not in the local Hugging Face cache and the Hub is unreachable "
+            "or offline (HF_HUB_OFFLINE=1); download it once with network access, or pass a "
+            "checkpoint directory"
+        ) from None
+    except (HFValidationError, OSError) as e:
+        raise FileNotFoundError(f"model {model!r}: {e}") from None

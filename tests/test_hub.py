@@ -1,0 +1,66 @@
+"""Hub ids resolve through huggingface_hub: offline (`HF_HUB_OFFLINE=1`) from a local HF cache
+laid out as the Hub client writes it, served under the id; a missing one is a clear error.
+Nothing is downloaded."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def fake_cache(root: Path, model_dir: Path, repo: str = "acme/tiny-qwen3") -> Path:
+    """`root` as an HF hub cache holding `model_dir`'s files as `repo` at `COMMIT`."""
+    base = root / ("models--" + repo.replace("/", "--"))
+    snapshot = base / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    for path in model_dir.iterdir():
+        if path.is_file():
+            shutil.copy(path, snapshot / path.name)
+    (base / "refs").mkdir()
+    (base / "refs" / "main").write_text(COMMIT)
+    return root
+
+
+def run(code: str, cache: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(cache)}
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_a_hub_id_resolves_from_the_local_cache_offline(tiny_model_dir, tmp_path):
+    cache = fake_cache(tmp_path / "hub", tiny_model_dir)
+    code = (
+        "from metrale import LLM, SamplingParams\n"
+        "llm = LLM('acme/tiny-qwen3', device='cpu')\n"
+        "out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4))\n"
+        "print(str(llm.engine.model_dir), out[0].outputs[0].token_ids)\n"
+        "from metrale.server import build\n"
+        "app, loop = build('acme/tiny-qwen3', device='cpu')\n"
+        "from fastapi.testclient import TestClient\n"
+        "print(TestClient(app).get('/v1/models').json()['data'][0]['id'])\n"
+    )
+    result = run(code, cache)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert COMMIT in lines[0] and "[" in lines[0]
+    assert lines[-1] == "acme/tiny-qwen3"  # served under its Hub id, not the commit hash
+
+
+def test_a_hub_id_missing_offline_is_a_clear_error(tmp_path):
+    (tmp_path / "hub").mkdir()
+    code = (
+        "from metrale import LLM\n"
+        "try:\n"
+        "    LLM('acme/absent', device='cpu')\n"
+        "except FileNotFoundError as e:\n"
+        "    print('ERR', e)\n"
+    )
+    result = run(code, tmp_path / "hub")
+    assert result.returncode == 0, result.stderr
+    assert "ERR model 'acme/absent'" in result.stdout and "HF_HUB_OFFLINE" in result.stdout
