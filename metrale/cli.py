@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000, help="TCP port")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     srv.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
+    srv.add_argument("--no-access-log", action="store_true", help="no stderr line per request")
     srv.add_argument(
         "--max-body-bytes", type=int, default=32 << 20, help="larger request bodies get a 413"
     )
@@ -198,6 +199,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         revision=args.revision,
         max_body_bytes=args.max_body_bytes,
         shutdown_grace=args.shutdown_grace,
+        access_log=not args.no_access_log,
     )
     return 0
 

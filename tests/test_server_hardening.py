@@ -198,6 +198,10 @@ def test_sigterm_drains_streams_and_whole_responses(tiny_model_dir, tmp_path):
             t.join(60)
         assert proc.wait(60) == 0, proc.stderr.read().decode()
         assert time.time() - start < 2 + 15
+        log = proc.stderr.read().decode()
+        # the start-up banner says where and what; an access line per request
+        assert f"metrale serve: http://127.0.0.1:{port}/v1" in log and "KV pool" in log
+        assert '"GET /health" 200' in log and '"POST /v1/completions" 200' in log
         assert len(results) == 25
         for kind, ok, finish in results:
             assert ok in (True, 200), (kind, ok)

@@ -106,7 +106,7 @@ class LLMEngine:
         self.spec = self._speculative_decoder(drafter)
         if self.spec is not None and self.spec.cfg.dcut and self.runner.graphs is not None:
             self._calibrate_dcut()
-        log.info("knobs: %s", knobs().describe())
+        log.info("%s", knobs().describe())
 
     def _calibrate_dcut(self) -> None:
         """D-Cut's verify cost curve, measured on this device now (CUDA, about a second)."""

@@ -7,6 +7,7 @@ import contextlib
 import gc
 import logging
 import signal
+import sys
 from pathlib import Path
 
 from metrale.api import engine_config_from
@@ -22,6 +23,7 @@ def build(
     max_waiting: int = 256,
     served_name: str | None = None,
     max_body_bytes: int = 32 << 20,
+    access_log: bool = False,
     **engine_options,
 ):
     """(FastAPI app, EngineLoop) for a model directory (the default model when None)."""
@@ -36,7 +38,8 @@ def build(
     loop = EngineLoop(engine, max_waiting=max_waiting)
     # a Hub id is served under its own name, a directory under its last component
     name = served_name or (str(model) if is_hub_id(model) else Path(model).name)
-    app = create_app(loop, name, api_key, max_body_bytes)
+    app = create_app(loop, name, api_key, max_body_bytes, access_log=access_log)
+    app.state.model_name = name
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -55,6 +58,28 @@ def build(
     return app, loop
 
 
+def startup_banner(loop, host: str, port: int, keyed: bool) -> str:
+    """What `metrale serve` prints before it takes requests: where, what and how."""
+    engine = loop.engine
+    runner, cfg, spec = engine.runner, engine.config, engine.spec
+    pages = engine.allocator.num_usable
+    drafting = "off"
+    if spec is not None:
+        dcut = "D-Cut" if spec.cfg.dcut else "fixed depth"
+        drafting = f"{spec.drafter.name}, up to {spec.cfg.num_drafts} drafts, {dcut}"
+    keyed_note = ", API key required" if keyed else ""
+    return "\n".join(
+        [
+            f"metrale serve: http://{host}:{port}/v1 (OpenAI API{keyed_note})",
+            f"  model       {engine.model_dir}",
+            f"  device      {runner.device}, {str(runner.dtype).removeprefix('torch.')}",
+            f"  KV pool     {pages} pages x {cfg.page_size} rows ({pages * cfg.page_size} tokens)",
+            f"  limits      max_model_len {engine.max_model_len}, max_num_seqs {cfg.max_num_seqs}",
+            f"  speculation {drafting}",
+        ]
+    )
+
+
 def serve(
     model=None,
     host: str = "127.0.0.1",
@@ -62,6 +87,7 @@ def serve(
     api_key: str | None = None,
     max_body_bytes: int = 32 << 20,
     shutdown_grace: float = 30.0,
+    access_log: bool = True,
     **engine_options,
 ) -> None:
     """Serve until SIGINT or SIGTERM, then drain and return (exit status 0): new requests get a
@@ -86,8 +112,10 @@ def serve(
                 for s, handler in previous.items():
                     signal.signal(s, handler)
 
-    app, loop = build(model, api_key, max_body_bytes=max_body_bytes, **engine_options)
-    log.info("serving on http://%s:%d", host, port)
+    app, loop = build(
+        model, api_key, max_body_bytes=max_body_bytes, access_log=access_log, **engine_options
+    )
+    print(startup_banner(loop, host, port, api_key is not None), file=sys.stderr, flush=True)
     config = uvicorn.Config(
         app,
         host=host,

@@ -15,6 +15,7 @@ import asyncio
 import hmac
 import json
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator
 
@@ -51,9 +52,11 @@ def create_app(
     api_key: str | None = None,
     max_body_bytes: int = 32 << 20,
     body_timeout: float = 60.0,
+    access_log: bool = False,
 ) -> FastAPI:
     """`max_body_bytes`: larger bodies get a 413 before they are read; `body_timeout`: seconds
-    a client may take to send its body (408 past it)."""
+    a client may take to send its body (408 past it); `access_log`: one stderr line per
+    request (client, method, path, status, milliseconds to the response's start)."""
     app = FastAPI(title="metrale", version="0.1.0")
     metrics = ServerMetrics(loop)
     engine = loop.engine
@@ -103,7 +106,16 @@ def create_app(
             return JSONResponse(err.body(), status_code=413)
         response = await call_next(request)
         metrics.requests.labels(route, str(response.status_code)).inc()
-        metrics.latency.labels(route).observe(time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        metrics.latency.labels(route).observe(elapsed)
+        if access_log:
+            client = request.client.host if request.client else "-"
+            print(
+                f'{client} "{request.method} {request.url.path}" {response.status_code} '
+                f"{elapsed * 1e3:.1f}ms",
+                file=sys.stderr,
+                flush=True,
+            )
         return response
 
     async def read_raw(request: Request) -> bytes:
