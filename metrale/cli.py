@@ -59,6 +59,9 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="HF-style, 1 = off")
     p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument(
+        "--ignore-eos", action="store_true", help="generate past end-of-sequence tokens"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -220,6 +223,7 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
         repetition_penalty=args.repetition_penalty,
         seed=args.seed,
         stop=args.stop,
+        ignore_eos=args.ignore_eos,
     )
 
 
@@ -281,33 +285,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    params = _sampling(args)
+    from metrale.chat_repl import run_repl
+
     llm = _llm(args)
-    messages: list[dict] = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
-    interactive = sys.stdin.isatty()
-    while True:
-        if interactive:
-            print("you> ", end="", flush=True)
-        line = sys.stdin.readline()
-        if not line:
-            break
-        line = line.rstrip("\n")
-        if not line.strip():
-            continue
-        messages.append({"role": "user", "content": line})
-        print("assistant> ", end="", flush=True)
-        reply = ""
-        for out in llm.chat(messages, params, stream=True):
-            delta = out.outputs[0].delta_text
-            reply += delta
-            print(delta, end="", flush=True)
-        print()
-        messages.append({"role": "assistant", "content": reply})
+    code = run_repl(llm, _sampling(args), args.system)
     if llm.engine.spec is not None:
         print(spec_summary(llm), file=sys.stderr)
-    return 0
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

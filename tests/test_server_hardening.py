@@ -120,10 +120,13 @@ def test_metric_labels_stay_bounded(server):
 
 
 def test_an_abandoned_whole_response_request_is_aborted(server):
-    body = {"prompt": [5, 6, 7], "max_tokens": 240, "ignore_eos": True}
+    finished = server.loop.engine.telemetry.requests_finished
+    aborted = finished["abort"]
+    body = {"prompt": [5, 6, 7], "max_tokens": 250, "ignore_eos": True, "n": 4}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + CMPL, json=body, timeout=0.5)
-    server.wait_idle(timeout=15)  # aborted well before its 240 tokens
+        httpx.post(server.url + CMPL, json=body, timeout=0.1)
+    server.wait_idle(timeout=15)
+    assert finished["abort"] > aborted  # ended because its client left, not completed
 
 
 def test_admission_counts_sequences_and_keys_guard_the_docs(tiny_model_dir):

@@ -1,0 +1,117 @@
+"""`metrale chat`: a multi-turn REPL over the chat template.
+
+On a terminal the prompt has line editing and history (the standard library's readline, no
+extra dependency). Ctrl-C during a reply stops it (the request is aborted, its pages return) and
+keeps what was said so far; Ctrl-C at the prompt clears the line; Ctrl-D or `/exit` leaves.
+`/clear` forgets the conversation (the system prompt stays), `/system TEXT` sets the system
+prompt, `/help` lists the commands. When the conversation no longer fits the context with room
+for a reply, the oldest turns are dropped, and the REPL says so.
+"""
+
+from __future__ import annotations
+
+import sys
+
+HELP = "/exit  leave | /clear  forget the conversation | /system TEXT  set the system prompt"
+
+
+class ChatSession:
+    """The conversation and the context arithmetic, apart from any terminal."""
+
+    def __init__(self, llm, params, system: str | None = None) -> None:
+        self.llm, self.params = llm, params
+        self.system = system
+        self.turns: list[dict] = []  # user / assistant messages, oldest first
+
+    def messages(self) -> list[dict]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self.turns
+
+    def prompt_tokens(self) -> int:
+        tok = self.llm.tokenizer
+        text = tok.apply_chat_template(self.messages(), add_generation_prompt=True)
+        return len(tok.encode(text, add_special_tokens=False))
+
+    def fit(self) -> int:
+        """Drop the oldest turns until the prompt leaves room for a reply; returns how many
+        were dropped (the newest user turn always stays)."""
+        limit = self.llm.engine.max_model_len
+        reply = min(self.params.max_tokens or 256, limit // 4)
+        dropped = 0
+        while len(self.turns) > 1 and self.prompt_tokens() + reply > limit:
+            self.turns.pop(0)
+            dropped += 1
+        return dropped
+
+    def reply(self, out=sys.stdout) -> str:
+        """Stream the assistant's reply to `out`; Ctrl-C stops it (what came so far stays)."""
+        text, stream = "", self.llm.chat(self.messages(), self.params, stream=True)
+        try:
+            for chunk in stream:
+                delta = chunk.outputs[0].delta_text
+                text += delta
+                out.write(delta)
+                out.flush()
+        except KeyboardInterrupt:
+            stream.close()  # aborts the request
+            out.write(" [stopped]")
+        out.write("\n")
+        out.flush()
+        self.turns.append({"role": "assistant", "content": text})
+        return text
+
+
+def run_repl(llm, params, system: str | None = None, stdin=sys.stdin, out=sys.stdout) -> int:
+    session = ChatSession(llm, params, system)
+    interactive = stdin.isatty()
+    if interactive:
+        import readline  # noqa: F401 (line editing and history for input())
+
+        print(f"metrale chat ({HELP})", file=out)
+    while True:
+        try:
+            line = input("you> ") if interactive else stdin.readline()
+        except KeyboardInterrupt:  # clears the line, as a shell does
+            out.write("\n")
+            continue
+        except EOFError:
+            break
+        if not interactive and not line:
+            break
+        line = line.rstrip("\n")
+        command = line.strip()
+        if not command:
+            continue
+        if command in ("/exit", "/quit"):
+            break
+        if command == "/help":
+            print(HELP, file=out)
+            continue
+        if command == "/clear":
+            session.turns.clear()
+            print("(conversation cleared)", file=out)
+            continue
+        if command.startswith("/system"):
+            session.system = command[len("/system") :].strip() or None
+            print("(system prompt set)" if session.system else "(system prompt cleared)", file=out)
+            continue
+        try:
+            say(session, line, out)
+        except KeyboardInterrupt:  # between the reply's chunks, or before it started
+            out.write("\n(interrupted)\n")
+    return 0
+
+
+def say(session: ChatSession, line: str, out) -> None:
+    """One user turn and the reply to it."""
+    session.turns.append({"role": "user", "content": line})
+    dropped = session.fit()
+    if dropped:
+        print(f"(dropped the {dropped} oldest messages to fit the context)", file=out)
+    if session.prompt_tokens() >= session.llm.engine.max_model_len:
+        session.turns.pop()
+        print("(that message alone does not fit the context)", file=out)
+        return
+    out.write("assistant> ")
+    out.flush()
+    session.reply(out)

@@ -1,0 +1,101 @@
+"""`metrale chat` driven through a pseudo-terminal, as a person at a keyboard drives it: Ctrl-C
+mid-reply returns to the prompt (and the engine goes on), `/exit` exits 0, `/clear` and
+`/system` are commands and never reach the model, and a conversation that fills the context
+keeps going with its oldest turns dropped."""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+
+from metrale import LLM, SamplingParams
+from metrale.chat_repl import ChatSession
+
+
+def _controlling_tty() -> None:
+    """In the child: a session of its own whose controlling terminal is the pty (stdin), so
+    that Ctrl-C typed there reaches it as SIGINT, as at a real terminal."""
+    import fcntl
+    import termios
+
+    os.setsid()
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+class Terminal:
+    def __init__(self, *args: str, home) -> None:
+        self.master, slave = pty.openpty()
+        env = {**os.environ, "METRALE_HOME": str(home), "TERM": "dumb"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "metrale.cli", "chat", *args],
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            env=env,
+            preexec_fn=_controlling_tty,
+        )
+        os.close(slave)
+        self.seen = ""
+
+    def poll(self) -> None:
+        ready, _, _ = select.select([self.master], [], [], 0.2)
+        if ready:
+            self.seen += os.read(self.master, 4096).decode(errors="replace")
+
+    def read_until(self, text: str, timeout: float = 120) -> str:
+        deadline = time.time() + timeout
+        while text not in self.seen:
+            assert time.time() < deadline, f"waited for {text!r}; saw {self.seen[-500:]!r}"
+            self.poll()
+        return self.seen
+
+    def send(self, data: str) -> None:
+        os.write(self.master, data.encode())
+
+
+def test_ctrl_c_stops_the_reply_and_exit_leaves_cleanly(tiny_model_dir, tmp_path):
+    args = ("--model", str(tiny_model_dir), "--max-tokens", "1000", "--ignore-eos")
+    term = Terminal(*args, "--max-model-len", "1024", home=tmp_path)
+    try:
+        term.read_until("you> ")
+        term.send("/system be brief\n")
+        term.read_until("(system prompt set)")
+        term.send("tell me everything\n")
+        start = len(term.read_until("assistant> "))
+        while len(term.seen) < start + 20:  # the reply is under way
+            term.poll()
+        term.send("\x03")  # Ctrl-C mid-reply
+        term.read_until("[stopped]")
+        term.read_until("you> ")
+        term.send("/clear\n")
+        term.read_until("(conversation cleared)")
+        term.send("/exit\n")
+        assert term.proc.wait(60) == 0
+        assert "Traceback" not in term.seen
+    finally:
+        term.proc.kill()
+
+
+@pytest.fixture
+def small_llm(tiny_model_dir):
+    return LLM(tiny_model_dir, device="cpu", max_model_len=96)
+
+
+def test_a_conversation_that_fills_the_context_keeps_going(small_llm):
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    session = ChatSession(small_llm, params, system="sys")
+    dropped_total = 0
+    for turn in range(12):
+        session.turns.append({"role": "user", "content": f"message number {turn} " * 3})
+        dropped_total += session.fit()
+        assert session.prompt_tokens() + 8 <= small_llm.engine.max_model_len
+        session.reply(out=open(os.devnull, "w"))  # noqa: SIM115
+    assert dropped_total > 0
+    assert session.messages()[0] == {"role": "system", "content": "sys"}  # the system stays
+    assert not small_llm.engine.has_unfinished_requests()
