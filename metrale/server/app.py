@@ -191,18 +191,12 @@ def create_app(
         except Busy as e:
             raise APIError(str(e), None, 503, "server_busy", "server_busy") from None
 
-    async def outputs(request: Request, request_id: str, queue: asyncio.Queue) -> AsyncIterator:
-        """Every RequestOutput of a request; aborts it if the consumer stops early or the client
-        goes away while it waits."""
+    async def outputs(request_id: str, queue: asyncio.Queue) -> AsyncIterator:
+        """Every RequestOutput of a request; aborts it if the consumer stops early."""
         finished = False
         try:
             while not finished:
-                try:
-                    item = await asyncio.wait_for(queue.get(), 0.5)
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        return  # the finally aborts it
-                    continue
+                item = await queue.get()
                 if isinstance(item, Exception):
                     raise APIError(str(item))
                 finished = item.finished
@@ -210,6 +204,34 @@ def create_app(
         finally:
             if not finished:
                 loop.abort(request_id)
+
+    async def departure(request: Request) -> None:
+        """Returns when the client disconnects (its body was read already: the next message
+        the server gets for this request is the disconnect)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    async def final_output(request: Request, request_id: str, queue: asyncio.Queue):
+        """The request's last output, or None if its client left first (then it is aborted,
+        by `outputs` when the collecting task is cancelled)."""
+
+        async def collect():
+            final = None
+            async for out in outputs(request_id, queue):
+                final = out
+            return final
+
+        collecting = asyncio.ensure_future(collect())
+        watching = asyncio.ensure_future(departure(request))
+        try:
+            done, _ = await asyncio.wait(
+                {collecting, watching}, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            watching.cancel()
+            if not collecting.done():
+                collecting.cancel()
+        return collecting.result() if collecting in done else None
 
     @app.get("/health")
     async def health():
@@ -281,9 +303,7 @@ def create_app(
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
                 stream = sse(request, request_id, queue, params, chat, include_usage)
                 return StreamingResponse(stream, media_type="text/event-stream")
-            final = None
-            async for out in outputs(request, request_id, queue):
-                final = out
+            final = await final_output(request, request_id, queue)
             if final is None:  # the client went away; its request is aborted
                 return Response(status_code=499)
             return whole_response(final, request_id, params, chat)
@@ -329,7 +349,7 @@ def create_app(
         k = params.logprobs or 0
         sent = [0] * params.n  # tokens already sent per choice
         final = None
-        async for out in outputs(request, request_id, queue):
+        async for out in outputs(request_id, queue):
             final = out
             if await request.is_disconnected():
                 return  # the finally of `outputs` aborts the request
