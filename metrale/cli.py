@@ -59,9 +59,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0, help="HF-style, 1 = off")
     p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    p.add_argument(
-        "--ignore-eos", action="store_true", help="generate past end-of-sequence tokens"
-    )
+    p.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence tokens")
 
 
 def build_parser() -> argparse.ArgumentParser:

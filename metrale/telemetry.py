@@ -46,6 +46,87 @@ class Histogram:
         return self.total / self.count if self.count else 0.0
 
 
+# Request latency buckets (seconds): first token, whole request, queue, prefill, decode.
+REQUEST_TIME_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    float("inf"),
+)
+# Per-output-token gaps (seconds).
+TOKEN_TIME_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    float("inf"),
+)
+# Prompt / generation lengths (tokens).
+LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, float("inf"))
+
+
+@dataclass
+class RequestTelemetry:
+    """Per-request latencies, recorded by the engine as tokens are emitted (vLLM's request
+    metrics): time to first token, the gap per output token after it, and at the end the whole
+    request split into queue, prefill and decode time, with its lengths."""
+
+    ttft: Histogram = field(default_factory=lambda: Histogram(REQUEST_TIME_BUCKETS))
+    inter_token: Histogram = field(default_factory=lambda: Histogram(TOKEN_TIME_BUCKETS))
+    e2e: Histogram = field(default_factory=lambda: Histogram(REQUEST_TIME_BUCKETS))
+    queue: Histogram = field(default_factory=lambda: Histogram(REQUEST_TIME_BUCKETS))
+    prefill: Histogram = field(default_factory=lambda: Histogram(REQUEST_TIME_BUCKETS))
+    decode: Histogram = field(default_factory=lambda: Histogram(REQUEST_TIME_BUCKETS))
+    prompt_tokens: Histogram = field(default_factory=lambda: Histogram(LENGTH_BUCKETS))
+    generation_tokens: Histogram = field(default_factory=lambda: Histogram(LENGTH_BUCKETS))
+
+    def emitted(self, seq, count: int, now: float) -> None:
+        """`count` tokens of `seq` emitted at `now` (one observation per token after the
+        first: a verify emitting several tokens spreads its gap over them)."""
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            self.ttft.observe(now - seq.arrival_time)
+            count -= 1
+        elif count > 0:
+            gap = (now - seq.last_token_time) / count
+            for _ in range(count):
+                self.inter_token.observe(gap)
+        seq.last_token_time = now
+
+    def finished(self, seq, now: float) -> None:
+        self.e2e.observe(now - seq.arrival_time)
+        scheduled = seq.first_scheduled_time
+        if scheduled is not None:
+            self.queue.observe(scheduled - seq.arrival_time)
+            if seq.first_token_time is not None:
+                self.prefill.observe(seq.first_token_time - scheduled)
+                self.decode.observe(now - seq.first_token_time)
+        self.prompt_tokens.observe(len(seq.prompt_token_ids))
+        self.generation_tokens.observe(len(seq.output_token_ids))
+
+
 # Lower bounds of the verify-batch width buckets (sequences verified together).
 WIDTH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Distinct verify keys remembered; past this the count saturates (memory stays bounded).
@@ -141,6 +222,7 @@ class Telemetry:
     requests_finished: Counter = field(default_factory=Counter)  # by finish reason
     step_time: Histogram = field(default_factory=lambda: Histogram(STEP_TIME_BUCKETS))
     spec: SpecTelemetry = field(default_factory=SpecTelemetry)
+    request: RequestTelemetry = field(default_factory=RequestTelemetry)
 
     def record_step(self, phase: str, prompt_rows: int, emitted: int, seconds: float) -> None:
         self.steps += 1

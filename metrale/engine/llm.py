@@ -226,6 +226,7 @@ class LLMEngine:
                 seed=seed,
                 eos_token_ids=self.eos_token_ids,
                 arrival=self._next_seq_id,
+                arrival_time=time.perf_counter(),
             )
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens
@@ -367,6 +368,7 @@ class LLMEngine:
         its rows up to its last token plus the a accepted drafts; the rows of rejected drafts lie
         past `num_computed_tokens` and are overwritten by later steps, never read."""
         verdict_of = {id(v.entry): v for v in out.verdicts}
+        now, requests = time.perf_counter(), self.telemetry.request
         # A step that drafted nothing, with a drafter that keeps no per-step state, has nothing
         # to tell the speculative side: it is a plain decode step.
         observing = self.spec is not None and self.spec.observing
@@ -388,6 +390,8 @@ class LLMEngine:
                 delta = self.emitter.emit(seq, v.tokens)
                 tokens = delta[1]
                 emitted += len(tokens)
+                if tokens:
+                    requests.emitted(seq, len(tokens), now)
                 changed.setdefault(seq.request_id, {})[seq.seq_id] = delta
                 if seq.finish_reason is not None:
                     finished.append(seq)
@@ -414,8 +418,10 @@ class LLMEngine:
 
     def _finish(self, seqs: list[Sequence]) -> None:
         self.scheduler.finish(seqs)
+        now = time.perf_counter()
         for seq in seqs:
             self.telemetry.requests_finished[seq.finish_reason] += 1
+            self.telemetry.request.finished(seq, now)
             if self.spec is not None:
                 self.spec.release(seq)
 

@@ -11,6 +11,7 @@ reserved for every row a step will write, plus `lookahead` rows for sequences th
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Iterable
 
 from metrale.engine.kv_cache import PageAllocator
@@ -135,6 +136,8 @@ class Scheduler:
             self.waiting.pop(0)
             self.allocator.reserve(seq, need)
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:  # queue time ends (a re-admission keeps it)
+                seq.first_scheduled_time = time.perf_counter()
             seq.slot = self._free_slots.pop()
             self.running.append(seq)
             batch.entries.append(ScheduledSeq(seq, num_rows))

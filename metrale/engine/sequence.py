@@ -65,6 +65,11 @@ class Sequence:
     fresh_noise: bool = False
     # drafts proposed for the next verify (a `speculative.drafter.Draft`), cut to the planned depth
     draft: Any = None
+    # request timing (time.perf_counter()): arrival, first scheduled, first and last token
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float = 0.0
 
     @property
     def num_tokens(self) -> int:

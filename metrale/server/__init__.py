@@ -39,7 +39,7 @@ def build(
     # a Hub id is served under its own name, a directory under its last component
     name = served_name or (str(model) if is_hub_id(model) else Path(model).name)
     app = create_app(loop, name, api_key, max_body_bytes, access_log=access_log)
-    app.state.model_name = name
+    loop.model_name = name
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):

@@ -42,6 +42,7 @@ class EngineLoop:
     def __init__(self, engine: LLMEngine, max_waiting: int = 256) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
+        self.model_name = "metrale"  # the served name (metric labels); `build` sets it
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", _Pending) | ("abort", id)
         self._live: dict[str, _Pending] = {}
         self._live_seqs = 0  # sequences of the live requests (each request's n)

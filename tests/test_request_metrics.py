@@ -1,0 +1,76 @@
+"""Request latency metrics recorded at the engine (vLLM's names after `metrale:`): time to first
+token, the gap per output token, queue/prefill/decode/end-to-end time, lengths and finish
+reasons, moved by the right amounts for steps of a known delay, with and without speculation;
+exported by the server with a model_name label and no `_created` series."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from metrale import LLM, SamplingParams
+
+DELAY = 0.05
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_drafts": 3}])
+def test_ttft_and_inter_token_gaps_follow_the_step_time(tiny_model_dir, spec):
+    llm = LLM(tiny_model_dir, device="cpu", spec=spec)
+    runner = llm.engine.runner
+    execute = runner.execute
+
+    def slow(batch):
+        time.sleep(DELAY)  # every step takes at least DELAY
+        return execute(batch)
+
+    runner.execute = slow
+    n = 12
+    prompt = [4, 5, 4, 5, 4, 5, 4, 5]  # repetitive: the n-gram drafter gets accepted
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == n
+    req = llm.engine.telemetry.request
+    assert req.ttft.count == 1 and DELAY <= req.ttft.total < 10 * DELAY
+    assert req.inter_token.count == n - 1  # one gap per token after the first
+    steps = llm.engine.telemetry.steps
+    # the gaps add up to the decode time: (steps - 1) steps of at least DELAY
+    assert req.inter_token.total >= (steps - 1) * DELAY * 0.99
+    if spec is not None:
+        assert llm.engine.telemetry.spec.num_accepted_tokens > 0
+        assert req.inter_token.total / req.inter_token.count < DELAY  # several tokens a step
+    assert req.e2e.count == req.queue.count == req.prefill.count == req.decode.count == 1
+    assert req.e2e.total >= req.ttft.total + req.inter_token.total * 0.99
+    assert req.generation_tokens.total == n and req.prompt_tokens.total == len(prompt)
+
+
+def test_the_server_exports_them_with_a_model_name(tiny_model_dir):
+    from tests.test_server import Server
+
+    srv = Server(tiny_model_dir)
+    try:
+        body = {"prompt": [3, 4, 5], "max_tokens": 5, "ignore_eos": True}
+        assert httpx.post(srv.url + "/v1/completions", json=body).status_code == 200
+        text = httpx.get(srv.url + "/metrics").text
+        assert "_created" not in text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        for name in (
+            "metrale:time_to_first_token_seconds",
+            "metrale:inter_token_latency_seconds",
+            "metrale:e2e_request_latency_seconds",
+            "metrale:request_queue_time_seconds",
+            "metrale:request_prefill_time_seconds",
+            "metrale:request_decode_time_seconds",
+            "metrale:request_prompt_tokens",
+            "metrale:request_generation_tokens",
+            "metrale:request_success",
+        ):
+            assert name in families, sorted(families)
+        ttft = families["metrale:time_to_first_token_seconds"]
+        count = next(s for s in ttft.samples if s.name.endswith("_count"))
+        assert count.value == 1 and count.labels["model_name"] == "tiny"
+        success = families["metrale:request_success"].samples[0]
+        assert success.labels["finished_reason"] == "length" and success.value == 1
+    finally:
+        srv.close()
