@@ -382,9 +382,20 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         try:
-            return torch.device(self.device)
+            device = torch.device(self.device)
         except RuntimeError as e:
             raise ValueError(f"device: {self.device!r} is not a torch device ({e})") from None
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(
+                    f"device: {self.device!r} asked for, but this torch ({torch.__version__}) "
+                    "sees no CUDA GPU; use --device cpu, or install a CUDA build of torch"
+                )
+            if device.index is not None and device.index >= torch.cuda.device_count():
+                raise ValueError(
+                    f"device: {self.device!r}, but only {torch.cuda.device_count()} GPU(s) exist"
+                )
+        return device
 
     def resolve_dtype(self, model: ModelConfig, device: torch.device) -> torch.dtype:
         """`auto`: the checkpoint's dtype on GPU; float32 on CPU (where bf16 matmuls are slow

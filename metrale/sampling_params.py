@@ -53,6 +53,7 @@ class SamplingParams:
 
     MAX_LOGPROBS = 20
     MAX_N = 128  # OpenAI's bound: one request cannot flood the engine with sequences
+    MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 256, 16384, 1024
 
     def __post_init__(self) -> None:
         def set_(name: str, value: Any) -> None:
@@ -98,12 +99,22 @@ class SamplingParams:
         stop = tuple(stop)
         if any(not isinstance(s, str) or s == "" for s in stop):
             raise ValueError(f"stop must hold non-empty strings, got {self.stop!r}")
+        # every stop string is checked against every new token: bound the work one request asks
+        if len(stop) > self.MAX_STOP or sum(map(len, stop)) > self.MAX_STOP_CHARS:
+            raise ValueError(
+                f"stop: at most {self.MAX_STOP} strings of {self.MAX_STOP_CHARS} characters in "
+                f"all, got {len(stop)} of {sum(map(len, stop))}"
+            )
         set_("stop", stop)
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError(
                 f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}"
             )
         ids = tuple(self.stop_token_ids or ())
+        if len(ids) > self.MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"stop_token_ids: at most {self.MAX_STOP_TOKEN_IDS} ids, got {len(ids)}"
+            )
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
             raise ValueError(
                 f"stop_token_ids must hold token ids >= 0, got {self.stop_token_ids!r}"
@@ -114,17 +125,23 @@ class SamplingParams:
         if self.logit_bias is not None:
             bias = {}
             for tok, value in self.logit_bias.items():
-                try:
-                    tok_id = int(tok)
-                except (TypeError, ValueError):
-                    raise ValueError(f"logit_bias: key {tok!r} is not a token id") from None
+                plain_digits = isinstance(tok, str) and tok.isascii() and tok.isdigit()
+                if isinstance(tok, bool) or not (isinstance(tok, int) or plain_digits):
+                    raise ValueError(f"logit_bias: key {tok!r} is not a token id")
+                tok_id = int(tok)
                 if tok_id < 0:
                     raise ValueError(f"logit_bias: token id {tok_id} is negative")
                 _check_number(f"logit_bias[{tok_id}]", value, -100.0, 100.0)
                 bias[tok_id] = float(value)
             set_("logit_bias", bias)
-        if not isinstance(self.speculative, bool):
-            raise ValueError(f"speculative must be a bool, got {self.speculative!r}")
+        for name in (
+            "speculative",
+            "ignore_eos",
+            "skip_special_tokens",
+            "include_stop_str_in_output",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.num_drafts is not None and (
             isinstance(self.num_drafts, bool)
             or not isinstance(self.num_drafts, int)

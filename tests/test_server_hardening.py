@@ -70,6 +70,9 @@ def error_of(resp, status, param="?"):
         (CMPL, {"prompt": "x", "n": 1000}, 400, "n"),
         (CMPL, {"prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
         (CMPL, {"prompt": "x" * 200000}, 400, "prompt"),  # refused from its length
+        (CMPL, {"prompt": "x", "stop": ["a"] * 5000}, 400, "stop"),  # bounded stop work
+        (CHAT, {**user("hi"), "top_logprobs": 2}, 400, "top_logprobs"),  # needs logprobs
+        (CMPL, {"prompt": "x", "logit_bias": {"1_0": 1}}, 400, "logit_bias"),
     ],
 )
 def test_bad_fields_get_4xx_and_nothing_runs(server, path, body, status, param):
@@ -81,6 +84,13 @@ def test_bad_fields_get_4xx_and_nothing_runs(server, path, body, status, param):
 def test_malformed_bodies_and_routes_use_the_openai_shape(server):
     deep = "[" * 100000 + "]" * 100000
     error_of(httpx.post(server.url + CMPL, content=deep), 400)
+    huge_int = '{"prompt": "x", "max_tokens": ' + "1" * 5000 + "}"  # past Python's 4300 digits
+    error_of(httpx.post(server.url + CMPL, content=huge_int), 400)
+    mixed_case = {"content-type": "Application/JSON; charset=UTF-8"}
+    ok = httpx.post(
+        server.url + CMPL, content='{"prompt": [3], "max_tokens": 1}', headers=mixed_case
+    )
+    assert ok.status_code == 200, ok.text
     error_of(
         httpx.post(server.url + CMPL, content="x", headers={"content-type": "text/plain"}), 415
     )

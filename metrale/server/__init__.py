@@ -101,7 +101,9 @@ def serve(
             # uvicorn re-raises the signal after its shutdown (exit status -15); here a signal
             # only asks for the graceful shutdown, and `serve` then returns normally.
             def stop(*_):
-                if not loop.draining:
+                if loop.draining:  # a second signal: stop now, as uvicorn does
+                    self.force_exit = True
+                else:
                     loop.drain(shutdown_grace)
                 self.should_exit = True
 

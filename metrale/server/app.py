@@ -86,7 +86,8 @@ def create_app(
         return "unmatched"
 
     def authorized(request: Request) -> bool:
-        given = request.headers.get("authorization", "").encode()
+        # the header's raw bytes (Starlette decodes headers as latin-1) against the key's UTF-8
+        given = request.headers.get("authorization", "").encode("latin-1")
         return hmac.compare_digest(given, f"Bearer {api_key}".encode())
 
     @app.middleware("http")
@@ -110,9 +111,9 @@ def create_app(
         metrics.latency.labels(route).observe(elapsed)
         if access_log:
             client = request.client.host if request.client else "-"
+            path = request.url.path.encode("unicode_escape").decode()  # no forged lines
             print(
-                f'{client} "{request.method} {request.url.path}" {response.status_code} '
-                f"{elapsed * 1e3:.1f}ms",
+                f'{client} "{request.method} {path}" {response.status_code} {elapsed * 1e3:.1f}ms',
                 file=sys.stderr,
                 flush=True,
             )
@@ -135,7 +136,8 @@ def create_app(
         return b"".join(chunks)
 
     async def read_body(request: Request) -> dict:
-        kind = request.headers.get("content-type", "application/json").split(";")[0].strip()
+        kind = request.headers.get("content-type", "application/json").split(";")[0]
+        kind = kind.strip().lower()  # media types are case-insensitive
         if kind not in ("application/json", ""):
             raise APIError(f"content type {kind!r}: send application/json", None, 415)
         try:
@@ -149,7 +151,7 @@ def create_app(
                 body = await asyncio.to_thread(json.loads, raw)
             else:
                 body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except ValueError as e:  # JSONDecodeError, bad UTF-8, integers past 4300 digits
             raise APIError(f"malformed JSON body: {e}") from None
         except RecursionError:
             raise APIError("malformed JSON body: nested too deeply") from None
@@ -285,8 +287,8 @@ def create_app(
             try:
                 text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
                 text.encode("utf-8")
-            except ValueError as e:  # UnicodeEncodeError included (a lone surrogate)
-                raise APIError(f"messages: {e}", "messages") from None
+            except Exception as e:  # noqa: BLE001 (a template fails as it fails: the input's fault)
+                raise APIError(f"messages: {type(e).__name__}: {e}", "messages") from None
             ids = engine.tokenizer.encode(text, add_special_tokens=False)
             if not ids:
                 raise APIError("messages: the chat template rendered nothing", "messages")

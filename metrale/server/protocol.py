@@ -162,6 +162,8 @@ def sampling_params(body: dict, chat: bool) -> SamplingParams:
     if body.get("logit_bias") is not None:
         kw["logit_bias"] = _typed(body, "logit_bias", (dict,))
     if chat:
+        if body.get("top_logprobs") is not None and not body.get("logprobs"):
+            raise APIError("top_logprobs: needs logprobs: true", "top_logprobs")
         if body.get("logprobs"):
             top = _typed(body, "top_logprobs", (int,)) if body.get("top_logprobs") else 0
             if not 0 <= top <= SamplingParams.MAX_LOGPROBS:

@@ -9,6 +9,10 @@ malicious proposal only costs acceptance. The engine calls, per step:
    the target's hidden states of the committed rows (drafters that condition on the target, such
    as MTP, catch up from them);
 3. `release(seq)` when a sequence ends or is preempted (its drafter state must go).
+
+A hook that raises fails only the sequences it fails for: the engine retries `propose` and
+`observe` one sequence at a time to find them (so a sequence the batch call already handled is
+shown to the hook again: make them safe to repeat), and ignores a failing `release` (logged).
 """
 
 from __future__ import annotations
