@@ -11,42 +11,20 @@ import argparse
 import logging
 import sys
 
+from metrale.cli_config import add_config_flags, add_spec_flags, engine_options
 from metrale.config import HYBRID_VERIFY_STATES, SamplingParams
 from metrale.train.cli import add_train_parsers, cmd_train
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The model and the drafter; every EngineConfig field's flag comes after the command's own
+    (`add_config_flags`, called last so a command's own flag of the same name wins)."""
     p.add_argument(
         "--model",
         default=None,
         help="HF checkpoint directory or Hub id ORG/NAME (default: the embedded model)",
     )
-    p.add_argument("--revision", default=None, help="Hub revision (branch, tag or commit)")
-    p.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda, cuda:1 ...")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        help="auto (checkpoint dtype on GPU, float32 on CPU), bfloat16, float16 or float32",
-    )
-    p.add_argument("--max-model-len", type=int, default=None, help="context length limit")
-    p.add_argument("--page-size", type=int, default=16, help="KV rows per page")
-    p.add_argument(
-        "--spec",
-        choices=("ngram", "mtp", "dflash"),
-        default=None,
-        help="speculative decoding drafter (output is unchanged; acceptance is printed at the end)",
-    )
-    p.add_argument(
-        "--draft-model",
-        default=None,
-        help="the drafter's own checkpoint (--spec dflash; default: the model's dflash/ folder)",
-    )
-    p.add_argument("--num-drafts", type=int, default=4, help="drafts per verify at most (K)")
-    p.add_argument(
-        "--no-dcut",
-        action="store_true",
-        help="verify every sequence at full depth instead of D-Cut's per-sequence depths",
-    )
+    add_spec_flags(p)
     p.add_argument("-v", "--verbose", action="store_true", help="log engine start-up details")
 
 
@@ -71,16 +49,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the text to continue")
     _add_engine_args(gen)
     _add_sampling_args(gen, max_tokens=64)
+    add_config_flags(gen)
     chat = sub.add_parser("chat", help="multi-turn chat on stdin/stdout (chat template applied)")
     chat.add_argument("--system", default=None, help="system prompt")
     _add_engine_args(chat)
     _add_sampling_args(chat, max_tokens=256)
+    add_config_flags(chat)
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, ...)")
     _add_engine_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     srv.add_argument("--port", type=int, default=8000, help="TCP port")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    srv.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
     srv.add_argument("--no-access-log", action="store_true", help="no stderr line per request")
     srv.add_argument(
         "--max-body-bytes", type=int, default=32 << 20, help="larger request bodies get a 413"
@@ -91,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before being aborted",
     )
+    add_config_flags(srv)
     bench = sub.add_parser("bench", help="step times vs roofline, verify cost, speculation speedup")
     bench.add_argument("--model", default=None, help="HF checkpoint directory (else --shape)")
     bench.add_argument(
@@ -185,22 +165,15 @@ def _int_list(text: str) -> list[int]:
 def cmd_serve(args: argparse.Namespace) -> int:
     from metrale.server import serve
 
-    spec = _spec(args)
     serve(
         args.model,
         args.host,
         args.port,
         args.api_key,
-        device=args.device,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        page_size=args.page_size,
-        max_num_seqs=args.max_num_seqs,
-        spec=spec,
-        revision=args.revision,
         max_body_bytes=args.max_body_bytes,
         shutdown_grace=args.shutdown_grace,
         access_log=not args.no_access_log,
+        **engine_options(args),
     )
     return 0
 
@@ -225,28 +198,10 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
     )
 
 
-def _spec(args: argparse.Namespace) -> dict | None:
-    if args.spec is None:
-        return None
-    spec = {"method": args.spec, "num_drafts": args.num_drafts, "dcut": not args.no_dcut}
-    if args.draft_model is not None:
-        spec["model"] = args.draft_model
-    return spec
-
-
 def _llm(args: argparse.Namespace):
     from metrale.api import LLM
 
-    spec = _spec(args)
-    return LLM(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        page_size=args.page_size,
-        spec=spec,
-        revision=args.revision,
-    )
+    return LLM(args.model, **engine_options(args))
 
 
 def spec_summary(llm) -> str:

@@ -7,7 +7,7 @@ engine below can trust its inputs.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -295,6 +295,11 @@ class SpecConfig:
         return self.method is not None
 
 
+def _opt(default, help_text: str):
+    """A config field whose `help` the command line shows (its flags are generated from it)."""
+    return field(default=default, metadata={"help": help_text})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs: device, dtype, cache and batching limits.
@@ -303,32 +308,41 @@ class EngineConfig:
     fit (capped by `kv_cache_memory_gb`); a smaller pool makes the scheduler preempt.
     """
 
-    device: str = "auto"
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    page_size: int = 16
-    num_kv_pages: int | None = None
-    kv_cache_memory_gb: float = 4.0
-    num_lookahead_rows: int = 0
-    seed: int = 0
+    device: str = _opt("auto", "torch device: auto (CUDA when present), cpu, cuda, cuda:1 ...")
+    dtype: str = _opt(
+        "auto", "auto (the checkpoint's dtype on GPU, float32 on CPU), bfloat16, float16, float32"
+    )
+    max_model_len: int | None = _opt(None, "context length limit (default: the model's)")
+    max_num_seqs: int = _opt(64, "sequences running at once")
+    max_num_batched_tokens: int = _opt(2048, "rows one step runs at most (prefill chunk budget)")
+    page_size: int = _opt(16, "KV rows per page")
+    num_kv_pages: int | None = _opt(None, "KV pages in the pool (default: sized from memory)")
+    kv_cache_memory_gb: float = _opt(4.0, "KV pool budget in GiB when not sized otherwise")
+    # a fraction of the GPU's memory for the whole engine: the KV pool gets what the weights
+    # leave of it (vLLM's gpu_memory_utilization); overrides kv_cache_memory_gb on CUDA
+    gpu_memory_utilization: float | None = _opt(
+        None, "fraction of GPU memory for the engine; the KV pool takes what the weights leave"
+    )
+    num_lookahead_rows: int = _opt(0, "KV rows reserved past each step (drafters raise it)")
+    seed: int = _opt(0, "engine seed (random weights; requests without a seed draw from it)")
     spec: SpecConfig | dict | None = None
     # "safetensors": the checkpoint's weights; "dummy": random weights of the config's shape
     # (benchmarks of published shapes without their weights, as vLLM's load_format=dummy)
-    load_format: str = "safetensors"
+    load_format: str = _opt("safetensors", "safetensors, or dummy (random weights of the shape)")
     # the Hub revision (branch, tag or commit) when the model is a Hugging Face Hub id
-    revision: str | None = None
+    revision: str | None = _opt(None, "Hub revision (branch, tag or commit) of a Hub id")
     # CUDA graphs for decode and verify steps (CUDA only); tables of more rows run eagerly.
     # None: as many rows as `max_num_seqs` sequences of 1 + num_drafts rows can take after the
     # graph padding (`program_shapes`), so that no decode or verify step is refused.
-    cuda_graphs: bool = True
-    graph_max_rows: int | None = None
+    cuda_graphs: bool = _opt(True, "replay decode and verify steps as CUDA graphs (CUDA only)")
+    graph_max_rows: int | None = _opt(None, "rows a graphed step takes at most (default: all)")
     # How a hybrid target's verify treats the recurrent state (HYBRID_VERIFY_STATES, see
     # `models/gdn_state.py`): "write_on_accept" writes it once, for the accepted rows;
     # "per_row_slots" writes every row's state into K+1 entries per sequence and commits by
     # pointing at one (no second pass, K+1 times the state memory).
-    hybrid_verify_state: str = "write_on_accept"
+    hybrid_verify_state: str = _opt(
+        "write_on_accept", "hybrid verify: write_on_accept or per_row_slots"
+    )
 
     def __post_init__(self) -> None:
         spec = self.spec
@@ -342,6 +356,9 @@ class EngineConfig:
         elif not isinstance(spec, SpecConfig):
             raise ValueError(f"spec must be a SpecConfig or a dict, got {spec!r}")
         object.__setattr__(self, "spec", spec)
+        util = self.gpu_memory_utilization
+        if util is not None and (isinstance(util, bool) or not 0.0 < util <= 1.0):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -30,6 +30,7 @@ def num_pages_for(
     lookahead: int,
     num_layers: int,
     extra_page_bytes: int = 0,
+    budget_gb: float | None = None,
 ) -> int:
     """Pool size: `num_kv_pages` if given, else room for `max_num_seqs` full-length sequences,
     capped by `kv_cache_memory_gb`; plus the dummy page. `extra_page_bytes`: what a drafter
@@ -40,11 +41,12 @@ def num_pages_for(
     wanted = cfg.max_num_seqs * pages_per_seq
     page_bytes = kv_page_bytes(model_cfg, cfg.page_size, dtype, num_layers) + extra_page_bytes
     # a target without attention layers (an all-GDN hybrid) keeps no KV: pages are free
-    affordable = int(cfg.kv_cache_memory_gb * 2**30) // page_bytes if page_bytes else wanted
+    budget = cfg.kv_cache_memory_gb if budget_gb is None else budget_gb
+    affordable = int(budget * 2**30) // page_bytes if page_bytes else wanted
     pages = min(wanted, affordable)
     if pages < pages_per_seq:
         raise ValueError(
-            f"kv_cache_memory_gb={cfg.kv_cache_memory_gb} holds {pages} pages, fewer than one "
+            f"the KV budget of {budget:.2f} GiB holds {pages} pages, fewer than one "
             f"sequence of max_model_len={max_model_len} needs ({pages_per_seq})"
         )
     return pages + 1

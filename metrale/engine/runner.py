@@ -86,8 +86,12 @@ class ModelRunner:
         extra = (
             0 if self.dflash is None else self.dflash.config.page_bytes(self.page_size, self.dtype)
         )
+        budget = None  # GiB for the KV pool: what the weights leave of the engine's share
+        if cfg.gpu_memory_utilization is not None and self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = max(cfg.gpu_memory_utilization * total - (total - free), 0) / 2**30
         self.num_pages = num_pages_for(
-            model_cfg, cfg, max_model_len, self.dtype, lookahead, len(layers), extra
+            model_cfg, cfg, max_model_len, self.dtype, lookahead, len(layers), extra, budget
         )
         self.kv_cache = allocate_kv_cache(
             model_cfg, self.num_pages, cfg.page_size, self.dtype, self.device, len(layers)
