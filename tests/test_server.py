@@ -24,7 +24,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from metrale.server import build  # noqa: E402
+from metrale.server import build, http_protocol  # noqa: E402
 
 
 def free_port() -> int:
@@ -34,10 +34,16 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model_dir, **options) -> None:
+    def __init__(self, model_dir, header_timeout: float = 30.0, **options) -> None:
         self.app, self.loop = build(model_dir, served_name="tiny", device="cpu", **options)
         self.port = free_port()
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        config = uvicorn.Config(
+            self.app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            http=http_protocol(header_timeout),
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

@@ -122,6 +122,22 @@ def test_a_big_body_is_refused_before_it_is_read(server):
     error_of(result["resp"], 413)
 
 
+def test_half_sent_headers_are_not_held_forever(tiny_model_dir):
+    import socket
+
+    srv = Server(tiny_model_dir, header_timeout=1.0)
+    try:
+        conn = socket.create_connection(("127.0.0.1", srv.port))
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # half the headers
+        conn.settimeout(10)
+        start = time.time()
+        assert conn.recv(100) == b""  # closed by the server
+        assert time.time() - start < 5
+        assert httpx.get(srv.url + "/health").status_code == 200
+    finally:
+        srv.close()
+
+
 def test_metric_labels_stay_bounded(server):
     for i in range(40):
         httpx.get(server.url + f"/no/such/path/{i}")

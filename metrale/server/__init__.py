@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import logging
@@ -56,6 +57,39 @@ def build(
 
     app.router.lifespan_context = lifespan
     return app, loop
+
+
+HEADER_TIMEOUT = 30.0  # seconds a new connection may take to send its request's headers
+
+
+def http_protocol(header_timeout: float = HEADER_TIMEOUT):
+    """uvicorn's h11 protocol with a deadline for a new connection's request headers: uvicorn
+    has none, so a client that sends half a request would hold its connection forever (idle
+    keep-alive connections already close after uvicorn's timeout_keep_alive)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderDeadlineH11(H11Protocol):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._deadline = asyncio.get_running_loop().call_later(header_timeout, self._late)
+
+        def _late(self) -> None:
+            if self.cycle is None and not self.transport.is_closing():
+                log.info("closing a connection that sent no complete request in time")
+                self.transport.close()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.cycle is not None and self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def connection_lost(self, exc) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            super().connection_lost(exc)
+
+    return HeaderDeadlineH11
 
 
 def startup_banner(loop, host: str, port: int, keyed: bool) -> str:
@@ -125,5 +159,6 @@ def serve(
         log_level="warning",
         # past the grace period the drain aborts what is left; those responses then finish
         timeout_graceful_shutdown=shutdown_grace + 10,
+        http=http_protocol(),
     )
     Server(config).run()
