@@ -25,9 +25,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
+from metrale.config import SamplingParams
 from metrale.server.engine_loop import Busy, EngineLoop
+from metrale.server.extra_routes import add_extra_routes
 from metrale.server.metrics import ServerMetrics
 from metrale.server.protocol import (
+    SYSTEM_FINGERPRINT,
     APIError,
     chat_logprobs,
     chat_messages,
@@ -36,6 +39,7 @@ from metrale.server.protocol import (
     sampling_params,
     spec_stats,
     usage,
+    whole_response,
 )
 
 log = logging.getLogger(__name__)
@@ -254,6 +258,8 @@ def create_app(
             ],
         }
 
+    add_extra_routes(app, engine, model_name, read_body)
+
     @app.get("/metrics")
     def prometheus():  # sync: runs in the threadpool, so waiting for the lock blocks no loop
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
@@ -264,14 +270,50 @@ def create_app(
         params = sampling_params(body, chat=False)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError("prompt: one prompt per request is supported", "prompt")
+            if len(prompt) > 1:
+                return await several_prompts(request, body, prompt, params)
             prompt = prompt[0]
         if prompt is None or not isinstance(prompt, (str, list)):
             raise APIError("prompt: expected a string or a list of token ids", "prompt")
         ids = await validate(prompt, params)
         request_id = loop.new_id("cmpl")
         return await respond(request, body, request_id, ids, params, chat=False)
+
+    async def several_prompts(request: Request, body: dict, prompts: list, params):
+        """A completions call with several prompts: one request each, answered together, choice
+        `i * n + j` for prompt i's j-th completion (as OpenAI numbers them)."""
+        if body.get("stream"):
+            raise APIError("stream: a streamed call takes one prompt", "stream")
+        if len(prompts) * params.n > SamplingParams.MAX_N:
+            raise APIError(f"prompt: at most {SamplingParams.MAX_N} completions a call", "prompt")
+        all_ids = [await validate(p, params) for p in prompts]  # every prompt checked first
+        base = loop.new_id("cmpl")
+        ids = [f"{base}-{i}" for i in range(len(prompts))]
+        queues = []
+        try:
+            for request_id, prompt_ids in zip(ids, all_ids, strict=True):
+                queues.append(submit(request_id, prompt_ids, params))
+            finals = await asyncio.gather(
+                *(final_output(request, r, q) for r, q in zip(ids, queues, strict=False))
+            )
+        except BaseException:
+            for request_id in ids:
+                loop.abort(request_id)
+            raise
+        if any(f is None for f in finals):
+            return Response(status_code=499)  # the client left; every part is aborted
+        parts = [
+            whole_response(f, base, params, False, engine.tokenizer, model_name) for f in finals
+        ]
+        response = parts[0]
+        response["choices"] = [
+            {**c, "index": i * params.n + c["index"]}
+            for i, part in enumerate(parts)
+            for c in part["choices"]
+        ]
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            response["usage"][key] = sum(p["usage"][key] for p in parts)
+        return response
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -308,47 +350,14 @@ def create_app(
             final = await final_output(request, request_id, queue)
             if final is None:  # the client went away; its request is aborted
                 return Response(status_code=499)
-            return whole_response(final, request_id, params, chat)
+            return whole_response(final, request_id, params, chat, engine.tokenizer, model_name)
         except BaseException:
             loop.abort(request_id)  # nothing submitted keeps running for nobody
             raise
 
-    def whole_response(out, request_id, params, chat: bool) -> dict:
-        k = params.logprobs or 0
-        choices = []
-        for c in out.outputs:
-            finish = c.finish_reason
-            if chat:
-                choices.append(
-                    {
-                        "index": c.index,
-                        "finish_reason": finish,
-                        "message": {"role": "assistant", "content": c.text},
-                        "logprobs": chat_logprobs(c, k),
-                    }
-                )
-            else:
-                choices.append(
-                    {
-                        "index": c.index,
-                        "text": c.text,
-                        "finish_reason": finish,
-                        "logprobs": completion_logprobs(c, engine.tokenizer, k),
-                    }
-                )
-        return {
-            "id": request_id,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": now(),
-            "model": model_name,
-            "choices": choices,
-            "usage": usage(out),
-            "metrale": {"speculative": spec_stats(out)},
-        }
-
     async def sse(request, request_id, queue, params, chat: bool, include_usage: bool):
         kind = "chat.completion.chunk" if chat else "text_completion"
-        k = params.logprobs or 0
+        k, created = params.logprobs or 0, now()  # one `created` for every chunk of a stream
         sent = [0] * params.n  # tokens already sent per choice
         final = None
         async for out in outputs(request_id, queue):
@@ -381,8 +390,9 @@ def create_app(
                 chunk = {
                     "id": request_id,
                     "object": kind,
-                    "created": now(),
+                    "created": created,
                     "model": model_name,
+                    "system_fingerprint": SYSTEM_FINGERPRINT,
                     "choices": choices,
                 }
                 yield f"data: {json.dumps(chunk)}\n\n"
@@ -390,8 +400,9 @@ def create_app(
             chunk = {
                 "id": request_id,
                 "object": kind,
-                "created": now(),
+                "created": created,
                 "model": model_name,
+                "system_fingerprint": SYSTEM_FINGERPRINT,
                 "choices": [],
                 "usage": usage(final),
                 "metrale": {"speculative": spec_stats(final)},

@@ -12,10 +12,10 @@ client gets a well-formed response ending with finish_reason "abort".
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import queue
 import threading
+import uuid
 from dataclasses import dataclass
 
 from metrale.config import SamplingParams
@@ -50,7 +50,6 @@ class EngineLoop:
         self.draining = False
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="metrale-engine", daemon=True)
         # Guards the telemetry/allocator reads of /metrics against the engine thread's writes.
         self.lock = threading.Lock()
@@ -65,7 +64,8 @@ class EngineLoop:
         self._thread.join(timeout)
 
     def new_id(self, prefix: str) -> str:
-        return f"{prefix}-{next(self._ids)}"
+        """A unique request id, as OpenAI's (`chatcmpl-<hex>`)."""
+        return f"{prefix}-{uuid.uuid4().hex}"
 
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams) -> asyncio.Queue:
         """Queue an already validated request; returns the queue its outputs arrive on."""

@@ -9,8 +9,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from metrale import __version__
 from metrale.config import SamplingParams
 from metrale.outputs import CompletionOutput, RequestOutput
+
+# Which build answered (OpenAI's field): the version, so clients can tell engines apart.
+SYSTEM_FINGERPRINT = f"metrale-{__version__}"
 
 
 class APIError(Exception):
@@ -262,3 +266,38 @@ def chat_logprobs(c: CompletionOutput, k: int, start: int = 0) -> dict | None:
 
 def now() -> int:
     return int(time.time())
+
+
+def whole_response(out, request_id, params, chat: bool, tokenizer, model_name: str) -> dict:
+    """The non-streamed response body of a finished request."""
+    k = params.logprobs or 0
+    choices = []
+    for c in out.outputs:
+        if chat:
+            choices.append(
+                {
+                    "index": c.index,
+                    "finish_reason": c.finish_reason,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": chat_logprobs(c, k),
+                }
+            )
+        else:
+            choices.append(
+                {
+                    "index": c.index,
+                    "text": c.text,
+                    "finish_reason": c.finish_reason,
+                    "logprobs": completion_logprobs(c, tokenizer, k),
+                }
+            )
+    return {
+        "id": request_id,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": now(),
+        "model": model_name,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+        "choices": choices,
+        "usage": usage(out),
+        "metrale": {"speculative": spec_stats(out)},
+    }

@@ -1,0 +1,69 @@
+"""OpenAI API surface a vLLM user expects, through the openai client and plain HTTP against a
+real server: several prompts in one completions call, unique ids, `system_fingerprint`, one
+`created` per stream, `/v1/models/{id}`, `/version`, `/tokenize` and `/detokenize`."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+
+from metrale import LLM, SamplingParams
+from tests.test_server import client, server  # noqa: F401
+
+
+def test_three_prompts_in_one_completions_call(client, server, tiny_model_dir):  # noqa: F811
+    prompts = ["def f(x):", "import os", "class A:"]
+    resp = client.completions.create(model="tiny", prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in resp.choices] == list(range(6))
+    want = LLM(tiny_model_dir, device="cpu").generate(
+        prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False
+    )
+    for i, out in enumerate(want):
+        assert resp.choices[2 * i].text == out.outputs[0].text
+    assert resp.usage.completion_tokens == sum(
+        len(c.token_ids) * 2 for o in want for c in o.outputs
+    )
+    assert resp.id.startswith("cmpl-") and resp.system_fingerprint.startswith("metrale-")
+    server.wait_idle()
+
+
+def test_ids_are_unique_and_a_stream_keeps_one_created(client, server):  # noqa: F811
+    messages = [{"role": "user", "content": "hi"}]
+    a = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    b = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    assert a.id != b.id and a.id.startswith("chatcmpl-") and len(a.id) > 20
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=12, stream=True, temperature=0
+        )
+    )
+    assert len({c.created for c in chunks}) == 1 and len({c.id for c in chunks}) == 1
+    assert all(c.system_fingerprint for c in chunks)
+
+
+def test_streaming_several_prompts_is_refused(server):  # noqa: F811
+    body = {"prompt": ["a", "b"], "stream": True, "max_tokens": 2}
+    resp = httpx.post(server.url + "/v1/completions", json=body)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream"
+
+
+def test_models_version_tokenize_detokenize(server):  # noqa: F811
+    url = server.url
+    assert httpx.get(url + "/v1/models/tiny").json()["id"] == "tiny"
+    missing = httpx.get(url + "/v1/models/other")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert httpx.get(url + "/version").json()["version"]
+    tok = httpx.post(url + "/tokenize", json={"prompt": "def f(x): return x"}).json()
+    assert tok["count"] == len(tok["tokens"]) > 0
+    text = httpx.post(url + "/detokenize", json={"tokens": tok["tokens"]}).json()["prompt"]
+    assert text.endswith("def f(x): return x")
+    chat = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 200 and chat.json()["count"] > 1
+    bad = httpx.post(url + "/detokenize", content=json.dumps({"tokens": [10**9]}))
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    try:
+        openai.OpenAI(base_url=url + "/v1", api_key="x").models.retrieve("tiny")
+    except openai.NotFoundError:  # pragma: no cover
+        raise AssertionError("models.retrieve should find the served model") from None
