@@ -11,6 +11,7 @@ import argparse
 import logging
 import sys
 
+from metrale.bench.serve_bench import add_serve_bench_args
 from metrale.cli_config import add_config_flags, add_spec_flags, engine_options
 from metrale.config import HYBRID_VERIFY_STATES, SamplingParams
 from metrale.train.cli import add_train_parsers, cmd_train
@@ -134,6 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="instead: real tokens/s with and without this drafter on --model, held-out prompts",
     )
+    modes = bench.add_subparsers(dest="bench_mode", metavar="serve")
+    serve_bench = modes.add_parser(
+        "serve", help="load an OpenAI-compatible server: TTFT, TPOT, ITL, e2e percentiles"
+    )
+    add_serve_bench_args(serve_bench)
     add_train_parsers(sub)
     return parser
 
@@ -179,6 +185,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if getattr(args, "bench_mode", None) == "serve":
+        from metrale.bench.serve_bench import main as serve_main
+
+        return serve_main(args)
     from metrale.bench.command import main
 
     return main(args)

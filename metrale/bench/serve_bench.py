@@ -1,0 +1,229 @@
+"""`metrale bench serve --base-url URL`: an OpenAI-API load generator, usable against any
+OpenAI-compatible server (metrale's, vLLM's, ...), so the numbers compare with vLLM's
+`bench serve`. Streamed completions at a request rate (Poisson arrivals, seeded) or all at once,
+optionally capped in concurrency; prompts from a file (one per line) or random words. Reports
+TTFT, TPOT, ITL and end-to-end latency percentiles, requests/s and output tokens/s, and, where the
+server exports them, the speculative counters' acceptance over the run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from pathlib import Path
+
+import httpx
+
+PERCENTILES = (50, 90, 99)
+_WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "for",
+    "on",
+    "that",
+    "with",
+    "as",
+    "are",
+    "this",
+    "be",
+    "at",
+    "by",
+    "it",
+    "from",
+    "or",
+    "an",
+]
+
+
+def percentile(values: list[float], p: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * p / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def make_prompts(args, rng: random.Random) -> list[str]:
+    if args.prompt_file:
+        lines = [ln for ln in Path(args.prompt_file).read_text().splitlines() if ln.strip()]
+        if not lines:
+            raise ValueError(f"--prompt-file {args.prompt_file}: no prompts in it")
+        return [lines[i % len(lines)] for i in range(args.num_prompts)]
+    return [
+        " ".join(rng.choice(_WORDS) for _ in range(args.input_len)) for _ in range(args.num_prompts)
+    ]
+
+
+async def one_request(http: httpx.AsyncClient, args, prompt: str) -> dict:
+    body = {
+        "model": args.served_model,
+        "prompt": prompt,
+        "max_tokens": args.output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    start = time.perf_counter()
+    arrivals, tokens = [], 0
+    try:
+        async with http.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                return {"ok": False, "status": resp.status_code}
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("choices"):  # a token chunk (its text may be empty: a held byte)
+                    arrivals.append(time.perf_counter())
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    except httpx.HTTPError as e:
+        return {"ok": False, "status": type(e).__name__}
+    end = time.perf_counter()
+    if not arrivals:
+        return {"ok": False, "status": "no tokens"}
+    tokens = tokens or len(arrivals)
+    ttft = arrivals[0] - start
+    return {
+        "ok": True,
+        "ttft": ttft,
+        "e2e": end - start,
+        "tpot": (end - start - ttft) / (tokens - 1) if tokens > 1 else None,
+        "itl": [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)],
+        "tokens": tokens,
+    }
+
+
+async def spec_counters(http: httpx.AsyncClient) -> dict[str, float]:
+    """Draft and accepted token counters from /metrics (metrale's or vLLM's names), if any."""
+    try:
+        text = (await http.get("/metrics")).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        metric, _, value = line.partition(" ")
+        for prefix in ("metrale:", "vllm:"):
+            for name in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
+                if metric.split("{")[0] in (prefix + name, prefix + name + "_total"):
+                    out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+async def run_load(args) -> dict:
+    rng = random.Random(args.seed)
+    prompts = make_prompts(args, rng)
+    limit = asyncio.Semaphore(args.max_concurrency or len(prompts))
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    timeout = httpx.Timeout(args.timeout)
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=timeout) as http:
+        if args.served_model is None:
+            args.served_model = (await http.get("/v1/models")).json()["data"][0]["id"]
+        before = await spec_counters(http)
+
+        async def launch(prompt: str) -> dict:
+            async with limit:
+                return await one_request(http, args, prompt)
+
+        start, tasks = time.perf_counter(), []
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(launch(prompt)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        after = await spec_counters(http)
+    return summarise(args, results, duration, before, after)
+
+
+def summarise(args, results: list[dict], duration: float, before: dict, after: dict) -> dict:
+    ok = [r for r in results if r["ok"]]
+    tokens = sum(r["tokens"] for r in ok)
+    report: dict = {
+        "base_url": args.base_url,
+        "model": args.served_model,
+        "num_prompts": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "failures": sorted({str(r["status"]) for r in results if not r["ok"]}),
+        "duration_s": duration,
+        "request_rate": None if args.request_rate == float("inf") else args.request_rate,
+        "max_concurrency": args.max_concurrency,
+        "requests_per_s": len(ok) / duration,
+        "output_tokens_per_s": tokens / duration,
+    }
+    series = {
+        "ttft": [r["ttft"] for r in ok],
+        "tpot": [r["tpot"] for r in ok if r["tpot"] is not None],
+        "itl": [gap for r in ok for gap in r["itl"]],
+        "e2e": [r["e2e"] for r in ok],
+    }
+    for name, values in series.items():
+        report[f"mean_{name}_ms"] = sum(values) / len(values) * 1e3 if values else None
+        for p in PERCENTILES:
+            value = percentile(values, p)
+            report[f"p{p}_{name}_ms"] = None if value is None else value * 1e3
+    drafted = after.get("spec_decode_num_draft_tokens", 0) - before.get(
+        "spec_decode_num_draft_tokens", 0
+    )
+    accepted = after.get("spec_decode_num_accepted_tokens", 0) - before.get(
+        "spec_decode_num_accepted_tokens", 0
+    )
+    report["spec_acceptance_rate"] = accepted / drafted if drafted else None
+    return report
+
+
+def format_report(report: dict) -> str:
+    lines = [
+        f"{report['completed']}/{report['num_prompts']} requests in {report['duration_s']:.2f} s: "
+        f"{report['requests_per_s']:.2f} req/s, {report['output_tokens_per_s']:.1f} output tok/s"
+    ]
+    lines.append("metric   mean     p50      p90      p99   (ms)")
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        cells = [report[f"mean_{name}_ms"]] + [report[f"p{p}_{name}_ms"] for p in PERCENTILES]
+        lines.append(
+            f"{name:6s}" + "".join("      -" if c is None else f" {c:8.2f}" for c in cells)
+        )
+    if report["spec_acceptance_rate"] is not None:
+        lines.append(f"speculative acceptance rate: {report['spec_acceptance_rate']:.3f}")
+    if report["failures"]:
+        lines.append(f"failures: {', '.join(report['failures'])}")
+    return "\n".join(lines)
+
+
+def add_serve_bench_args(p) -> None:
+    p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--served-model", default=None, help="model name (default: /v1/models' first)")
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--num-prompts", type=int, default=100, help="requests to send")
+    p.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (inf: all)"
+    )
+    p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    p.add_argument("--prompt-file", default=None, help="one prompt per line (else random words)")
+    p.add_argument("--input-len", type=int, default=64, help="words per random prompt")
+    p.add_argument("--output-len", type=int, default=64, help="max_tokens per request")
+    p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM, metrale)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the prompts and arrivals")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request at most")
+    p.add_argument("--out", default=None, help="also write the JSON report here")
+
+
+def main(args) -> int:
+    report = asyncio.run(run_load(args))
+    print(format_report(report))
+    text = json.dumps(report)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0 if report["completed"] else 1

@@ -1,0 +1,35 @@
+"""`metrale bench serve` against a running `metrale serve` on CPU (a loopback port): every
+request completes, the latency percentiles are ordered and positive, and the speculative
+acceptance comes from the server's /metrics."""
+
+from __future__ import annotations
+
+import json
+
+from metrale.cli import main
+from tests.test_server import Server
+
+
+def test_bench_serve_reports_percentiles_and_acceptance(tiny_model_dir, tmp_path, capsys):
+    srv = Server(tiny_model_dir, spec={"method": "ngram", "num_drafts": 3})
+    try:
+        prompts = tmp_path / "prompts.txt"
+        prompts.write_text("a b a b a b a b\nx y x y x y\nhello hello hello\n")
+        out = tmp_path / "serve.json"
+        args = ["bench", "serve", "--base-url", srv.url, "--num-prompts", "12"]
+        args += ["--output-len", "16", "--ignore-eos", "--prompt-file", str(prompts)]
+        args += ["--request-rate", "50", "--max-concurrency", "4", "--out", str(out)]
+        assert main(args) == 0
+        report = json.loads(out.read_text())
+        assert report["completed"] == 12 and report["failed"] == 0
+        assert report["model"] == "tiny" and report["output_tokens_per_s"] > 0
+        for name in ("ttft", "tpot", "itl", "e2e"):
+            p50, p90, p99 = (report[f"p{p}_{name}_ms"] for p in (50, 90, 99))
+            assert 0 < p50 <= p90 <= p99, name
+        assert report["p50_e2e_ms"] >= report["p50_ttft_ms"]
+        assert report["spec_acceptance_rate"] is not None
+        assert 0 < report["spec_acceptance_rate"] <= 1
+        assert "p50" in capsys.readouterr().out
+        srv.wait_idle()
+    finally:
+        srv.close()
