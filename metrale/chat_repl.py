@@ -32,15 +32,27 @@ class ChatSession:
         text = tok.apply_chat_template(self.messages(), add_generation_prompt=True)
         return len(tok.encode(text, add_special_tokens=False))
 
-    def fit(self) -> int:
-        """Drop the oldest turns until the prompt leaves room for a reply; returns how many
-        were dropped (the newest user turn always stays)."""
+    def reply_room(self) -> int:
         limit = self.llm.engine.max_model_len
-        reply = min(self.params.max_tokens or 256, limit // 4)
-        dropped = 0
-        while len(self.turns) > 1 and self.prompt_tokens() + reply > limit:
-            self.turns.pop(0)
-            dropped += 1
+        return min(self.params.max_tokens or 256, limit // 4)
+
+    def fits_alone(self, message: dict) -> bool:
+        """Whether `message` with the system prompt alone leaves room for a reply."""
+        kept, self.turns = self.turns, [message]
+        try:
+            return self.prompt_tokens() + self.reply_room() <= self.llm.engine.max_model_len
+        finally:
+            self.turns = kept
+
+    def fit(self) -> int:
+        """Drop the oldest exchanges (a user turn and the reply to it, so that roles keep
+        alternating) until the prompt leaves room for a reply; returns how many messages were
+        dropped. The newest user turn always stays."""
+        limit, dropped = self.llm.engine.max_model_len, 0
+        while len(self.turns) > 1 and self.prompt_tokens() + self.reply_room() > limit:
+            pair = 2 if len(self.turns) > 2 and self.turns[1]["role"] == "assistant" else 1
+            del self.turns[:pair]
+            dropped += pair
         return dropped
 
     def reply(self, out=sys.stdout) -> str:
@@ -91,7 +103,7 @@ def run_repl(llm, params, system: str | None = None, stdin=sys.stdin, out=sys.st
             session.turns.clear()
             print("(conversation cleared)", file=out)
             continue
-        if command.startswith("/system"):
+        if command == "/system" or command.startswith("/system "):
             session.system = command[len("/system") :].strip() or None
             print("(system prompt set)" if session.system else "(system prompt cleared)", file=out)
             continue
@@ -103,15 +115,25 @@ def run_repl(llm, params, system: str | None = None, stdin=sys.stdin, out=sys.st
 
 
 def say(session: ChatSession, line: str, out) -> None:
-    """One user turn and the reply to it."""
-    session.turns.append({"role": "user", "content": line})
-    dropped = session.fit()
-    if dropped:
-        print(f"(dropped the {dropped} oldest messages to fit the context)", file=out)
-    if session.prompt_tokens() >= session.llm.engine.max_model_len:
-        session.turns.pop()
-        print("(that message alone does not fit the context)", file=out)
+    """One user turn and the reply to it; a turn that fails (a template that refuses the
+    history, say) is reported and undone, and the session goes on."""
+    message = {"role": "user", "content": line}
+    if not session.fits_alone(message):
+        print("(that message alone does not fit the context; nothing was sent)", file=out)
         return
-    out.write("assistant> ")
-    out.flush()
-    session.reply(out)
+    session.turns.append(message)
+    try:
+        dropped = session.fit()
+        if dropped:
+            print(f"(dropped the {dropped} oldest messages to fit the context)", file=out)
+        out.write("assistant> ")
+        out.flush()
+        session.reply(out)
+    except KeyboardInterrupt:
+        if session.turns and session.turns[-1] is message:
+            session.turns.pop()  # no reply to it: keep the roles alternating
+        raise
+    except (ValueError, RuntimeError) as e:
+        if session.turns and session.turns[-1] is message:
+            session.turns.pop()
+        print(f"\n(error: {e})", file=out)

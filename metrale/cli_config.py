@@ -54,7 +54,9 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the drafter's own checkpoint (--spec dflash; default: the model's dflash/ folder)",
     )
-    parser.add_argument("--num-drafts", type=int, default=4, help="drafts per verify at most (K)")
+    parser.add_argument(
+        "--num-drafts", type=int, default=None, help="drafts per verify at most (K; default 4)"
+    )
     parser.add_argument(
         "--no-dcut",
         action="store_true",
@@ -71,18 +73,37 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
 
 def spec_options(args: argparse.Namespace) -> dict | None:
     if args.speculative_config is not None:
-        if args.spec is not None:
-            raise ValueError("--speculative-config and --spec: give one of them")
+        given = [
+            flag
+            for flag, value in (
+                ("--spec", args.spec),
+                ("--num-drafts", args.num_drafts),
+                ("--draft-model", args.draft_model),
+                ("--no-dcut", args.no_dcut or None),
+            )
+            if value is not None
+        ]
+        if given:
+            raise ValueError(
+                f"--speculative-config and {', '.join(given)}: say it all in one of them"
+            )
         try:
             raw = json.loads(args.speculative_config)
         except json.JSONDecodeError as e:
             raise ValueError(f"--speculative-config: not JSON ({e})") from None
         if not isinstance(raw, dict):
             raise ValueError("--speculative-config: expected a JSON object")
-        return {_SPEC_RENAMES.get(k, k): v for k, v in raw.items()}
+        spec = {}
+        for key, value in raw.items():
+            name = _SPEC_RENAMES.get(key, key)
+            if name in spec:
+                raise ValueError(f"--speculative-config: {name} given twice (as {key})")
+            spec[name] = value
+        return spec
     if args.spec is None:
         return None
-    spec = {"method": args.spec, "num_drafts": args.num_drafts, "dcut": not args.no_dcut}
+    k = 4 if args.num_drafts is None else args.num_drafts
+    spec = {"method": args.spec, "num_drafts": k, "dcut": not args.no_dcut}
     if args.draft_model is not None:
         spec["model"] = args.draft_model
     return spec

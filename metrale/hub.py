@@ -13,8 +13,10 @@ _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
 def is_hub_id(model: str | Path) -> bool:
-    """`org/name` that is not a local directory."""
+    """`org/name` that is not a local path (nor written like one: `./x`, `../x`, `~/x`)."""
     text = str(model)
+    if text.startswith((".", "/", "~")) or isinstance(model, Path):
+        return False
     return bool(_HUB_ID.match(text)) and not Path(text).exists()
 
 
@@ -38,4 +40,6 @@ def resolve_model(model: str | Path, revision: str | None = None) -> Path:
             "checkpoint directory"
         ) from None
     except (HFValidationError, OSError) as e:
-        raise FileNotFoundError(f"model {model!r}: {e}") from None
+        raise FileNotFoundError(
+            f"model {model!r}: no such local directory, and not found on the Hub ({e})"
+        ) from None

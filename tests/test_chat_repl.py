@@ -99,3 +99,29 @@ def test_a_conversation_that_fills_the_context_keeps_going(small_llm):
     assert dropped_total > 0
     assert session.messages()[0] == {"role": "system", "content": "sys"}  # the system stays
     assert not small_llm.engine.has_unfinished_requests()
+
+
+def test_a_message_too_long_alone_keeps_the_history(small_llm):
+    import io
+
+    from metrale.chat_repl import say
+
+    session = ChatSession(small_llm, SamplingParams(temperature=0.0, max_tokens=4))
+    say(session, "short one", io.StringIO())
+    say(session, "short two", io.StringIO())
+    before = list(session.turns)
+    out = io.StringIO()
+    say(session, "word " * 500, out)
+    assert session.turns == before and "does not fit" in out.getvalue()
+
+
+def test_dropping_keeps_the_roles_alternating(small_llm):
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    session = ChatSession(small_llm, params)
+    for turn in range(10):
+        session.turns.append({"role": "user", "content": f"message number {turn} " * 3})
+        session.fit()
+        assert session.turns[0]["role"] == "user"
+        roles = [m["role"] for m in session.turns]
+        assert all(a != b for a, b in zip(roles, roles[1:], strict=False))
+        session.reply(out=open(os.devnull, "w"))  # noqa: SIM115

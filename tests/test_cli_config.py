@@ -56,7 +56,9 @@ def test_generate_keeps_its_sampling_seed():
     "argv, message",
     [
         (["--speculative-config", "{nope"], "not JSON"),
-        (["--speculative-config", "{}", "--spec", "ngram"], "give one of them"),
+        (["--speculative-config", "{}", "--spec", "ngram"], "say it all in one"),
+        (["--speculative-config", "{}", "--num-drafts", "7"], "--num-drafts"),
+        (["--speculative-config", '{"num_drafts": 2, "num_speculative_tokens": 3}'], "twice"),
         (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization"),
     ],
 )

@@ -64,3 +64,11 @@ def test_a_hub_id_missing_offline_is_a_clear_error(tmp_path):
     result = run(code, tmp_path / "hub")
     assert result.returncode == 0, result.stderr
     assert "ERR model 'acme/absent'" in result.stdout and "HF_HUB_OFFLINE" in result.stdout
+
+
+def test_path_like_names_are_never_hub_ids():
+    from metrale.hub import is_hub_id
+
+    assert is_hub_id("acme/model")
+    for name in ("./acme/model", "../acme", "~/acme/m", "/abs/path"):
+        assert not is_hub_id(name), name

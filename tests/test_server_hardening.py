@@ -151,6 +151,17 @@ def test_half_sent_headers_are_not_held_forever(tiny_model_dir):
         assert conn.recv(100) == b""  # closed by the server
         assert time.time() - start < 5
         assert httpx.get(srv.url + "/health").status_code == 200
+        # a kept-alive connection: one whole request, then half of the next one's headers
+        conn = socket.create_connection(("127.0.0.1", srv.port))
+        conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        conn.settimeout(10)
+        reply = b""
+        while b'"ok"' not in reply:  # the whole response, headers and body
+            reply += conn.recv(4096)
+        assert reply.startswith(b"HTTP/1.1 200")
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        start = time.time()
+        assert conn.recv(100) == b"" and time.time() - start < 5
     finally:
         srv.close()
 
@@ -179,6 +190,8 @@ def test_admission_counts_sequences_and_keys_guard_the_docs(tiny_model_dir):
         for path in ("/docs", "/openapi.json", "/v1/models"):
             error_of(httpx.get(srv.url + path), 401)
             assert httpx.get(srv.url + path, headers=auth).status_code == 200
+        for path in ("/tokenize", "/detokenize"):
+            error_of(httpx.post(srv.url + path, json={"prompt": "x", "tokens": [1]}), 401)
         assert httpx.get(srv.url + "/health").status_code == 200
         assert httpx.get(srv.url + "/metrics").status_code == 200
         body = {"prompt": [3, 4], "max_tokens": 200, "ignore_eos": True, "n": 2}

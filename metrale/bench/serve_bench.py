@@ -120,12 +120,19 @@ async def spec_counters(http: httpx.AsyncClient) -> dict[str, float]:
 
 
 async def run_load(args) -> dict:
+    if not args.request_rate > 0 or (args.max_concurrency is not None and args.max_concurrency < 1):
+        raise ValueError("--request-rate must be > 0 and --max-concurrency >= 1")
     rng = random.Random(args.seed)
     prompts = make_prompts(args, rng)
     limit = asyncio.Semaphore(args.max_concurrency or len(prompts))
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     timeout = httpx.Timeout(args.timeout)
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=timeout) as http:
+    # as many connections as requests may be in flight: waiting for a pooled connection would
+    # count in TTFT (httpx's default pool holds 100)
+    limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=None)
+    async with httpx.AsyncClient(
+        base_url=args.base_url, headers=headers, timeout=timeout, limits=limits
+    ) as http:
         if args.served_model is None:
             args.served_model = (await http.get("/v1/models")).json()["data"][0]["id"]
         before = await spec_counters(http)

@@ -71,18 +71,32 @@ def http_protocol(header_timeout: float = HEADER_TIMEOUT):
     class HeaderDeadlineH11(H11Protocol):
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            self._deadline = None
+            self._arm()
+
+        def _arm(self) -> None:
+            """Start the clock for the next request: it must arrive complete in time."""
+            self._waiting_for = self.cycle  # the cycle a new request will replace
+            if self._deadline is not None:
+                self._deadline.cancel()
             self._deadline = asyncio.get_running_loop().call_later(header_timeout, self._late)
 
         def _late(self) -> None:
-            if self.cycle is None and not self.transport.is_closing():
+            self._deadline = None
+            if self.cycle is self._waiting_for and not self.transport.is_closing():
                 log.info("closing a connection that sent no complete request in time")
                 self.transport.close()
 
         def handle_events(self) -> None:
             super().handle_events()
-            if self.cycle is not None and self._deadline is not None:
-                self._deadline.cancel()
+            if self.cycle is not self._waiting_for and self._deadline is not None:
+                self._deadline.cancel()  # a complete request came
                 self._deadline = None
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()  # a kept-alive connection gets the same deadline again
 
         def connection_lost(self, exc) -> None:
             if self._deadline is not None:

@@ -45,7 +45,7 @@ from metrale.server.protocol import (
 log = logging.getLogger(__name__)
 
 # Paths behind the API key when one is set (/health and /metrics stay open, as vLLM's do).
-_PROTECTED = ("/v1/", "/docs", "/redoc", "/openapi.json")
+_PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/docs", "/redoc", "/openapi.json")
 # Bodies past this size are parsed on a worker thread, not on the event loop.
 _THREAD_PARSE_BYTES = 1 << 20
 
@@ -98,18 +98,17 @@ def create_app(
     async def auth_and_count(request: Request, call_next):
         start = time.perf_counter()
         route = route_of(request)
+        length = request.headers.get("content-length", "")
         if api_key and request.url.path.startswith(_PROTECTED) and not authorized(request):
             err = APIError(
                 "missing or wrong API key", None, 401, "authentication_error", "invalid_api_key"
             )
-            metrics.requests.labels(route, "401").inc()
-            return JSONResponse(err.body(), status_code=401)
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > max_body_bytes:
+            response = JSONResponse(err.body(), status_code=401)
+        elif length.isdigit() and int(length) > max_body_bytes:
             err = APIError(f"the body is {length} bytes; the limit is {max_body_bytes}", None, 413)
-            metrics.requests.labels(route, "413").inc()
-            return JSONResponse(err.body(), status_code=413)
-        response = await call_next(request)
+            response = JSONResponse(err.body(), status_code=413)
+        else:
+            response = await call_next(request)
         metrics.requests.labels(route, str(response.status_code)).inc()
         elapsed = time.perf_counter() - start
         metrics.latency.labels(route).observe(elapsed)

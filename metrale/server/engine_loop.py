@@ -115,12 +115,14 @@ class EngineLoop:
                 return
             if kind == "add":
                 try:
-                    self.engine.add_request(item.request_id, item.prompt, item.params)
+                    with self.lock:  # /metrics reads what this changes
+                        self.engine.add_request(item.request_id, item.prompt, item.params)
                 except ValueError as e:  # validated already; a race with the pool, say
                     self._forget(item.request_id)
                     self._deliver(item, e)
             else:
-                out = self.engine.abort_request(item)
+                with self.lock:
+                    out = self.engine.abort_request(item)
                 pending = self._forget(item)
                 if pending is not None and out is not None:
                     self._deliver(pending, out)
@@ -146,7 +148,8 @@ class EngineLoop:
                 if out.finished:
                     self._forget(out.request_id)
         for request_id in list(self._live):
-            out = self.engine.abort_request(request_id)
+            with self.lock:
+                out = self.engine.abort_request(request_id)
             pending = self._forget(request_id)
             if out is not None:
                 self._deliver(pending, out)

@@ -75,9 +75,15 @@ def add_extra_routes(app: FastAPI, engine, model_name: str, read_body) -> None:
     async def detokenize(request: Request):
         body = await read_body(request)
         ids = body.get("tokens")
-        vocab = engine.vocab_size
-        if not isinstance(ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids
-        ):
-            raise APIError(f"tokens: expected a list of token ids in [0, {vocab})", "tokens")
-        return {"prompt": tok.decode(ids, skip_special_tokens=False)}
+        vocab, limit = engine.vocab_size, 4 * engine.max_model_len
+        if not isinstance(ids, list) or len(ids) > limit:
+            raise APIError(f"tokens: expected a list of at most {limit} token ids", "tokens")
+
+        def decode() -> str:  # on a worker thread: checking and decoding scale with the list
+            if not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids
+            ):
+                raise APIError(f"tokens: expected token ids in [0, {vocab})", "tokens")
+            return tok.decode(ids, skip_special_tokens=False)
+
+        return {"prompt": await asyncio.to_thread(decode)}
