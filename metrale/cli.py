@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     srv.add_argument("--no-access-log", action="store_true", help="no stderr line per request")
     srv.add_argument(
+        "--allowed-origins",
+        nargs="*",
+        default=(),
+        help="CORS: origins allowed to call the API from a browser (off by default)",
+    )
+    srv.add_argument(
         "--max-body-bytes", type=int, default=32 << 20, help="larger request bodies get a 413"
     )
     srv.add_argument(
@@ -179,6 +185,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         shutdown_grace=args.shutdown_grace,
         access_log=not args.no_access_log,
+        allowed_origins=tuple(args.allowed_origins),
         **engine_options(args),
     )
     return 0

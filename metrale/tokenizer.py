@@ -122,6 +122,15 @@ class Tokenizer:
         self._tok.no_truncation()
         cfg = tokenizer_config or {}
         gen = generation_config or {}
+        # the checkpoint's recommended sampling (generation_config.json), which the server
+        # applies to requests that leave those fields out, as vLLM does
+        self.sampling_defaults: dict[str, float | int] = {
+            name: gen[name]
+            for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+            if isinstance(gen.get(name), (int, float)) and not isinstance(gen.get(name), bool)
+        }
+        if gen.get("do_sample") is False:  # greedy by the checkpoint's own choice
+            self.sampling_defaults["temperature"] = 0.0
         self.chat_template = (
             chat_template if chat_template is not None else cfg.get("chat_template")
         )

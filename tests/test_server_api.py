@@ -67,3 +67,33 @@ def test_models_version_tokenize_detokenize(server):  # noqa: F811
         openai.OpenAI(base_url=url + "/v1", api_key="x").models.retrieve("tiny")
     except openai.NotFoundError:  # pragma: no cover
         raise AssertionError("models.retrieve should find the served model") from None
+
+
+def test_generation_config_sampling_defaults_and_cors(tiny_model_dir, tmp_path):
+    """Fields a request leaves out take the checkpoint's generation_config (greedy here);
+    CORS answers a browser's preflight only for the origins given."""
+    import shutil
+
+    from tests.test_server import Server
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    gen = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**gen, "temperature": 0.0}))
+    srv = Server(model, allowed_origins=("http://app.example",))
+    try:
+        body = {"prompt": [5, 6, 7], "max_tokens": 12, "ignore_eos": True}
+        texts = {httpx.post(srv.url + "/v1/completions", json=body).json()["choices"][0]["text"]}
+        texts.add(httpx.post(srv.url + "/v1/completions", json=body).json()["choices"][0]["text"])
+        greedy = {**body, "temperature": 0}
+        texts.add(httpx.post(srv.url + "/v1/completions", json=greedy).json()["choices"][0]["text"])
+        assert len(texts) == 1  # every one greedy: the checkpoint's default applied
+        pre = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST"}
+        ok = httpx.options(srv.url + "/v1/completions", headers=pre)
+        assert ok.headers.get("access-control-allow-origin") == "http://app.example"
+        other = httpx.options(
+            srv.url + "/v1/completions", headers={**pre, "Origin": "http://evil.example"}
+        )
+        assert "access-control-allow-origin" not in other.headers
+    finally:
+        srv.close()

@@ -25,6 +25,7 @@ def build(
     served_name: str | None = None,
     max_body_bytes: int = 32 << 20,
     access_log: bool = False,
+    allowed_origins: tuple[str, ...] = (),
     **engine_options,
 ):
     """(FastAPI app, EngineLoop) for a model directory (the default model when None)."""
@@ -39,7 +40,9 @@ def build(
     loop = EngineLoop(engine, max_waiting=max_waiting)
     # a Hub id is served under its own name, a directory under its last component
     name = served_name or (str(model) if is_hub_id(model) else Path(model).name)
-    app = create_app(loop, name, api_key, max_body_bytes, access_log=access_log)
+    app = create_app(
+        loop, name, api_key, max_body_bytes, access_log=access_log, allowed_origins=allowed_origins
+    )
     loop.model_name = name
 
     @contextlib.asynccontextmanager
@@ -136,6 +139,7 @@ def serve(
     max_body_bytes: int = 32 << 20,
     shutdown_grace: float = 30.0,
     access_log: bool = True,
+    allowed_origins: tuple[str, ...] = (),
     **engine_options,
 ) -> None:
     """Serve until SIGINT or SIGTERM, then drain and return (exit status 0): new requests get a
@@ -163,7 +167,12 @@ def serve(
                     signal.signal(s, handler)
 
     app, loop = build(
-        model, api_key, max_body_bytes=max_body_bytes, access_log=access_log, **engine_options
+        model,
+        api_key,
+        max_body_bytes=max_body_bytes,
+        access_log=access_log,
+        allowed_origins=allowed_origins,
+        **engine_options,
     )
     print(startup_banner(loop, host, port, api_key is not None), file=sys.stderr, flush=True)
     config = uvicorn.Config(

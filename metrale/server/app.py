@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -57,11 +58,20 @@ def create_app(
     max_body_bytes: int = 32 << 20,
     body_timeout: float = 60.0,
     access_log: bool = False,
+    allowed_origins: tuple[str, ...] = (),
 ) -> FastAPI:
     """`max_body_bytes`: larger bodies get a 413 before they are read; `body_timeout`: seconds
     a client may take to send its body (408 past it); `access_log`: one stderr line per
-    request (client, method, path, status, milliseconds to the response's start)."""
+    request (client, method, path, status, milliseconds to the response's start);
+    `allowed_origins`: CORS for browser clients (off unless given)."""
     app = FastAPI(title="metrale", version="0.1.0")
+    if allowed_origins:  # browsers calling the API from pages of other origins
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+        )
     metrics = ServerMetrics(loop)
     engine = loop.engine
 
@@ -266,7 +276,7 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await read_body(request)
-        params = sampling_params(body, chat=False)
+        params = sampling_params(body, False, engine.tokenizer.sampling_defaults)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) > 1:
@@ -317,7 +327,7 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await read_body(request)
-        params = sampling_params(body, chat=True)
+        params = sampling_params(body, True, engine.tokenizer.sampling_defaults)
         messages = chat_messages(body.get("messages"))
 
         def render() -> list[int]:

@@ -143,9 +143,10 @@ def chat_messages(messages: Any) -> list[dict[str, str]]:
     return out
 
 
-def sampling_params(body: dict, chat: bool) -> SamplingParams:
+def sampling_params(body: dict, chat: bool, defaults: dict | None = None) -> SamplingParams:
+    """`defaults`: the model's generation_config sampling, for fields the body leaves out."""
     check_request(body, chat)
-    kw: dict[str, Any] = {}
+    kw: dict[str, Any] = dict(defaults or {})
     for name, (field, types) in _FIELDS.items():
         if body.get(name) is not None:
             kw[field] = _typed(body, name, types)
