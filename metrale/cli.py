@@ -79,12 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_flags(srv)
     bench = sub.add_parser("bench", help="step times vs roofline, verify cost, speculation speedup")
-    bench.add_argument("--model", default=None, help="HF checkpoint directory (else --shape)")
+    bench.add_argument(
+        "--model", default=None, help="HF checkpoint directory (default: the embedded model)"
+    )
     bench.add_argument(
         "--shape",
-        default="tiny",
-        help="qwen3-8b | qwen3-1.7b | qwen3-0.6b | qwen3-next-a3b-64e | qwen3-next-tiny | tiny "
-        "(random bf16 weights of the published shape)",
+        default=None,
+        help="instead of a checkpoint, random bf16 weights of a published shape: qwen3-8b | "
+        "qwen3-1.7b | qwen3-0.6b | qwen3-next-a3b-64e | qwen3-next-tiny | tiny",
     )
     bench.add_argument("--device", default="auto", help="torch device")
     bench.add_argument("--dtype", default="auto", help="auto: bf16 on GPU, float32 on CPU")

@@ -71,13 +71,15 @@ def test_bench_e2e_drafter_on_the_default_model(tmp_path, capsys):
     body = "".join(f"def f_{i}(x):\n    return x * {i} + 1\n\n\n" for i in range(40))
     (heldout / "mod.py").write_text(body)
     out = tmp_path / "bench"
-    args = ["bench", "--model", str(default_model_dir()), "--e2e-drafter", "mtp"]
+    # without --model: the embedded model (default_model_dir()) and its MTP head
+    args = ["bench", "--e2e-drafter", "mtp"]
     args += ["--device", "cpu", "--dtype", "float32", "--e2e-batch-sizes", "1,2"]
     args += ["--max-tokens", "16", "--prompt-tokens", "32", "--num-drafts", "3"]
     args += ["--heldout", str(heldout), "--out", str(out)]
     assert main(args) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result == json.loads((out / "drafter_e2e.json").read_text())
+    assert result["model"] == str(default_model_dir())
     assert [r["batch"] for r in result["e2e"]] == [1, 2]
     for row in result["e2e"]:
         assert row["identical_outputs"] == 1.0
@@ -237,3 +239,13 @@ def test_bench_forced_acceptance_with_dcut(tmp_path, capsys):
     for row in (zero, one):
         assert row["tpot_ms_plain"] > 0 and row["tpot_ms_spec"] > 0 and row["prefill_ms"] > 0
         assert row["decode_speedup"] > 0 and row["graph_refusals"] == 0
+
+
+def test_bench_defaults_to_the_embedded_model(tmp_path, capsys):
+    """No --model and no --shape: the shipped model's trained weights, not random ones."""
+    out = tmp_path / "bench"
+    args = ["bench", "--device", "cpu", "--batch-sizes", "1", "--q", "1,2", "--context", "16"]
+    args += ["--e2e-batch-sizes", "1", "--max-tokens", "6", "--num-drafts", "1"]
+    assert main([*args, "--out", str(out)]) == 0
+    result = json.loads((out / "bench.json").read_text())
+    assert result["shape"] == str(default_model_dir())

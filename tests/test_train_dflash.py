@@ -79,3 +79,22 @@ def test_cuda_training_runs_through_autograd(corpus, target, tmp_path):  # noqa:
     opts = replace(OPTS, steps=30, lr=5e-3, device="cuda", eval_every=0)
     summary = train_dflash(target[0], corpus, opts, block_size=4, out_dir=tmp_path)
     assert summary["final_train_loss"] < 0.7 * summary["initial_train_loss"]
+
+
+def test_a_run_projected_to_take_hours_is_warned_about(
+    corpus,  # noqa: F811
+    target,  # noqa: F811
+    tmp_path,
+    capsys,
+    monkeypatch,
+):
+    from metrale.train import loop
+
+    monkeypatch.setattr(loop, "LONG_RUN_SECONDS", 0.0)  # any run counts as long here
+    opts = replace(OPTS, steps=12, seq_len=24, eval_every=0)
+    train_dflash(target[0], corpus, opts, block_size=4, out_dir=tmp_path)
+    assert "pass --max-seconds or fewer --steps" in capsys.readouterr().err
+    train_dflash(
+        target[0], corpus, replace(opts, max_seconds=600.0), block_size=4, out_dir=tmp_path / "b"
+    )
+    assert "--max-seconds" not in capsys.readouterr().err  # a bounded run is not warned about

@@ -65,6 +65,10 @@ def run(args) -> dict:
     device = torch.device(
         args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     )
+    if args.model is None and args.shape is None:  # the embedded model, trained weights
+        from metrale.default_model import default_model_dir
+
+        args.model = str(default_model_dir())
     model_dir = (
         Path(args.model) if args.model else write_shape(args.shape, Path(args.out) / "shape")
     )

@@ -23,8 +23,10 @@ from metrale.config import SamplingParams
 def drafter_e2e(args) -> dict:
     """Fields of `args`: model, e2e_drafter, num_drafts, e2e_batch_sizes, max_tokens,
     prompt_tokens, heldout, device, dtype, kv_cache_memory_gb."""
-    if args.model is None:
-        raise ValueError("--e2e-drafter needs --model (a trained checkpoint)")
+    if args.model is None:  # the embedded model and its drafters
+        from metrale.default_model import default_model_dir
+
+        args.model = str(default_model_dir())
     llm = LLM(
         args.model,
         device=args.device,

@@ -138,6 +138,23 @@ def _optimizer(module: nn.Module, opts: TrainOptions, device: torch.device):
     return params, optimizer, scheduler
 
 
+# Past this projected wall time, a run without --max-seconds is warned about.
+LONG_RUN_SECONDS = 3600.0
+
+
+def _warn_if_long(stage: str, opts: TrainOptions, done: int, start: float, device) -> None:
+    """After the first steps, project the run's wall time at the measured pace, and say so
+    when it means hours (the defaults are sized for a GPU, not a laptop's CPU)."""
+    pace = (time.perf_counter() - start) / done
+    projected = pace * (opts.steps - done)
+    if projected > LONG_RUN_SECONDS and opts.max_seconds is None:
+        _log(
+            f"{stage}: at {1 / pace:.2f} steps/s on {device}, the remaining {opts.steps - done} "
+            f"steps take about {projected / 3600:.1f} h; pass --max-seconds or fewer --steps "
+            "(a GPU is far faster)"
+        )
+
+
 def _log(message: str) -> None:
     # stderr, through tqdm so a live bar is redrawn below the line; stdout stays for results.
     tqdm.write(message, file=sys.stderr)
@@ -272,6 +289,7 @@ def run_training(
         total=opts.steps, initial=step, desc=stage, disable=not opts.progress, dynamic_ncols=True
     )
     stopped_early = truncated = False
+    first_step = step
     while step < opts.steps:
         batch = data.sample(opts.batch_size, gen)
         with autocast(device):
@@ -289,6 +307,8 @@ def run_training(
         bar.update(1)
         if step % LOG_EVERY == 0:
             flush()
+            if step - first_step == LOG_EVERY:
+                _warn_if_long(stage, opts, step - first_step, session_start, device)
         if opts.eval_every and step % opts.eval_every == 0 and step < opts.steps:
             run_eval()
         out_of_time = (
