@@ -65,6 +65,12 @@ class PageAllocator:
         seq.block_table.clear()
 
 
+def slots_of(table: list[int], start: int, end: int, page_size: int):
+    """The flat KV slots of positions start .. end - 1 of a sequence with block table `table`
+    (what every writer of paged KV rows indexes by)."""
+    return (table[p // page_size] * page_size + p % page_size for p in range(start, end))
+
+
 def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype, num_layers: int) -> int:
     """Bytes of one page across `num_layers` attention layers (K and V)."""
     per_row = 2 * cfg.num_key_value_heads * cfg.head_dim * torch.finfo(dtype).bits // 8

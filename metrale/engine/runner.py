@@ -12,7 +12,7 @@ import torch
 
 from metrale.config import EngineConfig, ModelConfig
 from metrale.engine.graphs import GraphRunner
-from metrale.engine.kv_cache import DUMMY_PAGE, allocate_kv_cache
+from metrale.engine.kv_cache import DUMMY_PAGE, allocate_kv_cache, slots_of
 from metrale.engine.logits_pipeline import is_plain_greedy
 from metrale.engine.model_setup import default_dtype, dummy_weights, num_pages_for
 from metrale.engine.program_shapes import decode_bucket, padding_rows, ragged_shape
@@ -172,7 +172,7 @@ class ModelRunner:
             end = start + len(tokens)
             input_ids += tokens
             positions += range(start, end)
-            slots += (table[p // page] * page + p % page for p in range(start, end))
+            slots += slots_of(table, start, end, page)
             starts.append(starts[-1] + len(tokens))
             seq_lens.append(end)
         width = max(len(table) for table, _, _ in spans)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from metrale.engine.graphs import capture
-from metrale.engine.kv_cache import DUMMY_PAGE
+from metrale.engine.kv_cache import DUMMY_PAGE, slots_of
 from metrale.engine.program_shapes import decode_bucket
 from metrale.engine.sequence import Sequence
 from metrale.engine.staging import to_device_packed
@@ -62,10 +62,9 @@ class DFlashDrafter:
             if first > have:  # a gap in its context: it is never drafted for again
                 self._context[seq.seq_id] = -1
                 continue
-            table = seq.block_table
             taps.append(v.hidden)
             positions += range(first, first + rows)
-            slots += (table[p // page] * page + p % page for p in range(first, first + rows))
+            slots += slots_of(seq.block_table, first, first + rows, page)
             self._context[seq.seq_id] = max(have, first + rows)
         if not taps:
             return
