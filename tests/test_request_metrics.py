@@ -32,14 +32,17 @@ def test_ttft_and_inter_token_gaps_follow_the_step_time(tiny_model_dir, spec):
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == n
     req = llm.engine.telemetry.request
-    assert req.ttft.count == 1 and DELAY <= req.ttft.total < 10 * DELAY
+    assert req.ttft.count == 1 and req.ttft.total >= DELAY
     assert req.inter_token.count == n - 1  # one gap per token after the first
     steps = llm.engine.telemetry.steps
+    # the first token came after the first step: every later step falls after it (lower bounds
+    # only, from the enforced delay: no wall-clock ceiling for a loaded machine to break)
+    assert req.e2e.total - req.ttft.total >= (steps - 1) * DELAY * 0.99
     # the gaps add up to the decode time: (steps - 1) steps of at least DELAY
     assert req.inter_token.total >= (steps - 1) * DELAY * 0.99
     if spec is not None:
         assert llm.engine.telemetry.spec.num_accepted_tokens > 0
-        assert req.inter_token.total / req.inter_token.count < DELAY  # several tokens a step
+        assert req.inter_token.count > steps - 1  # several tokens a step
     assert req.e2e.count == req.queue.count == req.prefill.count == req.decode.count == 1
     assert req.e2e.total >= req.ttft.total + req.inter_token.total * 0.99
     assert req.generation_tokens.total == n and req.prompt_tokens.total == len(prompt)
