@@ -143,6 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="instead: real tokens/s with and without this drafter on --model, held-out prompts",
     )
+    bench.add_argument(
+        "--steady-requests-per-slot",
+        type=int,
+        default=4,
+        help="--e2e-drafter: also stream this many requests per slot through each batch size's "
+        "slots (steady state, as a server sees; 0: closed batches only)",
+    )
     modes = bench.add_subparsers(dest="bench_mode", metavar="serve")
     serve_bench = modes.add_parser(
         "serve", help="load an OpenAI-compatible server: TTFT, TPOT, ITL, e2e percentiles"

@@ -75,9 +75,11 @@ def test_bench_e2e_drafter_on_the_default_model(tmp_path, capsys):
     args = ["bench", "--e2e-drafter", "mtp"]
     args += ["--device", "cpu", "--dtype", "float32", "--e2e-batch-sizes", "1,2"]
     args += ["--max-tokens", "16", "--prompt-tokens", "32", "--num-drafts", "3"]
-    args += ["--heldout", str(heldout), "--out", str(out)]
+    args += ["--heldout", str(heldout), "--out", str(out), "--steady-requests-per-slot", "2"]
     assert main(args) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    printed = capsys.readouterr().out
+    result = json.loads(printed.strip().splitlines()[-1])
+    assert "steady state (2 requests per slot)" in printed
     assert result == json.loads((out / "drafter_e2e.json").read_text())
     assert result["model"] == str(default_model_dir())
     assert [r["batch"] for r in result["e2e"]] == [1, 2]
@@ -85,6 +87,9 @@ def test_bench_e2e_drafter_on_the_default_model(tmp_path, capsys):
         assert row["identical_outputs"] == 1.0
         assert 1.0 < row["mean_acceptance_length"] <= 4.0  # the trained head is sometimes right
         assert row["tokens_per_s_plain"] > 0 and row["tokens_per_s_spec"] > 0
+        # steady state: twice as many requests as slots, streamed through them
+        assert row["steady"]["requests"] == 2 * row["batch"]
+        assert 1.0 < row["steady"]["mean_acceptance_length"] <= 4.0
 
 
 @pytest.mark.parametrize("variant", ["write_on_accept", "per_row_slots"])
@@ -249,3 +254,33 @@ def test_bench_defaults_to_the_embedded_model(tmp_path, capsys):
     assert main([*args, "--out", str(out)]) == 0
     result = json.loads((out / "bench.json").read_text())
     assert result["shape"] == str(default_model_dir())
+
+
+def test_steady_state_streams_requests_through_the_slots(tiny_model_dir):
+    """`concurrency` caps the running sequences (the rest wait, as in a server's queue) and
+    restores the engine's own limit afterwards, even when the run raises."""
+    from metrale.bench.drafter import concurrency
+    from metrale.config import SamplingParams
+
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", max_num_seqs=4)
+    engine = llm.engine
+    most = 0
+    step = engine.step
+
+    def counting_step():
+        nonlocal most
+        outputs = step()
+        most = max(most, len(engine.scheduler.running))
+        return outputs
+
+    engine.step = counting_step
+    with concurrency(llm, 2):
+        outs = llm.generate(
+            [[1, 2, 3]] * 5, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False
+        )
+    assert len(outs) == 5 and all(len(o.outputs[0].token_ids) == 4 for o in outs)
+    assert most == 2
+    assert engine.scheduler.max_num_seqs == 4
+    with pytest.raises(RuntimeError), concurrency(llm, 1):
+        raise RuntimeError
+    assert engine.scheduler.max_num_seqs == 4

@@ -7,11 +7,20 @@ the second of two identical runs (graphs captured, caches warm). Reports tokens/
 speedup (end to end, and of the decode phase alone: time per output token with the prefill
 subtracted), the mean acceptance length, and how many outputs equal the non-speculative ones (bf16
 verify rows round differently from decode rows, so near-ties may flip; float32 never does).
+
+Those runs are closed batches: the batch ends with its slowest sequence, and a sequence whose
+drafts are seldom accepted keeps the others' slots idle while it finishes. A serving engine sees
+arrivals instead, so each batch size is also run in steady state (`--steady-requests-per-slot`
+N > 0): N x batch requests through `batch` slots, a new request taking each freed slot, the
+tokens/s of both modes over the whole run (prefills included, as a server pays them), with
+output lengths that vary from request to request.
 """
 
 from __future__ import annotations
 
+import random
 import sysconfig
+from contextlib import contextmanager
 from pathlib import Path
 
 from metrale.api import LLM
@@ -20,9 +29,53 @@ from metrale.bench.e2e import prefill_seconds, timed_generate
 from metrale.config import SamplingParams
 
 
+@contextmanager
+def concurrency(llm: LLM, slots: int):
+    """At most `slots` sequences run at once (the rest wait, as a server's queue does)."""
+    scheduler = llm.engine.scheduler
+    before, scheduler.max_num_seqs = scheduler.max_num_seqs, min(slots, scheduler.max_num_seqs)
+    try:
+        yield
+    finally:
+        scheduler.max_num_seqs = before
+
+
+def steady_state(llm: LLM, prompts: list[list[int]], slots: int, max_tokens: int) -> dict:
+    """Tokens/s with and without speculation when `prompts` stream through `slots` slots.
+
+    Each request asks for a seeded length in [max_tokens / 2, 3 max_tokens / 2], as real
+    outputs vary: with equal lengths, plain decoding would finish and admit whole waves of
+    requests at once (one prefill step per wave) while speculation, whose sequences finish
+    apart, admits them one at a time, and the comparison would measure that artefact."""
+    rng = random.Random(slots)
+    lengths = [rng.randint(max(max_tokens // 2, 1), max_tokens * 3 // 2) for _ in prompts]
+    tel = llm.engine.telemetry.spec
+
+    def params(speculative: bool) -> list[SamplingParams]:
+        return [
+            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, speculative=speculative)
+            for n in lengths
+        ]
+
+    with concurrency(llm, slots):
+        _, t_plain = timed_generate(llm, prompts, params(False))
+        before = (tel.num_drafts, tel.num_accepted_tokens)
+        _, t_spec = timed_generate(llm, prompts, params(True))
+    drafts, accepted = tel.num_drafts - before[0], tel.num_accepted_tokens - before[1]
+    tokens = sum(lengths)
+    return {
+        "requests": len(prompts),
+        "output_tokens": tokens,
+        "tokens_per_s_plain": tokens / t_plain,
+        "tokens_per_s_spec": tokens / t_spec,
+        "speedup": t_plain / t_spec,
+        "mean_acceptance_length": 1 + accepted / max(drafts, 1),
+    }
+
+
 def drafter_e2e(args) -> dict:
     """Fields of `args`: model, e2e_drafter, num_drafts, e2e_batch_sizes, max_tokens,
-    prompt_tokens, heldout, device, dtype, kv_cache_memory_gb."""
+    prompt_tokens, heldout, device, dtype, kv_cache_memory_gb, steady_requests_per_slot."""
     if args.model is None:  # the embedded model and its drafters
         from metrale.default_model import default_model_dir
 
@@ -37,8 +90,12 @@ def drafter_e2e(args) -> dict:
         spec={"method": args.e2e_drafter, "num_drafts": args.num_drafts},
     )
     heldout = args.heldout or sysconfig.get_paths()["stdlib"]
+    per_slot = args.steady_requests_per_slot
     prompts_all = heldout_prompts(
-        Path(heldout), llm.tokenizer, max(args.e2e_batch_sizes), args.prompt_tokens
+        Path(heldout),
+        llm.tokenizer,
+        max(args.e2e_batch_sizes) * max(per_slot, 1),
+        args.prompt_tokens,
     )
     rows = []
     for batch in args.e2e_batch_sizes:
@@ -73,6 +130,9 @@ def drafter_e2e(args) -> dict:
                 / batch,
             }
         )
+        if per_slot > 0:
+            steady = prompts_all[: batch * per_slot]
+            rows[-1]["steady"] = steady_state(llm, steady, batch, args.max_tokens)
     return {
         "model": str(args.model),
         "drafter": args.e2e_drafter,
@@ -82,6 +142,7 @@ def drafter_e2e(args) -> dict:
         "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens,
         "heldout": str(heldout),
+        "steady_requests_per_slot": per_slot,
         "e2e": rows,
     }
 
@@ -100,4 +161,17 @@ def format_drafter_e2e(result: dict) -> str:
             f"{r['decode_speedup']:8.2f}  {r['mean_acceptance_length']:10.2f}  "
             f"{r['identical_outputs']:9.2f}"
         )
+    steady = [r for r in result["e2e"] if "steady" in r]
+    if steady:
+        lines.append(
+            f"steady state ({result['steady_requests_per_slot']} requests per slot):\n"
+            "slots  requests  plain_tok_s  spec_tok_s  speedup  accept_len"
+        )
+        for r in steady:
+            s = r["steady"]
+            lines.append(
+                f"{r['batch']:5d}  {s['requests']:8d}  {s['tokens_per_s_plain']:11.1f}  "
+                f"{s['tokens_per_s_spec']:10.1f}  {s['speedup']:7.2f}  "
+                f"{s['mean_acceptance_length']:10.2f}"
+            )
     return "\n".join(lines)

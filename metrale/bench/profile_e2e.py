@@ -20,6 +20,7 @@ from pathlib import Path
 
 from metrale.api import LLM
 from metrale.bench.acceptance import heldout_prompts
+from metrale.bench.drafter import concurrency
 from metrale.bench.shapes import write_shape
 from metrale.config import SamplingParams
 from metrale.engine.calibrate import sync
@@ -42,6 +43,7 @@ class PhaseTimer:
             (engine.runner, "execute"),
             (engine.runner, "_replay"),
             (engine.runner, "_metadata"),
+            (engine.runner, "_forward"),
             (runner_mod, "accept"),
             (runner_mod, "build_layout"),
             (SamplingBatch, "build"),
@@ -61,6 +63,7 @@ class PhaseTimer:
             ]
         self.totals: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        self.longest: dict[str, float] = {}
 
     def _wrap(self, obj, name: str):
         fn = getattr(obj, name)
@@ -72,7 +75,9 @@ class PhaseTimer:
             try:
                 return fn(*a, **kw)
             finally:
-                self.totals[label] = self.totals.get(label, 0.0) + time.perf_counter() - start
+                took = time.perf_counter() - start
+                self.totals[label] = self.totals.get(label, 0.0) + took
+                self.longest[label] = max(self.longest.get(label, 0.0), took)
                 self.calls[label] = self.calls.get(label, 0) + 1
 
         return timed
@@ -92,10 +97,13 @@ class PhaseTimer:
 
     def report(self) -> str:
         steps = max(self.calls.get("LLMEngine.step", 1), 1)
-        lines = [f"{'phase':28s} {'calls':>6s} {'total_ms':>9s} {'per_step_ms':>11s}"]
+        lines = [
+            f"{'phase':28s} {'calls':>6s} {'total_ms':>9s} {'per_step_ms':>11s} {'max_ms':>8s}"
+        ]
         for label, total in sorted(self.totals.items(), key=lambda kv: -kv[1]):
             lines.append(
-                f"{label:28s} {self.calls[label]:6d} {total * 1e3:9.2f} {total * 1e3 / steps:11.3f}"
+                f"{label:28s} {self.calls[label]:6d} {total * 1e3:9.2f} "
+                f"{total * 1e3 / steps:11.3f} {self.longest[label] * 1e3:8.2f}"
             )
         return "\n".join(lines)
 
@@ -131,19 +139,54 @@ def profiled(llm: LLM, prompts, params, label: str) -> list:
     return outs
 
 
+def kernels(llm: LLM, prompts, params, label: str) -> list:
+    """torch.profiler over one generation: the wall time against the device's busy time (the
+    sum of kernel times), so a host-bound run shows as a low busy share; the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    llm.generate(prompts, params, use_tqdm=False)  # warm: graphs captured
+    sync(llm.engine.runner.device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        sync(llm.engine.runner.device)
+        elapsed = time.perf_counter() - start
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    busy = sum(e.self_device_time_total for e in events) / 1e3  # ms
+    print(
+        f"== {label}: {elapsed * 1e3:.1f} ms wall (profiled), device busy {busy:.1f} ms "
+        f"({busy / (elapsed * 1e3):.0%})",
+        flush=True,
+    )
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:15]:
+        print(f"{e.self_device_time_total / 1e3:9.2f} ms {e.count:7d}  {e.key[:100]}")
+    return outs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-8b")
     ap.add_argument("--model", default=None, help="a checkpoint: profile its own drafter")
     ap.add_argument("--drafter", default="mtp", choices=("mtp", "ngram", "dflash"))
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument(
+        "--requests-per-slot",
+        type=int,
+        default=1,
+        help="--model: stream this many requests per slot through --batch slots (steady state)",
+    )
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--alpha", type=float, default=0.8)
     ap.add_argument("--phases", action="store_true", help="wall time per phase, not cProfile")
+    ap.add_argument(
+        "--kernels", action="store_true", help="device busy time and top kernels (CUDA)"
+    )
     args = ap.parse_args()
     global profiled
     if args.phases:
         profiled = phased
+    elif args.kernels:
+        profiled = kernels
     if args.model is not None:
         llm = LLM(
             args.model,
@@ -153,10 +196,11 @@ def main() -> None:
             spec={"method": args.drafter, "num_drafts": 3},
         )
         stdlib = Path(sysconfig.get_paths()["stdlib"])
-        prompts = heldout_prompts(stdlib, llm.tokenizer, args.batch, 128)
+        prompts = heldout_prompts(stdlib, llm.tokenizer, args.batch * args.requests_per_slot, 128)
         base = dict(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-        profiled(llm, prompts, SamplingParams(**base, speculative=False), "plain")
-        profiled(llm, prompts, SamplingParams(**base), "spec")
+        with concurrency(llm, args.batch):
+            profiled(llm, prompts, SamplingParams(**base, speculative=False), "plain")
+            profiled(llm, prompts, SamplingParams(**base), "spec")
         return
     drafter = ReplayDrafter({}, args.alpha, vocab_size=2)
     llm = LLM(

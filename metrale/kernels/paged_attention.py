@@ -1,13 +1,18 @@
-"""Paged attention for decode and verify rows on CUDA, as a Triton kernel.
+"""Paged attention on CUDA, as one Triton kernel for decode, verify and prefill rows.
 
-One program per (sequence, KV head) reads that head's pages once, for all of the sequence's query
-rows (a decode row, or the last token plus its drafts) and all query heads sharing the KV head
-(GQA): the tile is [BLOCK_Q rows x GROUP heads, D] against each [PAGE, D] page, with an online
-softmax, and row r sees keys up to its own position (causal within the verify rows). When few
-sequences run, each (sequence, head) is split over its pages into `num_splits` programs
-(flash-decoding) and a second kernel combines their partial softmaxes. Prefill chunks (many rows
-per sequence) stay on the torch reference path, `models/attention.TorchPagedAttention`, which is
-also this kernel's test oracle.
+Decode and verify: one program per (sequence, KV head) reads that head's pages once, for all of
+the sequence's query rows (a decode row, or the last token plus its drafts) and all query heads
+sharing the KV head (GQA): the tile is [BLOCK_Q rows x GROUP heads, D] against each [PAGE, D]
+page, with an online softmax, and row r sees keys up to its own position (causal within the
+verify rows). When few sequences run, each (sequence, head) is split over its pages into
+`num_splits` programs (flash-decoding) and a second kernel combines their partial softmaxes.
+
+Prefill chunks (more than MAX_KERNEL_ROWS rows in a sequence) tile the query rows instead: the
+third program axis picks a tile of PREFILL_TILE_ROWS rows, which reads the pages up to its last
+row's position only (causal). Every shape runs the same compiled kernel, so a step that mixes
+prefill chunks with decode or verify rows costs no per-shape set-up (the torch reference's SDPA
+built a cuDNN plan for each new padded shape: about 15 ms a step on the H200).
+`models/attention.TorchPagedAttention` stays the kernel's test oracle and the CPU path.
 
 Nothing here runs without CUDA and Triton; `TritonPagedAttention` falls back to the reference for
 what it does not cover.
@@ -30,8 +35,10 @@ except ImportError:  # CPU machines: the reference path serves
 
 # Under the Triton interpreter the kernels run on CPU tensors (the CPU tests use it).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# Rows per sequence the kernel takes (a verify of K = 15 drafts); more rows go to the reference.
+# Rows per sequence held in one tile (a verify of K = 15 drafts); more rows are tiled (prefill).
 MAX_KERNEL_ROWS = 16
+# Tile rows (query rows x heads of a GQA group) of a prefill program.
+PREFILL_TILE_ROWS = 64
 
 if triton is not None:
 
@@ -62,18 +69,20 @@ if triton is not None:
         D: tl.constexpr,
         PAGE: tl.constexpr,
         SPLITS: tl.constexpr,
+        Q_TILED: tl.constexpr,
         PRECISION: tl.constexpr,
         DOT_F32: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
-        split = tl.program_id(2)
+        split = tl.program_id(2)  # the KV split; with Q_TILED, the tile of query rows
         start = tl.load(starts_ptr + seq)
         q_len = tl.load(starts_ptr + seq + 1) - start
         seq_len = tl.load(lens_ptr + seq)
+        first_row = split * BLOCK_Q if Q_TILED else 0
         # tile row = query row * GROUP_P + head in group (GROUP padded to a power of two)
         m_idx = tl.arange(0, BLOCK_Q * GROUP_P)
-        row = m_idx // GROUP_P
+        row = first_row + m_idx // GROUP_P
         head = kvh * GROUP + m_idx % GROUP_P
         row_ok = (row < q_len) & (m_idx % GROUP_P < GROUP)
         pos = seq_len - q_len + row  # each query row's position
@@ -89,11 +98,18 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
         acc = tl.zeros([BLOCK_Q * GROUP_P, D], tl.float32)
         n = tl.arange(0, PAGE)
-        # This program's share of the sequence's pages (all of them when SPLITS == 1).
         num_pages = tl.cdiv(seq_len, PAGE)
-        per_split = tl.cdiv(num_pages, SPLITS)
-        first = split * per_split
-        for p in range(first, tl.minimum(first + per_split, num_pages)):
+        if Q_TILED:
+            # causal: the pages up to the tile's last row (none for a tile past the rows)
+            last_row = tl.minimum(first_row + BLOCK_Q, q_len)
+            first = 0
+            end = tl.where(first_row < q_len, tl.cdiv(seq_len - q_len + last_row, PAGE), 0)
+        else:
+            # This program's share of the sequence's pages (all of them when SPLITS == 1).
+            per_split = tl.cdiv(num_pages, SPLITS)
+            first = split * per_split
+            end = tl.minimum(first + per_split, num_pages)
+        for p in range(first, end):
             page = tl.load(tables_ptr + seq * stride_bt + p)
             base = page * stride_cp + kvh * stride_ch
             k = tl.load(k_ptr + base + n[:, None] * stride_co + d[None, :])  # [PAGE, D]
@@ -199,14 +215,13 @@ def triton_available(head_dim: int) -> bool:
 
 
 class TritonPagedAttention(TorchPagedAttention):
-    """The Triton kernel for batches of at most MAX_KERNEL_ROWS rows per sequence; the torch
-    reference (this class's parent) for prefill chunks."""
+    """The Triton kernel for every batch it covers (CUDA, or the interpreter; pages of a power
+    of two >= 16 rows); the torch reference (this class's parent) otherwise."""
 
     def _kernel_covers(self, meta: AttentionMetadata) -> bool:
         # tl.dot tiles need 16+ keys per page; head_dim a power of two >= 16 (checked at init).
         return (
-            meta.max_query_len <= MAX_KERNEL_ROWS
-            and meta.page_size >= 16
+            meta.page_size >= 16
             and meta.page_size & (meta.page_size - 1) == 0
             and (meta.slot_mapping.is_cuda or INTERPRETED)
         )
@@ -221,19 +236,23 @@ class TritonPagedAttention(TorchPagedAttention):
         heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
         group = heads // kv_heads
         group_p = triton.next_power_of_2(group)
-        # tl.dot needs 16+ tile rows: with few heads per group, pad the query rows.
-        block_q = max(triton.next_power_of_2(meta.max_query_len), max(1, 16 // group_p))
+        tiled = meta.max_query_len > MAX_KERNEL_ROWS
+        if tiled:  # prefill: tiles of query rows, one program each
+            block_q = max(PREFILL_TILE_ROWS // group_p, 1)
+        else:  # tl.dot needs 16+ tile rows: with few heads per group, pad the query rows
+            block_q = max(triton.next_power_of_2(meta.max_query_len), max(1, 16 // group_p))
         out = torch.empty_like(q)
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [pages, page, Hkv, D]
         q = q.to(k_cache.dtype)
-        splits = num_splits(meta.num_seqs, kv_heads, q.device)
+        splits = 1 if tiled else num_splits(meta.num_seqs, kv_heads, q.device)
+        programs = -(-meta.max_query_len // block_q) if tiled else splits
         rows = q.shape[0]
         if splits > 1:
             part_ml = torch.empty(rows, heads, splits, 2, dtype=torch.float32, device=q.device)
             part_acc = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=q.device)
         else:
             part_ml = part_acc = out  # unused
-        _paged_attention_kernel[(meta.num_seqs, kv_heads, splits)](
+        _paged_attention_kernel[(meta.num_seqs, kv_heads, programs)](
             q,
             k_cache,
             v_cache,
@@ -259,6 +278,7 @@ class TritonPagedAttention(TorchPagedAttention):
             D=dim,
             PAGE=k_cache.shape[1],
             SPLITS=splits,
+            Q_TILED=tiled,
             PRECISION="ieee" if q.dtype == torch.float32 or INTERPRETED else "tf32",
             DOT_F32=INTERPRETED,
         )
