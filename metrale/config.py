@@ -336,6 +336,10 @@ class EngineConfig:
     # graph padding (`program_shapes`), so that no decode or verify step is refused.
     cuda_graphs: bool = _opt(True, "replay decode and verify steps as CUDA graphs (CUDA only)")
     graph_max_rows: int | None = _opt(None, "rows a graphed step takes at most (default: all)")
+    # Steps with prompt (prefill) chunks of at most this many rows in all replay captured
+    # programs too, on dense targets (a short prompt's eager forward is mostly launch overhead);
+    # rounded down to a power of two; 0 runs every such step eagerly.
+    graph_prefill_rows: int = _opt(512, "rows of a graphed step with prompt chunks (0: eager)")
     # How a hybrid target's verify treats the recurrent state (HYBRID_VERIFY_STATES, see
     # `models/gdn_state.py`): "write_on_accept" writes it once, for the accepted rows;
     # "per_row_slots" writes every row's state into K+1 entries per sequence and commits by
@@ -376,6 +380,10 @@ class EngineConfig:
         ):
             raise ValueError(
                 f"graph_max_rows must be None or an integer >= 1, got {self.graph_max_rows!r}"
+            )
+        if not isinstance(self.graph_prefill_rows, int) or self.graph_prefill_rows < 0:
+            raise ValueError(
+                f"graph_prefill_rows must be an integer >= 0, got {self.graph_prefill_rows!r}"
             )
         if not isinstance(self.num_lookahead_rows, int) or self.num_lookahead_rows < 0:
             raise ValueError(

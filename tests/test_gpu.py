@@ -104,6 +104,33 @@ def test_cuda_graph_replay_equals_eager(tiny_model_dir):
     assert spec.engine.runner.graphs.cache.stats()["misses"] > 0  # verify steps were graphed
 
 
+def test_cuda_prefill_programs_equal_eager(tiny_model_dir):
+    """Prompts arriving while others decode and verify (3 slots, chunked prompts): steps with
+    prompt chunks replay prefill programs captured at start-up, and the output equals eager
+    plain decoding (float32), with and without speculation."""
+    from metrale.engine.program_shapes import PrefillShape
+    from tests.test_spec_lossless import replay
+
+    prompts = [[(5 * i + 7 * j) % 300 + 3 for j in range(4 + 9 * i)] for i in range(9)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    eager = LLM(tiny_model_dir, device="cuda", dtype="float32", cuda_graphs=False)
+    ref = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    kwargs = dict(device="cuda", dtype="float32", max_num_seqs=3, max_num_batched_tokens=48)
+    for llm in (
+        LLM(tiny_model_dir, **kwargs),
+        LLM(tiny_model_dir, drafter=replay(prompts, ref, 0.7), spec={"num_drafts": 3}, **kwargs),
+    ):
+        runner = llm.engine.runner
+        assert runner.graphs.prefill_rows == 32
+        before = runner.graphs.cache.stats()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        stats = runner.graphs.cache.stats()
+        assert stats["misses"] == before["misses"]  # every program was captured at start-up
+        assert any(isinstance(key[0], PrefillShape) for key in runner.graphs.cache._programs)
+        assert stats["hits"] > before["hits"]
+
+
 def test_cuda_mtp_chain_graphs_are_lossless():
     """The shipped model's MTP drafter on CUDA: chain steps replay captured programs, and the
     speculative output equals plain greedy output (float32)."""
@@ -123,7 +150,12 @@ def test_cuda_batch_64_k3_ragged_programs_never_refuse(tiny_model_dir):
     """64 sequences at mixed depths (K = 3, D-Cut off): every decode and verify step replays a
     ragged program captured at start-up (no refusal, no capture mid-run), output equal to eager
     plain decoding."""
-    from metrale.engine.program_shapes import RaggedShape, all_ragged_shapes
+    from metrale.engine.program_shapes import (
+        PrefillShape,
+        RaggedShape,
+        all_prefill_shapes,
+        all_ragged_shapes,
+    )
     from tests.test_spec_lossless import replay
 
     prompts = [[(3 * i + 5 * j) % 400 + 3 for j in range(6 + i % 11)] for i in range(64)]
@@ -140,10 +172,11 @@ def test_cuda_batch_64_k3_ragged_programs_never_refuse(tiny_model_dir):
     )
     runner = spec.engine.runner
     captured = runner.graphs.cache.stats()["misses"]
-    assert captured == len(all_ragged_shapes(64, 4))
+    assert captured == len(all_ragged_shapes(64, 4)) + len(all_prefill_shapes(64, 512, 4))
     outs = spec.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert runner.graphs.ragged and runner.graph_refusals == 0
     stats = runner.graphs.cache.stats()
-    assert all(isinstance(key[0], RaggedShape) for key in runner.graphs.cache._programs)
+    programs = runner.graphs.cache._programs
+    assert all(isinstance(key[0], (RaggedShape, PrefillShape)) for key in programs)
     assert stats["misses"] == captured and stats["hits"] > 0

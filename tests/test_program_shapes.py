@@ -1,8 +1,9 @@
 """Ragged programs (dense targets): every step of up to max_num_seqs sequences of 1..1+K rows
 pads to a shape the graph workspace holds, with few distinct shapes; and a step run through the
 ragged padding (padding sequences on the dummy page after the real rows) gives exactly the
-output of plain decoding, with speculation at mixed depths. CPU: an eager stand-in replays the
-program (capture itself needs CUDA; the GPU tests run the real one)."""
+output of plain decoding, with speculation at mixed depths. Prefill programs likewise for steps
+with prompt chunks. CPU: an eager stand-in replays the program (capture itself needs CUDA; the
+GPU tests run the real one)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ import pytest
 from metrale import LLM, SamplingParams
 from metrale.engine.graphs import ProgramCache
 from metrale.engine.program_shapes import (
+    PrefillShape,
     RaggedShape,
+    all_prefill_shapes,
     all_ragged_shapes,
     default_max_rows,
     max_ragged_seqs,
     padding_rows,
+    prefill_shape,
     ragged_shape,
 )
 from metrale.models.attention import AttentionMetadata
@@ -61,13 +65,17 @@ class EagerPrograms:
 
     ragged = True
 
-    def __init__(self, model, max_q: int, page_size: int) -> None:
+    def __init__(self, model, max_q: int, page_size: int, prefill_rows: int = 0) -> None:
         self.model, self.max_q, self.page_size = model, max_q, page_size
-        self.shapes: list[RaggedShape] = []
+        self.prefill_rows = prefill_rows
+        self.shapes: list[RaggedShape | PrefillShape] = []
 
-    def run(self, shape, ids, positions, slots, starts, lens, tables, max_seq_len, state=None):
+    def run(
+        self, shape, ids, positions, slots, starts, lens, tables, max_seq_len, state=None, rows=None
+    ):
         assert state is None and ids.shape[0] == shape.rows()
         assert lens.shape[0] == shape.num_seqs
+        assert (rows is None) == isinstance(shape, RaggedShape)
         self.shapes.append(shape)
         meta = AttentionMetadata(
             slot_mapping=slots,
@@ -80,7 +88,9 @@ class EagerPrograms:
             page_size=self.page_size,
         )
         hidden = self.model(ids, positions, meta)
-        return hidden, self.model.compute_logits(hidden), None
+        if rows is not None:
+            assert rows.shape[0] == shape.samples
+        return hidden, self.model.compute_logits(hidden, rows), None
 
 
 def test_ragged_padding_is_lossless_with_mixed_depths(tiny_model_dir):
@@ -97,3 +107,45 @@ def test_ragged_padding_is_lossless_with_mixed_depths(tiny_model_dir):
     shapes = runner.graphs.shapes
     assert any(s.rows() > s.num_seqs for s in shapes), "no verify went through the programs"
     assert llm.engine.telemetry.spec.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("max_seqs,max_q", CONFIGS)
+def test_every_prefill_step_fits_a_captured_shape(max_seqs, max_q):
+    """Every step of up to `max_seqs` sequences and 256 rows pads to a shape captured at
+    start-up, whose spare sequence takes the padding rows and whose gathered logits hold every
+    sampling row (1 + K per sequence at most)."""
+    captured = set(all_prefill_shapes(max_seqs, 256, max_q))
+    for seqs in range(1, min(max_seqs, 256) + 1):
+        for rows in sorted({seqs, seqs + 1, 2 * seqs + 3, 100, 255, 256}):
+            if not seqs <= rows <= 256:
+                continue
+            shape = prefill_shape(seqs, rows, max_q)
+            assert shape in captured, (seqs, rows)
+            assert shape.rows() >= rows and shape.num_seqs > seqs
+            assert shape.samples >= min(rows, seqs * max_q)
+            assert sum(shape.layout()) == shape.rows()
+    with pytest.raises(ValueError):
+        prefill_shape(3, 2, 4)
+
+
+@pytest.mark.parametrize("num_drafts", [0, 3])
+def test_prefill_programs_are_lossless_with_arrivals(tiny_model_dir, num_drafts):
+    """Prompts of several lengths arriving while others decode (chunked, mixed with decode and
+    verify rows), through prefill programs padded as on CUDA: the output equals eager plain
+    decoding, and steps with prompt chunks did run as prefill programs."""
+    prompts = [[(5 * i + 7 * j) % 300 + 3 for j in range(4 + 9 * i)] for i in range(7)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLM(tiny_model_dir, device="cpu").generate(prompts, params, use_tqdm=False)
+    reference = [o.outputs[0].token_ids for o in plain]
+    kwargs = dict(device="cpu", max_num_seqs=3, max_num_batched_tokens=40)
+    if num_drafts:
+        drafter = ReplayDrafter(dict(zip(map(tuple, prompts), reference, strict=True)), 0.6, 300)
+        llm = LLM(tiny_model_dir, drafter=drafter, spec={"num_drafts": num_drafts}, **kwargs)
+    else:
+        llm = LLM(tiny_model_dir, **kwargs)
+    runner = llm.engine.runner
+    runner.graphs = EagerPrograms(runner.model, num_drafts + 1, runner.page_size, 32)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    prefills = [s for s in runner.graphs.shapes if isinstance(s, PrefillShape)]
+    assert prefills and all(s.rows() <= 32 for s in prefills)

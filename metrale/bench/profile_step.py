@@ -23,6 +23,7 @@ from metrale.bench.shapes import write_shape
 from metrale.bench.timing import weight_bytes
 from metrale.engine.calibrate import median_time, synthetic_batch
 from metrale.engine.program_shapes import decode_bucket, ragged_shape
+from metrale.engine.replay import replay_decode
 from metrale.knobs import knobs
 from metrale.models.gdn_state import StateMode
 from metrale.speculative.row_table import RowTable
@@ -39,7 +40,7 @@ def host_pieces(llm: LLM, batch) -> dict[str, float]:
     sync()
     out["metadata_ms"] = (t() - start) * 1e3
     start = t()
-    runner._replay(batch)
+    replay_decode(runner, batch)
     sync()
     out["replay_ms"] = (t() - start) * 1e3
     start = t()

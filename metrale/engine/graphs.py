@@ -17,6 +17,7 @@ verify program returns the `GDNState` whose pending rows `StateSlots.commit` set
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -27,7 +28,10 @@ import torch
 
 from metrale.engine.kv_cache import DUMMY_PAGE
 from metrale.engine.program_shapes import (
+    PREFILL_MIN_ROWS,
+    PrefillShape,
     RaggedShape,
+    all_prefill_shapes,
     all_ragged_shapes,
     capture_layout,
     default_max_rows,
@@ -131,15 +135,27 @@ def kv_bucket(max_seq_len: int, limit: int) -> int:
 
 def capture(fn, pool, device: torch.device):
     """(graph, outputs) of `fn()` captured into `pool`, after one warm-up run on a side stream
-    (lazy initialisation and Triton autotuning must not land inside the capture)."""
+    (lazy initialisation and Triton autotuning must not land inside the capture).
+
+    The garbage collector is off during the capture: a collection there may free tensors of
+    objects already dropped (another engine's, in one process), and the allocator's event
+    queries for them invalidate the capture (on the H200, the hybrid GPU tests, which build
+    several engines in one process, failed with cudaErrorStreamCaptureInvalidated in 2 of 3
+    runs; with the collector off, in none of 4)."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         fn()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        outputs = fn()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = fn()
+    finally:
+        if collecting:
+            gc.enable()
     return graph, outputs
 
 
@@ -157,13 +173,15 @@ class GraphRunner:
         state_pool: GDNState | None = None,
         max_q: int = 1,
         max_seqs: int = 1,
+        prefill_rows: int = 0,
     ) -> None:
         """`paged_kernel`: the attention reads pages itself (no gather to a fixed length), so
         programs need no KV bucket in their key. `state_pool`: a hybrid target's state.
         `max_q`: the most rows one sequence runs in a step (1 + K); `max_seqs`: sequences.
         With the paged kernel and no recurrent state, programs are ragged
-        (`program_shapes.py`). `max_rows` None: as many rows as any step of `max_seqs`
-        sequences can need, so no step is refused."""
+        (`program_shapes.py`), and steps with prefill chunks of up to `prefill_rows` rows
+        (rounded down to a power of two; 0: none) replay prefill programs. `max_rows` None: as
+        many rows as any step of `max_seqs` sequences can need, so no step is refused."""
         self.model, self.page_size, self.device = model, page_size, device
         self.state_pool = state_pool
         self.max_model_len = max_model_len
@@ -171,14 +189,26 @@ class GraphRunner:
         self.ragged = paged_kernel and state_pool is None
         self.max_q, self.max_seqs = max_q, max_seqs
         shapes = all_ragged_shapes(max_seqs, max_q) if self.ragged else []
+        # the largest power of two of rows a prefill program takes (0: steps with prefill
+        # chunks run eagerly), within the rows the user allowed a graphed step
+        prefill_rows = 1 << (prefill_rows.bit_length() - 1) if self.ragged and prefill_rows else 0
+        decode_rows = max_rows or default_max_rows(max_seqs, max_q, self.ragged)
         if max_rows is None:
-            max_rows = default_max_rows(max_seqs, max_q, self.ragged)
+            max_rows = max(decode_rows, prefill_rows)
+        self.prefill_rows = 0
+        if min(prefill_rows, max_rows) >= PREFILL_MIN_ROWS:
+            self.prefill_rows = 1 << (min(prefill_rows, max_rows).bit_length() - 1)
+        prefill = all_prefill_shapes(max_seqs, self.prefill_rows, max_q)
+        shapes += prefill
         self.cache: ProgramCache = ProgramCache(
             self._capture,
             max_rows,
             # every start-up program stays: none is evicted and captured again mid-run
             cap=max(CACHE_CAP, len(shapes)),
-            min_seqs=max_ragged_seqs(max_seqs, max_q) if self.ragged else 0,
+            min_seqs=max(
+                [max_ragged_seqs(max_seqs, max_q) if self.ragged else 0]
+                + [shape.num_seqs for shape in prefill]
+            ),
         )
         self._ragged_shapes = shapes
         ws = self.cache.workspace
@@ -193,9 +223,13 @@ class GraphRunner:
         self.block_tables = zeros(ws.seqs, pages)
         # Every program writes its logits here (float32 [rows, V]): one buffer instead of one
         # per program (hundreds of MB each at 150k vocabulary). A replay overwrites the last
-        # one's logits, which the step has consumed by then.
+        # one's logits, which the step has consumed by then. Prefill programs write only their
+        # gathered rows, so their width does not grow it.
         vocab = model.head_weight.shape[0]
-        self.logits = zeros(ws.rows, vocab, dtype=torch.float32)
+        logit_rows = max([decode_rows] + [shape.samples for shape in prefill])
+        self.logits = zeros(min(ws.rows, logit_rows), vocab, dtype=torch.float32)
+        # a prefill program's rows whose logits it computes (padding: row 0)
+        self.sample_rows = zeros(ws.rows)
         # a hybrid target's state entries: where each sequence starts, where each row's state
         # goes (per-row slots; [seqs, rows] laid out for the program's own row width)
         self.state_read = zeros(ws.seqs)
@@ -206,9 +240,12 @@ class GraphRunner:
         self._last_key: tuple[RowTable, tuple] | None = None
         self.pool = torch.cuda.graph_pool_handle()
 
-    def _meta(self, table: RowTable | RaggedShape, bucket: int) -> AttentionMetadata:
+    def _meta(self, table, bucket: int) -> AttentionMetadata:
         rows, seqs = table.rows(), table.num_seqs
-        q = table.max_q if isinstance(table, RaggedShape) else max(run.k for run in table.runs)
+        if isinstance(table, (RaggedShape, PrefillShape)):
+            q = table.max_q
+        else:
+            q = max(run.k for run in table.runs)
         return AttentionMetadata(
             slot_mapping=self.slots[:rows],
             positions=self.positions[:rows],
@@ -230,8 +267,20 @@ class GraphRunner:
         graph, (hidden, logits, state) = capture(fn, self.pool, self.device)
         return graph, hidden, logits, state
 
-    def _forward_fn(self, table: RowTable | RaggedShape, bucket: int, mode: StateMode | None):
+    def _forward_fn(self, table, bucket: int, mode: StateMode | None):
         rows, seqs = table.rows(), table.num_seqs
+        if isinstance(table, PrefillShape):
+            samples = table.samples
+
+            def prefill():
+                meta = self._meta(table, bucket)
+                hidden = self.model(self.input_ids[:rows], self.positions[:rows], meta)
+                logits = self.model.compute_logits(
+                    hidden, self.sample_rows[:samples], out=self.logits[:samples]
+                )
+                return hidden, logits, None
+
+            return prefill
         width = 0 if isinstance(table, RaggedShape) else max(run.k for run in table.runs)
 
         def run():
@@ -257,7 +306,7 @@ class GraphRunner:
         seqs = table.num_seqs
         self.input_ids.zero_()
         self.slots.fill_(DUMMY_PAGE * self.page_size)
-        if isinstance(table, RaggedShape):
+        if isinstance(table, (RaggedShape, PrefillShape)):
             lens = table.layout()
         else:
             lens = [run.k for run in table.runs for _ in range(run.count)]
@@ -270,6 +319,7 @@ class GraphRunner:
         self.block_tables.fill_(DUMMY_PAGE)
         self.state_read.fill_(DUMMY_ENTRY)
         self.state_rows.fill_(DUMMY_ENTRY)
+        self.sample_rows.zero_()
 
     def run(
         self,
@@ -282,13 +332,15 @@ class GraphRunner:
         tables,
         max_seq_len: int,
         state: tuple[StateMode, torch.Tensor, torch.Tensor | None] | None = None,
+        sample_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, GDNState | None]:
         """Copy the step's inputs (laid out as `table` says, padding included) into the
         workspace and replay the table's program; returns the hidden states and logits of every
         row, in the program's pool (the next replay of the same program overwrites them), and a
         hybrid target's state view. `state`: a hybrid target's `StateSlots.addresses` (mode,
         entries read [B], row entries [B, T] or None). Raises ValueError (from the cache) when
-        the table is refused."""
+        the table is refused. `sample_rows`: a prefill program's gathered rows (padded to its
+        `samples`), whose logits it returns in that order."""
         # Without a bucket, a table the kernel does not cover still runs the reference inside the
         # graph, gathering max_model_len keys: slower, never wrong.
         bucket = (
@@ -310,13 +362,15 @@ class GraphRunner:
             self.state_read[:seqs].copy_(read, non_blocking=True)
             if rows is not None:
                 self.state_rows[: rows.numel()].copy_(rows.flatten(), non_blocking=True)
+        if sample_rows is not None:
+            self.sample_rows[: sample_rows.shape[0]].copy_(sample_rows, non_blocking=True)
         graph.replay()
         return hidden, logits, state_view
 
     @torch.inference_mode()
     def capture_ragged(self) -> tuple[int, float]:
-        """Capture every ragged program a step of up to `max_seqs` sequences can use, now
-        (start-up) rather than inside running steps: (programs, seconds). Shapes past a
+        """Capture every ragged and prefill program a step of up to `max_seqs` sequences can
+        use, now (start-up) rather than inside running steps: (programs, seconds). Shapes past a
         `max_rows` the user set are skipped: those steps run eagerly."""
         start, captured = time.perf_counter(), 0
         for shape in self._ragged_shapes:

@@ -19,6 +19,12 @@ padding sequences that take the padding rows, and R to a multiple of half the se
 every padding row belongs to a padding sequence of at most `max_q` rows on the dummy page, so it
 sees a key (no 0 / 0) and never a real sequence's page. Hybrid targets keep row-table programs:
 their recurrent-state kernels address a [sequences, rows] layout.
+
+Prefill programs (dense targets): steps with prefill chunks of at most `graph_prefill_rows` rows
+in all. The kernel tiles any number of rows per sequence, so a program is keyed by its row bucket
+(a power of two, 16 at least) and its sequence bucket alone, plus one spare sequence that takes
+all the padding rows; it computes logits only for `samples` gathered rows (each sampling
+sequence's last token and drafts), not for every prompt row.
 """
 
 from __future__ import annotations
@@ -139,3 +145,55 @@ def capture_layout(rows_per_seq: list[int]) -> tuple[list[int], list[int]]:
         starts.append(starts[-1] + k)
         positions.extend(range(k))
     return starts, positions
+
+
+# Rows of the smallest prefill program: shorter steps pad to it.
+PREFILL_MIN_ROWS = 16
+
+
+@dataclass(frozen=True, order=True)
+class PrefillShape:
+    """A prefill program's shape: `rows_` rows over `num_seqs` sequences of any length (the
+    last real sequence is followed by padding sequences, the first of which takes every padding
+    row), with logits for `samples` gathered rows."""
+
+    rows_: int
+    num_seqs: int
+    samples: int
+
+    def rows(self) -> int:
+        return self.rows_
+
+    @property
+    def max_q(self) -> int:
+        return self.rows_
+
+    def layout(self) -> list[int]:
+        """Capture-time rows per sequence: one sequence holds them all."""
+        return [self.rows_] + [0] * (self.num_seqs - 1)
+
+    def __str__(self) -> str:
+        return f"prefill {self.rows_} rows / {self.num_seqs} seqs ({self.samples} sampled)"
+
+
+def prefill_shape(num_seqs: int, num_rows: int, sample_rows_per_seq: int) -> PrefillShape:
+    """The padded shape of a step of `num_seqs` sequences and `num_rows` rows whose sampling
+    sequences sample at most `sample_rows_per_seq` rows each (1 + K)."""
+    if not 1 <= num_seqs <= num_rows:
+        raise ValueError(f"{num_seqs} sequences cannot hold {num_rows} rows")
+    seqs = 1 << (num_seqs - 1).bit_length()
+    rows = max(PREFILL_MIN_ROWS, 1 << (num_rows - 1).bit_length())
+    return PrefillShape(rows, seqs + 1, min(rows, seqs * sample_rows_per_seq))
+
+
+def all_prefill_shapes(max_seqs: int, max_rows: int, sample_rows_per_seq: int) -> list:
+    """Every prefill shape of up to `max_seqs` sequences and `max_rows` rows (a power of two;
+    captured at start-up)."""
+    shapes = set()
+    for num_seqs in {min(1 << b, max_seqs) for b in range(max_seqs.bit_length() + 1)}:
+        rows = PREFILL_MIN_ROWS
+        while rows <= max_rows:
+            if rows >= num_seqs:
+                shapes.add(prefill_shape(num_seqs, rows, sample_rows_per_seq))
+            rows *= 2
+    return sorted(shapes)

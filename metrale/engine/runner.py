@@ -15,7 +15,7 @@ from metrale.engine.graphs import GraphRunner
 from metrale.engine.kv_cache import DUMMY_PAGE, allocate_kv_cache, slots_of
 from metrale.engine.logits_pipeline import is_plain_greedy
 from metrale.engine.model_setup import default_dtype, dummy_weights, num_pages_for
-from metrale.engine.program_shapes import decode_bucket, padding_rows, ragged_shape
+from metrale.engine.replay import replay_decode, replay_prefill, spans_of
 from metrale.engine.sampler import SamplingBatch, SamplingRow
 from metrale.engine.sequence import Batch, Phase, ScheduledSeq
 from metrale.engine.staging import to_device_packed
@@ -29,7 +29,6 @@ from metrale.models.loader import load_weights
 from metrale.models.mtp import load_mtp
 from metrale.models.qwen3 import Qwen3ForCausalLM
 from metrale.models.qwen3_next import Qwen3NextForCausalLM
-from metrale.speculative.row_table import RowTable
 from metrale.speculative.verify import accept, build_layout
 
 log = logging.getLogger(__name__)
@@ -117,6 +116,7 @@ class ModelRunner:
                 state_pool=None if self.states is None else self.states.pool,
                 max_q=num_drafts + 1,
                 max_seqs=cfg.max_num_seqs,
+                prefill_rows=min(cfg.graph_prefill_rows, cfg.max_num_batched_tokens),
             )
         self.taps = None
         if self.dflash is not None:  # before any capture: the programs write the taps too
@@ -194,14 +194,8 @@ class ModelRunner:
         )
         return ids_t, meta.positions, meta
 
-    @staticmethod
-    def _spans(batch: Batch) -> list[tuple[list[int], int, list[int]]]:
-        return [
-            (e.seq.block_table, e.seq.num_computed_tokens, e.token_ids()) for e in batch.entries
-        ]
-
     def _metadata(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        return self.span_metadata(self._spans(batch))
+        return self.span_metadata(spans_of(batch))
 
     @torch.inference_mode()
     def all_logits(self, batch: Batch) -> torch.Tensor:
@@ -236,26 +230,29 @@ class ModelRunner:
             # One order for any permutation of the same depths: deepest first, then by slot.
             batch = Batch(sorted(batch.entries, key=lambda e: (-e.num_rows, e.seq.slot)))
         ends = list(itertools.accumulate(e.num_rows for e in batch.entries))
-        replayed = self._replay(batch) if graphed else None
+        sampling = [(e, end) for e, end in zip(batch.entries, ends, strict=True) if e.samples]
+        # The last 1 + k rows of each sampling sequence: its last token, then its k drafts.
+        rows = [r for e, end in sampling for r in range(end - 1 - len(e.drafts), end)]
+        replayed = None
+        if graphed:
+            replayed = replay_decode(self, batch)
+        elif self.graphs is not None:  # a step with prompt chunks (dense targets)
+            replayed = replay_prefill(self, batch, rows)
         if replayed is None:
             input_ids, positions, meta = self._metadata(batch)
             hidden, state = self._forward(batch, input_ids, positions, meta, verify_state)
-            all_logits, state_entries = None, list(batch.entries)
+            logits, state_entries = None, list(batch.entries)
         else:
-            # state_entries: the sequences of the program's state, graph padding included (None)
-            hidden, all_logits, state, state_entries = replayed
-        sampling = [(e, end) for e, end in zip(batch.entries, ends, strict=True) if e.samples]
+            # logits: the sampling rows', in order; state_entries: the sequences of the
+            # program's state, graph padding included (None)
+            hidden, logits, state, state_entries = replayed
         if not sampling:
             if verify_state:  # unreachable: drafts only come with sampling entries
                 raise RuntimeError("a verify step without sampling entries")
             if replayed is None and self.taps is not None:  # the drafter reads the taps
                 hidden = self.taps.buffer[: hidden.shape[0]].clone()
             return StepOutput(batch.entries, [], hidden, ends)
-        # The last 1 + k rows of each sampling sequence: its last token, then its k drafts.
-        rows = [r for e, end in sampling for r in range(end - 1 - len(e.drafts), end)]
-        if all_logits is not None:  # decode/verify: every row samples, in order
-            logits = all_logits
-        else:
+        if logits is None:  # eager: the sampling rows' logits alone
             logits = self.model.compute_logits(hidden, torch.tensor(rows, device=self.device))
         entries = [e for e, _ in sampling]
         if all(is_plain_greedy(e.seq.params, len(e.seq.output_token_ids)) for e in entries):
@@ -276,84 +273,6 @@ class ModelRunner:
         if replayed is None and self.taps is not None:  # the drafter reads the taps
             hidden = self.taps.buffer[: hidden.shape[0]].clone()
         return StepOutput(batch.entries, verdicts, hidden, ends)
-
-    def _replay(self, batch: Batch):
-        """(hidden [T, H], logits [T, V]) of the batch's rows from a CUDA-graph program, or None
-        when the cache refuses its table (the caller then runs eagerly).
-
-        The sequences of each depth are padded to a bucket count (`decode_bucket`) with dummy
-        sequences on the dummy page, so that the program key is a few bucketed counts per depth
-        rather than every mix of depths: a 64-sequence trace of mixed depths then meets a few
-        dozen tables instead of thousands, and replays after warm-up."""
-        if self.graphs.ragged:
-            return self._replay_ragged(batch)
-        spans, depths, real_rows = [], [], []
-        padded: list[ScheduledSeq | None] = []
-        row = 0
-        for q, group in itertools.groupby(batch.entries, key=lambda e: e.num_rows):
-            group = list(group)
-            for e in group:
-                spans.append((e.seq.block_table, e.seq.num_computed_tokens, e.token_ids()))
-                real_rows.extend(range(row, row + q))
-                row += q
-            # NOTE: padding rows write their K/V to the dummy page and see only it.
-            dummy_table = [DUMMY_PAGE] * -(-q // self.page_size)
-            for _ in range(decode_bucket(len(group)) - len(group)):
-                spans.append((dummy_table, 0, [0] * q))
-                row += q
-            padded += group + [None] * (decode_bucket(len(group)) - len(group))
-            depths += [q] * decode_bucket(len(group))
-        state = None
-        if self.states is not None:
-            state = self.states.addresses(padded, any(e.drafts for e in batch.entries))
-        table = RowTable.from_dispatch(range(len(depths)), depths)
-        ran = self._run_program(table, spans, state)
-        if ran is None:
-            return None
-        hidden, logits, state_view = ran
-        if self.taps is not None:  # the drafter reads the taps, not the final hidden
-            hidden = self.taps.buffer[: hidden.shape[0]]
-        if len(real_rows) == hidden.shape[0]:
-            return hidden.clone(), logits, state_view, padded
-        (index,) = to_device_packed([real_rows], self.device)
-        return hidden.index_select(0, index), logits.index_select(0, index), state_view, padded
-
-    def _run_program(self, key, spans, state=None):
-        """(hidden, logits, state view) of the program for `key` (a row table or ragged shape)
-        over the padded `spans`, or None when the cache refuses it (the step runs eagerly)."""
-        input_ids, positions, meta = self.span_metadata(spans)
-        try:
-            return self.graphs.run(
-                key,
-                input_ids,
-                positions,
-                meta.slot_mapping,
-                meta.query_start_loc,
-                meta.seq_lens,
-                meta.block_tables,
-                meta.max_seq_len,
-                state,
-            )
-        except ValueError:  # refused: too wide for the workspace
-            self.graph_refusals += 1
-            return None
-
-    def _replay_ragged(self, batch: Batch):
-        """`_replay` for a ragged program (dense targets, `program_shapes.RaggedShape`): the
-        real rows come first, in batch order; padding sequences on the dummy page follow."""
-        spans = self._spans(batch)
-        num_rows = sum(e.num_rows for e in batch.entries)
-        shape = ragged_shape(len(spans), num_rows, self.graphs.max_q)
-        dummy_table = [DUMMY_PAGE] * -(-self.graphs.max_q // self.page_size)
-        for rows in padding_rows(shape, len(spans), num_rows):
-            spans.append((dummy_table, 0, [0] * rows))
-        ran = self._run_program(shape, spans)
-        if ran is None:
-            return None
-        hidden, logits, _ = ran
-        # hidden is the program's own output, rewritten by its next replay: drafters keep it
-        hidden = hidden if self.taps is None else self.taps.buffer
-        return hidden[:num_rows].clone(), logits[:num_rows], None, list(batch.entries)
 
     def _accept(self, entries: list[ScheduledSeq], logits: torch.Tensor):
         """Verdicts through the logits pipeline and `accept` (sampling, penalties, logprobs)."""

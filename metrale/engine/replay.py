@@ -1,0 +1,130 @@
+"""Running a step as a captured program: pad the batch to a program's shape, fill the
+workspace, replay, and return the real rows' outputs. The runner falls back to its eager
+forward when these return None.
+
+Three kinds of program (`program_shapes.py`): row-table programs (hybrid targets, and dense ones
+without the paged kernel), ragged programs (dense decode and verify steps), and prefill programs
+(dense steps with prompt chunks).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from metrale.engine.kv_cache import DUMMY_PAGE
+from metrale.engine.program_shapes import decode_bucket, padding_rows, prefill_shape, ragged_shape
+from metrale.engine.sequence import Batch, ScheduledSeq
+from metrale.engine.staging import to_device_packed
+from metrale.speculative.row_table import RowTable
+
+
+def spans_of(batch: Batch) -> list[tuple[list[int], int, list[int]]]:
+    return [(e.seq.block_table, e.seq.num_computed_tokens, e.token_ids()) for e in batch.entries]
+
+
+def replay_decode(runner, batch: Batch):
+    """(hidden [T, H], logits [T, V], hybrid state view, state entries) of a decode or verify
+    batch's rows from a captured program, or None when the cache refuses its table.
+
+    Row-table programs: the sequences of each depth are padded to a bucket count
+    (`decode_bucket`) with dummy sequences on the dummy page, so that the program key is a few
+    bucketed counts per depth rather than every mix of depths."""
+    if runner.graphs.ragged:
+        return _replay_ragged(runner, batch)
+    spans, depths, real_rows = [], [], []
+    padded: list[ScheduledSeq | None] = []
+    row = 0
+    for q, group in itertools.groupby(batch.entries, key=lambda e: e.num_rows):
+        group = list(group)
+        for e in group:
+            spans.append((e.seq.block_table, e.seq.num_computed_tokens, e.token_ids()))
+            real_rows.extend(range(row, row + q))
+            row += q
+        # NOTE: padding rows write their K/V to the dummy page and see only it.
+        dummy_table = [DUMMY_PAGE] * -(-q // runner.page_size)
+        for _ in range(decode_bucket(len(group)) - len(group)):
+            spans.append((dummy_table, 0, [0] * q))
+            row += q
+        padded += group + [None] * (decode_bucket(len(group)) - len(group))
+        depths += [q] * decode_bucket(len(group))
+    state = None
+    if runner.states is not None:
+        state = runner.states.addresses(padded, any(e.drafts for e in batch.entries))
+    table = RowTable.from_dispatch(range(len(depths)), depths)
+    ran = run_program(runner, table, spans, state)
+    if ran is None:
+        return None
+    hidden, logits, state_view = ran
+    if runner.taps is not None:  # the drafter reads the taps, not the final hidden
+        hidden = runner.taps.buffer[: hidden.shape[0]]
+    if len(real_rows) == hidden.shape[0]:
+        return hidden.clone(), logits, state_view, padded
+    (index,) = to_device_packed([real_rows], runner.device)
+    return hidden.index_select(0, index), logits.index_select(0, index), state_view, padded
+
+
+def _replay_ragged(runner, batch: Batch):
+    """`replay_decode` for a ragged program (dense targets, `program_shapes.RaggedShape`): the
+    real rows come first, in batch order; padding sequences on the dummy page follow."""
+    spans = spans_of(batch)
+    num_rows = sum(e.num_rows for e in batch.entries)
+    shape = ragged_shape(len(spans), num_rows, runner.graphs.max_q)
+    dummy_table = [DUMMY_PAGE] * -(-runner.graphs.max_q // runner.page_size)
+    for rows in padding_rows(shape, len(spans), num_rows):
+        spans.append((dummy_table, 0, [0] * rows))
+    ran = run_program(runner, shape, spans)
+    if ran is None:
+        return None
+    hidden, logits, _ = ran
+    # hidden is the program's own output, rewritten by its next replay: drafters keep it
+    hidden = hidden if runner.taps is None else runner.taps.buffer
+    return hidden[:num_rows].clone(), logits[:num_rows], None, list(batch.entries)
+
+
+def replay_prefill(runner, batch: Batch, sample_rows: list[int]):
+    """(hidden [T, H] of the batch's rows, logits [len(sample_rows), V], None, entries) of a
+    step with prompt chunks from a prefill program (dense targets), or None when there is no
+    prefill program as wide as the step.
+    The real rows come first, in batch order; one padding sequence on the dummy page takes the
+    padding rows, and the other padding sequences none."""
+    graphs = runner.graphs
+    num_rows = batch.num_rows
+    if num_rows > graphs.prefill_rows:
+        return None
+    spans = spans_of(batch)
+    shape = prefill_shape(len(spans), num_rows, graphs.max_q)
+    pad = shape.rows() - num_rows
+    spans.append(([DUMMY_PAGE] * max(-(-pad // runner.page_size), 1), 0, [0] * pad))
+    spans += [([DUMMY_PAGE], 0, [])] * (shape.num_seqs - len(spans))
+    samples = sample_rows + [0] * (shape.samples - len(sample_rows))
+    ran = run_program(runner, shape, spans, sample_rows=samples)
+    if ran is None:
+        return None
+    hidden, logits, _ = ran
+    hidden = hidden if runner.taps is None else runner.taps.buffer
+    return hidden[:num_rows].clone(), logits[: len(sample_rows)], None, list(batch.entries)
+
+
+def run_program(runner, key, spans, state=None, sample_rows: list[int] | None = None):
+    """(hidden, logits, state view) of the program for `key` (a row table, ragged or prefill
+    shape) over the padded `spans`, or None when the cache refuses it (the step runs eagerly)."""
+    input_ids, positions, meta = runner.span_metadata(spans)
+    samples = None
+    if sample_rows is not None:
+        (samples,) = to_device_packed([sample_rows], runner.device)
+    try:
+        return runner.graphs.run(
+            key,
+            input_ids,
+            positions,
+            meta.slot_mapping,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            meta.max_seq_len,
+            state,
+            samples,
+        )
+    except ValueError:  # refused: too wide for the workspace
+        runner.graph_refusals += 1
+        return None
