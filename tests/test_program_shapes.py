@@ -19,6 +19,7 @@ from metrale.engine.program_shapes import (
     default_max_rows,
     max_ragged_seqs,
     padding_rows,
+    prefill_program_rows,
     prefill_shape,
     ragged_shape,
 )
@@ -128,24 +129,41 @@ def test_every_prefill_step_fits_a_captured_shape(max_seqs, max_q):
         prefill_shape(3, 2, 4)
 
 
-@pytest.mark.parametrize("num_drafts", [0, 3])
-def test_prefill_programs_are_lossless_with_arrivals(tiny_model_dir, num_drafts):
+@pytest.mark.parametrize("num_drafts, max_model_len", [(0, None), (3, None), (3, 80)])
+def test_prefill_programs_are_lossless_with_arrivals(tiny_model_dir, num_drafts, max_model_len):
     """Prompts of several lengths arriving while others decode (chunked, mixed with decode and
-    verify rows), through prefill programs padded as on CUDA: the output equals eager plain
-    decoding, and steps with prompt chunks did run as prefill programs."""
+    verify rows), through prefill programs as wide as the runner allows (a short model length
+    caps them: a program's padding rows sit at positions 0 .. rows - 1): the output equals eager
+    plain decoding, no step failed (a failing batch is re-run sequence by sequence, which would
+    hide it), and steps with prompt chunks did run as prefill programs."""
     prompts = [[(5 * i + 7 * j) % 300 + 3 for j in range(4 + 9 * i)] for i in range(7)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     plain = LLM(tiny_model_dir, device="cpu").generate(prompts, params, use_tqdm=False)
     reference = [o.outputs[0].token_ids for o in plain]
-    kwargs = dict(device="cpu", max_num_seqs=3, max_num_batched_tokens=40)
+    kwargs = dict(device="cpu", max_num_seqs=3, max_model_len=max_model_len)
+    kwargs["max_num_batched_tokens"] = 40 if max_model_len is None else 2048
     if num_drafts:
         drafter = ReplayDrafter(dict(zip(map(tuple, prompts), reference, strict=True)), 0.6, 300)
         llm = LLM(tiny_model_dir, drafter=drafter, spec={"num_drafts": num_drafts}, **kwargs)
     else:
         llm = LLM(tiny_model_dir, **kwargs)
     runner = llm.engine.runner
-    runner.graphs = EagerPrograms(runner.model, num_drafts + 1, runner.page_size, 32)
+    rows = prefill_program_rows(runner.prefill_limit)
+    assert rows == (32 if max_model_len is None else 64)
+    runner.graphs = EagerPrograms(runner.model, num_drafts + 1, runner.page_size, rows)
+    failures = []
+    execute = runner.execute
+
+    def recording(batch):
+        try:
+            return execute(batch)
+        except Exception as e:
+            failures.append(e)
+            raise
+
+    runner.execute = recording
     outs = llm.generate(prompts, params, use_tqdm=False)
+    assert not failures
     assert [o.outputs[0].token_ids for o in outs] == reference
     prefills = [s for s in runner.graphs.shapes if isinstance(s, PrefillShape)]
-    assert prefills and all(s.rows() <= 32 for s in prefills)
+    assert prefills and all(s.rows() <= rows for s in prefills)

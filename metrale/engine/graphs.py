@@ -28,7 +28,6 @@ import torch
 
 from metrale.engine.kv_cache import DUMMY_PAGE
 from metrale.engine.program_shapes import (
-    PREFILL_MIN_ROWS,
     PrefillShape,
     RaggedShape,
     all_prefill_shapes,
@@ -36,6 +35,7 @@ from metrale.engine.program_shapes import (
     capture_layout,
     default_max_rows,
     max_ragged_seqs,
+    prefill_program_rows,
 )
 from metrale.engine.state_cache import DUMMY_ENTRY
 from metrale.models.attention import AttentionMetadata
@@ -191,13 +191,11 @@ class GraphRunner:
         shapes = all_ragged_shapes(max_seqs, max_q) if self.ragged else []
         # the largest power of two of rows a prefill program takes (0: steps with prefill
         # chunks run eagerly), within the rows the user allowed a graphed step
-        prefill_rows = 1 << (prefill_rows.bit_length() - 1) if self.ragged and prefill_rows else 0
+        prefill_rows = prefill_program_rows(prefill_rows) if self.ragged else 0
         decode_rows = max_rows or default_max_rows(max_seqs, max_q, self.ragged)
         if max_rows is None:
             max_rows = max(decode_rows, prefill_rows)
-        self.prefill_rows = 0
-        if min(prefill_rows, max_rows) >= PREFILL_MIN_ROWS:
-            self.prefill_rows = 1 << (min(prefill_rows, max_rows).bit_length() - 1)
+        self.prefill_rows = prefill_program_rows(min(prefill_rows, max_rows))
         prefill = all_prefill_shapes(max_seqs, self.prefill_rows, max_q)
         shapes += prefill
         self.cache: ProgramCache = ProgramCache(

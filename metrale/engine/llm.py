@@ -332,6 +332,13 @@ class LLMEngine:
                 log.exception("sequence %s failed", batch.entries[0].seq.request_id)
                 self._fail(batch.entries[0].seq, f"{type(e).__name__}: {e}")
                 return StepOutput([], [], torch.empty(0), [])
+            # said, so that a step that keeps failing (and running N times) is seen
+            log.warning(
+                "a batch of %d sequences failed (%s: %s); running each alone",
+                len(batch.entries),
+                type(e).__name__,
+                e,
+            )
         parts = []
         for entry in batch.entries:
             if self.runner.hybrid and not self._rebuild_state(entry):

@@ -176,6 +176,12 @@ class PrefillShape:
         return f"prefill {self.rows_} rows / {self.num_seqs} seqs ({self.samples} sampled)"
 
 
+def prefill_program_rows(limit: int) -> int:
+    """The widest prefill program for a limit of `limit` rows: its largest power of two, or 0
+    (steps with prompt chunks run eagerly) below PREFILL_MIN_ROWS."""
+    return 1 << (limit.bit_length() - 1) if limit >= PREFILL_MIN_ROWS else 0
+
+
 def prefill_shape(num_seqs: int, num_rows: int, sample_rows_per_seq: int) -> PrefillShape:
     """The padded shape of a step of `num_seqs` sequences and `num_rows` rows whose sampling
     sequences sample at most `sample_rows_per_seq` rows each (1 + K)."""

@@ -103,6 +103,10 @@ class ModelRunner:
             self.states = StateSlots(
                 self.model, cfg.max_num_seqs, cfg.hybrid_verify_state, num_drafts + 1
             )
+        # Rows of a step with prompt chunks that may replay a prefill program: the spare
+        # sequence holding a program's padding rows sits at positions 0 .. rows - 1, which the
+        # model's positions (and a block table) must reach.
+        self.prefill_limit = min(cfg.graph_prefill_rows, cfg.max_num_batched_tokens, max_model_len)
         self.graphs = None
         if cfg.cuda_graphs and self.device.type == "cuda":
             self.graphs = GraphRunner(
@@ -116,7 +120,7 @@ class ModelRunner:
                 state_pool=None if self.states is None else self.states.pool,
                 max_q=num_drafts + 1,
                 max_seqs=cfg.max_num_seqs,
-                prefill_rows=min(cfg.graph_prefill_rows, cfg.max_num_batched_tokens),
+                prefill_rows=self.prefill_limit,
             )
         self.taps = None
         if self.dflash is not None:  # before any capture: the programs write the taps too
