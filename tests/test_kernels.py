@@ -45,15 +45,12 @@ def reference_ops(monkeypatch):
     return use_reference
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads, kv_heads", [(8, 8), (32, 8), (16, 2), (12, 4)])
-@pytest.mark.parametrize("splits", [1, 4])
-def test_paged_attention_matches_reference(dtype, heads, kv_heads, splits, monkeypatch):
-    monkeypatch.setattr(paged_attention, "num_splits", lambda *args: splits)
-    torch.manual_seed(0)
-    dim, page, pages = 64, 16, 128
-    q_lens, seq_lens = [1, 4, 16, 3, 1, 7], [1, 37, 100, 16, 250, 64]
-    tables = torch.randperm(pages - 1)[: 6 * 16].view(6, 16) + 1  # shuffled, never the dummy
+def _against_reference(dtype, heads, kv_heads, dim, page, pages, q_lens, seq_lens):
+    """Run the kernel and the torch reference over one batch of sequences with `q_lens` rows
+    ending at `seq_lens` keys (pages shuffled, never the dummy): both must write the same K/V.
+    Returns (the kernel's prepared metadata, the output's relative error)."""
+    width = -(-max(seq_lens) // page)
+    tables = torch.randperm(pages - 1)[: len(q_lens) * width].view(len(q_lens), width) + 1
     rows = sum(q_lens)
     positions, slots, starts = [], [], [0]
     for b, (ql, sl) in enumerate(zip(q_lens, seq_lens)):
@@ -66,8 +63,9 @@ def test_paged_attention_matches_reference(dtype, heads, kv_heads, splits, monke
         def t(x):
             return torch.as_tensor(x, dtype=torch.long, device=DEVICE)
 
+        lens = t(seq_lens)
         return AttentionMetadata(
-            t(slots), t(positions), t(starts), t(seq_lens), t(tables), max(q_lens), 250, page
+            t(slots), t(positions), t(starts), lens, t(tables), max(q_lens), max(seq_lens), page
         )
 
     cache = torch.randn(2, pages, page, kv_heads, dim, device=DEVICE, dtype=dtype)
@@ -77,9 +75,20 @@ def test_paged_attention_matches_reference(dtype, heads, kv_heads, splits, monke
     ref_cache, kernel_cache = cache.clone(), cache.clone()
     ref_backend, kernel_backend = TorchPagedAttention(), paged_attention.TritonPagedAttention()
     ref = ref_backend.forward(q, k, v, ref_cache, ref_backend.prepare(meta()), dim**-0.5)
-    out = kernel_backend.forward(q, k, v, kernel_cache, kernel_backend.prepare(meta()), dim**-0.5)
+    kernel_meta = kernel_backend.prepare(meta())
+    out = kernel_backend.forward(q, k, v, kernel_cache, kernel_meta, dim**-0.5)
     torch.testing.assert_close(kernel_cache, ref_cache)  # the same rows written
-    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    return kernel_meta, ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads, kv_heads", [(8, 8), (32, 8), (16, 2), (12, 4)])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_paged_attention_matches_reference(dtype, heads, kv_heads, splits, monkeypatch):
+    monkeypatch.setattr(paged_attention, "num_splits", lambda *args: splits)
+    torch.manual_seed(0)
+    q_lens, seq_lens = [1, 4, 16, 3, 1, 7], [1, 37, 100, 16, 250, 64]
+    _, err = _against_reference(dtype, heads, kv_heads, 64, 16, 128, q_lens, seq_lens)
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
 
 
@@ -90,38 +99,10 @@ def test_paged_attention_tiles_prefill_chunks(dtype, heads, kv_heads):
     a whole prompt, a later chunk of a longer sequence (its rows see the earlier pages), a chunk
     whose rows straddle tiles unevenly. The kernel tiles the query rows; the reference agrees."""
     torch.manual_seed(1)
-    dim, page, pages = 32, 16, 64
     q_lens, seq_lens = [70, 1, 40, 4, 17], [70, 30, 120, 50, 17]
     assert max(q_lens) > paged_attention.MAX_KERNEL_ROWS
-    tables = torch.randperm(pages - 1)[: 5 * 8].view(5, 8) + 1
-    positions, slots, starts = [], [], [0]
-    for b, (ql, sl) in enumerate(zip(q_lens, seq_lens)):
-        for p in range(sl - ql, sl):
-            positions.append(p)
-            slots.append(int(tables[b, p // page]) * page + p % page)
-        starts.append(starts[-1] + ql)
-
-    def meta():
-        def t(x):
-            return torch.as_tensor(x, dtype=torch.long, device=DEVICE)
-
-        return AttentionMetadata(
-            t(slots), t(positions), t(starts), t(seq_lens), t(tables), max(q_lens), 120, page
-        )
-
-    rows = sum(q_lens)
-    cache = torch.randn(2, pages, page, kv_heads, dim, device=DEVICE, dtype=dtype)
-    q = torch.randn(rows, heads, dim, device=DEVICE, dtype=dtype)
-    k = torch.randn(rows, kv_heads, dim, device=DEVICE, dtype=dtype)
-    v = torch.randn(rows, kv_heads, dim, device=DEVICE, dtype=dtype)
-    ref_cache, kernel_cache = cache.clone(), cache.clone()
-    ref_backend, kernel_backend = TorchPagedAttention(), paged_attention.TritonPagedAttention()
-    ref = ref_backend.forward(q, k, v, ref_cache, ref_backend.prepare(meta()), dim**-0.5)
-    kernel_meta = kernel_backend.prepare(meta())
+    kernel_meta, err = _against_reference(dtype, heads, kv_heads, 32, 16, 64, q_lens, seq_lens)
     assert kernel_meta.mask is None  # the kernel's own path, not the padded reference
-    out = kernel_backend.forward(q, k, v, kernel_cache, kernel_meta, dim**-0.5)
-    torch.testing.assert_close(kernel_cache, ref_cache)
-    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
 
 

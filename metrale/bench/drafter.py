@@ -40,6 +40,18 @@ def concurrency(llm: LLM, slots: int):
         scheduler.max_num_seqs = before
 
 
+def timed_pair(llm: LLM, prompts, plain_params, spec_params):
+    """(plain outputs, seconds, speculative outputs, seconds, mean acceptance length) of the
+    same prompts without and with speculation, each the second of two identical runs."""
+    tel = llm.engine.telemetry.spec
+    plain, t_plain = timed_generate(llm, prompts, plain_params)
+    before = (tel.num_drafts, tel.num_accepted_tokens)
+    spec, t_spec = timed_generate(llm, prompts, spec_params)
+    # The counters cover both timed-helper runs, which are identical.
+    drafts, accepted = tel.num_drafts - before[0], tel.num_accepted_tokens - before[1]
+    return plain, t_plain, spec, t_spec, 1 + accepted / max(drafts, 1)
+
+
 def steady_state(llm: LLM, prompts: list[list[int]], slots: int, max_tokens: int) -> dict:
     """Tokens/s with and without speculation when `prompts` stream through `slots` slots.
 
@@ -49,7 +61,6 @@ def steady_state(llm: LLM, prompts: list[list[int]], slots: int, max_tokens: int
     apart, admits them one at a time, and the comparison would measure that artefact."""
     rng = random.Random(slots)
     lengths = [rng.randint(max(max_tokens // 2, 1), max_tokens * 3 // 2) for _ in prompts]
-    tel = llm.engine.telemetry.spec
 
     def params(speculative: bool) -> list[SamplingParams]:
         return [
@@ -58,10 +69,7 @@ def steady_state(llm: LLM, prompts: list[list[int]], slots: int, max_tokens: int
         ]
 
     with concurrency(llm, slots):
-        _, t_plain = timed_generate(llm, prompts, params(False))
-        before = (tel.num_drafts, tel.num_accepted_tokens)
-        _, t_spec = timed_generate(llm, prompts, params(True))
-    drafts, accepted = tel.num_drafts - before[0], tel.num_accepted_tokens - before[1]
+        _, t_plain, _, t_spec, acceptance = timed_pair(llm, prompts, params(False), params(True))
     tokens = sum(lengths)
     return {
         "requests": len(prompts),
@@ -69,7 +77,7 @@ def steady_state(llm: LLM, prompts: list[list[int]], slots: int, max_tokens: int
         "tokens_per_s_plain": tokens / t_plain,
         "tokens_per_s_spec": tokens / t_spec,
         "speedup": t_plain / t_spec,
-        "mean_acceptance_length": 1 + accepted / max(drafts, 1),
+        "mean_acceptance_length": acceptance,
     }
 
 
@@ -101,12 +109,9 @@ def drafter_e2e(args) -> dict:
     for batch in args.e2e_batch_sizes:
         prompts = prompts_all[:batch]
         base = dict(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-        plain, t_plain = timed_generate(llm, prompts, SamplingParams(**base, speculative=False))
-        tel = llm.engine.telemetry.spec
-        before = (tel.num_drafts, tel.num_accepted_tokens)
-        spec, t_spec = timed_generate(llm, prompts, SamplingParams(**base))
-        # The counters cover both timed-helper runs, which are identical.
-        drafts, accepted = tel.num_drafts - before[0], tel.num_accepted_tokens - before[1]
+        plain, t_plain, spec, t_spec, acceptance = timed_pair(
+            llm, prompts, SamplingParams(**base, speculative=False), SamplingParams(**base)
+        )
         # the decode phase alone: the prefill and first token subtracted from both runs
         t_prefill = prefill_seconds(llm, prompts)
         decode_plain, decode_spec = t_plain - t_prefill, t_spec - t_prefill
@@ -122,7 +127,7 @@ def drafter_e2e(args) -> dict:
                 "tpot_ms_plain": decode_plain / steps * 1e3,
                 "tpot_ms_spec": decode_spec / steps * 1e3,
                 "decode_speedup": decode_plain / decode_spec,
-                "mean_acceptance_length": 1 + accepted / max(drafts, 1),
+                "mean_acceptance_length": acceptance,
                 "identical_outputs": sum(
                     a.outputs[0].token_ids == b.outputs[0].token_ids
                     for a, b in zip(plain, spec, strict=True)

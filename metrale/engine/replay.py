@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import itertools
 
+import torch
+
 from metrale.engine.kv_cache import DUMMY_PAGE
 from metrale.engine.program_shapes import decode_bucket, padding_rows, prefill_shape, ragged_shape
 from metrale.engine.sequence import Batch, ScheduledSeq
@@ -67,7 +69,7 @@ def _replay_ragged(runner, batch: Batch):
     """`replay_decode` for a ragged program (dense targets, `program_shapes.RaggedShape`): the
     real rows come first, in batch order; padding sequences on the dummy page follow."""
     spans = spans_of(batch)
-    num_rows = sum(e.num_rows for e in batch.entries)
+    num_rows = batch.num_rows
     shape = ragged_shape(len(spans), num_rows, runner.graphs.max_q)
     dummy_table = [DUMMY_PAGE] * -(-runner.graphs.max_q // runner.page_size)
     for rows in padding_rows(shape, len(spans), num_rows):
@@ -76,9 +78,7 @@ def _replay_ragged(runner, batch: Batch):
     if ran is None:
         return None
     hidden, logits, _ = ran
-    # hidden is the program's own output, rewritten by its next replay: drafters keep it
-    hidden = hidden if runner.taps is None else runner.taps.buffer
-    return hidden[:num_rows].clone(), logits[:num_rows], None, list(batch.entries)
+    return _kept_hidden(runner, hidden, num_rows), logits[:num_rows], None, list(batch.entries)
 
 
 def replay_prefill(runner, batch: Batch, sample_rows: list[int]):
@@ -101,8 +101,15 @@ def replay_prefill(runner, batch: Batch, sample_rows: list[int]):
     if ran is None:
         return None
     hidden, logits, _ = ran
-    hidden = hidden if runner.taps is None else runner.taps.buffer
-    return hidden[:num_rows].clone(), logits[: len(sample_rows)], None, list(batch.entries)
+    hidden = _kept_hidden(runner, hidden, num_rows)
+    return hidden, logits[: len(sample_rows)], None, list(batch.entries)
+
+
+def _kept_hidden(runner, hidden: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The first `num_rows` rows of what drafters read (the taps when a DFlash drafter has
+    them, else the program's hidden), copied: the program's next replay rewrites both."""
+    source = hidden if runner.taps is None else runner.taps.buffer
+    return source[:num_rows].clone()
 
 
 def run_program(runner, key, spans, state=None, sample_rows: list[int] | None = None):
