@@ -132,8 +132,9 @@ def test_every_prefill_step_fits_a_captured_shape(max_seqs, max_q):
 @pytest.mark.parametrize("num_drafts, max_model_len", [(0, None), (3, None), (3, 80)])
 def test_prefill_programs_are_lossless_with_arrivals(tiny_model_dir, num_drafts, max_model_len):
     """Prompts of several lengths arriving while others decode (chunked, mixed with decode and
-    verify rows), through prefill programs as wide as the runner allows (a short model length
-    caps them: a program's padding rows sit at positions 0 .. rows - 1): the output equals eager
+    verify rows), through prefill programs as wide as the runner allows (with a short model
+    length too: a program's padding rows sit at positions 0 .. rows - 1, past the model length,
+    which the rotary table must reach): the output equals eager
     plain decoding, no step failed (a failing batch is re-run sequence by sequence, which would
     hide it), and steps with prompt chunks did run as prefill programs."""
     prompts = [[(5 * i + 7 * j) % 300 + 3 for j in range(4 + 9 * i)] for i in range(7)]
@@ -149,7 +150,7 @@ def test_prefill_programs_are_lossless_with_arrivals(tiny_model_dir, num_drafts,
         llm = LLM(tiny_model_dir, **kwargs)
     runner = llm.engine.runner
     rows = prefill_program_rows(runner.prefill_limit)
-    assert rows == (32 if max_model_len is None else 64)
+    assert rows == (32 if max_model_len is None else 512)
     runner.graphs = EagerPrograms(runner.model, num_drafts + 1, runner.page_size, rows)
     failures = []
     execute = runner.execute
@@ -167,3 +168,5 @@ def test_prefill_programs_are_lossless_with_arrivals(tiny_model_dir, num_drafts,
     assert [o.outputs[0].token_ids for o in outs] == reference
     prefills = [s for s in runner.graphs.shapes if isinstance(s, PrefillShape)]
     assert prefills and all(s.rows() <= rows for s in prefills)
+    if max_model_len is not None:  # a step of several prompts: wider than any one sequence
+        assert any(s.rows() > max_model_len for s in prefills)

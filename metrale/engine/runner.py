@@ -59,8 +59,13 @@ class ModelRunner:
         self.backend = TritonPagedAttention() if use_kernel else TorchPagedAttention()
         self.hybrid = model_cfg.hybrid is not None
         target_cls = Qwen3NextForCausalLM if self.hybrid else Qwen3ForCausalLM
+        # Rows of a step with prompt chunks that may replay a prefill program. The spare
+        # sequence holding a program's padding rows sits at positions 0 .. rows - 1, so the
+        # rotary table and the programs' block tables reach that far too, past a short model
+        # length: a step of many sequences has more rows than any one sequence.
+        self.prefill_limit = min(cfg.graph_prefill_rows, cfg.max_num_batched_tokens)
         with torch.device(self.device), default_dtype(self.dtype):
-            self.model = target_cls(model_cfg, self.backend, max_model_len)
+            self.model = target_cls(model_cfg, self.backend, max(max_model_len, self.prefill_limit))
         if cfg.load_format == "dummy":
             dummy_weights(self.model, cfg.seed)
         else:
@@ -103,17 +108,14 @@ class ModelRunner:
             self.states = StateSlots(
                 self.model, cfg.max_num_seqs, cfg.hybrid_verify_state, num_drafts + 1
             )
-        # Rows of a step with prompt chunks that may replay a prefill program: the spare
-        # sequence holding a program's padding rows sits at positions 0 .. rows - 1, which the
-        # model's positions (and a block table) must reach.
-        self.prefill_limit = min(cfg.graph_prefill_rows, cfg.max_num_batched_tokens, max_model_len)
         self.graphs = None
         if cfg.cuda_graphs and self.device.type == "cuda":
             self.graphs = GraphRunner(
                 self.model,
                 cfg.graph_max_rows,
-                # a sequence's block table may reach `lookahead` rows past the model length
-                max_model_len + lookahead,
+                # a sequence's block table may reach `lookahead` rows past the model length;
+                # a prefill program's spare sequence, `prefill_limit` rows
+                max(max_model_len + lookahead, self.prefill_limit),
                 cfg.page_size,
                 self.device,
                 paged_kernel=isinstance(self.backend, TritonPagedAttention),
