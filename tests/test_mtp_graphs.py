@@ -52,11 +52,16 @@ def drafts_of(llm: LLM, params) -> tuple[list, list]:
     return [o.outputs[0].token_ids for o in outs], proposed
 
 
-@pytest.mark.parametrize("num_drafts", [3, 4])
-def test_graphed_chain_and_catch_up_draft_what_the_eager_drafter_drafts(monkeypatch, num_drafts):
+@pytest.mark.parametrize("num_drafts, max_num_seqs", [(3, 8), (4, 8), (3, 2)])
+def test_graphed_chain_and_catch_up_draft_what_the_eager_drafter_drafts(
+    monkeypatch, num_drafts, max_num_seqs
+):
+    """With 2 slots, prompts arrive while others verify: a step's prompt chunk catches up
+    eagerly beside the verify rows' program, and the drafts still equal the eager drafter's."""
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     spec = {"method": "mtp", "num_drafts": num_drafts, "dcut": False}
-    eager = LLM(device="cpu", dtype="float32", spec=spec)
+    kwargs = dict(device="cpu", dtype="float32", spec=spec, max_num_seqs=max_num_seqs)
+    eager = LLM(**kwargs)
     want, want_drafts = drafts_of(eager, params)
 
     captured: list[RerunGraph] = []
@@ -67,7 +72,7 @@ def test_graphed_chain_and_catch_up_draft_what_the_eager_drafter_drafts(monkeypa
         return graph, graph.outputs
 
     monkeypatch.setattr(mtp_graphs, "capture", capture)
-    llm = LLM(device="cpu", dtype="float32", spec=spec)
+    llm = LLM(**kwargs)
     runner, drafter = llm.engine.runner, llm.engine.spec.drafter
     runner.graphs = SimpleNamespace(pool=None, max_q=num_drafts + 1)
     try:
@@ -81,6 +86,20 @@ def test_graphed_chain_and_catch_up_draft_what_the_eager_drafter_drafts(monkeypa
         )
     finally:
         runner.graphs = None  # the target's own steps stay eager
+    mixed = []  # observes that replayed a catch-up and ran a prompt chunk eagerly
+    observe, eager_catch_up = drafter.observe, drafter._catch_up_eager
+
+    def counted(verdicts):
+        before = drafter.chain_graphs.catch_up_replays
+        mixed.append(False)
+        observe(verdicts)
+        mixed[-1] = mixed[-1] and drafter.chain_graphs.catch_up_replays > before
+
+    def eager_counted(*args):
+        mixed[-1] = True
+        eager_catch_up(*args)
+
+    drafter.observe, drafter._catch_up_eager = counted, eager_counted
     got, got_drafts = drafts_of(llm, params)
     assert got == want
     assert got_drafts == want_drafts
@@ -93,3 +112,4 @@ def test_graphed_chain_and_catch_up_draft_what_the_eager_drafter_drafts(monkeypa
     assert any(len({len(d) for _, d in step if d}) > 1 for step in got_drafts)
     assert sum(len(d) for step in got_drafts for _, d in step) > 20
     assert isinstance(chain.block_tables, torch.Tensor)
+    assert any(mixed) == (max_num_seqs < len(PROMPTS))

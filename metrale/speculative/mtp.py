@@ -16,7 +16,7 @@ the mapping; 0 is right) and `METRALE_MTP_REFEED_DEBUG=1` logging a fingerprint 
 hidden. Rows the chain never wrote (prefill, plain decodes, the bonus row) are always fed.
 
 On CUDA with graphs, the whole chain is one captured program and the catch-up a ragged one
-(`mtp_graphs.py`); prefill catch-ups and the CPU run eagerly.
+(`mtp_graphs.py`); prefill chunks catch up eagerly beside it, and the CPU runs all eagerly.
 
 NOTE: rollback: chain rows of rejected drafts lie past the committed positions; the next
 catch-up rewrites them before any row reads them. The MTP KV shares the target's block tables,
@@ -115,32 +115,57 @@ class MTPDrafter:
             owners.append(seq)
         if not spans:
             return
-        hidden = torch.cat(hiddens)
-        slots = [seq.slot for seq in owners]
         for seq, (_, first, tokens) in zip(owners, spans, strict=True):
             self._pos[seq.seq_id] = [first + len(tokens) - 1, 0]
-        # Draft ahead when most of these sequences verified drafts (in steady state the ones
-        # D-Cut drafts again): the chain then runs in the catch-up's own program, while the
-        # host emits and schedules, and `propose` only reads it back. Otherwise (D-Cut leaves
-        # most at depth 0) `propose` chains the few it drafts.
-        drafted = sum(1 for v in verdicts if v.drafts)
         self._ahead_rows = {}
-        table, ahead = None, False
+        eager = list(range(len(spans)))
         if self.chain_graphs is not None:
-            ahead = 2 * drafted >= len(owners) and self.chain_graphs.max_q > 2
-            table = self.chain_graphs.catch_up(spans, hidden, slots, ahead)
-        if table is None:  # eager: prefill chunks, or no graphs
-            logits_in, next_hidden, meta = self._forward(0, spans, hidden)
-            last = meta.query_start_loc[1:] - 1  # [S] each span's newest row
-            firsts = self.runner.model.compute_logits(logits_in, last).argmax(dim=-1)  # [S]
-            index = to_device_packed([slots], self.runner.device)[0]
-            self._first.index_copy_(0, index, firsts)
-            self._hidden.index_copy_(0, index, next_hidden.index_select(0, last))
-        elif ahead:
+            # Decode and verify rows catch up in a captured program; prefill chunks (longer
+            # than 1 + K rows) beside it, eagerly, so an arrival does not make every
+            # sequence's catch-up eager.
+            short = [i for i in eager if len(spans[i][2]) <= self.chain_graphs.max_q]
+            if short and self._catch_up_graphed(verdicts, short, spans, hiddens, owners):
+                eager = [i for i in eager if len(spans[i][2]) > self.chain_graphs.max_q]
+        if eager:
+            self._catch_up_eager(
+                [spans[i] for i in eager],
+                torch.cat([hiddens[i] for i in eager]),
+                [owners[i].slot for i in eager],
+            )
+
+    def _catch_up_graphed(self, verdicts, short, spans, hiddens, owners) -> bool:
+        """The catch-up of the `short` spans as one replay; False when no program takes it.
+        Drafts ahead when most of these sequences verified drafts (in steady state the ones
+        D-Cut drafts again): the chain then runs in the catch-up's own program, while the host
+        emits and schedules, and `propose` only reads it back. Otherwise (D-Cut leaves most at
+        depth 0) `propose` chains the few it drafts."""
+        drafted = sum(1 for v in verdicts if v.drafts)
+        ahead = 2 * drafted >= len(short) and self.chain_graphs.max_q > 2
+        table = self.chain_graphs.catch_up(
+            [spans[i] for i in short],
+            torch.cat([hiddens[i] for i in short]),
+            [owners[i].slot for i in short],
+            ahead,
+        )
+        if table is None:
+            return False
+        if ahead:
             self._ahead_table = table
             self._ahead_rows = {
-                seq.seq_id: (row, self._pos[seq.seq_id][0]) for row, seq in enumerate(owners)
+                owners[i].seq_id: (row, self._pos[owners[i].seq_id][0])
+                for row, i in enumerate(short)
             }
+        return True
+
+    def _catch_up_eager(self, spans, hidden: torch.Tensor, slots: list[int]) -> None:
+        """The first module over the spans' rows; each span's first draft and next hidden at
+        its newest row go to the drafter's per-slot state."""
+        logits_in, next_hidden, meta = self._forward(0, spans, hidden)
+        last = meta.query_start_loc[1:] - 1  # [S] each span's newest row
+        firsts = self.runner.model.compute_logits(logits_in, last).argmax(dim=-1)  # [S]
+        index = to_device_packed([slots], self.runner.device)[0]
+        self._first.index_copy_(0, index, firsts)
+        self._hidden.index_copy_(0, index, next_hidden.index_select(0, last))
 
     def _rows_to_feed(self, v: Verdict) -> tuple[torch.Tensor, int]:
         """The committed rows to run through the MTP layer: (target hiddens, first position)."""
