@@ -3,10 +3,11 @@
 The replay drafter of `bench.py` fixes the acceptance to measure the engine; this measures the
 model: held-out prompts (`acceptance.heldout_prompts`), greedy, one engine with the drafter, each
 batch size run with `SamplingParams(speculative=False)` and then with speculation, each timed as
-the second of two identical runs (graphs captured, caches warm). Reports tokens/s both ways, the
-speedup (end to end, and of the decode phase alone: time per output token with the prefill
-subtracted), the mean acceptance length, and how many outputs equal the non-speculative ones (bf16
-verify rows round differently from decode rows, so near-ties may flip; float32 never does).
+the median of three runs after a warm-up run (graphs captured, caches warm). Reports tokens/s
+both ways, the speedup (end to end, and of the decode phase alone: time per output token with the
+prefill subtracted), the mean acceptance length, and how many outputs equal the non-speculative
+ones (bf16 verify rows round differently from decode rows, so near-ties may flip; float32 never
+does).
 
 Those runs are closed batches: the batch ends with its slowest sequence, and a sequence whose
 drafts are seldom accepted keeps the others' slots idle while it finishes. A serving engine sees
@@ -18,6 +19,7 @@ output lengths that vary from request to request.
 
 from __future__ import annotations
 
+import gc
 import random
 import sysconfig
 from contextlib import contextmanager
@@ -42,12 +44,12 @@ def concurrency(llm: LLM, slots: int):
 
 def timed_pair(llm: LLM, prompts, plain_params, spec_params):
     """(plain outputs, seconds, speculative outputs, seconds, mean acceptance length) of the
-    same prompts without and with speculation, each the second of two identical runs."""
+    same prompts without and with speculation, each the median of identical runs."""
     tel = llm.engine.telemetry.spec
     plain, t_plain = timed_generate(llm, prompts, plain_params)
     before = (tel.num_drafts, tel.num_accepted_tokens)
     spec, t_spec = timed_generate(llm, prompts, spec_params)
-    # The counters cover both timed-helper runs, which are identical.
+    # The counters cover every run of the timed helper, which are identical.
     drafts, accepted = tel.num_drafts - before[0], tel.num_accepted_tokens - before[1]
     return plain, t_plain, spec, t_spec, 1 + accepted / max(drafts, 1)
 
@@ -105,6 +107,8 @@ def drafter_e2e(args) -> dict:
         max(args.e2e_batch_sizes) * max(per_slot, 1),
         args.prompt_tokens,
     )
+    gc.collect()
+    gc.freeze()  # one engine for the process, as a server has: no full collections mid-run
     rows = []
     for batch in args.e2e_batch_sizes:
         prompts = prompts_all[:batch]

@@ -1,7 +1,8 @@
 """End-to-end runs at a replayed or forced acceptance: generate without speculation and record
 the continuations, then replay them as drafts (corrupted with probability 1 - alpha, or every
-draft "accepted" at rate alpha under `forced`, see `bench/forced.py`), timing the second of two
-runs of each (graphs captured, caches warm).
+draft "accepted" at rate alpha under `forced`, see `bench/forced.py`). Each is timed as the
+median of `REPEATS` runs after a warm-up run (graphs captured, caches warm): a single run of a
+few hundred milliseconds moves by tens of percent with the host's noise.
 
 The decode phase is timed apart from the prefill: a run of the same prompts with one output token
 (the prefill and its first sample) is subtracted from each run, so time per output token and the
@@ -11,6 +12,7 @@ decode speedup do not mix in the prefill's cost.
 from __future__ import annotations
 
 import random
+import statistics
 import time
 
 from metrale.api import LLM
@@ -19,16 +21,23 @@ from metrale.config import SamplingParams
 from metrale.engine.calibrate import sync
 from metrale.speculative.replay import ReplayDrafter
 
+REPEATS = 3  # timed runs per measurement; the median is reported
 
-def timed_generate(llm: LLM, prompts, params) -> tuple[list, float]:
-    """(outputs, seconds) of the second of two identical runs: graphs captured, caches warm."""
+
+def timed_generate(llm: LLM, prompts, params, warm: bool = True) -> tuple[list, float]:
+    """(outputs of the last run, median seconds) of `REPEATS` identical runs, after a warm-up
+    run (graphs captured, caches warm) unless `warm` is False."""
     device = llm.engine.runner.device
-    llm.generate(prompts, params, use_tqdm=False)
-    sync(device)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    sync(device)
-    return outs, time.perf_counter() - start
+    if warm:
+        llm.generate(prompts, params, use_tqdm=False)
+    times = []
+    for _ in range(REPEATS):
+        sync(device)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return outs, statistics.median(times)
 
 
 def prefill_seconds(llm: LLM, prompts) -> float:
@@ -60,7 +69,7 @@ def end_to_end(
     rng = random.Random(batch)
     prompts = [[rng.randrange(llm.engine.vocab_size) for _ in range(32)] for _ in range(batch)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    runner, device = llm.engine.runner, llm.engine.runner.device
+    runner = llm.engine.runner
     # plain decoding: the requests opt out of speculation, so no speculative work runs at all
     plain_params = SamplingParams(
         temperature=0.0, max_tokens=max_tokens, ignore_eos=True, speculative=False
@@ -73,15 +82,12 @@ def end_to_end(
         llm.generate(prompts, params, use_tqdm=False)  # warm-up, outside the counters below
         before = _counters(llm)
         graphs_before = runner.graphs.cache.stats() if runner.graphs else None
-        sync(device)
-        start = time.perf_counter()
-        spec = llm.generate(prompts, params, use_tqdm=False)
-        sync(device)
-        t_spec = time.perf_counter() - start
+        spec, t_spec = timed_generate(llm, prompts, params, warm=False)
     finally:
         runner.forced_acceptance = None
     after = _counters(llm)
-    delta = [a - b for a, b in zip(after, before, strict=True)]
+    # per timed run (the runs are identical)
+    delta = [(a - b) // REPEATS for a, b in zip(after, before, strict=True)]
     tokens = batch * max_tokens
     decode_tokens = batch * (max_tokens - 1)
     decode_plain, decode_spec = t_plain - t_prefill, t_spec - t_prefill
