@@ -225,9 +225,13 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 
 
 def _llm(args: argparse.Namespace):
+    """The engine of `generate` and `chat`: one for the process, so the heap is frozen."""
     from metrale.api import LLM
+    from metrale.engine.heap import freeze_startup_heap
 
-    return LLM(args.model, **engine_options(args))
+    llm = LLM(args.model, **engine_options(args))
+    freeze_startup_heap()
+    return llm
 
 
 def spec_summary(llm) -> str:

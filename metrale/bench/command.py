@@ -16,7 +16,6 @@ It prints a table, writes JSON (also the last stdout line) and a PNG plot. Tiny 
 
 from __future__ import annotations
 
-import gc
 import json
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from metrale.bench.e2e import end_to_end
 from metrale.bench.shapes import write_shape
 from metrale.bench.timing import bandwidth, weight_bytes
 from metrale.engine.calibrate import step_times
+from metrale.engine.heap import freeze_startup_heap
 from metrale.speculative.dcut import VerifyCostModel
 from metrale.speculative.replay import ReplayDrafter
 
@@ -89,8 +89,7 @@ def run(args) -> dict:
         hybrid_verify_state=getattr(args, "hybrid_verify_state", "write_on_accept"),
     )
     drafter.vocab_size = llm.engine.vocab_size
-    gc.collect()
-    gc.freeze()  # one engine for the process, as a server has: no full collections mid-run
+    freeze_startup_heap()  # one engine for the process: no full collections mid-run
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     bw = bandwidth(device)

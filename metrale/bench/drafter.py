@@ -19,7 +19,6 @@ output lengths that vary from request to request.
 
 from __future__ import annotations
 
-import gc
 import random
 import sysconfig
 from contextlib import contextmanager
@@ -29,6 +28,7 @@ from metrale.api import LLM
 from metrale.bench.acceptance import heldout_prompts
 from metrale.bench.e2e import prefill_seconds, timed_generate
 from metrale.config import SamplingParams
+from metrale.engine.heap import freeze_startup_heap
 
 
 @contextmanager
@@ -107,8 +107,7 @@ def drafter_e2e(args) -> dict:
         max(args.e2e_batch_sizes) * max(per_slot, 1),
         args.prompt_tokens,
     )
-    gc.collect()
-    gc.freeze()  # one engine for the process, as a server has: no full collections mid-run
+    freeze_startup_heap()  # one engine for the process: no full collections mid-run
     rows = []
     for batch in args.e2e_batch_sizes:
         prompts = prompts_all[:batch]

@@ -19,7 +19,6 @@ import torch
 from metrale.config import EngineConfig, ModelConfig, SamplingParams
 from metrale.engine.calibrate import measured_cost_model
 from metrale.engine.emitter import Emitter
-from metrale.engine.heap import freeze_startup_heap
 from metrale.engine.kv_cache import PageAllocator
 from metrale.engine.runner import ModelRunner
 from metrale.engine.scheduler import Scheduler
@@ -62,7 +61,6 @@ class LLMEngine:
     ) -> None:
         """`drafter` plugs in a drafter of the caller's (a replay drafter for benchmarks, an
         oracle in tests); otherwise `config.spec.method` picks one (or none)."""
-        freeze_startup_heap()
         self.config = config or EngineConfig()
         # a directory, or a Hub id resolved through huggingface_hub (the local cache offline)
         self.model_dir = resolve_model(model_dir, self.config.revision)

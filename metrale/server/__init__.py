@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import signal
 import sys
 from pathlib import Path
 
 from metrale.api import engine_config_from
+from metrale.engine.heap import freeze_startup_heap
 from metrale.engine.llm import LLMEngine
 from metrale.hub import is_hub_id
 
@@ -50,8 +50,7 @@ def build(
         # The engine lives as long as the process: keep its model, caches and graphs out of the
         # cyclic collector's full passes, which would otherwise stall steps for milliseconds
         # (vLLM's engine process does the same).
-        gc.collect()
-        gc.freeze()
+        freeze_startup_heap()  # one engine for the process: no full collections mid-run
         loop.start()
         yield
         # NOTE: graceful shutdown: `serve` drained first (no admission, a grace period, then
