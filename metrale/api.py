@@ -49,6 +49,16 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); a no-op on one device."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def _add(self, prompt: Prompt, params: SamplingParams | dict) -> str:
         request_id = f"req-{next(self._ids)}"
         self.engine.add_request(request_id, prompt, _params(params))

@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="hybrid targets: how a verify writes the recurrent state",
     )
     bench.add_argument("--kv-cache-memory-gb", type=float, default=4.0, help="KV pool size")
+    bench.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="ranks the target is split across"
+    )
     bench.add_argument("--out", default="bench-out", help="folder for bench.json and bench.png")
     bench.add_argument(
         "--acceptance",
@@ -250,7 +253,11 @@ def spec_summary(llm) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling(args)
-    llm = _llm(args)
+    with _llm(args) as llm:
+        return _generate(llm, args, params)
+
+
+def _generate(llm, args: argparse.Namespace, params) -> int:
     out = sys.stdout
     out.write(args.prompt)
     final = None
@@ -270,10 +277,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from metrale.chat_repl import run_repl
 
-    llm = _llm(args)
-    code = run_repl(llm, _sampling(args), args.system)
-    if llm.engine.spec is not None:
-        print(spec_summary(llm), file=sys.stderr)
+    with _llm(args) as llm:
+        code = run_repl(llm, _sampling(args), args.system)
+        if llm.engine.spec is not None:
+            print(spec_summary(llm), file=sys.stderr)
     return code
 
 

@@ -340,6 +340,10 @@ class EngineConfig:
     # programs too, on dense targets (a short prompt's eager forward is mostly launch overhead);
     # rounded down to a power of two; 0 runs every such step eagerly.
     graph_prefill_rows: int = _opt(512, "rows of a graphed step with prompt chunks (0: eager)")
+    tensor_parallel_size: int = _opt(1, "ranks the target is split across (worker processes)")
+    distributed_timeout_s: float = _opt(
+        120.0, "seconds a tensor-parallel collective may wait before the engine fails"
+    )
     # How a hybrid target's verify treats the recurrent state (HYBRID_VERIFY_STATES, see
     # `models/gdn_state.py`): "write_on_accept" writes it once, for the accepted rows;
     # "per_row_slots" writes every row's state into K+1 entries per sequence and commits by
@@ -363,7 +367,10 @@ class EngineConfig:
         util = self.gpu_memory_utilization
         if util is not None and (isinstance(util, bool) or not 0.0 < util <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
+        timeout = self.distributed_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"distributed_timeout_s must be a positive number, got {timeout!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

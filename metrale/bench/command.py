@@ -87,7 +87,17 @@ def run(args) -> dict:
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         spec={"num_drafts": args.num_drafts, "dcut": getattr(args, "dcut", False)},
         hybrid_verify_state=getattr(args, "hybrid_verify_state", "write_on_accept"),
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
     )
+    try:
+        return _measure(llm, drafter, args, device, alphas, forced)
+    finally:
+        llm.shutdown()
+
+
+def _measure(llm: LLM, drafter, args, device: torch.device, alphas, forced: bool) -> dict:
+    """`run`'s measurements on the engine it built."""
+    tp = llm.engine.config.tensor_parallel_size
     drafter.vocab_size = llm.engine.vocab_size
     freeze_startup_heap()  # one engine for the process: no full collections mid-run
     if device.type == "cuda":
@@ -97,11 +107,17 @@ def run(args) -> dict:
     roofline = wbytes / bw
     qs = sorted(set(args.q) | {1, args.num_drafts + 1})
     times = step_times(llm.engine, args.batch_sizes, qs, args.context)
-    anchor = anchor_step_times(llm.engine.runner.model, args.batch_sizes, args.context)
+    # the anchor runs rank 0's shard alone: no anchor for a tensor-parallel target
+    anchor = (
+        None
+        if tp > 1
+        else anchor_step_times(llm.engine.runner.model, args.batch_sizes, args.context)
+    )
     result = {
         "shape": args.shape if not args.model else str(args.model),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(llm.engine.runner.dtype),
+        "tensor_parallel_size": tp,  # the roofline counts one rank's weights
         "context": args.context,
         "bandwidth_GBps": bw / 1e9,
         "weight_bytes": wbytes,

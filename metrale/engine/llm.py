@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from metrale.config import EngineConfig, ModelConfig, SamplingParams
+from metrale.distributed.parallel import DistributedError
 from metrale.engine.calibrate import measured_cost_model
 from metrale.engine.emitter import Emitter
 from metrale.engine.kv_cache import PageAllocator
@@ -277,6 +278,9 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def shutdown(self) -> None:
+        self.runner.shutdown()
+
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -327,6 +331,8 @@ class LLMEngine:
             return StepOutput([], [], torch.empty(0), [])
         try:
             return self.runner.execute(batch)
+        except DistributedError:
+            raise  # a rank is gone: no sequence can run, so none is retried alone
         except Exception as e:  # noqa: BLE001 (isolation: any error ends only its sequence)
             if len(batch.entries) == 1:
                 log.exception("sequence %s failed", batch.entries[0].seq.request_id)

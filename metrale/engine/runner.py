@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 
 from metrale.config import EngineConfig, ModelConfig
+from metrale.distributed.parallel import TPGroup, local_config
+from metrale.distributed.shard import build_model, check_supported, start_workers
 from metrale.engine.graphs import GraphRunner
 from metrale.engine.kv_cache import DUMMY_PAGE, allocate_kv_cache, slots_of
 from metrale.engine.logits_pipeline import is_plain_greedy
@@ -64,13 +66,24 @@ class ModelRunner:
         # rotary table and the programs' block tables reach that far too, past a short model
         # length: a step of many sequences has more rows than any one sequence.
         self.prefill_limit = min(cfg.graph_prefill_rows, cfg.max_num_batched_tokens)
-        with torch.device(self.device), default_dtype(self.dtype):
-            self.model = target_cls(model_cfg, self.backend, max(max_model_len, self.prefill_limit))
-        if cfg.load_format == "dummy":
-            dummy_weights(self.model, cfg.seed)
+        positions = max(max_model_len, self.prefill_limit)
+        self.tp_size = cfg.tensor_parallel_size
+        kv_cfg = model_cfg  # the KV heads this process holds
+        if self.tp_size > 1:  # this process is rank 0; the workers start once the pool is sized
+            check_supported(model_cfg, cfg, self.tp_size)
+            tp = TPGroup(0, self.tp_size)
+            self.model = build_model(
+                model_cfg, cfg, model_dir, self.backend, positions, tp, self.device, self.dtype
+            )
+            kv_cfg = local_config(model_cfg, self.tp_size)
         else:
-            load_weights(self.model, model_dir)
-        self.model.eval()
+            with torch.device(self.device), default_dtype(self.dtype):
+                self.model = target_cls(model_cfg, self.backend, positions)
+            if cfg.load_format == "dummy":
+                dummy_weights(self.model, cfg.seed)
+            else:
+                load_weights(self.model, model_dir)
+            self.model.eval()
         self.mtp = None
         if with_mtp:
             self.mtp = load_mtp(
@@ -95,13 +108,17 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = max(cfg.gpu_memory_utilization * total - (total - free), 0) / 2**30
         self.num_pages = num_pages_for(
-            model_cfg, cfg, max_model_len, self.dtype, lookahead, len(layers), extra, budget
+            kv_cfg, cfg, max_model_len, self.dtype, lookahead, len(layers), extra, budget
         )
         self.kv_cache = allocate_kv_cache(
-            model_cfg, self.num_pages, cfg.page_size, self.dtype, self.device, len(layers)
+            kv_cfg, self.num_pages, cfg.page_size, self.dtype, self.device, len(layers)
         )
         for layer, cache in zip(layers, self.kv_cache, strict=True):
             layer.kv_cache = cache
+        if self.tp_size > 1:
+            self.model = start_workers(
+                self.model, model_dir, cfg, model_cfg, positions, self.num_pages, self.device
+            )
         self.states = None
         if self.hybrid:
             # a verify gives a sequence at most 1 + num_drafts rows (its last token, its drafts)
@@ -109,7 +126,8 @@ class ModelRunner:
                 self.model, cfg.max_num_seqs, cfg.hybrid_verify_state, num_drafts + 1
             )
         self.graphs = None
-        if cfg.cuda_graphs and self.device.type == "cuda":
+        # NOTE: tensor-parallel steps run eagerly for now (their collectives are not captured)
+        if cfg.cuda_graphs and self.device.type == "cuda" and self.tp_size == 1:
             self.graphs = GraphRunner(
                 self.model,
                 cfg.graph_max_rows,
@@ -161,6 +179,11 @@ class ModelRunner:
             d.target_layer_ids, self.model_cfg.hidden_size, rows, self.device, self.dtype
         )
         self.model.model.taps = self.taps
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (once; later calls do nothing)."""
+        if self.tp_size > 1:
+            self.model.shutdown()
 
     def span_metadata(
         self, spans: list[tuple[list[int], int, list[int]]]

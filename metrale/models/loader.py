@@ -68,16 +68,30 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
+# checkpoint name -> (dim, start, stop) of the part to read (a tensor-parallel rank's shard),
+# or None for the whole tensor
+Select = Callable[[str], "tuple[int, int, int] | None"]
+
+
 def iter_tensors(
-    files: list[Path], keep: Callable[[str], bool] | None = None
+    files: list[Path], keep: Callable[[str], bool] | None = None, select: Select | None = None
 ) -> Iterator[tuple[str, torch.Tensor, Path]]:
-    """(name, tensor, file) of every tensor; `keep` filters by name before a tensor is read."""
+    """(name, tensor, file) of every tensor; `keep` filters by name before a tensor is read;
+    `select` names the slice of a tensor to read (only that slice is read from the file)."""
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
-                    if keep is None or keep(name):
+                    if keep is not None and not keep(name):
+                        continue
+                    part = None if select is None else select(name)
+                    if part is None:
                         yield name, f.get_tensor(name), path
+                        continue
+                    dim, start, stop = part
+                    piece = f.get_slice(name)
+                    index = (slice(None),) * dim + (slice(start, stop),)
+                    yield name, piece[index], path
         except Exception as e:  # safetensors raises its own error types
             if isinstance(e, CheckpointError):
                 raise
@@ -161,20 +175,25 @@ def _missing_expert(name: str, param: nn.Parameter, got: set) -> str | None:
 
 @torch.no_grad()
 def load_weights(
-    model: nn.Module, model_dir: str | Path, renames: Mapping[str, str] | None = None
+    model: nn.Module,
+    model_dir: str | Path,
+    renames: Mapping[str, str] | None = None,
+    select: Select | None = None,
 ) -> None:
     """Fill every parameter of `model` from the checkpoint in `model_dir`.
 
     Without `renames`, parameter names are the checkpoint's (minus `IGNORED_PREFIXES`). With it,
     only tensors under one of its checkpoint prefixes are read, each loaded into the parameter
-    whose name swaps that prefix for the mapped one; prefixes must not overlap.
+    whose name swaps that prefix for the mapped one; prefixes must not overlap. `select`: read
+    only a slice of some tensors (a tensor-parallel rank's shard, `distributed/parallel.py`).
     """
     packed: dict[str, list[tuple[str, int]]] = getattr(model, "packed_modules", {})
     params = dict(model.named_parameters())
     # parameter name -> set of shards filled (None for unfused)
     filled: dict[str, set[int | None]] = {}
     files = checkpoint_files(model_dir)
-    for hf_name, tensor, path in iter_tensors(files, lambda n: _rename(n, renames) is not None):
+    keep = lambda n: _rename(n, renames) is not None  # noqa: E731
+    for hf_name, tensor, path in iter_tensors(files, keep, select):
         expert = _stacked_expert(_rename(hf_name, renames), params, path)
         if expert is not None:
             target, dest, key = expert

@@ -56,6 +56,7 @@ def build(
         # NOTE: graceful shutdown: `serve` drained first (no admission, a grace period, then
         # every request aborted with finish_reason "abort"); this ends whatever is left.
         loop.stop()
+        engine.shutdown()  # tensor-parallel workers, if any
 
     app.router.lifespan_context = lifespan
     return app, loop

@@ -1,0 +1,105 @@
+"""Building one rank's shard of a dense Qwen3 target: the sharded modules, only this rank's
+slices of the checkpoint's tensors, and a KV pool of the engine's page count holding this rank's
+KV heads. Rank 0 builds its own in the runner; each worker calls `build_worker` after spawning.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from metrale.config import EngineConfig, ModelConfig
+from metrale.distributed.layers import TPQwen3ForCausalLM
+from metrale.distributed.parallel import TPGroup, check_tp, local_config, selector
+from metrale.engine.kv_cache import allocate_kv_cache
+from metrale.engine.model_setup import default_dtype, dummy_weights
+from metrale.models.loader import load_weights
+
+
+def check_supported(model_cfg: ModelConfig, cfg: EngineConfig, size: int) -> None:
+    """A ValueError naming what does not split, or what tensor parallelism does not cover yet."""
+    if model_cfg.hybrid is not None:
+        raise ValueError(
+            f"tensor_parallel_size={size}: hybrid (Qwen3-Next) targets run on one device for now"
+        )
+    if cfg.spec.method in ("mtp", "dflash"):
+        raise ValueError(
+            f"tensor_parallel_size={size}: spec.method {cfg.spec.method!r} reads the target's "
+            "sharded layers; use 'ngram' (or no speculation) with tensor parallelism for now"
+        )
+    check_tp(model_cfg, size)
+
+
+def build_model(
+    model_cfg: ModelConfig,
+    cfg: EngineConfig,
+    model_dir: str | Path,
+    backend,
+    max_positions: int,
+    tp: TPGroup,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> TPQwen3ForCausalLM:
+    with torch.device(device), default_dtype(dtype):
+        model = TPQwen3ForCausalLM(model_cfg, backend, max_positions, tp)
+    if cfg.load_format == "dummy":
+        dummy_weights(model, cfg.seed + tp.rank)
+    else:
+        load_weights(model, model_dir, select=selector(model_cfg, tp.rank, tp.size))
+    return model.eval()
+
+
+def bind_kv(model, model_cfg: ModelConfig, cfg: EngineConfig, num_pages: int, size: int):
+    """Allocate this rank's KV pool (its KV heads, the engine's pages) and bind it."""
+    p = next(model.parameters())
+    layers = model.attention_layers
+    caches = allocate_kv_cache(
+        local_config(model_cfg, size), num_pages, cfg.page_size, p.dtype, p.device, len(layers)
+    )
+    for layer, cache in zip(layers, caches, strict=True):
+        layer.kv_cache = cache
+
+
+def build_worker(
+    rank: int,
+    tp: TPGroup,
+    device: torch.device,
+    *,
+    model_dir: str,
+    cfg: EngineConfig,
+    model_cfg: ModelConfig,
+    max_positions: int,
+    num_pages: int,
+    dtype: torch.dtype,
+    backend_name: str,
+):
+    from metrale.kernels.paged_attention import TritonPagedAttention
+    from metrale.models.attention import TorchPagedAttention
+
+    backend = TritonPagedAttention() if backend_name == "triton" else TorchPagedAttention()
+    model = build_model(model_cfg, cfg, model_dir, backend, max_positions, tp, device, dtype)
+    bind_kv(model, model_cfg, cfg, num_pages, tp.size)
+    return model
+
+
+def start_workers(model, model_dir, cfg, model_cfg, max_positions, num_pages, device):
+    """Start ranks 1..N-1 with this rank's pool size and join the group: rank 0's model handle,
+    whose calls every rank runs (`workers.TPModel`)."""
+    from metrale.distributed import workers
+    from metrale.kernels.paged_attention import TritonPagedAttention
+
+    build = functools.partial(
+        build_worker,
+        model_dir=str(model_dir),
+        cfg=cfg,
+        model_cfg=model_cfg,
+        max_positions=max_positions,
+        num_pages=num_pages,
+        dtype=next(model.parameters()).dtype,
+        backend_name="triton" if isinstance(model.backend, TritonPagedAttention) else "torch",
+    )
+    size = cfg.tensor_parallel_size
+    _, procs = workers.start(build, size, device, cfg.distributed_timeout_s)
+    return workers.TPModel(model, procs, device)

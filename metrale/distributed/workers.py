@@ -1,0 +1,205 @@
+"""The other ranks of a tensor-parallel engine, and how rank 0 keeps them in step.
+
+Rank 0 (the engine's process) starts N - 1 worker processes (spawned), each building its shard of
+the target and a KV pool of as many pages as rank 0's, holding its own KV heads. Every call the
+engine makes on its model, `forward(input_ids, positions, meta)` and `compute_logits(hidden,
+rows)`, is first broadcast to the workers as a command word and its operands (the reference
+system's protocol, generalised to a batched step), so all ranks run the same forward and their
+collectives stay matched; a worker keeps its last hidden states for the `compute_logits` that
+follows. Only rank 0 samples, drafts and emits.
+
+A worker that raises exits, and rank 0's next collective fails (or times out after
+`distributed_timeout_s`): the engine then raises `DistributedError` rather than hang. `shutdown`
+stops the workers and tears the group down explicitly.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import traceback
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from metrale.distributed.parallel import DistributedError, TPGroup
+from metrale.models.attention import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+FORWARD, LOGITS, STOP = 0xFFFFFFF1, 0xFFFFFFF2, 0xFFFFFFFF  # command words
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_group(rank: int, size: int, address: str, device: torch.device, timeout: float):
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend,
+        init_method=address,
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+
+
+def _meta_fields(meta: AttentionMetadata) -> dict:
+    return {
+        "slot_mapping": meta.slot_mapping,
+        "positions": meta.positions,
+        "query_start_loc": meta.query_start_loc,
+        "seq_lens": meta.seq_lens,
+        "block_tables": meta.block_tables,
+        "max_query_len": meta.max_query_len,
+        "max_seq_len": meta.max_seq_len,
+        "page_size": meta.page_size,
+    }
+
+
+def _broadcast(payload: list | None) -> list:
+    box = [payload]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class TPModel:
+    """Rank 0's handle on the sharded target: calls are broadcast to the workers, then run here;
+    everything else is the local shard's."""
+
+    def __init__(self, model, workers: list, device: torch.device) -> None:
+        self._model, self._workers, self._device = model, workers, device
+        self._stopped = False
+        # dropped without `shutdown` (or at exit): the workers are terminated, not waited for
+        self._finalizer = weakref.finalize(self, _stop, workers, False)
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+    def _send(self, payload: list) -> None:
+        try:
+            _broadcast([_cpu(x) for x in payload])
+        except Exception as e:  # noqa: BLE001 (any failure of the group is fatal)
+            raise self._failure(e) from e
+
+    def _failure(self, e: Exception) -> DistributedError:
+        dead = [(i + 1, p.exitcode) for i, p in enumerate(self._workers) if not p.is_alive()]
+        if dead:
+            ranks = ", ".join(f"rank {r} (exit code {c})" for r, c in dead)
+            return DistributedError(f"tensor-parallel worker stopped: {ranks}")
+        return DistributedError(f"tensor-parallel collective failed: {type(e).__name__}: {e}")
+
+    def __call__(self, input_ids, positions, meta, *rest):
+        self._send([FORWARD, input_ids, positions, _meta_fields(meta)])
+        try:
+            return self._model(input_ids, positions, meta, *rest)
+        except Exception as e:
+            raise self._failure(e) from e
+
+    forward = __call__
+
+    def compute_logits(self, hidden, rows=None, out=None):
+        self._send([LOGITS, rows])
+        try:
+            return self._model.compute_logits(hidden, rows, out)
+        except Exception as e:
+            raise self._failure(e) from e
+
+    def shutdown(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        graceful = all(p.is_alive() for p in self._workers)
+        if graceful:
+            try:
+                _broadcast([STOP])
+            except Exception:  # noqa: BLE001 (stopping anyway)
+                log.warning("tensor-parallel workers did not take the stop command")
+                graceful = False
+        self._finalizer.detach()
+        _stop(self._workers, graceful)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _cpu(x):
+    return x.cpu() if isinstance(x, torch.Tensor) else x
+
+
+def _stop(workers: list, graceful: bool) -> None:
+    """Join the workers (after a stop command: they are exiting), else terminate them."""
+    for p in workers:
+        if graceful:
+            p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+        p.join(timeout=5)
+
+
+def start(build, size: int, device: torch.device, timeout: float):
+    """Start ranks 1..size-1, each running `build(rank, tp)` (-> its model, KV bound) and then
+    the command loop; join the group as rank 0. Returns (TPGroup, worker processes)."""
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    ctx = mp.get_context("spawn")
+    workers = []
+    for rank in range(1, size):
+        proc = ctx.Process(
+            target=_worker_main,
+            args=(rank, size, address, build, str(device), timeout),
+            daemon=True,
+            name=f"metrale-tp{rank}",
+        )
+        proc.start()
+        workers.append(proc)
+    try:
+        _init_group(0, size, address, device, timeout)
+    except Exception as e:
+        _stop(workers, False)
+        raise DistributedError(f"tensor-parallel group did not form: {e}") from e
+    return TPGroup(0, size), workers
+
+
+def _worker_main(rank: int, size: int, address: str, build, device: str, timeout: float):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", rank)
+    try:
+        _init_group(rank, size, address, dev, timeout)
+        model = build(rank, TPGroup(rank, size), dev)
+        _serve(model, dev)
+    except Exception:  # noqa: BLE001 (reported; exiting makes rank 0's collective fail)
+        traceback.print_exc()
+        os._exit(1)
+    dist.destroy_process_group()
+
+
+@torch.inference_mode()
+def _serve(model, device: torch.device) -> None:
+    hidden = None
+    while True:
+        payload = _broadcast(None)
+        word = payload[0]
+        if word == STOP:
+            return
+        if word == FORWARD:
+            ids, positions, fields = payload[1:]
+            meta = AttentionMetadata(
+                **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
+            )
+            hidden = model(ids.to(device), positions.to(device), meta)
+        elif word == LOGITS:
+            rows = payload[1]
+            model.compute_logits(hidden, None if rows is None else rows.to(device))
+        else:
+            raise RuntimeError(f"unknown command word {word:#x}")

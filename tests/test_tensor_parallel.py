@@ -1,0 +1,164 @@
+"""Tensor parallelism on CPU with gloo (`metrale/distributed/`): 2 and 4 ranks give the greedy
+tokens of one rank and its logits to 1e-5 (float32), with n-gram speculation and preemption
+too; each rank reads only its slices of the checkpoint; what is not covered yet is refused with
+an error naming it; a worker that dies ends the engine with an error, not a hang."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from metrale import LLM, SamplingParams
+from metrale.config import ModelConfig
+from metrale.distributed.parallel import DistributedError, kv_heads_of, local_config, selector
+from metrale.engine.sequence import Batch, ScheduledSeq, Sequence
+from metrale.models import loader
+
+PROMPTS = [[(7 * i + 3 * j) % 500 + 3 for j in range(5 + 4 * i)] for i in range(4)]
+
+
+def greedy(n: int = 16, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def tp_llm(path, size: int, **kw) -> LLM:
+    return LLM(path, device="cpu", dtype="float32", tensor_parallel_size=size, **kw)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32")
+    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+def first_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
+    """The float32 logits of every row of one prompt's prefill."""
+    engine = llm.engine
+    seq = Sequence(10**6, "probe", list(prompt), SamplingParams(), 0, (), arrival=0, slot=0)
+    engine.allocator.reserve(seq, len(prompt) + 1)
+    try:
+        return engine.runner.all_logits(Batch([ScheduledSeq(seq, len(prompt))]))
+    finally:
+        engine.allocator.free(seq)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_ranks_give_one_ranks_tokens_and_logits(tiny_model_dir, reference, size):
+    want, single = reference
+    llm = tp_llm(tiny_model_dir, size)
+    try:
+        outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        got = first_logits(llm, PROMPTS[2])
+        torch.testing.assert_close(got, first_logits(single, PROMPTS[2]), atol=1e-5, rtol=0)
+    finally:
+        llm.shutdown()
+
+
+def test_ranks_with_ngram_speculation_and_preemption(tiny_model_dir, reference):
+    want, _ = reference
+    # A pool too small for every sequence at once: some are preempted and recomputed.
+    llm = tp_llm(
+        tiny_model_dir, 2, num_kv_pages=8, page_size=8, spec={"method": "ngram", "num_drafts": 3}
+    )
+    try:
+        outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert llm.engine.telemetry.preemptions > 0
+        assert llm.engine.telemetry.spec.num_drafts > 0
+    finally:
+        llm.shutdown()
+
+
+def test_each_rank_reads_only_its_slices(tiny_model_dir, monkeypatch):
+    cfg = ModelConfig.from_hf(tiny_model_dir)
+    read: dict[str, tuple] = {}
+    real = loader.iter_tensors
+
+    def recording(files, keep=None, select=None):
+        for name, tensor, path in real(files, keep, select):
+            read[name] = tuple(tensor.shape)
+            yield name, tensor, path
+
+    monkeypatch.setattr(loader, "iter_tensors", recording)
+    from metrale.distributed.layers import TPQwen3ForCausalLM
+    from metrale.distributed.parallel import TPGroup
+    from metrale.models.attention import TorchPagedAttention
+
+    model = TPQwen3ForCausalLM(cfg, TorchPagedAttention(), 64, TPGroup(1, 2))
+    loader.load_weights(model, tiny_model_dir, select=selector(cfg, 1, 2))
+    local = local_config(cfg, 2)
+    d = cfg.head_dim
+    layer = "model.layers.0."
+    assert read[layer + "self_attn.q_proj.weight"] == (
+        local.num_attention_heads * d,
+        cfg.hidden_size,
+    )
+    assert read[layer + "self_attn.k_proj.weight"] == (
+        local.num_key_value_heads * d,
+        cfg.hidden_size,
+    )
+    assert read[layer + "mlp.down_proj.weight"] == (cfg.hidden_size, local.intermediate_size)
+    assert read["model.embed_tokens.weight"] == (cfg.vocab_size // 2, cfg.hidden_size)
+
+
+def test_fewer_kv_heads_than_ranks_replicate_the_one_each_rank_reads(tiny_model_dir):
+    cfg = ModelConfig.from_hf(tiny_model_dir)  # 4 query heads, 2 KV heads
+    assert [kv_heads_of(cfg, r, 4) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    assert [kv_heads_of(cfg, r, 2) for r in range(2)] == [(0, 1), (1, 1)]
+
+
+def test_what_does_not_split_or_is_not_covered_is_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        tp_llm(tiny_model_dir, 3)
+    with pytest.raises(ValueError, match="spec.method 'mtp'"):
+        tp_llm(tiny_model_dir, 2, spec={"method": "mtp", "num_drafts": 2})
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        tp_llm(tiny_model_dir, 0)
+
+
+def test_a_dead_worker_ends_the_engine_with_an_error(tiny_model_dir):
+    llm = tp_llm(tiny_model_dir, 2, distributed_timeout_s=10)
+    try:
+        worker = llm.engine.runner.model._workers[0]
+        worker.kill()
+        worker.join(timeout=10)
+        start = time.perf_counter()
+        with pytest.raises(DistributedError, match="worker stopped"):
+            llm.generate(PROMPTS[:1], greedy(4), use_tqdm=False)
+        assert time.perf_counter() - start < 15
+    finally:
+        llm.shutdown()
+
+
+def test_bench_runs_with_two_ranks(tmp_path, capsys):
+    """`metrale bench --tensor-parallel-size 2` on a tiny shape, gloo on CPU."""
+    import json
+
+    from metrale.cli import main
+
+    args = ["bench", "--shape", "tiny", "--device", "cpu", "--batch-sizes", "1,2", "--q", "1,3"]
+    args += ["--context", "16", "--e2e-batch-sizes", "2", "--max-tokens", "8", "--num-drafts", "2"]
+    args += ["--tensor-parallel-size", "2", "--out", str(tmp_path / "bench")]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["tensor_parallel_size"] == 2
+    assert result["decode"][0]["ms"] > 0 and result["e2e"][0]["tokens_per_s_spec"] > 0
+
+
+def test_generate_command_with_two_ranks(tiny_model_dir):
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, "-m", "metrale.cli", "generate", "a b", "--model", str(tiny_model_dir)]
+        + ["--device", "cpu", "--tensor-parallel-size", "2", "--max-tokens", "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("a b")
