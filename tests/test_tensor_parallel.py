@@ -162,3 +162,45 @@ def test_generate_command_with_two_ranks(tiny_model_dir):
     )
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("a b")
+
+
+HYBRID_PROMPTS = [[(11 * i + 5 * j) % 250 + 3 for j in range(6 + 5 * i)] for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def hybrid_wide_dir(tmp_path_factory, tokenizer_dir):
+    """A tiny Qwen3-Next whose GDN key heads, experts and the rest split 4 ways (the module's
+    shared one has 2 key heads: 2 ranks at most)."""
+    import shutil
+
+    from tests.test_qwen3_next import TINY_NEXT, randomize, transformers
+
+    over = dict(vocab_size=320, linear_num_key_heads=4, linear_num_value_heads=8, num_experts=8)
+    cfg = transformers.Qwen3NextConfig(**{**TINY_NEXT, **over})
+    torch.manual_seed(0)
+    hf = transformers.Qwen3NextForCausalLM(cfg).eval()
+    randomize(hf, seed=5)
+    path = tmp_path_factory.mktemp("hybrid-wide")
+    hf.save_pretrained(path, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, path / name)
+    return path
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("variant", ["write_on_accept", "per_row_slots"])
+def test_hybrid_ranks_give_one_ranks_tokens_with_speculation(hybrid_wide_dir, size, variant):
+    """GDN heads and their state split by key head, experts split across ranks; n-gram drafts
+    verified in either hybrid verify variant (state resets and commits on every rank)."""
+    single = LLM(hybrid_wide_dir, device="cpu", dtype="float32")
+    want = single.generate(HYBRID_PROMPTS, greedy(), use_tqdm=False)
+    spec = {"method": "ngram", "num_drafts": 3}
+    llm = tp_llm(hybrid_wide_dir, size, spec=spec, hybrid_verify_state=variant)
+    try:
+        outs = llm.generate(HYBRID_PROMPTS, greedy(), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
+        assert llm.engine.telemetry.spec.num_drafts > 0
+        got = first_logits(llm, HYBRID_PROMPTS[2])
+        torch.testing.assert_close(got, first_logits(single, HYBRID_PROMPTS[2]), atol=1e-5, rtol=0)
+    finally:
+        llm.shutdown()

@@ -1,8 +1,9 @@
-"""A dense Qwen3 target split across a tensor-parallel group: the same modules as
-`models/qwen3.py`, built at one rank's shapes (`parallel.local_config`), with the three places
-where ranks meet: the row-parallel o and down projections all-reduce their partial sums, the
-vocabulary-parallel embedding all-reduces the rows each rank looked up, and the head gathers
-each rank's slice of the vocabulary.
+"""A target split across a tensor-parallel group: the same modules as `models/qwen3.py` and
+`models/qwen3_next.py`, built at one rank's shapes (`parallel.local_config`), with the places
+where ranks meet: the row-parallel o, down and GDN out projections all-reduce their partial sums,
+the vocabulary-parallel embedding all-reduces the rows each rank looked up, the head gathers each
+rank's slice of the vocabulary, and a hybrid's MoE block all-reduces once the partial sums of the
+experts this rank holds (expert parallelism) and of its share of the shared expert.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from metrale.config import ModelConfig
-from metrale.distributed.parallel import TPGroup, local_config
+from metrale.distributed.parallel import TPGroup, experts_of, local_config
 from metrale.models.attention import AttentionBackend
+from metrale.models.layers import SwiGLUMLP
 from metrale.models.qwen3 import Qwen3ForCausalLM
+from metrale.models.qwen3_next import Qwen3NextForCausalLM
+from metrale.models.qwen3_next_moe import Qwen3NextExperts, Qwen3NextSparseMoeBlock
 
 
 class RowParallelLinear(nn.Linear):
@@ -46,6 +50,34 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.tp.all_reduce_(rows.masked_fill(outside[:, None], 0.0))
 
 
+class EPSparseMoeBlock(Qwen3NextSparseMoeBlock):
+    """The router whole on every rank (same rows in, same picks out); this rank's experts, the
+    other ranks' picks weighted 0; this rank's share of the shared expert (scaled by its gate,
+    which is linear in that share); one all-reduce of the sum."""
+
+    def __init__(self, cfg: ModelConfig, local: ModelConfig, tp: TPGroup) -> None:
+        super().__init__(local)  # the router: `local.hybrid.num_experts` is the whole count
+        self.tp = tp
+        self.first, count = experts_of(cfg, tp.rank, tp.size)
+        self.experts = Qwen3NextExperts(count, cfg.hidden_size, cfg.hybrid.moe_intermediate_size)
+        self.shared_expert = SwiGLUMLP(
+            cfg.hidden_size, local.hybrid.shared_expert_intermediate_size
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.route(x)
+        local = experts - self.first
+        mine = (local >= 0) & (local < self.experts.num_experts)
+        # NOTE: another rank's pick runs on expert 0 here with weight 0 (correct, not cheapest)
+        local, weights = local.masked_fill(~mine, 0), weights.masked_fill(~mine, 0)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.tp.all_reduce_(self.experts(x, local, weights) + shared)
+
+
+def _row_parallel(linear: nn.Linear, tp: TPGroup) -> RowParallelLinear:
+    return RowParallelLinear(linear.in_features, linear.out_features, linear.bias is not None, tp)
+
+
 class TPQwen3ForCausalLM(Qwen3ForCausalLM):
     """One rank's shard of a dense Qwen3 target; `compute_logits` returns every rank's vocabulary
     (float32 [R, V]), so the sampler on rank 0 sees whole rows."""
@@ -62,6 +94,34 @@ class TPQwen3ForCausalLM(Qwen3ForCausalLM):
             attn, mlp = layer.self_attn, layer.mlp
             attn.o_proj = RowParallelLinear(attn.q_size, cfg.hidden_size, cfg.attention_bias, tp)
             mlp.down_proj = RowParallelLinear(local.intermediate_size, cfg.hidden_size, False, tp)
+
+    def compute_logits(self, hidden, rows=None, out=None) -> torch.Tensor:
+        logits = self.tp.all_gather_last(super().compute_logits(hidden, rows))
+        return logits if out is None else out.copy_(logits)
+
+
+class TPQwen3NextForCausalLM(Qwen3NextForCausalLM):
+    """One rank's shard of a hybrid Qwen3-Next target: gated attention split by heads as the
+    dense one, GDN layers by key heads (each with its value heads, conv channels and recurrent
+    state: `make_state` gives this rank's), experts by expert (`EPSparseMoeBlock`)."""
+
+    def __init__(
+        self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, tp: TPGroup
+    ) -> None:
+        local = local_config(cfg, tp.size)
+        super().__init__(local, backend, max_positions)
+        self.tp = tp
+        inner = self.model
+        inner.embed_tokens = VocabParallelEmbedding(local.vocab_size, cfg.hidden_size, tp)
+        for layer in inner.layers:
+            if layer.layer_type == "linear_attention":
+                layer.linear_attn.out_proj = _row_parallel(layer.linear_attn.out_proj, tp)
+            else:
+                layer.self_attn.o_proj = _row_parallel(layer.self_attn.o_proj, tp)
+            if isinstance(layer.mlp, Qwen3NextSparseMoeBlock):
+                layer.mlp = EPSparseMoeBlock(cfg, local, tp)
+            else:
+                layer.mlp.down_proj = _row_parallel(layer.mlp.down_proj, tp)
 
     def compute_logits(self, hidden, rows=None, out=None) -> torch.Tensor:
         logits = self.tp.all_gather_last(super().compute_logits(hidden, rows))

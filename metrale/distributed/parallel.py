@@ -14,6 +14,7 @@ all-reduces, the head's logits are gathered).
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 import torch
@@ -42,13 +43,27 @@ class TPGroup:
         return torch.cat(parts, dim=-1)
 
 
-def check_tp(cfg: ModelConfig, size: int) -> None:
-    """A ValueError naming what does not divide across `size` ranks."""
-    for name, value in (
+def _splits(cfg: ModelConfig) -> list[tuple[str, int]]:
+    """(field, value) of everything a rank holds a share of."""
+    out = [
         ("num_attention_heads", cfg.num_attention_heads),
         ("intermediate_size", cfg.intermediate_size),
         ("vocab_size", cfg.vocab_size),
-    ):
+    ]
+    h = cfg.hybrid
+    if h is not None:
+        out += [
+            ("linear_num_key_heads", h.linear_num_key_heads),
+            ("linear_num_value_heads", h.linear_num_value_heads),
+            ("shared_expert_intermediate_size", h.shared_expert_intermediate_size),
+            ("num_experts", h.num_experts),
+        ]
+    return out
+
+
+def check_tp(cfg: ModelConfig, size: int) -> None:
+    """A ValueError naming what does not divide across `size` ranks."""
+    for name, value in _splits(cfg):
         if value % size:
             raise ValueError(
                 f"tensor_parallel_size={size}: the model's {name}={value} does not split"
@@ -62,13 +77,23 @@ def check_tp(cfg: ModelConfig, size: int) -> None:
 
 
 def local_config(cfg: ModelConfig, size: int) -> ModelConfig:
-    """The shapes one rank holds."""
+    """The shapes one rank holds (a hybrid's experts: `num_experts` stays the router's width;
+    each rank holds `num_experts / size` of them, see `layers.EPSparseMoeBlock`)."""
+    hybrid = cfg.hybrid
+    if hybrid is not None:
+        hybrid = dataclasses.replace(
+            hybrid,
+            linear_num_key_heads=hybrid.linear_num_key_heads // size,
+            linear_num_value_heads=hybrid.linear_num_value_heads // size,
+            shared_expert_intermediate_size=hybrid.shared_expert_intermediate_size // size,
+        )
     return dataclasses.replace(
         cfg,
         num_attention_heads=cfg.num_attention_heads // size,
         num_key_value_heads=max(cfg.num_key_value_heads // size, 1),
         intermediate_size=cfg.intermediate_size // size,
         vocab_size=cfg.vocab_size // size,
+        hybrid=hybrid,
     )
 
 
@@ -80,42 +105,108 @@ def kv_heads_of(cfg: ModelConfig, rank: int, size: int) -> tuple[int, int]:
     return rank * kv // size, 1
 
 
-def shard_ranges(cfg: ModelConfig, rank: int, size: int) -> dict[str, tuple[int, int, int]]:
-    """HF weight suffix -> (dim, start, stop) of the slice `rank` reads; suffixes not named
-    are read whole (norms, and biases of row-parallel layers)."""
+def experts_of(cfg: ModelConfig, rank: int, size: int) -> tuple[int, int]:
+    """(first expert, count) that `rank` holds."""
+    count = cfg.hybrid.num_experts // size if cfg.hybrid is not None else 0
+    return rank * count, count
+
+
+Ranges = list[tuple[int, int, int]]
+
+
+def _share(rank: int, total: int, size: int, unit: int = 1) -> tuple[int, int]:
+    n = total // size * unit
+    return rank * n, (rank + 1) * n
+
+
+def shard_ranges(cfg: ModelConfig, rank: int, size: int) -> dict[str, Ranges]:
+    """HF weight suffix -> the (dim, start, stop) slices `rank` reads, concatenated; suffixes
+    not named are read whole (norms, routers, biases of row-parallel layers). The more specific
+    suffixes come first."""
     d = cfg.head_dim
-    q = cfg.num_attention_heads // size
+    # a Qwen3-Next q_proj holds each head's query then its gate
+    q_rows = _share(rank, cfg.num_attention_heads, size, d * (2 if cfg.hybrid else 1))
+    q_cols = _share(rank, cfg.num_attention_heads, size, d)
     kv_first, kv_count = kv_heads_of(cfg, rank, size)
-    inter = cfg.intermediate_size // size
-    vocab = cfg.vocab_size // size
-    q_rows = (rank * q * d, (rank + 1) * q * d)
     kv_rows = (kv_first * d, (kv_first + kv_count) * d)
-    i_rows = (rank * inter, (rank + 1) * inter)
-    out = {
-        "q_proj.weight": (0, *q_rows),
-        "q_proj.bias": (0, *q_rows),
-        "k_proj.weight": (0, *kv_rows),
-        "k_proj.bias": (0, *kv_rows),
-        "v_proj.weight": (0, *kv_rows),
-        "v_proj.bias": (0, *kv_rows),
-        "o_proj.weight": (1, *q_rows),
-        "gate_proj.weight": (0, *i_rows),
-        "up_proj.weight": (0, *i_rows),
-        "down_proj.weight": (1, *i_rows),
-        "embed_tokens.weight": (0, rank * vocab, (rank + 1) * vocab),
-        "lm_head.weight": (0, rank * vocab, (rank + 1) * vocab),
+    i_rows = _share(rank, cfg.intermediate_size, size)
+    vocab = _share(rank, cfg.vocab_size, size)
+    out: dict[str, Ranges] = {}
+    h = cfg.hybrid
+    if h is not None:
+        s_rows = _share(rank, h.shared_expert_intermediate_size, size)
+        e_first, e_count = experts_of(cfg, rank, size)
+        hk, hv, dk, dv = (
+            h.linear_num_key_heads,
+            h.linear_num_value_heads,
+            h.linear_key_head_dim,
+            h.linear_value_head_dim,
+        )
+        per_key = 2 * dk + 2 * (hv // hk) * dv  # in_proj_qkvz rows of one key head's group
+        keys, values = _share(rank, hk, size, dk), _share(rank, hv, size, dv)
+        out |= {
+            "shared_expert.gate_proj.weight": [(0, *s_rows)],
+            "shared_expert.up_proj.weight": [(0, *s_rows)],
+            "shared_expert.down_proj.weight": [(1, *s_rows)],
+            "experts.gate_up_proj": [(0, e_first, e_first + e_count)],
+            "experts.down_proj": [(0, e_first, e_first + e_count)],
+            "in_proj_qkvz.weight": [(0, *_share(rank, hk, size, per_key))],
+            "in_proj_ba.weight": [(0, *_share(rank, hk, size, 2 * (hv // hk)))],
+            # the conv's channels: q of every key head, k of every key head, v of every value head
+            "conv1d.weight": [
+                (0, *keys),
+                (0, hk * dk + keys[0], hk * dk + keys[1]),
+                (0, 2 * hk * dk + values[0], 2 * hk * dk + values[1]),
+            ],
+            "dt_bias": [(0, *_share(rank, hv, size))],
+            "A_log": [(0, *_share(rank, hv, size))],
+            "linear_attn.out_proj.weight": [(1, *values)],
+        }
+    out |= {
+        "q_proj.weight": [(0, *q_rows)],
+        "q_proj.bias": [(0, *q_rows)],
+        "k_proj.weight": [(0, *kv_rows)],
+        "k_proj.bias": [(0, *kv_rows)],
+        "v_proj.weight": [(0, *kv_rows)],
+        "v_proj.bias": [(0, *kv_rows)],
+        "o_proj.weight": [(1, *q_cols)],
+        "gate_proj.weight": [(0, *i_rows)],
+        "up_proj.weight": [(0, *i_rows)],
+        "down_proj.weight": [(1, *i_rows)],
+        "embed_tokens.weight": [(0, *vocab)],
+        "lm_head.weight": [(0, *vocab)],
     }
     return out
 
 
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(.*)")
+
+
 def selector(cfg: ModelConfig, rank: int, size: int):
-    """For the loader: checkpoint name -> (dim, start, stop) to read, or None (whole)."""
+    """For the loader: checkpoint name -> the slices to read, or None (whole)."""
     ranges = shard_ranges(cfg, rank, size)
 
-    def select(name: str) -> tuple[int, int, int] | None:
-        for suffix, rng in ranges.items():
+    def select(name: str) -> Ranges | None:
+        if _EXPERT.fullmatch(name):
+            return None  # one expert's tensor: whole, if the rank holds it (`expert_renamer`)
+        for suffix, parts in ranges.items():
             if name.endswith("." + suffix) or name == suffix:
-                return rng
+                return parts
         return None
 
     return select
+
+
+def expert_renamer(cfg: ModelConfig, rank: int, size: int):
+    """For the loader: a per-expert tensor of an expert this rank holds, renamed to its local
+    index; those of other ranks' experts skipped; anything else kept as is."""
+    first, count = experts_of(cfg, rank, size)
+
+    def rename(name: str) -> str | None:
+        m = _EXPERT.fullmatch(name)
+        if m is None:
+            return name
+        e = int(m.group(2)) - first
+        return f"{m.group(1)}.{e}.{m.group(3)}" if 0 <= e < count else None
+
+    return rename

@@ -1,6 +1,7 @@
-"""Building one rank's shard of a dense Qwen3 target: the sharded modules, only this rank's
-slices of the checkpoint's tensors, and a KV pool of the engine's page count holding this rank's
-KV heads. Rank 0 builds its own in the runner; each worker calls `build_worker` after spawning.
+"""Building one rank's shard of a target: the sharded modules, only this rank's slices of the
+checkpoint's tensors (and only its experts), a KV pool of the engine's page count holding this
+rank's KV heads, and for a hybrid a recurrent-state pool of the engine's entry count holding this
+rank's GDN heads. Rank 0 builds its own in the runner; each worker calls `build_worker`.
 """
 
 from __future__ import annotations
@@ -11,8 +12,14 @@ from pathlib import Path
 import torch
 
 from metrale.config import EngineConfig, ModelConfig
-from metrale.distributed.layers import TPQwen3ForCausalLM
-from metrale.distributed.parallel import TPGroup, check_tp, local_config, selector
+from metrale.distributed.layers import TPQwen3ForCausalLM, TPQwen3NextForCausalLM
+from metrale.distributed.parallel import (
+    TPGroup,
+    check_tp,
+    expert_renamer,
+    local_config,
+    selector,
+)
 from metrale.engine.kv_cache import allocate_kv_cache
 from metrale.engine.model_setup import default_dtype, dummy_weights
 from metrale.models.loader import load_weights
@@ -20,10 +27,6 @@ from metrale.models.loader import load_weights
 
 def check_supported(model_cfg: ModelConfig, cfg: EngineConfig, size: int) -> None:
     """A ValueError naming what does not split, or what tensor parallelism does not cover yet."""
-    if model_cfg.hybrid is not None:
-        raise ValueError(
-            f"tensor_parallel_size={size}: hybrid (Qwen3-Next) targets run on one device for now"
-        )
     if cfg.spec.method in ("mtp", "dflash"):
         raise ValueError(
             f"tensor_parallel_size={size}: spec.method {cfg.spec.method!r} reads the target's "
@@ -42,12 +45,18 @@ def build_model(
     device: torch.device,
     dtype: torch.dtype,
 ) -> TPQwen3ForCausalLM:
+    cls = TPQwen3ForCausalLM if model_cfg.hybrid is None else TPQwen3NextForCausalLM
     with torch.device(device), default_dtype(dtype):
-        model = TPQwen3ForCausalLM(model_cfg, backend, max_positions, tp)
+        model = cls(model_cfg, backend, max_positions, tp)
     if cfg.load_format == "dummy":
         dummy_weights(model, cfg.seed + tp.rank)
     else:
-        load_weights(model, model_dir, select=selector(model_cfg, tp.rank, tp.size))
+        load_weights(
+            model,
+            model_dir,
+            select=selector(model_cfg, tp.rank, tp.size),
+            rename=expert_renamer(model_cfg, tp.rank, tp.size),
+        )
     return model.eval()
 
 
@@ -72,6 +81,7 @@ def build_worker(
     model_cfg: ModelConfig,
     max_positions: int,
     num_pages: int,
+    state_entries: int,
     dtype: torch.dtype,
     backend_name: str,
 ):
@@ -81,12 +91,16 @@ def build_worker(
     backend = TritonPagedAttention() if backend_name == "triton" else TorchPagedAttention()
     model = build_model(model_cfg, cfg, model_dir, backend, max_positions, tp, device, dtype)
     bind_kv(model, model_cfg, cfg, num_pages, tp.size)
-    return model
+    pool = model.make_state(state_entries) if model_cfg.hybrid is not None else None
+    return model, pool
 
 
-def start_workers(model, model_dir, cfg, model_cfg, max_positions, num_pages, device):
-    """Start ranks 1..N-1 with this rank's pool size and join the group: rank 0's model handle,
-    whose calls every rank runs (`workers.TPModel`)."""
+def start_workers(
+    model, model_dir, cfg, model_cfg, max_positions, num_pages, state_entries, device
+):
+    """Start ranks 1..N-1 with this rank's pool sizes (KV pages; a hybrid's state entries, which
+    rank 0's `StateSlots` will ask for) and join the group: rank 0's model handle, whose calls
+    every rank runs (`workers.TPModel`)."""
     from metrale.distributed import workers
     from metrale.kernels.paged_attention import TritonPagedAttention
 
@@ -97,6 +111,7 @@ def start_workers(model, model_dir, cfg, model_cfg, max_positions, num_pages, de
         model_cfg=model_cfg,
         max_positions=max_positions,
         num_pages=num_pages,
+        state_entries=state_entries,
         dtype=next(model.parameters()).dtype,
         backend_name="triton" if isinstance(model.backend, TritonPagedAttention) else "torch",
     )

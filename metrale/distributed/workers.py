@@ -21,6 +21,8 @@ import os
 import socket
 import traceback
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -28,10 +30,13 @@ import torch.multiprocessing as mp
 
 from metrale.distributed.parallel import DistributedError, TPGroup
 from metrale.models.attention import AttentionMetadata
+from metrale.models.gdn_state import GDNState, StateMode
 
 log = logging.getLogger(__name__)
 
-FORWARD, LOGITS, STOP = 0xFFFFFFF1, 0xFFFFFFF2, 0xFFFFFFFF  # command words
+# command words: a forward (operands: ids, positions, metadata, the state's addressing), the
+# logits of the last forward's rows, a hybrid state's reset of entries and commit of a verify
+FORWARD, LOGITS, RESET, COMMIT, STOP = 0xFFFFFFF1, 0xFFFFFFF2, 0xFFFFFFF3, 0xFFFFFFF4, 0xFFFFFFFF
 
 
 def _free_port() -> int:
@@ -98,12 +103,21 @@ class TPModel:
             return DistributedError(f"tensor-parallel worker stopped: {ranks}")
         return DistributedError(f"tensor-parallel collective failed: {type(e).__name__}: {e}")
 
-    def __call__(self, input_ids, positions, meta, *rest):
-        self._send([FORWARD, input_ids, positions, _meta_fields(meta)])
+    def __call__(self, input_ids, positions, meta, state=None):
+        addressing = None if state is None else (state.read, state.mode.value, state.rows)
+        self._send([FORWARD, input_ids, positions, _meta_fields(meta), addressing])
         try:
-            return self._model(input_ids, positions, meta, *rest)
+            if state is None:
+                return self._model(input_ids, positions, meta)
+            return self._model(input_ids, positions, meta, state)
         except Exception as e:
             raise self._failure(e) from e
+
+    def make_state(self, num_entries: int) -> TPGDNState:
+        """This rank's state pool (the workers made theirs of as many entries at start-up),
+        whose resets and commits every rank applies."""
+        pool = self._model.make_state(num_entries)
+        return TPGDNState(pool.conv, pool.ssm, send=self._send)
 
     forward = __call__
 
@@ -131,7 +145,30 @@ class TPModel:
             dist.destroy_process_group()
 
 
+@dataclass
+class TPGDNState(GDNState):
+    """Rank 0's recurrent-state pool (and its views): resets and commits go to every rank."""
+
+    send: Callable | None = None
+
+    def view(self, read, mode, rows=None) -> TPGDNState:
+        v = super().view(read, mode, rows)
+        return TPGDNState(v.conv, v.ssm, v.read, v.rows, v.mode, send=self.send)
+
+    def reset(self, entries: torch.Tensor) -> None:
+        self.send([RESET, entries])
+        super().reset(entries)
+
+    def commit(self, num_rows: torch.Tensor) -> None:
+        self.send([COMMIT, num_rows])
+        super().commit(num_rows)
+
+
 def _cpu(x):
+    if isinstance(x, (tuple, list)):
+        return type(x)(_cpu(y) for y in x)
+    if isinstance(x, dict):
+        return {k: _cpu(v) for k, v in x.items()}
     return x.cpu() if isinstance(x, torch.Tensor) else x
 
 
@@ -146,8 +183,9 @@ def _stop(workers: list, graceful: bool) -> None:
 
 
 def start(build, size: int, device: torch.device, timeout: float):
-    """Start ranks 1..size-1, each running `build(rank, tp)` (-> its model, KV bound) and then
-    the command loop; join the group as rank 0. Returns (TPGroup, worker processes)."""
+    """Start ranks 1..size-1, each running `build(rank, tp, device)` (-> its model with its KV
+    bound, and its recurrent-state pool or None) and then the command loop; join the group as
+    rank 0. Returns (TPGroup, worker processes)."""
     address = f"tcp://127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")
     workers = []
@@ -176,30 +214,41 @@ def _worker_main(rank: int, size: int, address: str, build, device: str, timeout
         dev = torch.device("cuda", rank)
     try:
         _init_group(rank, size, address, dev, timeout)
-        model = build(rank, TPGroup(rank, size), dev)
-        _serve(model, dev)
+        model, pool = build(rank, TPGroup(rank, size), dev)
+        _serve(model, pool, dev)
     except Exception:  # noqa: BLE001 (reported; exiting makes rank 0's collective fail)
         traceback.print_exc()
         os._exit(1)
     dist.destroy_process_group()
 
 
+def _on(device: torch.device, x):
+    return x.to(device) if isinstance(x, torch.Tensor) else x
+
+
 @torch.inference_mode()
-def _serve(model, device: torch.device) -> None:
-    hidden = None
+def _serve(model, pool: GDNState | None, device: torch.device) -> None:
+    """The worker's loop: run each command rank 0 broadcasts, until STOP."""
+    hidden = view = None
     while True:
-        payload = _broadcast(None)
+        payload = [_on(device, x) for x in _broadcast(None)]
         word = payload[0]
         if word == STOP:
             return
         if word == FORWARD:
-            ids, positions, fields = payload[1:]
-            meta = AttentionMetadata(
-                **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
-            )
-            hidden = model(ids.to(device), positions.to(device), meta)
+            ids, positions, fields, addressing = payload[1:]
+            meta = AttentionMetadata(**{k: _on(device, v) for k, v in fields.items()})
+            if addressing is None:
+                hidden = model(ids, positions, meta)
+            else:
+                read, mode, rows = (_on(device, x) for x in addressing)
+                view = pool.view(read, StateMode(mode), rows)
+                hidden = model(ids, positions, meta, view)
         elif word == LOGITS:
-            rows = payload[1]
-            model.compute_logits(hidden, None if rows is None else rows.to(device))
+            model.compute_logits(hidden, payload[1])
+        elif word == RESET:
+            pool.reset(payload[1])
+        elif word == COMMIT:
+            view.commit(payload[1])
         else:
             raise RuntimeError(f"unknown command word {word:#x}")

@@ -116,8 +116,20 @@ class ModelRunner:
         for layer, cache in zip(layers, self.kv_cache, strict=True):
             layer.kv_cache = cache
         if self.tp_size > 1:
+            entries = 0
+            if self.hybrid:
+                entries = StateSlots.entries_for(
+                    cfg.max_num_seqs, cfg.hybrid_verify_state, num_drafts + 1
+                )
             self.model = start_workers(
-                self.model, model_dir, cfg, model_cfg, positions, self.num_pages, self.device
+                self.model,
+                model_dir,
+                cfg,
+                model_cfg,
+                positions,
+                self.num_pages,
+                entries,
+                self.device,
             )
         self.states = None
         if self.hybrid:

@@ -36,9 +36,17 @@ class StateSlots:
         self.per_row = variant == "per_row_slots"
         self.width = max(max_verify_rows, 1) if self.per_row else 1
         self.verify_mode = StateMode.ROWS if self.per_row else StateMode.DEFER
-        self.pool: GDNState = model.make_state(1 + max_num_seqs * self.width)
+        self.pool: GDNState = model.make_state(
+            self.entries_for(max_num_seqs, variant, max_verify_rows)
+        )
         self.device = self.pool.ssm[0].device if self.pool.ssm else torch.device("cpu")
         self._current = [0] * max_num_seqs  # per slot: its current entry among its `width`
+
+    @staticmethod
+    def entries_for(max_num_seqs: int, variant: str, max_verify_rows: int) -> int:
+        """Pool entries: the dummy, then each slot's (K + 1 of them with per-row slots)."""
+        width = max(max_verify_rows, 1) if variant == "per_row_slots" else 1
+        return 1 + max_num_seqs * width
 
     def nbytes(self) -> int:
         """Bytes of the state pool (what the variant costs in memory)."""

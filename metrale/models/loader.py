@@ -68,9 +68,9 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-# checkpoint name -> (dim, start, stop) of the part to read (a tensor-parallel rank's shard),
-# or None for the whole tensor
-Select = Callable[[str], "tuple[int, int, int] | None"]
+# checkpoint name -> the parts to read along one dim, concatenated (a tensor-parallel rank's
+# shard): a list of (dim, start, stop), or None for the whole tensor
+Select = Callable[[str], "list[tuple[int, int, int]] | None"]
 
 
 def iter_tensors(
@@ -84,14 +84,14 @@ def iter_tensors(
                 for name in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
                     if keep is not None and not keep(name):
                         continue
-                    part = None if select is None else select(name)
-                    if part is None:
+                    parts = None if select is None else select(name)
+                    if parts is None:
                         yield name, f.get_tensor(name), path
                         continue
-                    dim, start, stop = part
                     piece = f.get_slice(name)
-                    index = (slice(None),) * dim + (slice(start, stop),)
-                    yield name, piece[index], path
+                    dim = parts[0][0]
+                    read = [piece[(slice(None),) * d + (slice(a, b),)] for d, a, b in parts]
+                    yield name, read[0] if len(read) == 1 else torch.cat(read, dim), path
         except Exception as e:  # safetensors raises its own error types
             if isinstance(e, CheckpointError):
                 raise
@@ -179,21 +179,29 @@ def load_weights(
     model_dir: str | Path,
     renames: Mapping[str, str] | None = None,
     select: Select | None = None,
+    rename: Callable[[str], str | None] | None = None,
 ) -> None:
     """Fill every parameter of `model` from the checkpoint in `model_dir`.
 
     Without `renames`, parameter names are the checkpoint's (minus `IGNORED_PREFIXES`). With it,
     only tensors under one of its checkpoint prefixes are read, each loaded into the parameter
     whose name swaps that prefix for the mapped one; prefixes must not overlap. `select`: read
-    only a slice of some tensors (a tensor-parallel rank's shard, `distributed/parallel.py`).
+    only a slice of some tensors (a tensor-parallel rank's shard, `distributed/parallel.py`);
+    `rename`: checkpoint name -> the name to load it as, or None to skip it unread (a rank's
+    experts, renumbered from 0).
     """
     packed: dict[str, list[tuple[str, int]]] = getattr(model, "packed_modules", {})
     params = dict(model.named_parameters())
     # parameter name -> set of shards filled (None for unfused)
     filled: dict[str, set[int | None]] = {}
     files = checkpoint_files(model_dir)
-    keep = lambda n: _rename(n, renames) is not None  # noqa: E731
+
+    def keep(name: str) -> bool:
+        return _rename(name, renames) is not None and (rename is None or rename(name) is not None)
+
     for hf_name, tensor, path in iter_tensors(files, keep, select):
+        if rename is not None:
+            hf_name = rename(hf_name)
         expert = _stacked_expert(_rename(hf_name, renames), params, path)
         if expert is not None:
             target, dest, key = expert
