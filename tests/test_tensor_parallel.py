@@ -114,8 +114,8 @@ def test_fewer_kv_heads_than_ranks_replicate_the_one_each_rank_reads(tiny_model_
 def test_what_does_not_split_or_is_not_covered_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match="num_attention_heads"):
         tp_llm(tiny_model_dir, 3)
-    with pytest.raises(ValueError, match="spec.method 'mtp'"):
-        tp_llm(tiny_model_dir, 2, spec={"method": "mtp", "num_drafts": 2})
+    with pytest.raises(ValueError, match="spec.method 'dflash'"):
+        tp_llm(tiny_model_dir, 2, spec={"method": "dflash", "num_drafts": 2})
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         tp_llm(tiny_model_dir, 0)
 
@@ -202,5 +202,31 @@ def test_hybrid_ranks_give_one_ranks_tokens_with_speculation(hybrid_wide_dir, si
         assert llm.engine.telemetry.spec.num_drafts > 0
         got = first_logits(llm, HYBRID_PROMPTS[2])
         torch.testing.assert_close(got, first_logits(single, HYBRID_PROMPTS[2]), atol=1e-5, rtol=0)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("layout", ["qwen3_next", "deepseek"])
+def test_mtp_drafts_on_rank_zero_beside_a_sharded_target(tiny_model_dir, tmp_path, layout):
+    """The MTP heads run on rank 0 alone, with a whole copy of the vocabulary (the sharded
+    target's would need every rank for each chained draft): the tokens of one rank."""
+    import shutil
+
+    from metrale.models.mtp import write_mtp_weights
+
+    path = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, path)
+    write_mtp_weights(path, ModelConfig.from_hf(path), layout, num_layers=1, seed=4)
+    spec = {"method": "mtp", "num_drafts": 3}
+    single = LLM(path, device="cpu", dtype="float32", spec=spec)
+    want = [o.outputs[0].token_ids for o in single.generate(PROMPTS, greedy(), use_tqdm=False)]
+    llm = tp_llm(path, 2, spec=spec)
+    try:
+        outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        # the same drafts, judged the same way (random heads: few are right)
+        tel, ref = llm.engine.telemetry.spec, single.engine.telemetry.spec
+        assert tel.num_draft_tokens == ref.num_draft_tokens > 0
+        assert tel.matched_per_pos == ref.matched_per_pos
     finally:
         llm.shutdown()

@@ -10,6 +10,8 @@ import functools
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from metrale.config import EngineConfig, ModelConfig
 from metrale.distributed.layers import TPQwen3ForCausalLM, TPQwen3NextForCausalLM
@@ -27,10 +29,10 @@ from metrale.models.loader import load_weights
 
 def check_supported(model_cfg: ModelConfig, cfg: EngineConfig, size: int) -> None:
     """A ValueError naming what does not split, or what tensor parallelism does not cover yet."""
-    if cfg.spec.method in ("mtp", "dflash"):
+    if cfg.spec.method == "dflash":
         raise ValueError(
-            f"tensor_parallel_size={size}: spec.method {cfg.spec.method!r} reads the target's "
-            "sharded layers; use 'ngram' (or no speculation) with tensor parallelism for now"
+            f"tensor_parallel_size={size}: spec.method 'dflash' reads the target's sharded "
+            "hidden taps; use 'mtp' or 'ngram' with tensor parallelism for now"
         )
     check_tp(model_cfg, size)
 
@@ -118,3 +120,41 @@ def start_workers(
     size = cfg.tensor_parallel_size
     _, procs = workers.start(build, size, device, cfg.distributed_timeout_s)
     return workers.TPModel(model, procs, device)
+
+
+class WholeVocab(nn.Module):
+    """The whole embedding and head, on rank 0, for a drafter that runs there alone (the MTP
+    heads): a sharded target's would need every rank for each of the drafter's small steps.
+    Costs one more [V, H] copy (two with an untied head)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def compute_logits(self, hidden, rows=None, out=None) -> torch.Tensor:
+        if rows is not None:
+            hidden = hidden.index_select(0, rows)
+        logits = F.linear(hidden, self.head_weight)
+        return logits.float() if out is None else out.copy_(logits)
+
+
+def whole_vocab(model_cfg, cfg: EngineConfig, model_dir, device, dtype) -> WholeVocab:
+    with torch.device(device), default_dtype(dtype):
+        vocab = WholeVocab(model_cfg)
+    if cfg.load_format == "dummy":
+        dummy_weights(vocab, cfg.seed)
+    else:
+        renames = {"model.embed_tokens.": "embed_tokens."}
+        if not model_cfg.tie_word_embeddings:
+            renames["lm_head."] = "lm_head."
+        load_weights(vocab, model_dir, renames)
+    return vocab.eval()

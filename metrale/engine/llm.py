@@ -18,6 +18,7 @@ import torch
 
 from metrale.config import EngineConfig, ModelConfig, SamplingParams
 from metrale.distributed.parallel import DistributedError
+from metrale.distributed.shard import check_supported
 from metrale.engine.calibrate import measured_cost_model
 from metrale.engine.emitter import Emitter
 from metrale.engine.kv_cache import PageAllocator
@@ -66,6 +67,8 @@ class LLMEngine:
         # a directory, or a Hub id resolved through huggingface_hub (the local cache offline)
         self.model_dir = resolve_model(model_dir, self.config.revision)
         self.model_config = ModelConfig.from_hf(self.model_dir)
+        if self.config.tensor_parallel_size > 1:
+            check_supported(self.model_config, self.config, self.config.tensor_parallel_size)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.max_model_len = self._resolve_max_model_len()
         spec_on = drafter is not None or self.config.spec.enabled

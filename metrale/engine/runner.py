@@ -12,7 +12,7 @@ import torch
 
 from metrale.config import EngineConfig, ModelConfig
 from metrale.distributed.parallel import TPGroup, local_config
-from metrale.distributed.shard import build_model, check_supported, start_workers
+from metrale.distributed.shard import build_model, start_workers, whole_vocab
 from metrale.engine.graphs import GraphRunner
 from metrale.engine.kv_cache import DUMMY_PAGE, allocate_kv_cache, slots_of
 from metrale.engine.logits_pipeline import is_plain_greedy
@@ -34,6 +34,20 @@ from metrale.models.qwen3_next import Qwen3NextForCausalLM
 from metrale.speculative.verify import accept, build_layout
 
 log = logging.getLogger(__name__)
+
+
+class TargetVocab:
+    """The target's embedding and head as a drafter uses them (`ModelRunner.vocab`)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    @property
+    def embed_tokens(self):
+        return self.model.model.embed_tokens
+
+    def compute_logits(self, hidden, rows=None, out=None):
+        return self.model.compute_logits(hidden, rows, out)
 
 
 class ModelRunner:
@@ -70,7 +84,6 @@ class ModelRunner:
         self.tp_size = cfg.tensor_parallel_size
         kv_cfg = model_cfg  # the KV heads this process holds
         if self.tp_size > 1:  # this process is rank 0; the workers start once the pool is sized
-            check_supported(model_cfg, cfg, self.tp_size)
             tp = TPGroup(0, self.tp_size)
             self.model = build_model(
                 model_cfg, cfg, model_dir, self.backend, positions, tp, self.device, self.dtype
@@ -110,11 +123,21 @@ class ModelRunner:
         self.num_pages = num_pages_for(
             kv_cfg, cfg, max_model_len, self.dtype, lookahead, len(layers), extra, budget
         )
-        self.kv_cache = allocate_kv_cache(
-            kv_cfg, self.num_pages, cfg.page_size, self.dtype, self.device, len(layers)
-        )
+        # Under tensor parallelism the target's layers hold this rank's KV heads and the MTP
+        # layers (on rank 0 alone) all of theirs: two pools of the same pages.
+        split = len(self.model.attention_layers) if self.tp_size > 1 else len(layers)
+        pool = (self.num_pages, cfg.page_size, self.dtype, self.device)
+        self.kv_cache = [
+            *allocate_kv_cache(kv_cfg, *pool, split),
+            *allocate_kv_cache(model_cfg, *pool, len(layers) - split),
+        ]
         for layer, cache in zip(layers, self.kv_cache, strict=True):
             layer.kv_cache = cache
+        # what drafters embed tokens and project logits with: the target's own, or under tensor
+        # parallelism a whole-vocabulary copy on rank 0, where drafters run alone
+        self.vocab = TargetVocab(self.model)
+        if self.tp_size > 1 and self.mtp is not None:
+            self.vocab = whole_vocab(model_cfg, cfg, model_dir, self.device, self.dtype)
         if self.tp_size > 1:
             entries = 0
             if self.hybrid:

@@ -95,7 +95,7 @@ class MTPDrafter:
         input_ids, positions, meta = self.runner.span_metadata(spans)
         module = self.heads.for_step(step)
         logits_in, next_hidden = module(
-            input_ids, positions, hidden, meta, self.runner.model.model.embed_tokens
+            input_ids, positions, hidden, meta, self.runner.vocab.embed_tokens
         )
         return logits_in, next_hidden, meta
 
@@ -162,7 +162,7 @@ class MTPDrafter:
         its newest row go to the drafter's per-slot state."""
         logits_in, next_hidden, meta = self._forward(0, spans, hidden)
         last = meta.query_start_loc[1:] - 1  # [S] each span's newest row
-        firsts = self.runner.model.compute_logits(logits_in, last).argmax(dim=-1)  # [S]
+        firsts = self.runner.vocab.compute_logits(logits_in, last).argmax(dim=-1)  # [S]
         index = to_device_packed([slots], self.runner.device)[0]
         self._first.index_copy_(0, index, firsts)
         self._hidden.index_copy_(0, index, next_hidden.index_select(0, last))
@@ -262,9 +262,9 @@ class MTPDrafter:
             spans = [(live[n][1].block_table, live[n][3][0] + j, [0]) for n in chain]
             _, positions, meta = self.runner.span_metadata(spans)
             logits_in, next_hidden = self.heads.for_step(j)(
-                tokens, positions, h_in, meta, self.runner.model.model.embed_tokens
+                tokens, positions, h_in, meta, self.runner.vocab.embed_tokens
             )
-            column = self.runner.model.compute_logits(logits_in).argmax(dim=-1)
+            column = self.runner.vocab.compute_logits(logits_in).argmax(dim=-1)
             if index is None:
                 hidden = next_hidden
             else:

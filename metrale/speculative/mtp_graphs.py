@@ -81,7 +81,7 @@ class DraftChainGraphs:
     def _chain(self, tokens, hidden, base, tables, steps: int) -> torch.Tensor:
         """Draft steps 1..`steps` of one-row sequences at positions base + j, whose slots and
         lengths are computed here, on the device, from the block tables: [n, steps]."""
-        model, page = self.runner.model, self.page_size
+        vocab, page = self.runner.vocab, self.page_size
         width, n = tables.shape[1], tables.shape[0]
         columns = []
         for j in range(1, steps + 1):
@@ -104,9 +104,9 @@ class DraftChainGraphs:
                 page_size=page,
             )
             logits_in, hidden = self.heads.for_step(j)(
-                tokens, positions, hidden, meta, model.model.embed_tokens
+                tokens, positions, hidden, meta, vocab.embed_tokens
             )
-            tokens = model.compute_logits(logits_in).argmax(dim=-1)
+            tokens = vocab.compute_logits(logits_in).argmax(dim=-1)
             columns.append(tokens)
         return torch.stack(columns, dim=1)
 
@@ -188,7 +188,7 @@ class DraftChainGraphs:
 
     def _catch_up_fn(self, shape: RaggedShape, steps: int):
         rows, seqs = shape.rows(), shape.num_seqs
-        module, model = self.heads.for_step(0), self.runner.model
+        module, vocab = self.heads.for_step(0), self.runner.vocab
 
         def run():
             starts = self.c_starts[: seqs + 1]
@@ -207,11 +207,11 @@ class DraftChainGraphs:
                 self.c_positions[:rows],
                 self.c_hidden[:rows],
                 meta,
-                model.model.embed_tokens,
+                vocab.embed_tokens,
             )
             # each sequence's newest row (padding sequences without rows read a real row)
             last = (starts[1:] - 1).clamp_(min=0)
-            firsts = model.compute_logits(logits_in, last).argmax(dim=-1)
+            firsts = vocab.compute_logits(logits_in, last).argmax(dim=-1)
             hidden = next_hidden.index_select(0, last)
             owners = self.c_owners[:seqs]
             self.slot_state[0].index_copy_(0, owners, firsts)
