@@ -341,6 +341,9 @@ class EngineConfig:
     # rounded down to a power of two; 0 runs every such step eagerly.
     graph_prefill_rows: int = _opt(512, "rows of a graphed step with prompt chunks (0: eager)")
     tensor_parallel_size: int = _opt(1, "ranks the target is split across (worker processes)")
+    expert_parallel: bool = _opt(
+        False, "with tensor parallelism: split a MoE's experts across ranks, not each expert"
+    )
     distributed_timeout_s: float = _opt(
         120.0, "seconds a tensor-parallel collective may wait before the engine fails"
     )

@@ -2,8 +2,9 @@
 `models/qwen3_next.py`, built at one rank's shapes (`parallel.local_config`), with the places
 where ranks meet: the row-parallel o, down and GDN out projections all-reduce their partial sums,
 the vocabulary-parallel embedding all-reduces the rows each rank looked up, the head gathers each
-rank's slice of the vocabulary, and a hybrid's MoE block all-reduces once the partial sums of the
-experts this rank holds (expert parallelism) and of its share of the shared expert.
+rank's slice of the vocabulary, and a hybrid's MoE block all-reduces once the partial sums of its
+experts (whole ones with expert parallelism, a slice of each without) and of its share of the
+shared expert.
 """
 
 from __future__ import annotations
@@ -50,28 +51,30 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.tp.all_reduce_(rows.masked_fill(outside[:, None], 0.0))
 
 
-class EPSparseMoeBlock(Qwen3NextSparseMoeBlock):
-    """The router whole on every rank (same rows in, same picks out); this rank's experts, the
-    other ranks' picks weighted 0; this rank's share of the shared expert (scaled by its gate,
-    which is linear in that share); one all-reduce of the sum."""
+class ParallelSparseMoeBlock(Qwen3NextSparseMoeBlock):
+    """The router whole on every rank (same rows in, same picks out). With expert parallelism
+    this rank's experts, the other ranks' picks weighted 0; without, a slice of every expert's
+    intermediate rows. Either way this rank's share of the shared expert (scaled by its gate,
+    which is linear in that share), and one all-reduce of the sum."""
 
     def __init__(self, cfg: ModelConfig, local: ModelConfig, tp: TPGroup) -> None:
         super().__init__(local)  # the router: `local.hybrid.num_experts` is the whole count
         self.tp = tp
-        self.first, count = experts_of(cfg, tp.rank, tp.size)
-        self.experts = Qwen3NextExperts(count, cfg.hidden_size, cfg.hybrid.moe_intermediate_size)
-        self.shared_expert = SwiGLUMLP(
-            cfg.hidden_size, local.hybrid.shared_expert_intermediate_size
-        )
+        self.first, count = experts_of(cfg, tp)
+        h = cfg.hidden_size
+        self.experts = Qwen3NextExperts(count, h, local.hybrid.moe_intermediate_size)
+        self.shared_expert = SwiGLUMLP(h, local.hybrid.shared_expert_intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
-        local = experts - self.first
-        mine = (local >= 0) & (local < self.experts.num_experts)
-        # NOTE: another rank's pick runs on expert 0 here with weight 0 (correct, not cheapest)
-        local, weights = local.masked_fill(~mine, 0), weights.masked_fill(~mine, 0)
+        if self.tp.expert_parallel:
+            local = experts - self.first
+            mine = (local >= 0) & (local < self.experts.num_experts)
+            # NOTE: another rank's pick runs on expert 0 here with weight 0 (correct, not the
+            # cheapest: an all-to-all dispatch would send each row only to its experts' ranks)
+            experts, weights = local.masked_fill(~mine, 0), weights.masked_fill(~mine, 0)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return self.tp.all_reduce_(self.experts(x, local, weights) + shared)
+        return self.tp.all_reduce_(self.experts(x, experts, weights) + shared)
 
 
 def _row_parallel(linear: nn.Linear, tp: TPGroup) -> RowParallelLinear:
@@ -85,7 +88,7 @@ class TPQwen3ForCausalLM(Qwen3ForCausalLM):
     def __init__(
         self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, tp: TPGroup
     ) -> None:
-        local = local_config(cfg, tp.size)
+        local = local_config(cfg, tp)
         super().__init__(local, backend, max_positions)
         self.tp = tp
         inner = self.model
@@ -108,7 +111,7 @@ class TPQwen3NextForCausalLM(Qwen3NextForCausalLM):
     def __init__(
         self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, tp: TPGroup
     ) -> None:
-        local = local_config(cfg, tp.size)
+        local = local_config(cfg, tp)
         super().__init__(local, backend, max_positions)
         self.tp = tp
         inner = self.model
@@ -119,7 +122,7 @@ class TPQwen3NextForCausalLM(Qwen3NextForCausalLM):
             else:
                 layer.self_attn.o_proj = _row_parallel(layer.self_attn.o_proj, tp)
             if isinstance(layer.mlp, Qwen3NextSparseMoeBlock):
-                layer.mlp = EPSparseMoeBlock(cfg, local, tp)
+                layer.mlp = ParallelSparseMoeBlock(cfg, local, tp)
             else:
                 layer.mlp.down_proj = _row_parallel(layer.mlp.down_proj, tp)
 

@@ -29,8 +29,13 @@ class DistributedError(RuntimeError):
 
 @dataclass(frozen=True)
 class TPGroup:
+    """One rank's place in the group; `expert_parallel`: a hybrid's experts are split across
+    the ranks (each holds whole experts) rather than each expert across them (each holds a
+    slice of every expert, as an MLP is split)."""
+
     rank: int
     size: int
+    expert_parallel: bool = False
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x)
@@ -43,7 +48,7 @@ class TPGroup:
         return torch.cat(parts, dim=-1)
 
 
-def _splits(cfg: ModelConfig) -> list[tuple[str, int]]:
+def _splits(cfg: ModelConfig, expert_parallel: bool) -> list[tuple[str, int]]:
     """(field, value) of everything a rank holds a share of."""
     out = [
         ("num_attention_heads", cfg.num_attention_heads),
@@ -56,14 +61,16 @@ def _splits(cfg: ModelConfig) -> list[tuple[str, int]]:
             ("linear_num_key_heads", h.linear_num_key_heads),
             ("linear_num_value_heads", h.linear_num_value_heads),
             ("shared_expert_intermediate_size", h.shared_expert_intermediate_size),
-            ("num_experts", h.num_experts),
+            ("num_experts", h.num_experts)
+            if expert_parallel
+            else ("moe_intermediate_size", h.moe_intermediate_size),
         ]
     return out
 
 
-def check_tp(cfg: ModelConfig, size: int) -> None:
+def check_tp(cfg: ModelConfig, size: int, expert_parallel: bool = False) -> None:
     """A ValueError naming what does not divide across `size` ranks."""
-    for name, value in _splits(cfg):
+    for name, value in _splits(cfg, expert_parallel):
         if value % size:
             raise ValueError(
                 f"tensor_parallel_size={size}: the model's {name}={value} does not split"
@@ -76,16 +83,19 @@ def check_tp(cfg: ModelConfig, size: int) -> None:
         )
 
 
-def local_config(cfg: ModelConfig, size: int) -> ModelConfig:
-    """The shapes one rank holds (a hybrid's experts: `num_experts` stays the router's width;
-    each rank holds `num_experts / size` of them, see `layers.EPSparseMoeBlock`)."""
-    hybrid = cfg.hybrid
+def local_config(cfg: ModelConfig, tp: TPGroup) -> ModelConfig:
+    """The shapes one rank holds. A hybrid's `num_experts` stays the router's width: with
+    expert parallelism each rank holds `num_experts / size` whole experts
+    (`layers.ParallelSparseMoeBlock`), else a `moe_intermediate_size / size` slice of each."""
+    size, hybrid = tp.size, cfg.hybrid
     if hybrid is not None:
+        moe = hybrid.moe_intermediate_size
         hybrid = dataclasses.replace(
             hybrid,
             linear_num_key_heads=hybrid.linear_num_key_heads // size,
             linear_num_value_heads=hybrid.linear_num_value_heads // size,
             shared_expert_intermediate_size=hybrid.shared_expert_intermediate_size // size,
+            moe_intermediate_size=moe if tp.expert_parallel else moe // size,
         )
     return dataclasses.replace(
         cfg,
@@ -105,10 +115,12 @@ def kv_heads_of(cfg: ModelConfig, rank: int, size: int) -> tuple[int, int]:
     return rank * kv // size, 1
 
 
-def experts_of(cfg: ModelConfig, rank: int, size: int) -> tuple[int, int]:
-    """(first expert, count) that `rank` holds."""
-    count = cfg.hybrid.num_experts // size if cfg.hybrid is not None else 0
-    return rank * count, count
+def experts_of(cfg: ModelConfig, tp: TPGroup) -> tuple[int, int]:
+    """(first expert, count) that a rank holds: its share with expert parallelism, else all."""
+    total = cfg.hybrid.num_experts if cfg.hybrid is not None else 0
+    if not tp.expert_parallel:
+        return 0, total
+    return tp.rank * (total // tp.size), total // tp.size
 
 
 Ranges = list[tuple[int, int, int]]
@@ -119,10 +131,11 @@ def _share(rank: int, total: int, size: int, unit: int = 1) -> tuple[int, int]:
     return rank * n, (rank + 1) * n
 
 
-def shard_ranges(cfg: ModelConfig, rank: int, size: int) -> dict[str, Ranges]:
+def shard_ranges(cfg: ModelConfig, tp: TPGroup) -> dict[str, Ranges]:
     """HF weight suffix -> the (dim, start, stop) slices `rank` reads, concatenated; suffixes
     not named are read whole (norms, routers, biases of row-parallel layers). The more specific
     suffixes come first."""
+    rank, size = tp.rank, tp.size
     d = cfg.head_dim
     # a Qwen3-Next q_proj holds each head's query then its gate
     q_rows = _share(rank, cfg.num_attention_heads, size, d * (2 if cfg.hybrid else 1))
@@ -135,7 +148,9 @@ def shard_ranges(cfg: ModelConfig, rank: int, size: int) -> dict[str, Ranges]:
     h = cfg.hybrid
     if h is not None:
         s_rows = _share(rank, h.shared_expert_intermediate_size, size)
-        e_first, e_count = experts_of(cfg, rank, size)
+        e_first, e_count = experts_of(cfg, tp)
+        moe = h.moe_intermediate_size
+        m_rows = _share(rank, moe, size)
         hk, hv, dk, dv = (
             h.linear_num_key_heads,
             h.linear_num_value_heads,
@@ -148,8 +163,21 @@ def shard_ranges(cfg: ModelConfig, rank: int, size: int) -> dict[str, Ranges]:
             "shared_expert.gate_proj.weight": [(0, *s_rows)],
             "shared_expert.up_proj.weight": [(0, *s_rows)],
             "shared_expert.down_proj.weight": [(1, *s_rows)],
-            "experts.gate_up_proj": [(0, e_first, e_first + e_count)],
-            "experts.down_proj": [(0, e_first, e_first + e_count)],
+        }
+        if tp.expert_parallel:  # whole experts: a range of them
+            out |= {
+                "experts.gate_up_proj": [(0, e_first, e_first + e_count)],
+                "experts.down_proj": [(0, e_first, e_first + e_count)],
+            }
+        else:  # every expert's slice: its gate rows and its up rows, its down columns
+            out |= {
+                "experts.gate_up_proj": [(1, *m_rows), (1, moe + m_rows[0], moe + m_rows[1])],
+                "experts.down_proj": [(2, *m_rows)],
+                ".experts.*.gate_proj.weight": [(0, *m_rows)],
+                ".experts.*.up_proj.weight": [(0, *m_rows)],
+                ".experts.*.down_proj.weight": [(1, *m_rows)],
+            }
+        out |= {
             "in_proj_qkvz.weight": [(0, *_share(rank, hk, size, per_key))],
             "in_proj_ba.weight": [(0, *_share(rank, hk, size, 2 * (hv // hk)))],
             # the conv's channels: q of every key head, k of every key head, v of every value head
@@ -182,13 +210,14 @@ def shard_ranges(cfg: ModelConfig, rank: int, size: int) -> dict[str, Ranges]:
 _EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(.*)")
 
 
-def selector(cfg: ModelConfig, rank: int, size: int):
+def selector(cfg: ModelConfig, tp: TPGroup):
     """For the loader: checkpoint name -> the slices to read, or None (whole)."""
-    ranges = shard_ranges(cfg, rank, size)
+    ranges = shard_ranges(cfg, tp)
 
     def select(name: str) -> Ranges | None:
-        if _EXPERT.fullmatch(name):
-            return None  # one expert's tensor: whole, if the rank holds it (`expert_renamer`)
+        m = _EXPERT.fullmatch(name)
+        if m is not None:  # one expert's tensor: whole (if the rank holds it), or its slice
+            return ranges.get(f".experts.*.{m.group(3)}")
         for suffix, parts in ranges.items():
             if name.endswith("." + suffix) or name == suffix:
                 return parts
@@ -197,10 +226,10 @@ def selector(cfg: ModelConfig, rank: int, size: int):
     return select
 
 
-def expert_renamer(cfg: ModelConfig, rank: int, size: int):
+def expert_renamer(cfg: ModelConfig, tp: TPGroup):
     """For the loader: a per-expert tensor of an expert this rank holds, renamed to its local
     index; those of other ranks' experts skipped; anything else kept as is."""
-    first, count = experts_of(cfg, rank, size)
+    first, count = experts_of(cfg, tp)
 
     def rename(name: str) -> str | None:
         m = _EXPERT.fullmatch(name)

@@ -34,7 +34,7 @@ def check_supported(model_cfg: ModelConfig, cfg: EngineConfig, size: int) -> Non
             f"tensor_parallel_size={size}: spec.method 'dflash' reads the target's sharded "
             "hidden taps; use 'mtp' or 'ngram' with tensor parallelism for now"
         )
-    check_tp(model_cfg, size)
+    check_tp(model_cfg, size, cfg.expert_parallel)
 
 
 def build_model(
@@ -56,18 +56,18 @@ def build_model(
         load_weights(
             model,
             model_dir,
-            select=selector(model_cfg, tp.rank, tp.size),
-            rename=expert_renamer(model_cfg, tp.rank, tp.size),
+            select=selector(model_cfg, tp),
+            rename=expert_renamer(model_cfg, tp),
         )
     return model.eval()
 
 
-def bind_kv(model, model_cfg: ModelConfig, cfg: EngineConfig, num_pages: int, size: int):
+def bind_kv(model, model_cfg: ModelConfig, cfg: EngineConfig, num_pages: int, tp: TPGroup):
     """Allocate this rank's KV pool (its KV heads, the engine's pages) and bind it."""
     p = next(model.parameters())
     layers = model.attention_layers
     caches = allocate_kv_cache(
-        local_config(model_cfg, size), num_pages, cfg.page_size, p.dtype, p.device, len(layers)
+        local_config(model_cfg, tp), num_pages, cfg.page_size, p.dtype, p.device, len(layers)
     )
     for layer, cache in zip(layers, caches, strict=True):
         layer.kv_cache = cache
@@ -92,7 +92,7 @@ def build_worker(
 
     backend = TritonPagedAttention() if backend_name == "triton" else TorchPagedAttention()
     model = build_model(model_cfg, cfg, model_dir, backend, max_positions, tp, device, dtype)
-    bind_kv(model, model_cfg, cfg, num_pages, tp.size)
+    bind_kv(model, model_cfg, cfg, num_pages, tp)
     pool = model.make_state(state_entries) if model_cfg.hybrid is not None else None
     return model, pool
 
@@ -118,8 +118,9 @@ def start_workers(
         backend_name="triton" if isinstance(model.backend, TritonPagedAttention) else "torch",
     )
     size = cfg.tensor_parallel_size
-    _, procs = workers.start(build, size, device, cfg.distributed_timeout_s)
-    return workers.TPModel(model, procs, device)
+    timeout = cfg.distributed_timeout_s
+    _, procs, pipes = workers.start(build, size, cfg.expert_parallel, device, timeout)
+    return workers.TPModel(model, procs, pipes, device)
 
 
 class WholeVocab(nn.Module):

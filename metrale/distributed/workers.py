@@ -3,14 +3,18 @@
 Rank 0 (the engine's process) starts N - 1 worker processes (spawned), each building its shard of
 the target and a KV pool of as many pages as rank 0's, holding its own KV heads. Every call the
 engine makes on its model, `forward(input_ids, positions, meta)` and `compute_logits(hidden,
-rows)`, is first broadcast to the workers as a command word and its operands (the reference
-system's protocol, generalised to a batched step), so all ranks run the same forward and their
+rows)`, is first sent to the workers as a command word and its operands (the reference system's
+protocol, generalised to a batched step), so all ranks run the same forward and their
 collectives stay matched; a worker keeps its last hidden states for the `compute_logits` that
 follows. Only rank 0 samples, drafts and emits.
 
-A worker that raises exits, and rank 0's next collective fails (or times out after
-`distributed_timeout_s`): the engine then raises `DistributedError` rather than hang. `shutdown`
-stops the workers and tears the group down explicitly.
+Commands travel over one pipe per worker, not through the group: a worker may wait for its next
+command as long as the engine idles, and sees its pipe close if rank 0 dies. The collectives of
+the forward run under `distributed_timeout_s`. A worker reports that its shard is built (or why
+not) before the engine starts; one that raises later exits, and rank 0's next collective fails:
+the engine then raises `DistributedError` rather than hang. Workers ignore SIGINT (a terminal's
+Ctrl-C reaches them too): rank 0 decides when they stop. `shutdown` stops them and tears the
+group down; so does dropping the engine.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import signal
 import socket
 import traceback
 import weakref
@@ -71,37 +76,40 @@ def _meta_fields(meta: AttentionMetadata) -> dict:
     }
 
 
-def _broadcast(payload: list | None) -> list:
-    box = [payload]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 class TPModel:
-    """Rank 0's handle on the sharded target: calls are broadcast to the workers, then run here;
+    """Rank 0's handle on the sharded target: calls are sent to the workers, then run here;
     everything else is the local shard's."""
 
-    def __init__(self, model, workers: list, device: torch.device) -> None:
-        self._model, self._workers, self._device = model, workers, device
+    def __init__(self, model, workers: list, pipes: list, device: torch.device) -> None:
+        self._model, self._workers, self._pipes, self._device = model, workers, pipes, device
         self._stopped = False
-        # dropped without `shutdown` (or at exit): the workers are terminated, not waited for
-        self._finalizer = weakref.finalize(self, _stop, workers, False)
+        # set once a call failed: the ranks may be out of step, so `shutdown` only kills
+        self._broken = False
+        # dropped without `shutdown` (or at exit): the workers are killed, the group torn down
+        self._finalizer = weakref.finalize(self, _stop, workers, pipes, False)
 
     def __getattr__(self, name: str):
         return getattr(self._model, name)
 
     def _send(self, payload: list) -> None:
+        if self._stopped:
+            raise DistributedError("the tensor-parallel engine was shut down")
+        if self._broken:
+            raise DistributedError("the tensor-parallel engine stopped after an earlier failure")
+        message = [_cpu(x) for x in payload]
         try:
-            _broadcast([_cpu(x) for x in payload])
-        except Exception as e:  # noqa: BLE001 (any failure of the group is fatal)
+            for pipe in self._pipes:
+                pipe.send(message)
+        except Exception as e:  # noqa: BLE001 (any failure of a worker is fatal)
             raise self._failure(e) from e
 
     def _failure(self, e: Exception) -> DistributedError:
+        self._broken = True
         dead = [(i + 1, p.exitcode) for i, p in enumerate(self._workers) if not p.is_alive()]
         if dead:
             ranks = ", ".join(f"rank {r} (exit code {c})" for r, c in dead)
             return DistributedError(f"tensor-parallel worker stopped: {ranks}")
-        return DistributedError(f"tensor-parallel collective failed: {type(e).__name__}: {e}")
+        return DistributedError(f"tensor-parallel step failed: {type(e).__name__}: {e}")
 
     def __call__(self, input_ids, positions, meta, state=None):
         addressing = None if state is None else (state.read, state.mode.value, state.rows)
@@ -129,20 +137,20 @@ class TPModel:
             raise self._failure(e) from e
 
     def shutdown(self) -> None:
+        """Stop the workers (a stop command, then a join; kill any that stays, or all after a
+        failure, as they may wait in a collective) and tear the group down."""
         if self._stopped:
             return
         self._stopped = True
-        graceful = all(p.is_alive() for p in self._workers)
+        self._finalizer.detach()
+        graceful = not self._broken and all(p.is_alive() for p in self._workers)
         if graceful:
             try:
-                _broadcast([STOP])
+                for pipe in self._pipes:
+                    pipe.send([STOP])
             except Exception:  # noqa: BLE001 (stopping anyway)
-                log.warning("tensor-parallel workers did not take the stop command")
                 graceful = False
-        self._finalizer.detach()
-        _stop(self._workers, graceful)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _stop(self._workers, self._pipes, graceful)
 
 
 @dataclass
@@ -172,41 +180,60 @@ def _cpu(x):
     return x.cpu() if isinstance(x, torch.Tensor) else x
 
 
-def _stop(workers: list, graceful: bool) -> None:
-    """Join the workers (after a stop command: they are exiting), else terminate them."""
+def _stop(workers: list, pipes: list, graceful: bool) -> None:
+    """Join the workers (after a stop command: they are exiting), else kill them; then the
+    group goes."""
     for p in workers:
         if graceful:
             p.join(timeout=10)
         if p.is_alive():
             p.kill()
         p.join(timeout=5)
+    for pipe in pipes:
+        pipe.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
-def start(build, size: int, device: torch.device, timeout: float):
+def start(build, size: int, expert_parallel: bool, device: torch.device, timeout: float):
     """Start ranks 1..size-1, each running `build(rank, tp, device)` (-> its model with its KV
     bound, and its recurrent-state pool or None) and then the command loop; join the group as
-    rank 0. Returns (TPGroup, worker processes)."""
+    rank 0 and wait for every worker's shard. Returns (TPGroup, worker processes, pipes)."""
     address = f"tcp://127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")
-    workers = []
+    workers, pipes = [], []
     for rank in range(1, size):
+        ours, theirs = ctx.Pipe()
         proc = ctx.Process(
             target=_worker_main,
-            args=(rank, size, address, build, str(device), timeout),
+            args=(rank, size, expert_parallel, address, build, str(device), timeout, theirs),
             daemon=True,
             name=f"metrale-tp{rank}",
         )
         proc.start()
+        theirs.close()
         workers.append(proc)
+        pipes.append(ours)
     try:
         _init_group(0, size, address, device, timeout)
+        for rank, pipe in enumerate(pipes, 1):
+            if not pipe.poll(timeout):
+                raise DistributedError(f"rank {rank} did not build its shard in {timeout:g} s")
+            status = pipe.recv()
+            if status != "ready":
+                raise DistributedError(f"rank {rank} could not build its shard: {status}")
     except Exception as e:
-        _stop(workers, False)
+        _stop(workers, pipes, False)
+        if isinstance(e, DistributedError):
+            raise
         raise DistributedError(f"tensor-parallel group did not form: {e}") from e
-    return TPGroup(0, size), workers
+    return TPGroup(0, size, expert_parallel), workers, pipes
 
 
-def _worker_main(rank: int, size: int, address: str, build, device: str, timeout: float):
+def _worker_main(
+    rank: int, size: int, ep: bool, address: str, build, device: str, timeout: float, pipe
+):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the workers stop
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     dev = torch.device(device)
@@ -214,8 +241,15 @@ def _worker_main(rank: int, size: int, address: str, build, device: str, timeout
         dev = torch.device("cuda", rank)
     try:
         _init_group(rank, size, address, dev, timeout)
-        model, pool = build(rank, TPGroup(rank, size), dev)
-        _serve(model, pool, dev)
+        model, pool = build(rank, TPGroup(rank, size, ep), dev)
+    except Exception as e:  # noqa: BLE001 (reported to rank 0, which raises it)
+        pipe.send(f"{type(e).__name__}: {e}")
+        os._exit(1)
+    pipe.send("ready")
+    try:
+        _serve(model, pool, dev, pipe)
+    except EOFError:  # rank 0 is gone
+        os._exit(0)
     except Exception:  # noqa: BLE001 (reported; exiting makes rank 0's collective fail)
         traceback.print_exc()
         os._exit(1)
@@ -227,11 +261,11 @@ def _on(device: torch.device, x):
 
 
 @torch.inference_mode()
-def _serve(model, pool: GDNState | None, device: torch.device) -> None:
-    """The worker's loop: run each command rank 0 broadcasts, until STOP."""
+def _serve(model, pool: GDNState | None, device: torch.device, pipe) -> None:
+    """The worker's loop: run each command rank 0 sends, until STOP."""
     hidden = view = None
     while True:
-        payload = [_on(device, x) for x in _broadcast(None)]
+        payload = [_on(device, x) for x in pipe.recv()]
         word = payload[0]
         if word == STOP:
             return

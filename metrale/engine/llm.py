@@ -87,6 +87,16 @@ class LLMEngine:
             num_drafts=self.config.spec.num_drafts if spec_on else 0,
             dflash_dir=self._dflash_dir() if drafter is None else None,
         )
+        try:
+            self._setup(drafter)
+        except BaseException:
+            self.runner.shutdown()  # the tensor-parallel workers, if any
+            raise
+        log.info("%s", knobs().describe())
+
+    def _setup(self, drafter: Drafter | None) -> None:
+        """What sits on the runner: the page allocator, the scheduler, telemetry, the EOS ids,
+        the speculative side (and D-Cut's calibration)."""
         self.allocator = PageAllocator(self.runner.num_pages, self.config.page_size)
         self.scheduler = Scheduler(
             self.allocator,
@@ -110,7 +120,6 @@ class LLMEngine:
         self.spec = self._speculative_decoder(drafter)
         if self.spec is not None and self.spec.cfg.dcut and self.runner.graphs is not None:
             self._calibrate_dcut()
-        log.info("%s", knobs().describe())
 
     def _calibrate_dcut(self) -> None:
         """D-Cut's verify cost curve, measured on this device now (CUDA, about a second)."""

@@ -84,11 +84,11 @@ class ModelRunner:
         self.tp_size = cfg.tensor_parallel_size
         kv_cfg = model_cfg  # the KV heads this process holds
         if self.tp_size > 1:  # this process is rank 0; the workers start once the pool is sized
-            tp = TPGroup(0, self.tp_size)
+            tp = TPGroup(0, self.tp_size, cfg.expert_parallel)
             self.model = build_model(
                 model_cfg, cfg, model_dir, self.backend, positions, tp, self.device, self.dtype
             )
-            kv_cfg = local_config(model_cfg, self.tp_size)
+            kv_cfg = local_config(model_cfg, tp)
         else:
             with torch.device(self.device), default_dtype(self.dtype):
                 self.model = target_cls(model_cfg, self.backend, positions)
@@ -127,11 +127,9 @@ class ModelRunner:
         # layers (on rank 0 alone) all of theirs: two pools of the same pages.
         split = len(self.model.attention_layers) if self.tp_size > 1 else len(layers)
         pool = (self.num_pages, cfg.page_size, self.dtype, self.device)
-        self.kv_cache = [
-            *allocate_kv_cache(kv_cfg, *pool, split),
-            *allocate_kv_cache(model_cfg, *pool, len(layers) - split),
-        ]
-        for layer, cache in zip(layers, self.kv_cache, strict=True):
+        self.kv_cache = allocate_kv_cache(kv_cfg, *pool, split)
+        drafter_kv = allocate_kv_cache(model_cfg, *pool, len(layers) - split)
+        for layer, cache in zip(layers, [*self.kv_cache, *drafter_kv], strict=True):
             layer.kv_cache = cache
         # what drafters embed tokens and project logits with: the target's own, or under tensor
         # parallelism a whole-vocabulary copy on rank 0, where drafters run alone

@@ -250,6 +250,8 @@ def create_app(
 
     @app.get("/health")
     async def health():
+        if loop.fatal is not None:  # the engine cannot run (a tensor-parallel rank failed)
+            return JSONResponse({"status": "error", "error": loop.fatal}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")

@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass
 
 from metrale.config import SamplingParams
+from metrale.distributed.parallel import DistributedError
 from metrale.engine.llm import LLMEngine
 from metrale.outputs import RequestOutput
 
@@ -48,6 +49,9 @@ class EngineLoop:
         self._live_seqs = 0  # sequences of the live requests (each request's n)
         self._admission = threading.Lock()  # _live and _live_seqs change on two threads
         self.draining = False
+        # why the engine can run no more (a tensor-parallel rank failed): health says so, new
+        # requests get a 503, the ones in flight end with finish_reason "abort"
+        self.fatal: str | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="metrale-engine", daemon=True)
@@ -69,6 +73,8 @@ class EngineLoop:
 
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams) -> asyncio.Queue:
         """Queue an already validated request; returns the queue its outputs arrive on."""
+        if self.fatal is not None:
+            raise Busy(f"the engine stopped: {self.fatal}")
         if self.draining:
             raise Busy("the server is shutting down")
         capacity = self.max_waiting + self.engine.config.max_num_seqs
@@ -137,6 +143,10 @@ class EngineLoop:
             try:
                 with self.lock:
                     outputs = self.engine.step()
+            except DistributedError as e:  # no step can run again
+                log.error("engine stopped: %s", e)
+                self.fatal, self.draining = str(e), True
+                break
             except Exception:  # noqa: BLE001 (the engine isolates sequences; this is a last net)
                 log.exception("engine step failed")
                 continue
