@@ -29,11 +29,8 @@ from metrale.engine.step_output import StepOutput
 from metrale.hub import resolve_model
 from metrale.knobs import knobs
 from metrale.outputs import RequestOutput
-from metrale.speculative.controller import SpeculativeDecoder
-from metrale.speculative.dflash import DFlashDrafter
 from metrale.speculative.drafter import Drafter, Verdict
-from metrale.speculative.mtp import MTPDrafter
-from metrale.speculative.ngram import NgramDrafter
+from metrale.speculative.setup import dflash_dir, speculative_decoder
 from metrale.telemetry import Telemetry
 from metrale.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -85,7 +82,7 @@ class LLMEngine:
             self.lookahead,
             with_mtp=drafter is None and self.config.spec.method == "mtp",
             num_drafts=self.config.spec.num_drafts if spec_on else 0,
-            dflash_dir=self._dflash_dir() if drafter is None else None,
+            dflash_dir=dflash_dir(self.config.spec, self.model_dir) if drafter is None else None,
         )
         try:
             self._setup(drafter)
@@ -117,7 +114,9 @@ class LLMEngine:
         self._rng = random.Random(self.config.seed)
         self._next_seq_id = 0
         self.emitter = Emitter(self.tokenizer, self.max_model_len)
-        self.spec = self._speculative_decoder(drafter)
+        self.spec = speculative_decoder(
+            self.config, self.runner, drafter, self.telemetry.spec, self.max_model_len
+        )
         if self.spec is not None and self.spec.cfg.dcut and self.runner.graphs is not None:
             self._calibrate_dcut()
 
@@ -133,51 +132,6 @@ class LLMEngine:
         start = time.perf_counter()
         self.spec.cost = measured_cost_model(self, k, seqs, context)
         log.info("D-Cut verify cost measured in %.1f s", time.perf_counter() - start)
-
-    def _dflash_dir(self) -> Path | None:
-        """The DFlash checkpoint for `spec.method="dflash"`: `spec.model`, else `dflash/`
-        beside the target's weights."""
-        spec = self.config.spec
-        if spec.method != "dflash":
-            return None
-        path = Path(spec.model) if spec.model else self.model_dir / "dflash"
-        if not (path / "config.json").is_file():
-            raise ValueError(
-                f"spec.model: no DFlash drafter at {path} (give spec=dict(method='dflash', "
-                "model=DIR), or put one in the target's dflash/ folder)"
-            )
-        return path
-
-    def _speculative_decoder(self, drafter: Drafter | None) -> SpeculativeDecoder | None:
-        spec = self.config.spec
-        if drafter is None:
-            if spec.method is None:
-                return None
-            if spec.method == "ngram":
-                drafter = NgramDrafter(spec.ngram_min, spec.ngram_max, spec.ngram_window)
-            elif spec.method == "dflash":
-                block = self.runner.dflash.config.block_size
-                if spec.num_drafts > block - 1:
-                    raise ValueError(
-                        f"spec.num_drafts={spec.num_drafts}: the DFlash drafter's block of {block} "
-                        f"proposes at most {block - 1}"
-                    )
-                drafter = DFlashDrafter(self.runner, self.config.max_num_seqs)
-            else:  # "mtp": the runner loaded the checkpoint's heads (or refused)
-                drafter = MTPDrafter(
-                    self.runner,
-                    spec.mtp_max_seqs or self.config.max_num_seqs,
-                    self.config.max_num_seqs,
-                )
-        return SpeculativeDecoder(
-            spec,
-            drafter,
-            self.telemetry.spec,
-            self.max_model_len,
-            self.vocab_size,
-            write_on_accept=self.runner.hybrid
-            and self.config.hybrid_verify_state == "write_on_accept",
-        )
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings

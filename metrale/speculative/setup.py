@@ -1,0 +1,64 @@
+"""Which drafter and controller an engine gets: the drafter `spec.method` names (or the caller's
+own object), wrapped in the `SpeculativeDecoder` that plans, cuts and observes for it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from metrale.config import EngineConfig, SpecConfig
+from metrale.speculative.controller import SpeculativeDecoder
+from metrale.speculative.dflash import DFlashDrafter
+from metrale.speculative.drafter import Drafter
+from metrale.speculative.mtp import MTPDrafter
+from metrale.speculative.ngram import NgramDrafter
+from metrale.telemetry import SpecTelemetry
+
+
+def dflash_dir(spec: SpecConfig, model_dir: Path) -> Path | None:
+    """The DFlash checkpoint for `spec.method="dflash"`: `spec.model`, else `dflash/` beside
+    the target's weights."""
+    if spec.method != "dflash":
+        return None
+    path = Path(spec.model) if spec.model else model_dir / "dflash"
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"spec.model: no DFlash drafter at {path} (give spec=dict(method='dflash', "
+            "model=DIR), or put one in the target's dflash/ folder)"
+        )
+    return path
+
+
+def speculative_decoder(
+    config: EngineConfig,
+    runner,
+    drafter: Drafter | None,
+    telemetry: SpecTelemetry,
+    max_model_len: int,
+) -> SpeculativeDecoder | None:
+    """The engine's speculative side, or None when it does not speculate."""
+    spec = config.spec
+    if drafter is None:
+        if spec.method is None:
+            return None
+        if spec.method == "ngram":
+            drafter = NgramDrafter(spec.ngram_min, spec.ngram_max, spec.ngram_window)
+        elif spec.method == "dflash":
+            block = runner.dflash.config.block_size
+            if spec.num_drafts > block - 1:
+                raise ValueError(
+                    f"spec.num_drafts={spec.num_drafts}: the DFlash drafter's block of {block} "
+                    f"proposes at most {block - 1}"
+                )
+            drafter = DFlashDrafter(runner, config.max_num_seqs)
+        else:  # "mtp": the runner loaded the checkpoint's heads (or refused)
+            drafter = MTPDrafter(
+                runner, spec.mtp_max_seqs or config.max_num_seqs, config.max_num_seqs
+            )
+    return SpeculativeDecoder(
+        spec,
+        drafter,
+        telemetry,
+        max_model_len,
+        runner.model_cfg.vocab_size,
+        write_on_accept=runner.hybrid and config.hybrid_verify_state == "write_on_accept",
+    )
