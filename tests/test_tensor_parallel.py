@@ -280,10 +280,10 @@ def test_a_failing_sequence_ends_alone_with_ranks(tiny_model_dir, reference):
 def test_workers_wait_for_commands_past_the_collective_timeout(tiny_model_dir, reference):
     """An idle engine keeps its workers: only collectives run under the timeout."""
     want, _ = reference
-    llm = tp_llm(tiny_model_dir, 2, distributed_timeout_s=1)
+    llm = tp_llm(tiny_model_dir, 2, distributed_timeout_s=4)
     try:
         llm.generate(PROMPTS[:1], greedy(2), use_tqdm=False)
-        time.sleep(2.5)
+        time.sleep(5)
         outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want
     finally:
@@ -381,3 +381,21 @@ def test_a_server_whose_worker_dies_says_so(tiny_model_dir):
         assert health.status_code == 503 and "worker stopped" in health.json()["error"]
     finally:
         srv.close()
+
+
+def test_a_worker_that_exits_while_starting_is_seen_at_once(tiny_model_dir, tmp_path):
+    """A script without the `__main__` guard: each spawned worker re-runs it and exits while
+    starting. The engine says so at once, not after the start-up timeout."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from metrale import LLM\n"
+        f"LLM({str(tiny_model_dir)!r}, device='cpu', tensor_parallel_size=2)\n"
+    )
+    start = time.perf_counter()
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert "exited while starting" in res.stderr and "__main__" in res.stderr
+    assert time.perf_counter() - start < 60

@@ -1,8 +1,9 @@
 """The tensor-parallel group of one engine and how a dense Qwen3 target splits across it.
 
-Rank 0 is the engine's own process (scheduler, drafter, sampling); ranks 1..N-1 are workers. The
-group is torch.distributed's default one: gloo on CPU, NCCL on CUDA, every collective under the
-group's timeout, so a rank that dies ends the engine with an error instead of a hang.
+Rank 0 is the engine's own process (scheduler, drafter, sampling); ranks 1..N-1 are workers.
+gloo on CPU, NCCL on CUDA; every collective of the forward runs in a group with the engine's
+`distributed_timeout_s`, so a rank that dies ends the engine with an error instead of a hang
+(forming the group, which waits for the workers to start and build, has more patience).
 
 Splits (Megatron's, as vLLM's): attention heads and the MLP's intermediate rows across ranks
 (column parallel q/k/v and gate/up, row parallel o and down with one all-reduce each), KV heads
@@ -27,6 +28,16 @@ class DistributedError(RuntimeError):
     """A tensor-parallel rank failed or stopped answering: the engine cannot go on."""
 
 
+# The process group the forward's collectives run in, under `distributed_timeout_s`; the default
+# group, formed with a start-up's patience, only forms it (`workers._init_group`).
+_collectives: dist.ProcessGroup | None = None
+
+
+def set_collective_group(group: dist.ProcessGroup | None) -> None:
+    global _collectives
+    _collectives = group
+
+
 @dataclass(frozen=True)
 class TPGroup:
     """One rank's place in the group; `expert_parallel`: a hybrid's experts are split across
@@ -38,13 +49,13 @@ class TPGroup:
     expert_parallel: bool = False
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=_collectives)
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Each rank's [..., n] -> [..., size * n], in rank order."""
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous())
+        dist.all_gather(parts, x.contiguous(), group=_collectives)
         return torch.cat(parts, dim=-1)
 
 

@@ -28,20 +28,24 @@ import traceback
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing import connection as mp_connection
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from metrale.distributed.parallel import DistributedError, TPGroup
+from metrale.distributed.parallel import DistributedError, TPGroup, set_collective_group
 from metrale.models.attention import AttentionMetadata
 from metrale.models.gdn_state import GDNState, StateMode
+from metrale.speculative.ep import (
+    CMD_FORWARD,
+    CMD_LOGITS,
+    CMD_STATE_RESET,
+    CMD_STOP,
+    CMD_VERIFY_COMMIT,
+)
 
 log = logging.getLogger(__name__)
-
-# command words: a forward (operands: ids, positions, metadata, the state's addressing), the
-# logits of the last forward's rows, a hybrid state's reset of entries and commit of a verify
-FORWARD, LOGITS, RESET, COMMIT, STOP = 0xFFFFFFF1, 0xFFFFFFF2, 0xFFFFFFF3, 0xFFFFFFF4, 0xFFFFFFFF
 
 
 def _free_port() -> int:
@@ -50,17 +54,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Seconds the ranks wait for each other while starting (spawning, importing torch, building a
+# shard of a large checkpoint): at least this, whatever the collectives' timeout.
+STARTUP_TIMEOUT = 600.0
+
+
 def _init_group(rank: int, size: int, address: str, device: torch.device, timeout: float):
+    """Form the default group (a start-up's patience), then the group of the forward's
+    collectives under `timeout`."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     dist.init_process_group(
         backend,
         init_method=address,
         rank=rank,
         world_size=size,
-        timeout=datetime.timedelta(seconds=timeout),
+        timeout=datetime.timedelta(seconds=max(timeout, STARTUP_TIMEOUT)),
     )
+    group = dist.new_group(
+        list(range(size)), timeout=datetime.timedelta(seconds=timeout), backend=backend
+    )
+    set_collective_group(group)
 
 
 def _meta_fields(meta: AttentionMetadata) -> dict:
@@ -113,7 +128,7 @@ class TPModel:
 
     def __call__(self, input_ids, positions, meta, state=None):
         addressing = None if state is None else (state.read, state.mode.value, state.rows)
-        self._send([FORWARD, input_ids, positions, _meta_fields(meta), addressing])
+        self._send([CMD_FORWARD, input_ids, positions, _meta_fields(meta), addressing])
         try:
             if state is None:
                 return self._model(input_ids, positions, meta)
@@ -130,7 +145,7 @@ class TPModel:
     forward = __call__
 
     def compute_logits(self, hidden, rows=None, out=None):
-        self._send([LOGITS, rows])
+        self._send([CMD_LOGITS, rows])
         try:
             return self._model.compute_logits(hidden, rows, out)
         except Exception as e:
@@ -147,7 +162,7 @@ class TPModel:
         if graceful:
             try:
                 for pipe in self._pipes:
-                    pipe.send([STOP])
+                    pipe.send([CMD_STOP])
             except Exception:  # noqa: BLE001 (stopping anyway)
                 graceful = False
         _stop(self._workers, self._pipes, graceful)
@@ -164,11 +179,11 @@ class TPGDNState(GDNState):
         return TPGDNState(v.conv, v.ssm, v.read, v.rows, v.mode, send=self.send)
 
     def reset(self, entries: torch.Tensor) -> None:
-        self.send([RESET, entries])
+        self.send([CMD_STATE_RESET, entries])
         super().reset(entries)
 
     def commit(self, num_rows: torch.Tensor) -> None:
-        self.send([COMMIT, num_rows])
+        self.send([CMD_VERIFY_COMMIT, num_rows])
         super().commit(num_rows)
 
 
@@ -191,6 +206,7 @@ def _stop(workers: list, pipes: list, graceful: bool) -> None:
         p.join(timeout=5)
     for pipe in pipes:
         pipe.close()
+    set_collective_group(None)
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -214,14 +230,15 @@ def start(build, size: int, expert_parallel: bool, device: torch.device, timeout
         theirs.close()
         workers.append(proc)
         pipes.append(ours)
+    patience = max(timeout, STARTUP_TIMEOUT)
     try:
+        # every worker running (a spawned child that fails to start, as a script without an
+        # `if __name__ == "__main__":` guard does, is seen by its exit, not by a timeout)
+        for rank, (proc, pipe) in enumerate(zip(workers, pipes, strict=True), 1):
+            _expect(rank, proc, pipe, "started", patience)
         _init_group(0, size, address, device, timeout)
-        for rank, pipe in enumerate(pipes, 1):
-            if not pipe.poll(timeout):
-                raise DistributedError(f"rank {rank} did not build its shard in {timeout:g} s")
-            status = pipe.recv()
-            if status != "ready":
-                raise DistributedError(f"rank {rank} could not build its shard: {status}")
+        for rank, (proc, pipe) in enumerate(zip(workers, pipes, strict=True), 1):
+            _expect(rank, proc, pipe, "ready", patience)
     except Exception as e:
         _stop(workers, pipes, False)
         if isinstance(e, DistributedError):
@@ -230,9 +247,27 @@ def start(build, size: int, expert_parallel: bool, device: torch.device, timeout
     return TPGroup(0, size, expert_parallel), workers, pipes
 
 
+def _expect(rank: int, proc, pipe, word: str, patience: float) -> None:
+    """Wait for a worker to say `word`; a DistributedError if it says why not, exits, or stays
+    silent for `patience` seconds."""
+    ready = mp_connection.wait([pipe, proc.sentinel], timeout=patience)
+    if pipe in ready:
+        status = pipe.recv()
+        if status != word:
+            raise DistributedError(f"rank {rank} could not build its shard: {status}")
+    elif ready:
+        raise DistributedError(
+            f"rank {rank} exited while starting (exit code {proc.exitcode}); a script that "
+            'starts a tensor-parallel engine needs an `if __name__ == "__main__":` guard'
+        )
+    else:
+        raise DistributedError(f"rank {rank} did not start in {patience:g} s")
+
+
 def _worker_main(
     rank: int, size: int, ep: bool, address: str, build, device: str, timeout: float, pipe
 ):
+    pipe.send("started")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the workers stop
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -262,14 +297,14 @@ def _on(device: torch.device, x):
 
 @torch.inference_mode()
 def _serve(model, pool: GDNState | None, device: torch.device, pipe) -> None:
-    """The worker's loop: run each command rank 0 sends, until STOP."""
+    """The worker's loop: run each command rank 0 sends, until CMD_STOP."""
     hidden = view = None
     while True:
         payload = [_on(device, x) for x in pipe.recv()]
         word = payload[0]
-        if word == STOP:
+        if word == CMD_STOP:
             return
-        if word == FORWARD:
+        if word == CMD_FORWARD:
             ids, positions, fields, addressing = payload[1:]
             meta = AttentionMetadata(**{k: _on(device, v) for k, v in fields.items()})
             if addressing is None:
@@ -278,11 +313,11 @@ def _serve(model, pool: GDNState | None, device: torch.device, pipe) -> None:
                 read, mode, rows = (_on(device, x) for x in addressing)
                 view = pool.view(read, StateMode(mode), rows)
                 hidden = model(ids, positions, meta, view)
-        elif word == LOGITS:
+        elif word == CMD_LOGITS:
             model.compute_logits(hidden, payload[1])
-        elif word == RESET:
+        elif word == CMD_STATE_RESET:
             pool.reset(payload[1])
-        elif word == COMMIT:
+        elif word == CMD_VERIFY_COMMIT:
             view.commit(payload[1])
         else:
             raise RuntimeError(f"unknown command word {word:#x}")

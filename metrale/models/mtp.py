@@ -293,6 +293,11 @@ def write_mtp_weights(
     """
     if isinstance(cfg, dict):
         cfg = ModelConfig.from_dict(cfg)
+    if cfg.hybrid is not None:
+        raise ValueError(
+            "write_mtp_weights writes dense Qwen3 MTP heads; a Qwen3-Next target's heads "
+            "(gated attention, experts) are not written here"
+        )
     model_dir = Path(model_dir)
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
