@@ -251,8 +251,13 @@ def _expect(rank: int, proc, pipe, word: str, patience: float) -> None:
     """Wait for a worker to say `word`; a DistributedError if it says why not, exits, or stays
     silent for `patience` seconds."""
     ready = mp_connection.wait([pipe, proc.sentinel], timeout=patience)
+    status = None
     if pipe in ready:
-        status = pipe.recv()
+        try:
+            status = pipe.recv()
+        except EOFError:  # the worker is gone: its pipe closed with it
+            proc.join(timeout=10)
+    if status is not None:
         if status != word:
             raise DistributedError(f"rank {rank} could not build its shard: {status}")
     elif ready:
