@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-body-bytes", type=int, default=32 << 20, help="larger request bodies get a 413"
     )
     srv.add_argument(
+        "--reasoning-parser",
+        choices=("qwen3",),
+        default=None,
+        help="chat: return the model's <think> block as reasoning_content (off by default)",
+    )
+    srv.add_argument(
         "--shutdown-grace",
         type=float,
         default=30.0,
@@ -198,6 +204,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         shutdown_grace=args.shutdown_grace,
         access_log=not args.no_access_log,
         allowed_origins=tuple(args.allowed_origins),
+        reasoning_parser=args.reasoning_parser,
         **engine_options(args),
     )
     return 0

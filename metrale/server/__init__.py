@@ -26,6 +26,7 @@ def build(
     max_body_bytes: int = 32 << 20,
     access_log: bool = False,
     allowed_origins: tuple[str, ...] = (),
+    reasoning_parser: str | None = None,
     **engine_options,
 ):
     """(FastAPI app, EngineLoop) for a model directory (the default model when None)."""
@@ -41,7 +42,13 @@ def build(
     # a Hub id is served under its own name, a directory under its last component
     name = served_name or (str(model) if is_hub_id(model) else Path(model).name)
     app = create_app(
-        loop, name, api_key, max_body_bytes, access_log=access_log, allowed_origins=allowed_origins
+        loop,
+        name,
+        api_key,
+        max_body_bytes,
+        access_log=access_log,
+        allowed_origins=allowed_origins,
+        reasoning_parser=reasoning_parser,
     )
     loop.model_name = name
 
@@ -140,6 +147,7 @@ def serve(
     shutdown_grace: float = 30.0,
     access_log: bool = True,
     allowed_origins: tuple[str, ...] = (),
+    reasoning_parser: str | None = None,
     **engine_options,
 ) -> None:
     """Serve until SIGINT or SIGTERM, then drain and return (exit status 0): new requests get a
@@ -172,6 +180,7 @@ def serve(
         max_body_bytes=max_body_bytes,
         access_log=access_log,
         allowed_origins=allowed_origins,
+        reasoning_parser=reasoning_parser,
         **engine_options,
     )
     print(startup_banner(loop, host, port, api_key is not None), file=sys.stderr, flush=True)

@@ -39,9 +39,11 @@ from metrale.server.protocol import (
     now,
     sampling_params,
     spec_stats,
+    template_kwargs,
     usage,
     whole_response,
 )
+from metrale.server.reasoning import REASONING_PARSERS, ThinkSplitter
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +61,18 @@ def create_app(
     body_timeout: float = 60.0,
     access_log: bool = False,
     allowed_origins: tuple[str, ...] = (),
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """`max_body_bytes`: larger bodies get a 413 before they are read; `body_timeout`: seconds
     a client may take to send its body (408 past it); `access_log`: one stderr line per
     request (client, method, path, status, milliseconds to the response's start);
-    `allowed_origins`: CORS for browser clients (off unless given)."""
+    `allowed_origins`: CORS for browser clients (off unless given); `reasoning_parser`: split
+    chat answers' thinking into `reasoning_content` (`reasoning.py`)."""
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(
+            f"reasoning_parser: {reasoning_parser!r} is not one of {REASONING_PARSERS}"
+        )
+    reasoning = reasoning_parser is not None
     app = FastAPI(title="metrale", version="0.1.0")
     if allowed_origins:  # browsers calling the API from pages of other origins
         app.add_middleware(
@@ -331,6 +340,7 @@ def create_app(
         body = await read_body(request)
         params = sampling_params(body, True, engine.tokenizer.sampling_defaults)
         messages = chat_messages(body.get("messages"))
+        variables = template_kwargs(body)
 
         def render() -> list[int]:
             """The prompt's token ids (on a worker thread: templating and tokenising)."""
@@ -338,7 +348,9 @@ def create_app(
             if chars > engine.max_model_len * engine.tokenizer.max_token_chars:
                 raise APIError(f"messages: {chars} characters cannot fit the context", "messages")
             try:
-                text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+                text = engine.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, **variables
+                )
                 text.encode("utf-8")
             except Exception as e:  # noqa: BLE001 (a template fails as it fails: the input's fault)
                 raise APIError(f"messages: {type(e).__name__}: {e}", "messages") from None
@@ -361,7 +373,9 @@ def create_app(
             final = await final_output(request, request_id, queue)
             if final is None:  # the client went away; its request is aborted
                 return Response(status_code=499)
-            return whole_response(final, request_id, params, chat, engine.tokenizer, model_name)
+            return whole_response(
+                final, request_id, params, chat, engine.tokenizer, model_name, reasoning and chat
+            )
         except BaseException:
             loop.abort(request_id)  # nothing submitted keeps running for nobody
             raise
@@ -370,6 +384,7 @@ def create_app(
         kind = "chat.completion.chunk" if chat else "text_completion"
         k, created = params.logprobs or 0, now()  # one `created` for every chunk of a stream
         sent = [0] * params.n  # tokens already sent per choice
+        thinking = [ThinkSplitter() for _ in range(params.n)] if reasoning and chat else None
         final = None
         async for out in outputs(request_id, queue):
             final = out
@@ -381,6 +396,12 @@ def create_app(
                     continue
                 if chat:
                     delta = {"content": c.delta_text}
+                    if thinking is not None:
+                        ending = c.finish_reason is not None
+                        think, text = thinking[c.index].feed(c.delta_text, ending)
+                        delta = {"content": text} if text or not think else {}
+                        if think:
+                            delta["reasoning_content"] = think
                     if sent[c.index] == 0:
                         delta["role"] = "assistant"
                     choice = {

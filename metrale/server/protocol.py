@@ -12,6 +12,7 @@ from typing import Any
 from metrale import __version__
 from metrale.config import SamplingParams
 from metrale.outputs import CompletionOutput, RequestOutput
+from metrale.server.reasoning import split_whole
 
 # Which build answered (OpenAI's field): the version, so clients can tell engines apart.
 SYSTEM_FINGERPRINT = f"metrale-{__version__}"
@@ -143,6 +144,30 @@ def chat_messages(messages: Any) -> list[dict[str, str]]:
     return out
 
 
+# template variables a request may not set: the template's own inputs
+_TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt")
+
+
+def template_kwargs(body: dict) -> dict[str, Any]:
+    """`chat_template_kwargs`: extra variables for the chat template (Qwen3's
+    `enable_thinking`), as vLLM takes them."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise APIError(
+            "chat_template_kwargs: expected an object of template variables",
+            "chat_template_kwargs",
+        )
+    reserved = [k for k in kwargs if k in _TEMPLATE_RESERVED]
+    if reserved:
+        raise APIError(
+            f"chat_template_kwargs: {reserved[0]!r} is the template's own input",
+            "chat_template_kwargs",
+        )
+    return kwargs
+
+
 def sampling_params(body: dict, chat: bool, defaults: dict | None = None) -> SamplingParams:
     """`defaults`: the model's generation_config sampling, for fields the body leaves out."""
     check_request(body, chat)
@@ -269,17 +294,24 @@ def now() -> int:
     return int(time.time())
 
 
-def whole_response(out, request_id, params, chat: bool, tokenizer, model_name: str) -> dict:
-    """The non-streamed response body of a finished request."""
+def whole_response(
+    out, request_id, params, chat: bool, tokenizer, model_name: str, reasoning: bool = False
+) -> dict:
+    """The non-streamed response body of a finished request; `reasoning`: a chat answer's
+    thinking goes to `reasoning_content` (`reasoning.py`)."""
     k = params.logprobs or 0
     choices = []
     for c in out.outputs:
         if chat:
+            message = {"role": "assistant", "content": c.text}
+            if reasoning:
+                thought, message["content"] = split_whole(c.text)
+                message["reasoning_content"] = thought
             choices.append(
                 {
                     "index": c.index,
                     "finish_reason": c.finish_reason,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": message,
                     "logprobs": chat_logprobs(c, k),
                 }
             )

@@ -1,0 +1,123 @@
+"""Chat extras of the server: `chat_template_kwargs` reach the template (Qwen3's
+`enable_thinking`), and `--reasoning-parser qwen3` returns a `<think>` block as
+`reasoning_content`, alike in whole and streamed responses, whatever the stream's chunking."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import httpx
+import pytest
+
+from metrale.outputs import CompletionOutput, RequestOutput
+from metrale.sampling_params import SamplingParams
+from metrale.server.protocol import whole_response
+from metrale.server.reasoning import ThinkSplitter, split_whole
+from tests.test_server import Server
+
+# Qwen3's switch, reduced: with thinking off the template writes an empty block itself.
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("thinking") / "model"
+    shutil.copytree(tiny_model_dir, path)
+    (path / "chat_template.jinja").write_text(TEMPLATE)
+    srv = Server(path, reasoning_parser="qwen3")
+    yield srv
+    srv.close()
+
+
+def chat(server, **extra) -> httpx.Response:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    return httpx.post(server.url + "/v1/chat/completions", json={**body, **extra}, timeout=60)
+
+
+def test_chat_template_kwargs_reach_the_template(server):
+    plain = chat(server).json()["usage"]["prompt_tokens"]
+    off = chat(server, chat_template_kwargs={"enable_thinking": False}).json()
+    assert off["usage"]["prompt_tokens"] > plain  # the empty block was rendered
+    on = chat(server, chat_template_kwargs={"enable_thinking": True}).json()
+    assert on["usage"]["prompt_tokens"] == plain
+
+
+@pytest.mark.parametrize(
+    "kwargs, status",
+    [("yes", 400), ({"messages": []}, 400), ({"add_generation_prompt": False}, 400)],
+)
+def test_bad_chat_template_kwargs_get_a_400(server, kwargs, status):
+    res = chat(server, chat_template_kwargs=kwargs)
+    assert res.status_code == status
+    assert res.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_an_answer_without_a_block_is_all_content(server):
+    whole = chat(server, max_tokens=8, temperature=0).json()["choices"][0]["message"]
+    assert "<think>" not in whole["content"]
+    assert whole["reasoning_content"] is None
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/chat/completions",
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 8,
+            "temperature": 0,
+            "stream": True,
+        },
+        timeout=60,
+    ) as res:
+        deltas = [
+            json.loads(line[6:])["choices"]
+            for line in res.iter_lines()
+            if line.startswith("data: {")
+        ]
+    text = "".join(c[0]["delta"].get("content") or "" for c in deltas if c)
+    assert text == whole["content"]
+    assert not any(c and "reasoning_content" in c[0]["delta"] for c in deltas)
+
+
+TEXTS = [
+    "<think>\nweigh it\n</think>\n\nthe answer",
+    "no block at all",
+    "<think>cut by max_tokens",
+    "  <think>x</think>y</think>z",
+    "<thi",
+    "\n\nlate</think>tag",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streamed_splits_equal_the_whole_split(text):
+    want = split_whole(text)
+    for seed in range(100):
+        rng = random.Random(seed)
+        cuts = sorted(rng.sample(range(len(text) + 1), min(3, len(text) + 1)))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        splitter, thought, content = ThinkSplitter(), "", ""
+        for i, piece in enumerate(pieces):
+            a, b = splitter.feed(piece, final=i == len(pieces) - 1)
+            thought, content = thought + a, content + b
+        assert ((thought if splitter.opened else None), content) == want
+
+
+def test_whole_response_puts_the_block_in_reasoning_content():
+    text = "<think>\nweigh it\n</think>\n\nthe answer"
+    c = CompletionOutput(index=0, text=text, token_ids=[1, 2, 3], finish_reason="stop")
+    out = RequestOutput("r", None, [5], [c], finished=True)
+    body = whole_response(out, "chatcmpl-1", SamplingParams(), True, None, "tiny", True)
+    message = body["choices"][0]["message"]
+    assert message == {
+        "role": "assistant",
+        "content": "the answer",
+        "reasoning_content": "\nweigh it\n",
+    }
+    assert split_whole("<think>x</think>y") == ("x", "y")
