@@ -416,6 +416,8 @@ def create_app(
                         "logprobs": completion_logprobs(c, engine.tokenizer, k, sent[c.index]),
                     }
                 choice["finish_reason"] = c.finish_reason
+                if c.finish_reason is not None:  # the stop string or token id that ended it
+                    choice["stop_reason"] = c.stop_reason
                 sent[c.index] = len(c.token_ids)
                 choices.append(choice)
             if choices:

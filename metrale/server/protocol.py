@@ -6,6 +6,7 @@ OpenAI error object `{"error": {"message", "type", "param", "code"}}`.
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
@@ -260,12 +261,14 @@ def completion_logprobs(c: CompletionOutput, tokenizer, k: int, start: int = 0) 
     if c.logprobs is None:
         return None
     entries = c.logprobs[start:]
-    tokens = [tokenizer.decode([t], skip_special_tokens=False) for t in c.token_ids[start:]]
+    pieces = [tokenizer.decode([t], skip_special_tokens=False) for t in c.token_ids]
+    # each token's character offset in the completion, from its decoded piece (as vLLM's)
+    offsets = list(itertools.accumulate((len(p) for p in pieces), initial=0))
     return {
-        "tokens": tokens,
+        "tokens": pieces[start:],
         "token_logprobs": [next(iter(e.values())).logprob for e in entries],
         "top_logprobs": [{lp.decoded_token: lp.logprob for lp in _top(e, k)} for e in entries],
-        "text_offset": [],
+        "text_offset": offsets[start : len(pieces)],
     }
 
 
@@ -311,6 +314,7 @@ def whole_response(
                 {
                     "index": c.index,
                     "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
                     "message": message,
                     "logprobs": chat_logprobs(c, k),
                 }
@@ -321,6 +325,7 @@ def whole_response(
                     "index": c.index,
                     "text": c.text,
                     "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
                     "logprobs": completion_logprobs(c, tokenizer, k),
                 }
             )
