@@ -1,6 +1,7 @@
 """Completion fields a vLLM client reads: `text_offset` of the legacy logprobs (each token's
-character offset in the completion, whole and streamed alike) and `stop_reason` (the stop token
-id or stop string that ended a choice; null for EOS and length)."""
+character offset in the completion, whole and streamed alike), `stop_reason` (the stop token
+id or stop string that ended a choice; null for EOS and length) and `echo` (the prompt before
+each completion's text, for text and token-id prompts, whole, streamed and several at once)."""
 
 from __future__ import annotations
 
@@ -57,3 +58,24 @@ def test_stop_reason_names_what_stopped_a_choice(server):
     stop = free["text"][2:4]
     by_string = complete(server, stop=[stop])
     assert by_string["finish_reason"] == "stop" and by_string["stop_reason"] == stop
+
+
+def test_echo_puts_the_prompt_before_the_completion(server):
+    plain = complete(server)["text"]
+    assert complete(server, echo=True)["text"] == "def f(" + plain
+    ids = httpx.post(
+        server.url + "/tokenize", json={"model": "tiny", "prompt": "def f("}, timeout=30
+    ).json()["tokens"]
+    assert complete(server, prompt=ids, echo=True)["text"] == "def f(" + plain
+    body = {"model": "tiny", "prompt": "def f(", "max_tokens": 8, "temperature": 0}
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json={**body, "echo": True, "stream": True}
+    ) as res:
+        chunks = [json.loads(x[6:]) for x in res.iter_lines() if x.startswith("data: {")]
+    assert "".join(ch["text"] for c in chunks for ch in c["choices"]) == "def f(" + plain
+    several = httpx.post(
+        server.url + "/v1/completions",
+        json={**body, "prompt": ["def f(", "def f("], "echo": True},
+        timeout=60,
+    ).json()["choices"]
+    assert [c["text"] for c in several] == ["def f(" + plain] * 2

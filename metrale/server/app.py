@@ -31,19 +31,15 @@ from metrale.server.engine_loop import Busy, EngineLoop
 from metrale.server.extra_routes import add_extra_routes
 from metrale.server.metrics import ServerMetrics
 from metrale.server.protocol import (
-    SYSTEM_FINGERPRINT,
     APIError,
-    chat_logprobs,
     chat_messages,
-    completion_logprobs,
     now,
     sampling_params,
-    spec_stats,
     template_kwargs,
-    usage,
     whole_response,
 )
-from metrale.server.reasoning import REASONING_PARSERS, ThinkSplitter
+from metrale.server.reasoning import REASONING_PARSERS
+from metrale.server.streaming import StreamStyle, sse_events
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +69,7 @@ def create_app(
             f"reasoning_parser: {reasoning_parser!r} is not one of {REASONING_PARSERS}"
         )
     reasoning = reasoning_parser is not None
+    style = StreamStyle(loop.engine.tokenizer, model_name, reasoning)
     app = FastAPI(title="metrale", version="0.1.0")
     if allowed_origins:  # browsers calling the API from pages of other origins
         app.add_middleware(
@@ -322,8 +319,10 @@ def create_app(
             raise
         if any(f is None for f in finals):
             return Response(status_code=499)  # the client left; every part is aborted
+        echo = bool(body.get("echo"))
         parts = [
-            whole_response(f, base, params, False, engine.tokenizer, model_name) for f in finals
+            whole_response(f, base, params, False, engine.tokenizer, model_name, echo=echo)
+            for f in finals
         ]
         response = parts[0]
         response["choices"] = [
@@ -368,80 +367,27 @@ def create_app(
         try:
             if body.get("stream"):
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                stream = sse(request, request_id, queue, params, chat, include_usage)
+                echo = bool(body.get("echo"))
+                events = outputs(request_id, queue)
+                stream = sse_events(
+                    request, events, request_id, params, chat, include_usage, echo, style
+                )
                 return StreamingResponse(stream, media_type="text/event-stream")
             final = await final_output(request, request_id, queue)
             if final is None:  # the client went away; its request is aborted
                 return Response(status_code=499)
             return whole_response(
-                final, request_id, params, chat, engine.tokenizer, model_name, reasoning and chat
+                final,
+                request_id,
+                params,
+                chat,
+                engine.tokenizer,
+                model_name,
+                reasoning and chat,
+                echo=bool(body.get("echo")),
             )
         except BaseException:
             loop.abort(request_id)  # nothing submitted keeps running for nobody
             raise
-
-    async def sse(request, request_id, queue, params, chat: bool, include_usage: bool):
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        k, created = params.logprobs or 0, now()  # one `created` for every chunk of a stream
-        sent = [0] * params.n  # tokens already sent per choice
-        thinking = [ThinkSplitter() for _ in range(params.n)] if reasoning and chat else None
-        final = None
-        async for out in outputs(request_id, queue):
-            final = out
-            if await request.is_disconnected():
-                return  # the finally of `outputs` aborts the request
-            choices = []
-            for c in out.outputs:
-                if not c.delta_text and not c.finish_reason and not c.delta_token_ids:
-                    continue
-                if chat:
-                    delta = {"content": c.delta_text}
-                    if thinking is not None:
-                        ending = c.finish_reason is not None
-                        think, text = thinking[c.index].feed(c.delta_text, ending)
-                        delta = {"content": text} if text or not think else {}
-                        if think:
-                            delta["reasoning_content"] = think
-                    if sent[c.index] == 0:
-                        delta["role"] = "assistant"
-                    choice = {
-                        "index": c.index,
-                        "delta": delta,
-                        "logprobs": chat_logprobs(c, k, sent[c.index]),
-                    }
-                else:
-                    choice = {
-                        "index": c.index,
-                        "text": c.delta_text,
-                        "logprobs": completion_logprobs(c, engine.tokenizer, k, sent[c.index]),
-                    }
-                choice["finish_reason"] = c.finish_reason
-                if c.finish_reason is not None:  # the stop string or token id that ended it
-                    choice["stop_reason"] = c.stop_reason
-                sent[c.index] = len(c.token_ids)
-                choices.append(choice)
-            if choices:
-                chunk = {
-                    "id": request_id,
-                    "object": kind,
-                    "created": created,
-                    "model": model_name,
-                    "system_fingerprint": SYSTEM_FINGERPRINT,
-                    "choices": choices,
-                }
-                yield f"data: {json.dumps(chunk)}\n\n"
-        if include_usage and final is not None:
-            chunk = {
-                "id": request_id,
-                "object": kind,
-                "created": created,
-                "model": model_name,
-                "system_fingerprint": SYSTEM_FINGERPRINT,
-                "choices": [],
-                "usage": usage(final),
-                "metrale": {"speculative": spec_stats(final)},
-            }
-            yield f"data: {json.dumps(chunk)}\n\n"
-        yield "data: [DONE]\n\n"
 
     return app

@@ -84,7 +84,6 @@ _UNSUPPORTED = {
     "functions": ([],),
     "function_call": ("none",),
     "suffix": ("",),
-    "echo": (False,),
     "parallel_tool_calls": (True, False),
 }
 
@@ -95,6 +94,14 @@ def check_request(body: dict, chat: bool) -> None:
         value = body.get(name)
         if value is not None and value not in neutral:
             raise APIError(f"{name}: not supported by this server", name)
+    echo = body.get("echo")
+    if echo is not None:
+        if not isinstance(echo, bool):
+            raise APIError(f"echo: expected a boolean, got {echo!r}", "echo")
+        if echo and chat:
+            raise APIError("echo: not supported for chat completions", "echo")
+        if echo and body.get("logprobs"):
+            raise APIError("echo: the prompt's logprobs are not computed; drop logprobs", "echo")
     best_of = body.get("best_of")
     if best_of is not None and best_of not in (1, body.get("n", 1)):
         raise APIError("best_of: only best_of = n is supported", "best_of")
@@ -297,11 +304,25 @@ def now() -> int:
     return int(time.time())
 
 
+def prompt_text(out: RequestOutput, tokenizer) -> str:
+    """The prompt as `echo` returns it: its text, or its ids decoded."""
+    return out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
+
+
 def whole_response(
-    out, request_id, params, chat: bool, tokenizer, model_name: str, reasoning: bool = False
+    out,
+    request_id,
+    params,
+    chat: bool,
+    tokenizer,
+    model_name: str,
+    reasoning: bool = False,
+    echo: bool = False,
 ) -> dict:
     """The non-streamed response body of a finished request; `reasoning`: a chat answer's
-    thinking goes to `reasoning_content` (`reasoning.py`)."""
+    thinking goes to `reasoning_content` (`reasoning.py`); `echo`: each completion's text
+    starts with the prompt."""
+    echoed = prompt_text(out, tokenizer) if echo else ""
     k = params.logprobs or 0
     choices = []
     for c in out.outputs:
@@ -323,7 +344,7 @@ def whole_response(
             choices.append(
                 {
                     "index": c.index,
-                    "text": c.text,
+                    "text": echoed + c.text,
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
                     "logprobs": completion_logprobs(c, tokenizer, k),

@@ -1,0 +1,106 @@
+"""A streamed completion or chat completion as server-sent events: one chunk per engine output
+that changed a choice (its text delta, logprobs, finish and stop reasons; for chat the role
+first and, with a reasoning parser, thinking as `reasoning_content`), the usage chunk when asked
+for, then `[DONE]`. One `created` for every chunk of a stream."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from metrale.server.protocol import (
+    SYSTEM_FINGERPRINT,
+    chat_logprobs,
+    completion_logprobs,
+    now,
+    prompt_text,
+    spec_stats,
+    usage,
+)
+from metrale.server.reasoning import ThinkSplitter
+
+
+@dataclass(frozen=True)
+class StreamStyle:
+    """What every stream of one server shares."""
+
+    tokenizer: object
+    model_name: str
+    reasoning: bool  # split chat thinking into reasoning_content
+
+
+async def sse_events(
+    request,
+    events: AsyncIterator,
+    request_id: str,
+    params,
+    chat: bool,
+    include_usage: bool,
+    echo: bool,
+    style: StreamStyle,
+) -> AsyncIterator[str]:
+    """`events`: the request's RequestOutputs (ending the iteration early aborts it)."""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    k, created = params.logprobs or 0, now()  # one `created` for every chunk of a stream
+    sent = [0] * params.n  # tokens already sent per choice
+    thinking = [ThinkSplitter() for _ in range(params.n)] if style.reasoning and chat else None
+    final = None
+    async for out in events:
+        final = out
+        if await request.is_disconnected():
+            return  # the finally of `outputs` aborts the request
+        choices = []
+        for c in out.outputs:
+            if not c.delta_text and not c.finish_reason and not c.delta_token_ids:
+                continue
+            if chat:
+                delta = {"content": c.delta_text}
+                if thinking is not None:
+                    ending = c.finish_reason is not None
+                    think, text = thinking[c.index].feed(c.delta_text, ending)
+                    delta = {"content": text} if text or not think else {}
+                    if think:
+                        delta["reasoning_content"] = think
+                if sent[c.index] == 0:
+                    delta["role"] = "assistant"
+                choice = {
+                    "index": c.index,
+                    "delta": delta,
+                    "logprobs": chat_logprobs(c, k, sent[c.index]),
+                }
+            else:
+                echoed = prompt_text(out, style.tokenizer) if echo and not sent[c.index] else ""
+                choice = {
+                    "index": c.index,
+                    "text": echoed + c.delta_text,
+                    "logprobs": completion_logprobs(c, style.tokenizer, k, sent[c.index]),
+                }
+            choice["finish_reason"] = c.finish_reason
+            if c.finish_reason is not None:  # the stop string or token id that ended it
+                choice["stop_reason"] = c.stop_reason
+            sent[c.index] = len(c.token_ids)
+            choices.append(choice)
+        if choices:
+            chunk = {
+                "id": request_id,
+                "object": kind,
+                "created": created,
+                "model": style.model_name,
+                "system_fingerprint": SYSTEM_FINGERPRINT,
+                "choices": choices,
+            }
+            yield f"data: {json.dumps(chunk)}\n\n"
+    if include_usage and final is not None:
+        chunk = {
+            "id": request_id,
+            "object": kind,
+            "created": created,
+            "model": style.model_name,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+            "choices": [],
+            "usage": usage(final),
+            "metrale": {"speculative": spec_stats(final)},
+        }
+        yield f"data: {json.dumps(chunk)}\n\n"
+    yield "data: [DONE]\n\n"
