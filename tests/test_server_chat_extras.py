@@ -1,5 +1,6 @@
 """Chat extras of the server: `chat_template_kwargs` reach the template (Qwen3's
-`enable_thinking`), and `--reasoning-parser qwen3` returns a `<think>` block as
+`enable_thinking`); assistant messages with `tool_calls` (and tool results) render through it,
+their JSON arguments as objects; and `--reasoning-parser qwen3` returns a `<think>` block as
 `reasoning_content`, alike in whole and streamed responses, whatever the stream's chunking."""
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from tests.test_server import Server
 
 # Qwen3's switch, reduced: with thinking off the template writes an empty block itself.
 TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    '{% for tc in m.tool_calls or [] %}<tool_call>{"name": "{{ tc.function.name }}", '
+    '"arguments": {{ tc.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n'
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
     "{% endif %}{% endif %}"
@@ -121,3 +124,44 @@ def test_whole_response_puts_the_block_in_reasoning_content():
         "reasoning_content": "\nweigh it\n",
     }
     assert split_whole("<think>x</think>y") == ("x", "y")
+
+
+HISTORY = [
+    {"role": "user", "content": "weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+]
+
+
+def test_tool_call_history_renders_through_the_template(server):
+    ids = httpx.post(
+        server.url + "/tokenize", json={"model": "tiny", "messages": HISTORY}, timeout=30
+    ).json()["tokens"]
+    text = httpx.post(
+        server.url + "/detokenize", json={"model": "tiny", "tokens": ids}, timeout=30
+    ).json()["prompt"]
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in text
+    assert "<|im_start|>tool\nsunny<|im_end|>" in text
+    res = chat(server, messages=HISTORY)
+    assert res.status_code == 200
+    assert res.json()["usage"]["prompt_tokens"] == len(ids)
+
+
+@pytest.mark.parametrize(
+    "calls",
+    ["oops", [{"function": {"arguments": "{}"}}], [{"function": {"name": "f", "arguments": "{"}}]],
+)
+def test_bad_tool_calls_in_history_get_a_400(server, calls):
+    bad = [HISTORY[0], {**HISTORY[1], "tool_calls": calls}]
+    res = chat(server, messages=bad)
+    assert res.status_code == 400 and res.json()["error"]["param"] == "messages"

@@ -8,7 +8,7 @@ import asyncio
 from fastapi import FastAPI, Request
 
 from metrale import __version__
-from metrale.server.protocol import APIError, chat_messages, now
+from metrale.server.protocol import APIError, chat_messages, now, template_kwargs
 
 
 def add_extra_routes(app: FastAPI, engine, model_name: str, read_body) -> None:
@@ -40,9 +40,10 @@ def add_extra_routes(app: FastAPI, engine, model_name: str, read_body) -> None:
             raise APIError("add_special_tokens: expected a boolean", "add_special_tokens")
         if "messages" in body:
             messages = chat_messages(body["messages"])
+            variables = template_kwargs(body)
 
             def render() -> list[int]:
-                text = tok.apply_chat_template(messages, add_generation_prompt=True)
+                text = tok.apply_chat_template(messages, add_generation_prompt=True, **variables)
                 return tok.encode(text, add_special_tokens=False)
 
         else:

@@ -7,6 +7,7 @@ OpenAI error object `{"error": {"message", "type", "param", "code"}}`.
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from typing import Any
 
@@ -141,14 +142,42 @@ def chat_messages(messages: Any) -> list[dict[str, str]]:
                 texts.append(part["text"])
             content = "\n".join(texts)
         elif content is None and m["role"] == "assistant":
-            content = ""
+            content = ""  # an assistant turn of tool calls only
         elif not isinstance(content, str):
             raise APIError(
                 f"messages[{i}].content: expected a string or a list of text parts, "
                 f"got {type(content).__name__}",
                 "messages",
             )
-        out.append({**m, "content": content})
+        message = {**m, "content": content}
+        if m.get("tool_calls") is not None:
+            message["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        out.append(message)
+    return out
+
+
+def _tool_calls(calls: Any, i: int) -> list[dict]:
+    """An assistant message's `tool_calls`, checked, with each call's `arguments` (a JSON
+    string in the OpenAI API) parsed to the object chat templates render (as vLLM does)."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise APIError(f"{where}: expected a list of calls", "messages")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise APIError(f"{where}[{j}]: expected {{function: {{name, arguments}}}}", "messages")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError as e:
+                raise APIError(
+                    f"{where}[{j}].function.arguments: not valid JSON ({e.msg})", "messages"
+                ) from None
+        if not isinstance(arguments, dict):
+            raise APIError(f"{where}[{j}].function.arguments: expected an object", "messages")
+        out.append({**call, "type": "function", "function": {**function, "arguments": arguments}})
     return out
 
 
