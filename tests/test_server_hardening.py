@@ -67,6 +67,7 @@ def error_of(resp, status, param="?"):
         (CHAT, {**user("hi"), "tools": [{"type": "function"}]}, 400, "tools"),
         (CMPL, {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
         (CMPL, {"prompt": "x", "echo": "yes"}, 400, "echo"),
+        (CMPL, {"prompt": "x", "echo": True, "logprobs": 0}, 400, "echo"),
         (CMPL, {"prompt": "x", "best_of": 3}, 400, "best_of"),
         (CMPL, {"prompt": "x", "n": 1000}, 400, "n"),
         (CMPL, {"prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),

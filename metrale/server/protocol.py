@@ -101,7 +101,7 @@ def check_request(body: dict, chat: bool) -> None:
             raise APIError(f"echo: expected a boolean, got {echo!r}", "echo")
         if echo and chat:
             raise APIError("echo: not supported for chat completions", "echo")
-        if echo and body.get("logprobs"):
+        if echo and body.get("logprobs") is not None:  # 0 asks for the chosen token's too
             raise APIError("echo: the prompt's logprobs are not computed; drop logprobs", "echo")
     best_of = body.get("best_of")
     if best_of is not None and best_of not in (1, body.get("n", 1)):
