@@ -364,8 +364,11 @@ def test_a_server_whose_worker_dies_says_so(tiny_model_dir):
 
     from tests.test_server import Server
 
+    from metrale.server import startup_banner
+
     srv = Server(tiny_model_dir, tensor_parallel_size=2, distributed_timeout_s=10)
     try:
+        assert "tensor parallel over 2 ranks" in startup_banner(srv.loop, "h", 1, False)
         body = {"model": "tiny", "prompt": "a b", "max_tokens": 4}
         assert httpx.post(srv.url + "/v1/completions", json=body, timeout=60).status_code == 200
         worker = srv.loop.engine.runner.model._workers[0]

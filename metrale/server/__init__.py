@@ -126,11 +126,16 @@ def startup_banner(loop, host: str, port: int, keyed: bool) -> str:
         dcut = "D-Cut" if spec.cfg.dcut else "fixed depth"
         drafting = f"{spec.drafter.name}, up to {spec.cfg.num_drafts} drafts, {dcut}"
     keyed_note = ", API key required" if keyed else ""
+    device = f"{runner.device}, {str(runner.dtype).removeprefix('torch.')}"
+    if cfg.tensor_parallel_size > 1:
+        split = "experts split across ranks" if cfg.expert_parallel else "each expert split"
+        moe = f", {split}" if engine.model_config.hybrid is not None else ""
+        device += f", tensor parallel over {cfg.tensor_parallel_size} ranks{moe}"
     return "\n".join(
         [
             f"metrale serve: http://{host}:{port}/v1 (OpenAI API{keyed_note})",
             f"  model       {engine.model_dir}",
-            f"  device      {runner.device}, {str(runner.dtype).removeprefix('torch.')}",
+            f"  device      {device}",
             f"  KV pool     {pages} pages x {cfg.page_size} rows ({pages * cfg.page_size} tokens)",
             f"  limits      max_model_len {engine.max_model_len}, max_num_seqs {cfg.max_num_seqs}",
             f"  speculation {drafting}",
