@@ -165,3 +165,11 @@ def test_bad_tool_calls_in_history_get_a_400(server, calls):
     bad = [HISTORY[0], {**HISTORY[1], "tool_calls": calls}]
     res = chat(server, messages=bad)
     assert res.status_code == 400 and res.json()["error"]["param"] == "messages"
+
+
+@pytest.mark.parametrize("arguments", ["9" * 5000, "[" * 100000 + "]" * 100000, '{"a": NaN}'])
+def test_tool_call_arguments_json_cannot_hit_a_500(server, arguments):
+    call = {"type": "function", "function": {"name": "f", "arguments": arguments}}
+    bad = [HISTORY[0], {**HISTORY[1], "tool_calls": [call]}]
+    res = chat(server, messages=bad)
+    assert res.status_code == 400 and res.json()["error"]["param"] == "messages"

@@ -79,3 +79,63 @@ def test_echo_puts_the_prompt_before_the_completion(server):
         timeout=60,
     ).json()["choices"]
     assert [c["text"] for c in several] == ["def f(" + plain] * 2
+
+
+class FakeRequest:
+    async def is_disconnected(self) -> bool:
+        return False
+
+
+class FakeTokenizer:
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return "".join(chr(97 + i % 26) * (1 + i % 3) for i in ids)
+
+
+def test_a_stream_sends_each_choices_finish_once():
+    """Choice 0 stops at the first output, choice 1 goes on: choice 0's finish is sent once,
+    and each choice's text_offset runs on across its chunks."""
+    import asyncio
+
+    from metrale.outputs import CompletionOutput, Logprob, RequestOutput
+    from metrale.sampling_params import SamplingParams
+    from metrale.server.streaming import StreamStyle, sse_events
+
+    def lp(t):
+        return {t: Logprob(logprob=-1.0, rank=1, decoded_token="x")}
+
+    def choice(index, ids, new, finish):
+        return CompletionOutput(
+            index=index,
+            text="",
+            token_ids=ids,
+            finish_reason=finish,
+            delta_text="t",
+            delta_token_ids=ids[-new:],
+            logprobs=[lp(t) for t in ids],
+        )
+
+    steps = [
+        [choice(0, [1, 2], 2, "stop"), choice(1, [3, 4], 2, None)],
+        [choice(0, [1, 2], 0, "stop"), choice(1, [3, 4, 5], 1, None)],
+        [choice(0, [1, 2], 0, "stop"), choice(1, [3, 4, 5, 6], 1, "length")],
+    ]
+
+    async def events():
+        for i, outs in enumerate(steps):
+            yield RequestOutput("r", None, [0], outs, finished=i == len(steps) - 1)
+
+    async def collect():
+        params = SamplingParams(n=2, logprobs=1)
+        style = StreamStyle(FakeTokenizer(), "tiny", False)
+        gen = sse_events(FakeRequest(), events(), "r", params, False, False, False, style)
+        return [json.loads(x[6:]) async for x in gen if x.startswith("data: {")]
+
+    chunks = asyncio.run(collect())
+    finishes = [ch["index"] for c in chunks for ch in c["choices"] if ch["finish_reason"]]
+    assert finishes == [0, 1]
+    tok = FakeTokenizer()
+    for index, ids in ((0, [1, 2]), (1, [3, 4, 5, 6])):
+        mine = [ch for c in chunks for ch in c["choices"] if ch["index"] == index]
+        offsets = [o for ch in mine for o in ch["logprobs"]["text_offset"]]
+        pieces = [tok.decode([t]) for t in ids]
+        assert offsets == [sum(len(p) for p in pieces[:i]) for i in range(len(ids))]

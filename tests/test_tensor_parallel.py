@@ -115,8 +115,6 @@ def test_fewer_kv_heads_than_ranks_replicate_the_one_each_rank_reads(tiny_model_
 def test_what_does_not_split_or_is_not_covered_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match="num_attention_heads"):
         tp_llm(tiny_model_dir, 3)
-    with pytest.raises(ValueError, match="spec.method 'dflash'"):
-        tp_llm(tiny_model_dir, 2, spec={"method": "dflash", "num_drafts": 2})
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         tp_llm(tiny_model_dir, 0)
 
@@ -362,9 +360,8 @@ def test_a_server_whose_worker_dies_says_so(tiny_model_dir):
     get a 503 in the OpenAI error shape, /health a 503 naming the failure."""
     import httpx
 
-    from tests.test_server import Server
-
     from metrale.server import startup_banner
+    from tests.test_server import Server
 
     srv = Server(tiny_model_dir, tensor_parallel_size=2, distributed_timeout_s=10)
     try:
@@ -402,3 +399,27 @@ def test_a_worker_that_exits_while_starting_is_seen_at_once(tiny_model_dir, tmp_
     assert res.returncode != 0
     assert "exited while starting" in res.stderr and "__main__" in res.stderr
     assert time.perf_counter() - start < 60
+
+
+def test_dflash_drafts_on_rank_zero_beside_a_sharded_target(tiny_model_dir, tmp_path):
+    """DFlash reads rank 0's taps of the target's (all-reduced, whole) hidden states and its
+    whole vocabulary copy: the tokens and drafts of one rank."""
+    import shutil
+
+    from tests.test_spec_dflash import write_dflash
+
+    path = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, path)
+    write_dflash(path, path / "dflash", block_size=4)
+    spec = {"method": "dflash", "num_drafts": 3}
+    single = LLM(path, device="cpu", dtype="float32", spec=spec)
+    want = [o.outputs[0].token_ids for o in single.generate(PROMPTS, greedy(), use_tqdm=False)]
+    llm = tp_llm(path, 2, spec=spec)
+    try:
+        outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        tel, ref = llm.engine.telemetry.spec, single.engine.telemetry.spec
+        assert tel.num_draft_tokens == ref.num_draft_tokens > 0
+        assert tel.matched_per_pos == ref.matched_per_pos
+    finally:
+        llm.shutdown()

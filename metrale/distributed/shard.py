@@ -17,7 +17,6 @@ from metrale.config import EngineConfig, ModelConfig
 from metrale.distributed.layers import TPQwen3ForCausalLM, TPQwen3NextForCausalLM
 from metrale.distributed.parallel import (
     TPGroup,
-    check_tp,
     expert_renamer,
     local_config,
     selector,
@@ -25,16 +24,6 @@ from metrale.distributed.parallel import (
 from metrale.engine.kv_cache import allocate_kv_cache
 from metrale.engine.model_setup import default_dtype, dummy_weights
 from metrale.models.loader import load_weights
-
-
-def check_supported(model_cfg: ModelConfig, cfg: EngineConfig, size: int) -> None:
-    """A ValueError naming what does not split, or what tensor parallelism does not cover yet."""
-    if cfg.spec.method == "dflash":
-        raise ValueError(
-            f"tensor_parallel_size={size}: spec.method 'dflash' reads the target's sharded "
-            "hidden taps; use 'mtp' or 'ngram' with tensor parallelism for now"
-        )
-    check_tp(model_cfg, size, cfg.expert_parallel)
 
 
 def build_model(
@@ -125,7 +114,7 @@ def start_workers(
 
 class WholeVocab(nn.Module):
     """The whole embedding and head, on rank 0, for a drafter that runs there alone (the MTP
-    heads): a sharded target's would need every rank for each of the drafter's small steps.
+    heads, DFlash): a sharded target's would need every rank for each of the drafter's steps.
     Costs one more [V, H] copy (two with an untied head)."""
 
     def __init__(self, cfg: ModelConfig) -> None:

@@ -17,8 +17,7 @@ from pathlib import Path
 import torch
 
 from metrale.config import EngineConfig, ModelConfig, SamplingParams
-from metrale.distributed.parallel import DistributedError
-from metrale.distributed.shard import check_supported
+from metrale.distributed.parallel import DistributedError, check_tp
 from metrale.engine.calibrate import measured_cost_model
 from metrale.engine.emitter import Emitter
 from metrale.engine.kv_cache import PageAllocator
@@ -65,7 +64,9 @@ class LLMEngine:
         self.model_dir = resolve_model(model_dir, self.config.revision)
         self.model_config = ModelConfig.from_hf(self.model_dir)
         if self.config.tensor_parallel_size > 1:
-            check_supported(self.model_config, self.config, self.config.tensor_parallel_size)
+            check_tp(
+                self.model_config, self.config.tensor_parallel_size, self.config.expert_parallel
+            )
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.max_model_len = self._resolve_max_model_len()
         spec_on = drafter is not None or self.config.spec.enabled

@@ -134,7 +134,7 @@ class ModelRunner:
         # what drafters embed tokens and project logits with: the target's own, or under tensor
         # parallelism a whole-vocabulary copy on rank 0, where drafters run alone
         self.vocab = TargetVocab(self.model)
-        if self.tp_size > 1 and self.mtp is not None:
+        if self.tp_size > 1 and (self.mtp is not None or self.dflash is not None):
             self.vocab = whole_vocab(model_cfg, cfg, model_dir, self.device, self.dtype)
         if self.tp_size > 1:
             entries = 0

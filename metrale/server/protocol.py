@@ -156,6 +156,10 @@ def chat_messages(messages: Any) -> list[dict[str, str]]:
     return out
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
 def _tool_calls(calls: Any, i: int) -> list[dict]:
     """An assistant message's `tool_calls`, checked, with each call's `arguments` (a JSON
     string in the OpenAI API) parsed to the object chat templates render (as vLLM does)."""
@@ -170,10 +174,12 @@ def _tool_calls(calls: Any, i: int) -> list[dict]:
         arguments = function.get("arguments", {})
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except json.JSONDecodeError as e:
+                arguments = (
+                    json.loads(arguments, parse_constant=_no_constant) if arguments.strip() else {}
+                )
+            except (ValueError, RecursionError) as e:  # JSONDecodeError, digit limits, depth
                 raise APIError(
-                    f"{where}[{j}].function.arguments: not valid JSON ({e.msg})", "messages"
+                    f"{where}[{j}].function.arguments: not valid JSON ({e})", "messages"
                 ) from None
         if not isinstance(arguments, dict):
             raise APIError(f"{where}[{j}].function.arguments: expected an object", "messages")
@@ -292,19 +298,22 @@ def spec_stats(out: RequestOutput) -> dict:
     }
 
 
-def completion_logprobs(c: CompletionOutput, tokenizer, k: int, start: int = 0) -> dict | None:
-    """The legacy completions `logprobs` object for tokens[start:]."""
+def completion_logprobs(
+    c: CompletionOutput, tokenizer, k: int, start: int = 0, offset: int = 0
+) -> dict | None:
+    """The legacy completions `logprobs` object for tokens[start:], whose text starts at
+    character `offset` of the completion (a stream keeps it running: no re-decoding)."""
     if c.logprobs is None:
         return None
     entries = c.logprobs[start:]
-    pieces = [tokenizer.decode([t], skip_special_tokens=False) for t in c.token_ids]
+    pieces = [tokenizer.decode([t], skip_special_tokens=False) for t in c.token_ids[start:]]
     # each token's character offset in the completion, from its decoded piece (as vLLM's)
-    offsets = list(itertools.accumulate((len(p) for p in pieces), initial=0))
+    offsets = list(itertools.accumulate((len(p) for p in pieces), initial=offset))
     return {
-        "tokens": pieces[start:],
+        "tokens": pieces,
         "token_logprobs": [next(iter(e.values())).logprob for e in entries],
         "top_logprobs": [{lp.decoded_token: lp.logprob for lp in _top(e, k)} for e in entries],
-        "text_offset": offsets[start : len(pieces)],
+        "text_offset": offsets[:-1],
     }
 
 

@@ -44,6 +44,8 @@ async def sse_events(
     kind = "chat.completion.chunk" if chat else "text_completion"
     k, created = params.logprobs or 0, now()  # one `created` for every chunk of a stream
     sent = [0] * params.n  # tokens already sent per choice
+    offset = [0] * params.n  # characters of completion text sent per choice (text_offset)
+    done = [False] * params.n  # choices whose finish was sent: never sent again
     thinking = [ThinkSplitter() for _ in range(params.n)] if style.reasoning and chat else None
     final = None
     async for out in events:
@@ -52,7 +54,7 @@ async def sse_events(
             return  # the finally of `outputs` aborts the request
         choices = []
         for c in out.outputs:
-            if not c.delta_text and not c.finish_reason and not c.delta_token_ids:
+            if done[c.index] or not (c.delta_text or c.finish_reason or c.delta_token_ids):
                 continue
             if chat:
                 delta = {"content": c.delta_text}
@@ -74,11 +76,16 @@ async def sse_events(
                 choice = {
                     "index": c.index,
                     "text": echoed + c.delta_text,
-                    "logprobs": completion_logprobs(c, style.tokenizer, k, sent[c.index]),
+                    "logprobs": completion_logprobs(
+                        c, style.tokenizer, k, sent[c.index], offset[c.index]
+                    ),
                 }
+                if choice["logprobs"] is not None:
+                    offset[c.index] += sum(len(t) for t in choice["logprobs"]["tokens"])
             choice["finish_reason"] = c.finish_reason
             if c.finish_reason is not None:  # the stop string or token id that ended it
                 choice["stop_reason"] = c.stop_reason
+                done[c.index] = True
             sent[c.index] = len(c.token_ids)
             choices.append(choice)
         if choices:

@@ -117,10 +117,10 @@ class DFlashDrafter:
         zero = ~valid[:, :, None, None]
         keys = [flat[i, 0][ctx_slots].masked_fill(zero, 0.0) for i in range(self.cfg.num_layers)]
         values = [flat[i, 1][ctx_slots].masked_fill(zero, 0.0) for i in range(self.cfg.num_layers)]
-        target = self.runner.model
-        block = target.model.embed_tokens(ids) * self.cfg.input_embedding_scale
+        vocab = self.runner.vocab  # the target's embedding and head (whole ones on rank 0)
+        block = vocab.embed_tokens(ids) * self.cfg.input_embedding_scale
         hidden = self.model(block, positions, keys, values, valid)[:, 1:]  # [S, B - 1, H]
-        logits = self.model.logits(hidden.reshape(-1, hidden.shape[-1]), target)
+        logits = self.model.logits(hidden.reshape(-1, hidden.shape[-1]), vocab)
         return logits.argmax(dim=-1).view(s, b - 1)
 
     def release(self, seq: Sequence) -> None:
