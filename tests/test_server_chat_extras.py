@@ -25,7 +25,7 @@ TEMPLATE = (
     '"arguments": {{ tc.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n'
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-    "{% endif %}{% endif %}"
+    "{% endif %}{% if open_think is defined and open_think %}<think>\n{% endif %}{% endif %}"
 )
 
 
@@ -173,3 +173,19 @@ def test_tool_call_arguments_json_cannot_hit_a_500(server, arguments):
     bad = [HISTORY[0], {**HISTORY[1], "tool_calls": [call]}]
     res = chat(server, messages=bad)
     assert res.status_code == 400 and res.json()["error"]["param"] == "messages"
+
+
+def test_a_block_the_template_opened_is_reasoning_until_it_closes(server):
+    """Qwen3's thinking-only templates end the prompt inside `<think>`: the output is reasoning
+    from its first token (this model never closes the block), whole and streamed alike."""
+    extra = dict(chat_template_kwargs={"open_think": True}, temperature=0, max_tokens=8)
+    whole = chat(server, **extra).json()["choices"][0]["message"]
+    assert whole["content"] == "" and whole["reasoning_content"]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with httpx.stream(
+        "POST", server.url + "/v1/chat/completions", json={**body, **extra}, timeout=60
+    ) as res:
+        deltas = [json.loads(x[6:])["choices"] for x in res.iter_lines() if x.startswith("data: {")]
+    thought = "".join(c[0]["delta"].get("reasoning_content") or "" for c in deltas if c)
+    assert thought == whole["reasoning_content"]
+    assert split_whole("a</think>\n\nb", opened=True) == ("a", "b")

@@ -38,7 +38,7 @@ from metrale.server.protocol import (
     template_kwargs,
     whole_response,
 )
-from metrale.server.reasoning import REASONING_PARSERS
+from metrale.server.reasoning import REASONING_PARSERS, opens_block
 from metrale.server.streaming import StreamStyle, sse_events
 
 log = logging.getLogger(__name__)
@@ -341,8 +341,9 @@ def create_app(
         messages = chat_messages(body.get("messages"))
         variables = template_kwargs(body)
 
-        def render() -> list[int]:
-            """The prompt's token ids (on a worker thread: templating and tokenising)."""
+        def render() -> tuple[list[int], bool]:
+            """The prompt's token ids, and whether it leaves a thinking block open (on a worker
+            thread: templating and tokenising)."""
             chars = sum(len(m["content"]) for m in messages)
             if chars > engine.max_model_len * engine.tokenizer.max_token_chars:
                 raise APIError(f"messages: {chars} characters cannot fit the context", "messages")
@@ -356,13 +357,14 @@ def create_app(
             ids = engine.tokenizer.encode(text, add_special_tokens=False)
             if not ids:
                 raise APIError("messages: the chat template rendered nothing", "messages")
-            return ids
+            return ids, reasoning and opens_block(text)
 
-        ids = await validate(await asyncio.to_thread(render), params)
+        ids, opened = await asyncio.to_thread(render)
+        ids = await validate(ids, params)
         request_id = loop.new_id("chatcmpl")
-        return await respond(request, body, request_id, ids, params, chat=True)
+        return await respond(request, body, request_id, ids, params, chat=True, opened=opened)
 
-    async def respond(request, body, request_id, ids, params, chat: bool):
+    async def respond(request, body, request_id, ids, params, chat: bool, opened: bool = False):
         queue = submit(request_id, ids, params)
         try:
             if body.get("stream"):
@@ -370,7 +372,7 @@ def create_app(
                 echo = bool(body.get("echo"))
                 events = outputs(request_id, queue)
                 stream = sse_events(
-                    request, events, request_id, params, chat, include_usage, echo, style
+                    request, events, request_id, params, chat, include_usage, echo, style, opened
                 )
                 return StreamingResponse(stream, media_type="text/event-stream")
             final = await final_output(request, request_id, queue)
@@ -385,6 +387,7 @@ def create_app(
                 model_name,
                 reasoning and chat,
                 echo=bool(body.get("echo")),
+                opened=opened,
             )
         except BaseException:
             loop.abort(request_id)  # nothing submitted keeps running for nobody

@@ -356,10 +356,11 @@ def whole_response(
     model_name: str,
     reasoning: bool = False,
     echo: bool = False,
+    opened: bool = False,
 ) -> dict:
     """The non-streamed response body of a finished request; `reasoning`: a chat answer's
-    thinking goes to `reasoning_content` (`reasoning.py`); `echo`: each completion's text
-    starts with the prompt."""
+    thinking goes to `reasoning_content` (`reasoning.py`; `opened`: the prompt opened the
+    block); `echo`: each completion's text starts with the prompt."""
     echoed = prompt_text(out, tokenizer) if echo else ""
     k = params.logprobs or 0
     choices = []
@@ -367,7 +368,7 @@ def whole_response(
         if chat:
             message = {"role": "assistant", "content": c.text}
             if reasoning:
-                thought, message["content"] = split_whole(c.text)
+                thought, message["content"] = split_whole(c.text, opened)
                 message["reasoning_content"] = thought
             choices.append(
                 {

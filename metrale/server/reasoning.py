@@ -3,7 +3,9 @@
 
 `qwen3`: Qwen3 writes `<think> ... </think>` before its answer when thinking is on. Text inside
 the block is reasoning, the rest content; an output that does not open with `<think>` is all
-content, and one whose block never closes (cut by `max_tokens`) is all reasoning. The same state
+content, and one whose block never closes (cut by `max_tokens`) is all reasoning. When the chat
+template itself opened the block at the end of the prompt (Qwen3's thinking-only models), the
+output starts as reasoning and only closes it. The same state
 machine runs over a stream's deltas and over a whole text, so a streamed response and a whole one
 split alike; a delta that ends inside a tag holds that part back until the next delta tells.
 """
@@ -16,12 +18,14 @@ REASONING_PARSERS = ("qwen3",)
 class ThinkSplitter:
     OPEN, CLOSE = "<think>", "</think>"
 
-    def __init__(self) -> None:
+    def __init__(self, opened: bool = False) -> None:
+        """`opened`: the prompt ends inside a block its template opened (Qwen3's thinking-only
+        models): the output starts as reasoning and only closes the block."""
         # start -> reasoning -> after (newlines after the block dropped) -> content,
         # or start -> content
-        self.state = "start"
+        self.state = "reasoning" if opened else "start"
         self.held = ""
-        self.opened = False  # whether the output opened a block
+        self.opened = opened  # whether a block was opened (by the output or the prompt)
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         """(reasoning, content) of the next piece of output; `final`: nothing follows."""
@@ -61,8 +65,13 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def split_whole(text: str) -> tuple[str | None, str]:
-    """(reasoning, or None when the output opened no block; content) of a whole output."""
-    splitter = ThinkSplitter()
+def opens_block(prompt: str) -> bool:
+    """Whether a rendered chat prompt leaves a thinking block open for the output."""
+    return prompt.rstrip().endswith(ThinkSplitter.OPEN)
+
+
+def split_whole(text: str, opened: bool = False) -> tuple[str | None, str]:
+    """(reasoning, or None when no block was opened; content) of a whole output."""
+    splitter = ThinkSplitter(opened)
     reasoning, content = splitter.feed(text, final=True)
     return (reasoning if splitter.opened else None), content

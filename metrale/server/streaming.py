@@ -39,14 +39,18 @@ async def sse_events(
     include_usage: bool,
     echo: bool,
     style: StreamStyle,
+    opened: bool = False,
 ) -> AsyncIterator[str]:
-    """`events`: the request's RequestOutputs (ending the iteration early aborts it)."""
+    """`events`: the request's RequestOutputs (ending the iteration early aborts it);
+    `opened`: the chat prompt opened a thinking block (`reasoning.py`)."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     k, created = params.logprobs or 0, now()  # one `created` for every chunk of a stream
     sent = [0] * params.n  # tokens already sent per choice
     offset = [0] * params.n  # characters of completion text sent per choice (text_offset)
     done = [False] * params.n  # choices whose finish was sent: never sent again
-    thinking = [ThinkSplitter() for _ in range(params.n)] if style.reasoning and chat else None
+    thinking = None
+    if style.reasoning and chat:
+        thinking = [ThinkSplitter(opened) for _ in range(params.n)]
     final = None
     async for out in events:
         final = out
