@@ -143,8 +143,10 @@ def test_bench_runs_with_two_ranks(tmp_path, capsys):
     args += ["--context", "16", "--e2e-batch-sizes", "2", "--max-tokens", "8", "--num-drafts", "2"]
     args += ["--tensor-parallel-size", "2", "--out", str(tmp_path / "bench")]
     assert main(args) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    printed = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(printed[-1])
     assert result["tensor_parallel_size"] == 2
+    assert any("x 2 ranks" in line for line in printed)
     assert result["decode"][0]["ms"] > 0 and result["e2e"][0]["tokens_per_s_spec"] > 0
 
 

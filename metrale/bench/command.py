@@ -172,8 +172,10 @@ def _measure(llm: LLM, drafter, args, device: torch.device, alphas, forced: bool
 
 
 def table(result: dict) -> str:
+    tp = result.get("tensor_parallel_size", 1)
+    ranks = f" x {tp} ranks (roofline of one rank's weights)" if tp > 1 else ""
     lines = [
-        f"{result['shape']} on {result['device']} ({result['dtype']}), "
+        f"{result['shape']} on {result['device']}{ranks} ({result['dtype']}), "
         f"bandwidth {result['bandwidth_GBps']:.0f} GB/s, roofline {result['roofline_ms']:.3f} ms"
     ]
     qs = result["verify_cost"]["q"]
