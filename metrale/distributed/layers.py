@@ -81,42 +81,46 @@ def _row_parallel(linear: nn.Linear, tp: TPGroup) -> RowParallelLinear:
     return RowParallelLinear(linear.in_features, linear.out_features, linear.bias is not None, tp)
 
 
-class TPQwen3ForCausalLM(Qwen3ForCausalLM):
-    """One rank's shard of a dense Qwen3 target; `compute_logits` returns every rank's vocabulary
-    (float32 [R, V]), so the sampler on rank 0 sees whole rows."""
+class _VocabParallel:
+    """What both sharded targets share: the embedding split by vocabulary rows, and logits
+    gathered from every rank's slice (float32 [R, V], so the sampler on rank 0 sees whole
+    rows)."""
 
-    def __init__(
-        self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, tp: TPGroup
-    ) -> None:
-        local = local_config(cfg, tp)
-        super().__init__(local, backend, max_positions)
+    def _split_vocab(self, cfg: ModelConfig, local: ModelConfig, tp: TPGroup) -> None:
         self.tp = tp
-        inner = self.model
-        inner.embed_tokens = VocabParallelEmbedding(local.vocab_size, cfg.hidden_size, tp)
-        for layer in inner.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.o_proj = RowParallelLinear(attn.q_size, cfg.hidden_size, cfg.attention_bias, tp)
-            mlp.down_proj = RowParallelLinear(local.intermediate_size, cfg.hidden_size, False, tp)
+        self.model.embed_tokens = VocabParallelEmbedding(local.vocab_size, cfg.hidden_size, tp)
 
     def compute_logits(self, hidden, rows=None, out=None) -> torch.Tensor:
         logits = self.tp.all_gather_last(super().compute_logits(hidden, rows))
         return logits if out is None else out.copy_(logits)
 
 
-class TPQwen3NextForCausalLM(Qwen3NextForCausalLM):
-    """One rank's shard of a hybrid Qwen3-Next target: gated attention split by heads as the
-    dense one, GDN layers by key heads (each with its value heads, conv channels and recurrent
-    state: `make_state` gives this rank's), experts by expert (`EPSparseMoeBlock`)."""
+class TPQwen3ForCausalLM(_VocabParallel, Qwen3ForCausalLM):
+    """One rank's shard of a dense Qwen3 target."""
 
     def __init__(
         self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, tp: TPGroup
     ) -> None:
         local = local_config(cfg, tp)
         super().__init__(local, backend, max_positions)
-        self.tp = tp
-        inner = self.model
-        inner.embed_tokens = VocabParallelEmbedding(local.vocab_size, cfg.hidden_size, tp)
-        for layer in inner.layers:
+        self._split_vocab(cfg, local, tp)
+        for layer in self.model.layers:
+            layer.self_attn.o_proj = _row_parallel(layer.self_attn.o_proj, tp)
+            layer.mlp.down_proj = _row_parallel(layer.mlp.down_proj, tp)
+
+
+class TPQwen3NextForCausalLM(_VocabParallel, Qwen3NextForCausalLM):
+    """One rank's shard of a hybrid Qwen3-Next target: gated attention split by heads as the
+    dense one, GDN layers by key heads (each with its value heads, conv channels and recurrent
+    state: `make_state` gives this rank's), experts as `ParallelSparseMoeBlock` says."""
+
+    def __init__(
+        self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, tp: TPGroup
+    ) -> None:
+        local = local_config(cfg, tp)
+        super().__init__(local, backend, max_positions)
+        self._split_vocab(cfg, local, tp)
+        for layer in self.model.layers:
             if layer.layer_type == "linear_attention":
                 layer.linear_attn.out_proj = _row_parallel(layer.linear_attn.out_proj, tp)
             else:
@@ -125,7 +129,3 @@ class TPQwen3NextForCausalLM(Qwen3NextForCausalLM):
                 layer.mlp = ParallelSparseMoeBlock(cfg, local, tp)
             else:
                 layer.mlp.down_proj = _row_parallel(layer.mlp.down_proj, tp)
-
-    def compute_logits(self, hidden, rows=None, out=None) -> torch.Tensor:
-        logits = self.tp.all_gather_last(super().compute_logits(hidden, rows))
-        return logits if out is None else out.copy_(logits)

@@ -45,6 +45,19 @@ async def sse_events(
     `opened`: the chat prompt opened a thinking block (`reasoning.py`)."""
     kind = "chat.completion.chunk" if chat else "text_completion"
     k, created = params.logprobs or 0, now()  # one `created` for every chunk of a stream
+
+    def event(choices: list, **extra) -> str:
+        chunk = {
+            "id": request_id,
+            "object": kind,
+            "created": created,
+            "model": style.model_name,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+            "choices": choices,
+            **extra,
+        }
+        return f"data: {json.dumps(chunk)}\n\n"
+
     sent = [0] * params.n  # tokens already sent per choice
     offset = [0] * params.n  # characters of completion text sent per choice (text_offset)
     done = [False] * params.n  # choices whose finish was sent: never sent again
@@ -93,25 +106,7 @@ async def sse_events(
             sent[c.index] = len(c.token_ids)
             choices.append(choice)
         if choices:
-            chunk = {
-                "id": request_id,
-                "object": kind,
-                "created": created,
-                "model": style.model_name,
-                "system_fingerprint": SYSTEM_FINGERPRINT,
-                "choices": choices,
-            }
-            yield f"data: {json.dumps(chunk)}\n\n"
+            yield event(choices)
     if include_usage and final is not None:
-        chunk = {
-            "id": request_id,
-            "object": kind,
-            "created": created,
-            "model": style.model_name,
-            "system_fingerprint": SYSTEM_FINGERPRINT,
-            "choices": [],
-            "usage": usage(final),
-            "metrale": {"speculative": spec_stats(final)},
-        }
-        yield f"data: {json.dumps(chunk)}\n\n"
+        yield event([], usage=usage(final), metrale={"speculative": spec_stats(final)})
     yield "data: [DONE]\n\n"
