@@ -20,17 +20,22 @@ from tests.test_qwen3_next import TINY_NEXT, hf_next, randomize, transformers
 PROMPTS = [[(11 * i + 5 * j) % 250 + 3 for j in range(6 + 5 * i)] for i in range(5)]
 
 
-@pytest.fixture(scope="module")
-def hybrid_dir(tmp_path_factory, tokenizer_dir):
-    cfg = transformers.Qwen3NextConfig(**{**TINY_NEXT, "vocab_size": 320})
+def write_hybrid(path, tokenizer_dir, seed: int, **overrides):
+    """A tiny random Qwen3-Next checkpoint (TINY_NEXT, vocabulary 320, `overrides`) in `path`,
+    with the default model's tokenizer."""
+    cfg = transformers.Qwen3NextConfig(**{**TINY_NEXT, "vocab_size": 320, **overrides})
     torch.manual_seed(0)
     hf = transformers.Qwen3NextForCausalLM(cfg).eval()
-    randomize(hf, seed=3)
-    path = tmp_path_factory.mktemp("hybrid")
+    randomize(hf, seed=seed)
     hf.save_pretrained(path, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, path / name)
     return path
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory, tokenizer_dir):
+    return write_hybrid(tmp_path_factory.mktemp("hybrid"), tokenizer_dir, seed=3)
 
 
 def greedy(n: int, **kw) -> SamplingParams:

@@ -125,10 +125,10 @@ def test_a_dead_worker_ends_the_engine_with_an_error(tiny_model_dir):
         worker = llm.engine.runner.model._workers[0]
         worker.kill()
         worker.join(timeout=10)
-        start = time.perf_counter()
-        with pytest.raises(DistributedError, match="worker stopped"):
+        # an error naming the stopped rank (a hang would end at the 10 s collective timeout
+        # with a timeout error instead)
+        with pytest.raises(DistributedError, match="worker stopped: rank 1"):
             llm.generate(PROMPTS[:1], greedy(4), use_tqdm=False)
-        assert time.perf_counter() - start < 15
     finally:
         llm.shutdown()
 
@@ -172,20 +172,11 @@ HYBRID_PROMPTS = [[(11 * i + 5 * j) % 250 + 3 for j in range(6 + 5 * i)] for i i
 def hybrid_wide_dir(tmp_path_factory, tokenizer_dir):
     """A tiny Qwen3-Next whose GDN key heads, experts and the rest split 4 ways (the module's
     shared one has 2 key heads: 2 ranks at most)."""
-    import shutil
+    from tests.test_hybrid_engine import write_hybrid
 
-    from tests.test_qwen3_next import TINY_NEXT, randomize, transformers
-
-    over = dict(vocab_size=320, linear_num_key_heads=4, linear_num_value_heads=8, num_experts=8)
-    cfg = transformers.Qwen3NextConfig(**{**TINY_NEXT, **over})
-    torch.manual_seed(0)
-    hf = transformers.Qwen3NextForCausalLM(cfg).eval()
-    randomize(hf, seed=5)
     path = tmp_path_factory.mktemp("hybrid-wide")
-    hf.save_pretrained(path, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, path / name)
-    return path
+    wide = dict(linear_num_key_heads=4, linear_num_value_heads=8, num_experts=8)
+    return write_hybrid(path, tokenizer_dir, seed=5, **wide)
 
 
 @pytest.mark.parametrize(
@@ -237,14 +228,18 @@ def test_mtp_drafts_on_rank_zero_beside_a_sharded_target(tiny_model_dir, tmp_pat
     path = tmp_path / "model"
     shutil.copytree(tiny_model_dir, path)
     write_mtp_weights(path, ModelConfig.from_hf(path), layout, num_layers=1, seed=4)
-    spec = {"method": "mtp", "num_drafts": 3}
+    assert_drafts_as_one_rank(path, {"method": "mtp", "num_drafts": 3})
+
+
+def assert_drafts_as_one_rank(path, spec: dict) -> None:
+    """2 ranks with drafter `spec` give one rank's tokens, from the same drafts judged the same
+    way (random drafters: few are right)."""
     single = LLM(path, device="cpu", dtype="float32", spec=spec)
     want = [o.outputs[0].token_ids for o in single.generate(PROMPTS, greedy(), use_tqdm=False)]
     llm = tp_llm(path, 2, spec=spec)
     try:
         outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want
-        # the same drafts, judged the same way (random heads: few are right)
         tel, ref = llm.engine.telemetry.spec, single.engine.telemetry.spec
         assert tel.num_draft_tokens == ref.num_draft_tokens > 0
         assert tel.matched_per_pos == ref.matched_per_pos
@@ -305,8 +300,11 @@ def test_ctrl_c_in_a_terminal_leaves_the_workers_to_rank_zero(tiny_model_dir, re
         llm.shutdown()
 
 
-def test_a_failure_on_rank_zero_ends_the_engine_and_shutdown_is_quick(tiny_model_dir):
+def test_a_failure_on_rank_zero_ends_the_engine_and_its_workers_are_killed(tiny_model_dir):
+    import signal
+
     llm = tp_llm(tiny_model_dir, 2, distributed_timeout_s=60)
+    worker = llm.engine.runner.model._workers[0]
     layer = llm.engine.runner.model._model.model.layers[1]
 
     def broken(*args):
@@ -319,9 +317,10 @@ def test_a_failure_on_rank_zero_ends_the_engine_and_shutdown_is_quick(tiny_model
         with pytest.raises(DistributedError, match="earlier failure"):
             llm.generate(PROMPTS[:1], greedy(4), use_tqdm=False)
     finally:
-        start = time.perf_counter()
-        llm.shutdown()  # the worker waits in an all-reduce: killed, not asked to stop
-        assert time.perf_counter() - start < 10
+        llm.shutdown()
+    # the worker waited in an all-reduce: killed, not sent a stop command it could not read
+    # (exit 0) nor left to time out (exit 1)
+    assert worker.exitcode == -signal.SIGKILL
 
 
 def test_a_dropped_engine_frees_the_group_for_the_next(tiny_model_dir, reference):
@@ -387,7 +386,8 @@ def test_a_server_whose_worker_dies_says_so(tiny_model_dir):
 
 def test_a_worker_that_exits_while_starting_is_seen_at_once(tiny_model_dir, tmp_path):
     """A script without the `__main__` guard: each spawned worker re-runs it and exits while
-    starting. The engine says so at once, not after the start-up timeout."""
+    starting. The engine says so from the worker's exit, not after the start-up timeout (600 s,
+    past this run's own 120 s limit)."""
     import subprocess
     import sys
 
@@ -396,11 +396,9 @@ def test_a_worker_that_exits_while_starting_is_seen_at_once(tiny_model_dir, tmp_
         "from metrale import LLM\n"
         f"LLM({str(tiny_model_dir)!r}, device='cpu', tensor_parallel_size=2)\n"
     )
-    start = time.perf_counter()
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert res.returncode != 0
     assert "exited while starting" in res.stderr and "__main__" in res.stderr
-    assert time.perf_counter() - start < 60
 
 
 def test_dflash_drafts_on_rank_zero_beside_a_sharded_target(tiny_model_dir, tmp_path):
@@ -413,15 +411,4 @@ def test_dflash_drafts_on_rank_zero_beside_a_sharded_target(tiny_model_dir, tmp_
     path = tmp_path / "model"
     shutil.copytree(tiny_model_dir, path)
     write_dflash(path, path / "dflash", block_size=4)
-    spec = {"method": "dflash", "num_drafts": 3}
-    single = LLM(path, device="cpu", dtype="float32", spec=spec)
-    want = [o.outputs[0].token_ids for o in single.generate(PROMPTS, greedy(), use_tqdm=False)]
-    llm = tp_llm(path, 2, spec=spec)
-    try:
-        outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outs] == want
-        tel, ref = llm.engine.telemetry.spec, single.engine.telemetry.spec
-        assert tel.num_draft_tokens == ref.num_draft_tokens > 0
-        assert tel.matched_per_pos == ref.matched_per_pos
-    finally:
-        llm.shutdown()
+    assert_drafts_as_one_rank(path, {"method": "dflash", "num_drafts": 3})
