@@ -102,6 +102,11 @@ class MTPDrafter:
     @torch.inference_mode()
     def observe(self, verdicts: list[Verdict]) -> None:
         spans, hiddens, owners = [], [], []
+        # Decode and verify rows (at most 1 + K per sequence) catch up in a captured program;
+        # prefill chunks beside it, eagerly, so an arrival does not make every sequence's
+        # catch-up eager. Without graphs every span is eager.
+        max_q = 0 if self.chain_graphs is None else self.chain_graphs.max_q
+        short, eager = [], []  # indices into spans
         for v in verdicts:
             seq, rows = v.seq, 0 if v.hidden is None else v.hidden.shape[0]
             if rows == 0 or not seq.params.speculative or seq.params.num_drafts == 0:
@@ -110,22 +115,17 @@ class MTPDrafter:
                 continue
             hidden, first = self._rows_to_feed(v)
             # the committed token after each row's position: prompt, accepted drafts, bonus
-            spans.append((seq.block_table, first, seq.tokens(first + 1, first + 1 + len(hidden))))
+            tokens = seq.tokens(first + 1, first + 1 + len(hidden))
+            (short if len(tokens) <= max_q else eager).append(len(spans))
+            spans.append((seq.block_table, first, tokens))
             hiddens.append(hidden)
             owners.append(seq)
+            self._pos[seq.seq_id] = [first + len(tokens) - 1, 0]
         if not spans:
             return
-        for seq, (_, first, tokens) in zip(owners, spans, strict=True):
-            self._pos[seq.seq_id] = [first + len(tokens) - 1, 0]
         self._ahead_rows = {}
-        eager = list(range(len(spans)))
-        if self.chain_graphs is not None:
-            # Decode and verify rows catch up in a captured program; prefill chunks (longer
-            # than 1 + K rows) beside it, eagerly, so an arrival does not make every
-            # sequence's catch-up eager.
-            short = [i for i in eager if len(spans[i][2]) <= self.chain_graphs.max_q]
-            if short and self._catch_up_graphed(verdicts, short, spans, hiddens, owners):
-                eager = [i for i in eager if len(spans[i][2]) > self.chain_graphs.max_q]
+        if short and not self._catch_up_graphed(verdicts, short, spans, hiddens, owners):
+            eager = list(range(len(spans)))  # no program takes them: all eagerly, in order
         if eager:
             self._catch_up_eager(
                 [spans[i] for i in eager],
