@@ -14,7 +14,7 @@ import pytest
 
 from metrale.outputs import CompletionOutput, RequestOutput
 from metrale.sampling_params import SamplingParams
-from metrale.server.protocol import whole_response
+from metrale.server.protocol import chat_response
 from metrale.server.reasoning import ThinkSplitter, split_whole
 from tests.test_server import Server
 
@@ -116,8 +116,8 @@ def test_whole_response_puts_the_block_in_reasoning_content():
     text = "<think>\nweigh it\n</think>\n\nthe answer"
     c = CompletionOutput(index=0, text=text, token_ids=[1, 2, 3], finish_reason="stop")
     out = RequestOutput("r", None, [5], [c], finished=True)
-    body = whole_response(out, "chatcmpl-1", SamplingParams(), True, None, "tiny", True)
-    message = body["choices"][0]["message"]
+    body = chat_response(out, "chatcmpl-1", SamplingParams(), "tiny", reasoning=True)
+    message = body.model_dump()["choices"][0]["message"]
     assert message == {
         "role": "assistant",
         "content": "the answer",

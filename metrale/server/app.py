@@ -1,52 +1,58 @@
 """The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions (with SSE streaming),
-/v1/models, /health and /metrics, over an `EngineLoop`.
+/health and /metrics (the smaller routes are in `extra_routes`), over an `EngineLoop`.
 
 A client that disconnects (mid-stream, or before a whole response is ready) aborts its request
 (its pages return to the pool); bad input gets a 4xx in the OpenAI error shape and never reaches
-the engine: bodies are size-capped (413) and read with a timeout (408), JSON and tokenising run
-off the event loop, and every field is checked before the request is submitted. Anything that
-still raises after submission aborts the request. A full queue or a draining server gets a 503
-with Retry-After. Metrics are labelled by route template, one label for unmatched paths.
+the engine: bodies are read and checked against the route's model (`schemas.py`, `routing.py`:
+size cap, deadline, large ones off the event loop), tokenising runs off the loop, and every
+field is checked before the request is submitted. Anything that still raises after submission
+aborts the request. A full queue or a draining server gets a 503 with Retry-After. Metrics are
+labelled by route template, one label for unmatched paths.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import sys
 import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
+from metrale import __version__
 from metrale.config import SamplingParams
 from metrale.server.engine_loop import Busy, EngineLoop
 from metrale.server.extra_routes import add_extra_routes
 from metrale.server.metrics import ServerMetrics
 from metrale.server.protocol import (
     APIError,
-    chat_messages,
-    now,
+    chat_response,
+    completion_response,
     sampling_params,
-    template_kwargs,
-    whole_response,
 )
 from metrale.server.reasoning import REASONING_PARSERS, opens_block
+from metrale.server.response_schemas import (
+    ChatCompletionResponse,
+    ChatCompletionStreamChunk,
+    CompletionResponse,
+    CompletionStreamChunk,
+    HealthResponse,
+)
+from metrale.server.routing import ERROR_RESPONSES, document, json_body_route, validation_error
+from metrale.server.schemas import ChatCompletionRequest, CompletionRequest
 from metrale.server.streaming import StreamStyle, sse_events
 
 log = logging.getLogger(__name__)
 
 # Paths behind the API key when one is set (/health and /metrics stay open, as vLLM's do).
 _PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/docs", "/redoc", "/openapi.json")
-# Bodies past this size are parsed on a worker thread, not on the event loop.
-_THREAD_PARSE_BYTES = 1 << 20
 
 
 def create_app(
@@ -70,7 +76,21 @@ def create_app(
         )
     reasoning = reasoning_parser is not None
     style = StreamStyle(loop.engine.tokenizer, model_name, reasoning)
-    app = FastAPI(title="metrale", version="0.1.0")
+    # strict_content_type off: a body without a Content-Type is JSON, as it always was here
+    app = FastAPI(
+        title="metrale",
+        version=__version__,
+        responses=ERROR_RESPONSES,
+        strict_content_type=False,
+    )
+    app.router.route_class = json_body_route(model_name, max_body_bytes, body_timeout)
+    document(
+        app,
+        {
+            "/v1/completions": CompletionStreamChunk,
+            "/v1/chat/completions": ChatCompletionStreamChunk,
+        },
+    )
     if allowed_origins:  # browsers calling the API from pages of other origins
         app.add_middleware(
             CORSMiddleware,
@@ -85,6 +105,10 @@ def create_app(
     async def api_error(_request: Request, exc: APIError):
         headers = {"Retry-After": "1"} if exc.status == 503 else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_request: Request, exc: RequestValidationError):
+        return JSONResponse(validation_error(exc).body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, exc: StarletteHTTPException):
@@ -137,54 +161,6 @@ def create_app(
                 flush=True,
             )
         return response
-
-    async def read_raw(request: Request) -> bytes:
-        chunks, size = [], 0
-        try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > max_body_bytes:
-                    raise APIError(
-                        f"the body exceeds the limit of {max_body_bytes} bytes", None, 413
-                    )
-                chunks.append(chunk)
-        except ClientDisconnect:
-            # one line, not a traceback: nobody is left to answer
-            log.info("client %s left mid-body", request.client.host if request.client else "?")
-            raise APIError("the client disconnected mid-body", None, 400) from None
-        return b"".join(chunks)
-
-    async def read_body(request: Request) -> dict:
-        kind = request.headers.get("content-type", "application/json").split(";")[0]
-        kind = kind.strip().lower()  # media types are case-insensitive
-        if kind not in ("application/json", ""):
-            raise APIError(f"content type {kind!r}: send application/json", None, 415)
-        try:
-            raw = await asyncio.wait_for(read_raw(request), body_timeout)
-        except TimeoutError:
-            raise APIError(
-                f"the body took over {body_timeout:.0f} s to arrive", None, 408
-            ) from None
-        try:
-            if len(raw) > _THREAD_PARSE_BYTES:
-                body = await asyncio.to_thread(json.loads, raw)
-            else:
-                body = json.loads(raw)
-        except ValueError as e:  # JSONDecodeError, bad UTF-8, integers past 4300 digits
-            raise APIError(f"malformed JSON body: {e}") from None
-        except RecursionError:
-            raise APIError("malformed JSON body: nested too deeply") from None
-        if not isinstance(body, dict):
-            raise APIError("the body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model != model_name:
-            raise APIError(
-                f"model {model!r} does not exist; this server has {model_name!r}",
-                "model",
-                404,
-                code="model_not_found",
-            )
-        return body
 
     def validate_now(prompt, params) -> list[int]:
         try:
@@ -254,52 +230,32 @@ def create_app(
                 collecting.cancel()
         return collecting.result() if collecting in done else None
 
-    @app.get("/health")
+    @app.get("/health", response_model=HealthResponse)
     async def health():
         if loop.fatal is not None:  # the engine cannot run (a tensor-parallel rank failed)
-            return JSONResponse({"status": "error", "error": loop.fatal}, status_code=503)
-        return {"status": "ok"}
+            body = HealthResponse(status="error", error=loop.fatal)
+            return JSONResponse(body.model_dump(), status_code=503)
+        return HealthResponse(status="ok")
 
-    @app.get("/v1/models")
-    async def models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": model_name,
-                    "object": "model",
-                    "created": now(),
-                    "owned_by": "metrale",
-                    "max_model_len": engine.max_model_len,
-                }
-            ],
-        }
+    add_extra_routes(app, engine, model_name)
 
-    add_extra_routes(app, engine, model_name, read_body)
-
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     def prometheus():  # sync: runs in the threadpool, so waiting for the lock blocks no loop
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await read_body(request)
-        params = sampling_params(body, False, engine.tokenizer.sampling_defaults)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) > 1:
-                return await several_prompts(request, body, prompt, params)
-            prompt = prompt[0]
-        if prompt is None or not isinstance(prompt, (str, list)):
-            raise APIError("prompt: expected a string or a list of token ids", "prompt")
-        ids = await validate(prompt, params)
+    @app.post("/v1/completions", response_model=CompletionResponse)
+    async def completions(request: Request, body: CompletionRequest):
+        params = sampling_params(body, engine.tokenizer.sampling_defaults)
+        prompts = body.prompts
+        if len(prompts) > 1:
+            return await several_prompts(request, body, prompts, params)
+        ids = await validate(prompts[0], params)
         request_id = loop.new_id("cmpl")
-        return await respond(request, body, request_id, ids, params, chat=False)
+        return await respond(request, body, request_id, ids, params)
 
-    async def several_prompts(request: Request, body: dict, prompts: list, params):
-        """A completions call with several prompts: one request each, answered together, choice
-        `i * n + j` for prompt i's j-th completion (as OpenAI numbers them)."""
-        if body.get("stream"):
+    async def several_prompts(request: Request, body: CompletionRequest, prompts: list, params):
+        """A completions call with several prompts: one request each, answered together."""
+        if body.stream:
             raise APIError("stream: a streamed call takes one prompt", "stream")
         if len(prompts) * params.n > SamplingParams.MAX_N:
             raise APIError(f"prompt: at most {SamplingParams.MAX_N} completions a call", "prompt")
@@ -319,31 +275,19 @@ def create_app(
             raise
         if any(f is None for f in finals):
             return Response(status_code=499)  # the client left; every part is aborted
-        echo = bool(body.get("echo"))
-        parts = [
-            whole_response(f, base, params, False, engine.tokenizer, model_name, echo=echo)
-            for f in finals
-        ]
-        response = parts[0]
-        response["choices"] = [
-            {**c, "index": i * params.n + c["index"]}
-            for i, part in enumerate(parts)
-            for c in part["choices"]
-        ]
-        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
-            response["usage"][key] = sum(p["usage"][key] for p in parts)
-        return response
+        return completion_response(
+            finals, base, params, engine.tokenizer, model_name, bool(body.echo)
+        )
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        body = await read_body(request)
-        params = sampling_params(body, True, engine.tokenizer.sampling_defaults)
-        messages = chat_messages(body.get("messages"))
-        variables = template_kwargs(body)
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+    async def chat(request: Request, body: ChatCompletionRequest):
+        params = sampling_params(body, engine.tokenizer.sampling_defaults)
+        variables = body.chat_template_kwargs or {}
 
         def render() -> tuple[list[int], bool]:
             """The prompt's token ids, and whether it leaves a thinking block open (on a worker
             thread: templating and tokenising)."""
+            messages = [m.for_template() for m in body.messages]
             chars = sum(len(m["content"]) for m in messages)
             if chars > engine.max_model_len * engine.tokenizer.max_token_chars:
                 raise APIError(f"messages: {chars} characters cannot fit the context", "messages")
@@ -362,32 +306,33 @@ def create_app(
         ids, opened = await asyncio.to_thread(render)
         ids = await validate(ids, params)
         request_id = loop.new_id("chatcmpl")
-        return await respond(request, body, request_id, ids, params, chat=True, opened=opened)
+        return await respond(request, body, request_id, ids, params, opened)
 
-    async def respond(request, body, request_id, ids, params, chat: bool, opened: bool = False):
+    async def respond(request, body, request_id, ids, params, opened: bool = False):
+        chat = isinstance(body, ChatCompletionRequest)
         queue = submit(request_id, ids, params)
         try:
-            if body.get("stream"):
-                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                echo = bool(body.get("echo"))
+            if body.stream:
                 events = outputs(request_id, queue)
                 stream = sse_events(
-                    request, events, request_id, params, chat, include_usage, echo, style, opened
+                    request,
+                    events,
+                    request_id,
+                    params,
+                    chat,
+                    body.include_usage,
+                    bool(body.echo),
+                    style,
+                    opened,
                 )
                 return StreamingResponse(stream, media_type="text/event-stream")
             final = await final_output(request, request_id, queue)
             if final is None:  # the client went away; its request is aborted
                 return Response(status_code=499)
-            return whole_response(
-                final,
-                request_id,
-                params,
-                chat,
-                engine.tokenizer,
-                model_name,
-                reasoning and chat,
-                echo=bool(body.get("echo")),
-                opened=opened,
+            if chat:
+                return chat_response(final, request_id, params, model_name, reasoning, opened)
+            return completion_response(
+                [final], request_id, params, engine.tokenizer, model_name, bool(body.echo)
             )
         except BaseException:
             loop.abort(request_id)  # nothing submitted keeps running for nobody

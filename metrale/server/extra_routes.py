@@ -1,55 +1,58 @@
-"""The server's smaller endpoints, vLLM's: `/version`, `/v1/models/{id}`, `/tokenize` and
+"""The server's smaller endpoints, vLLM's: `/version`, `/v1/models[/{id}]`, `/tokenize` and
 `/detokenize` (text or chat messages to token ids and back, with the model's tokenizer)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 
 from metrale import __version__
-from metrale.server.protocol import APIError, chat_messages, now, template_kwargs
+from metrale.server.protocol import APIError, now
+from metrale.server.response_schemas import (
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+    VersionResponse,
+)
+from metrale.server.schemas import DetokenizeRequest, TokenizeRequest
 
 
-def add_extra_routes(app: FastAPI, engine, model_name: str, read_body) -> None:
+def add_extra_routes(app: FastAPI, engine, model_name: str) -> None:
     tok = engine.tokenizer
 
-    @app.get("/version")
-    async def version():
-        return {"version": __version__}
+    def card() -> ModelCard:
+        return ModelCard(id=model_name, created=now(), max_model_len=engine.max_model_len)
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/version", response_model=VersionResponse)
+    async def version():
+        return VersionResponse(version=__version__)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models():
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard)
     async def model(model_id: str):
         if model_id != model_name:
             raise APIError(
                 f"model {model_id!r} does not exist", "model", 404, code="model_not_found"
             )
-        return {
-            "id": model_name,
-            "object": "model",
-            "created": now(),
-            "owned_by": "metrale",
-            "max_model_len": engine.max_model_len,
-        }
+        return card()
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        body = await read_body(request)
-        special = body.get("add_special_tokens", True)
-        if not isinstance(special, bool):
-            raise APIError("add_special_tokens: expected a boolean", "add_special_tokens")
-        if "messages" in body:
-            messages = chat_messages(body["messages"])
-            variables = template_kwargs(body)
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(body: TokenizeRequest):
+        if body.messages is not None:
+            variables = body.chat_template_kwargs or {}
 
             def render() -> list[int]:
+                messages = [m.for_template() for m in body.messages]
                 text = tok.apply_chat_template(messages, add_generation_prompt=True, **variables)
                 return tok.encode(text, add_special_tokens=False)
 
         else:
-            prompt = body.get("prompt")
-            if not isinstance(prompt, str):
-                raise APIError("prompt: expected a string (or give messages)", "prompt")
+            prompt = body.prompt
             if len(prompt) > engine.max_model_len * tok.max_token_chars * 4:
                 raise APIError("prompt: far longer than the context", "prompt")
 
@@ -60,31 +63,27 @@ def add_extra_routes(app: FastAPI, engine, model_name: str, read_body) -> None:
                     raise APIError(
                         f"prompt: not valid Unicode text ({e.reason})", "prompt"
                     ) from None
-                return tok.encode(prompt, add_special_tokens=special)
+                return tok.encode(prompt, add_special_tokens=body.add_special_tokens)
 
         try:
             ids = await asyncio.to_thread(render)
         except APIError:
             raise
         except Exception as e:  # noqa: BLE001 (a template or text the tokenizer refuses)
-            raise APIError(
-                f"{type(e).__name__}: {e}", "messages" if "messages" in body else "prompt"
-            ) from None
-        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+            field = "messages" if body.messages is not None else "prompt"
+            raise APIError(f"{type(e).__name__}: {e}", field) from None
+        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        body = await read_body(request)
-        ids = body.get("tokens")
+    @app.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(body: DetokenizeRequest):
+        ids = body.tokens
         vocab, limit = engine.vocab_size, 4 * engine.max_model_len
-        if not isinstance(ids, list) or len(ids) > limit:
+        if len(ids) > limit:
             raise APIError(f"tokens: expected a list of at most {limit} token ids", "tokens")
 
         def decode() -> str:  # on a worker thread: checking and decoding scale with the list
-            if not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids
-            ):
+            if not all(0 <= t < vocab for t in ids):
                 raise APIError(f"tokens: expected token ids in [0, {vocab})", "tokens")
             return tok.decode(ids, skip_special_tokens=False)
 
-        return {"prompt": await asyncio.to_thread(decode)}
+        return DetokenizeResponse(prompt=await asyncio.to_thread(decode))

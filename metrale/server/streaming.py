@@ -5,7 +5,6 @@ for, then `[DONE]`. One `created` for every chunk of a stream."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -19,6 +18,13 @@ from metrale.server.protocol import (
     usage,
 )
 from metrale.server.reasoning import ThinkSplitter
+from metrale.server.response_schemas import (
+    ChatCompletionStreamChunk,
+    ChatDelta,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionStreamChunk,
+)
 
 
 @dataclass(frozen=True)
@@ -43,20 +49,19 @@ async def sse_events(
 ) -> AsyncIterator[str]:
     """`events`: the request's RequestOutputs (ending the iteration early aborts it);
     `opened`: the chat prompt opened a thinking block (`reasoning.py`)."""
-    kind = "chat.completion.chunk" if chat else "text_completion"
+    chunk_type = ChatCompletionStreamChunk if chat else CompletionStreamChunk
     k, created = params.logprobs or 0, now()  # one `created` for every chunk of a stream
 
     def event(choices: list, **extra) -> str:
-        chunk = {
-            "id": request_id,
-            "object": kind,
-            "created": created,
-            "model": style.model_name,
-            "system_fingerprint": SYSTEM_FINGERPRINT,
-            "choices": choices,
+        chunk = chunk_type(
+            id=request_id,
+            created=created,
+            model=style.model_name,
+            system_fingerprint=SYSTEM_FINGERPRINT,
+            choices=choices,
             **extra,
-        }
-        return f"data: {json.dumps(chunk)}\n\n"
+        )
+        return f"data: {chunk.model_dump_json()}\n\n"
 
     sent = [0] * params.n  # tokens already sent per choice
     offset = [0] * params.n  # characters of completion text sent per choice (text_offset)
@@ -74,39 +79,40 @@ async def sse_events(
             if done[c.index] or not (c.delta_text or c.finish_reason or c.delta_token_ids):
                 continue
             if chat:
-                delta = {"content": c.delta_text}
+                think, text = None, c.delta_text
                 if thinking is not None:
-                    ending = c.finish_reason is not None
-                    think, text = thinking[c.index].feed(c.delta_text, ending)
-                    delta = {"content": text} if text or not think else {}
-                    if think:
-                        delta["reasoning_content"] = think
-                if sent[c.index] == 0:
-                    delta["role"] = "assistant"
-                choice = {
-                    "index": c.index,
-                    "delta": delta,
-                    "logprobs": chat_logprobs(c, k, sent[c.index]),
-                }
+                    think, text = thinking[c.index].feed(text, c.finish_reason is not None)
+                delta = ChatDelta(
+                    role="assistant" if sent[c.index] == 0 else None,
+                    content=text if text or not think else None,
+                    reasoning_content=think or None,
+                )
+                choice = ChatStreamChoice(
+                    index=c.index,
+                    delta=delta,
+                    logprobs=chat_logprobs(c, k, sent[c.index]),
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
             else:
                 echoed = prompt_text(out, style.tokenizer) if echo and not sent[c.index] else ""
-                choice = {
-                    "index": c.index,
-                    "text": echoed + c.delta_text,
-                    "logprobs": completion_logprobs(
-                        c, style.tokenizer, k, sent[c.index], offset[c.index]
-                    ),
-                }
-                if choice["logprobs"] is not None:
-                    offset[c.index] += sum(len(t) for t in choice["logprobs"]["tokens"])
-            choice["finish_reason"] = c.finish_reason
-            if c.finish_reason is not None:  # the stop string or token id that ended it
-                choice["stop_reason"] = c.stop_reason
-                done[c.index] = True
+                logprobs = completion_logprobs(
+                    c, style.tokenizer, k, sent[c.index], offset[c.index]
+                )
+                if logprobs is not None:
+                    offset[c.index] += sum(len(t) for t in logprobs.tokens)
+                choice = CompletionChoice(
+                    index=c.index,
+                    text=echoed + c.delta_text,
+                    logprobs=logprobs,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            done[c.index] = c.finish_reason is not None  # its finish is sent once
             sent[c.index] = len(c.token_ids)
             choices.append(choice)
         if choices:
             yield event(choices)
     if include_usage and final is not None:
-        yield event([], usage=usage(final), metrale={"speculative": spec_stats(final)})
+        yield event([], usage=usage([final]), metrale=spec_stats([final]))
     yield "data: [DONE]\n\n"
