@@ -154,6 +154,12 @@ class Knobs:
         bool,
         "=1: do not run the sharded MTP drafter on every expert-parallel rank",
     )
+    no_dcut_host_cost: bool = _knob(
+        "METRALE_NO_DCUT_HOST_COST",
+        _is_one,
+        bool,
+        "=1: D-Cut prices verify rows only, not the drafter's measured host work (A/B runs)",
+    )
     canonical_key_min_width: int | None = _knob(
         "METRALE_CANONICAL_KEY_MIN_WIDTH",
         _usize,

@@ -150,6 +150,7 @@ class SpecTelemetry:
     by_width: dict[int, list[int]] = field(default_factory=dict)
     verify_keys: set = field(default_factory=set)
     verify_steps: int = 0
+    host_gated_plans: int = 0  # plans D-Cut dropped: the drafter's host work outweighed them
     # runs of several sequences of equal depth in verify dispatch order, and how many of them sat
     # on consecutive state slots (`RowTable`'s batched mark)
     multi_seq_runs: int = 0
@@ -208,6 +209,7 @@ class SpecTelemetry:
             "acceptance_by_position": self.acceptance_by_position(),
             "distinct_verify_keys": len(self.verify_keys),
             "verify_steps": self.verify_steps,
+            "host_gated_plans": self.host_gated_plans,
         }
 
 

@@ -141,7 +141,9 @@ def test_bench_dcut_plans_with_the_measured_curve(tmp_path, capsys, monkeypatch)
     seen = []
     real_plan = controller.plan
     monkeypatch.setattr(
-        controller, "plan", lambda i, cost, cap: seen.append(cost) or real_plan(i, cost, cap)
+        controller,
+        "plan",
+        lambda i, cost, cap, **kw: seen.append(cost) or real_plan(i, cost, cap, **kw),
     )
     out = tmp_path / "bench"
     args = ["bench", "--shape", "tiny", "--device", "cpu", "--batch-sizes", "1,2", "--q", "1,3"]

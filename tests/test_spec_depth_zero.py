@@ -242,9 +242,9 @@ def test_a_plan_stands_for_replan_every_steps_while_the_batch_is_the_same(
     planned_at, real_plan = [], controller.plan
     dec = llm.engine.spec
 
-    def plan(inputs, cost, cap):
+    def plan(inputs, cost, cap, **kw):
         planned_at.append((dec._steps, tuple(sorted(x.slot for x in inputs))))
-        return real_plan(inputs, cost, cap)
+        return real_plan(inputs, cost, cap, **kw)
 
     monkeypatch.setattr(controller, "plan", plan)
     outs = llm.generate(prompts, params, use_tqdm=False)

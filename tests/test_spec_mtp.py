@@ -158,7 +158,7 @@ def test_dcut_padding_stays_within_each_cap(monkeypatch):
     seqs = [_running_seq(i, max_tokens=10, outputs=o) for i, o in enumerate([2, 7, 8, 3])]
     # caps: min(K = 4, max_tokens - outputs - 1) = 4, 2, 1, 4
     deep = SimpleNamespace(order=[0, 1, 2, 3], depths=[4, 4, 4, 4])
-    monkeypatch.setattr(controller, "plan", lambda inputs, cost, cap: deep)
+    monkeypatch.setattr(controller, "plan", lambda inputs, cost, cap, **kw: deep)
     spec = controller.SpeculativeDecoder(
         SpecConfig(num_drafts=4), Fixed(), SpecTelemetry(), max_model_len=64, vocab_size=32
     )

@@ -137,6 +137,7 @@ def _measure(llm: LLM, drafter, args, device: torch.device, alphas, forced: bool
             "batch_sizes": list(args.batch_sizes),
             "q": qs,
             "ratio": [[times[b][q] / times[b][1] for q in qs] for b in args.batch_sizes],
+            "plain_ms": [times[b][1] * 1e3 for b in args.batch_sizes],
         },
         "e2e": [],
         "alpha": alphas,

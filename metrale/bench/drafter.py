@@ -42,16 +42,34 @@ def concurrency(llm: LLM, slots: int):
         scheduler.max_num_seqs = before
 
 
-def timed_pair(llm: LLM, prompts, plain_params, spec_params):
-    """(plain outputs, seconds, speculative outputs, seconds, mean acceptance length) of the
-    same prompts without and with speculation, each the median of identical runs."""
-    tel = llm.engine.telemetry.spec
+def timed_pair(llm: LLM, prompts, plain_params, spec_params, width: int | None = None):
+    """(plain outputs, seconds, speculative outputs, seconds, speculation figures) of the same
+    prompts without and with speculation, each the median of identical runs. The figures: the
+    mean acceptance length, the share of the speculative runs' steps that verified drafts (D-Cut
+    runs the others as plain steps) and D-Cut's measured host cost of drafting `width` sequences
+    (default: every prompt)."""
+    engine = llm.engine
+    tel = engine.telemetry.spec
     plain, t_plain = timed_generate(llm, prompts, plain_params)
-    before = (tel.num_drafts, tel.num_accepted_tokens)
+    before = (
+        tel.num_drafts,
+        tel.num_accepted_tokens,
+        tel.verify_steps,
+        engine.telemetry.steps,
+        tel.host_gated_plans,
+    )
     spec, t_spec = timed_generate(llm, prompts, spec_params)
     # The counters cover every run of the timed helper, which are identical.
     drafts, accepted = tel.num_drafts - before[0], tel.num_accepted_tokens - before[1]
-    return plain, t_plain, spec, t_spec, 1 + accepted / max(drafts, 1)
+    host = engine.spec.host.seconds(width or len(prompts)) if engine.spec is not None else None
+    figures = {
+        "mean_acceptance_length": 1 + accepted / max(drafts, 1),
+        "verify_step_share": (tel.verify_steps - before[2])
+        / max(engine.telemetry.steps - before[3], 1),
+        "host_ms_drafting_batch": None if host is None else host * 1e3,
+        "host_gated_plans": tel.host_gated_plans - before[4],
+    }
+    return plain, t_plain, spec, t_spec, figures
 
 
 def steady_state(llm: LLM, prompts: list[list[int]], slots: int, max_tokens: int) -> dict:
@@ -71,7 +89,9 @@ def steady_state(llm: LLM, prompts: list[list[int]], slots: int, max_tokens: int
         ]
 
     with concurrency(llm, slots):
-        _, t_plain, _, t_spec, acceptance = timed_pair(llm, prompts, params(False), params(True))
+        _, t_plain, _, t_spec, figures = timed_pair(
+            llm, prompts, params(False), params(True), width=slots
+        )
     tokens = sum(lengths)
     return {
         "requests": len(prompts),
@@ -79,7 +99,7 @@ def steady_state(llm: LLM, prompts: list[list[int]], slots: int, max_tokens: int
         "tokens_per_s_plain": tokens / t_plain,
         "tokens_per_s_spec": tokens / t_spec,
         "speedup": t_plain / t_spec,
-        "mean_acceptance_length": acceptance,
+        **figures,
     }
 
 
@@ -112,7 +132,7 @@ def drafter_e2e(args) -> dict:
     for batch in args.e2e_batch_sizes:
         prompts = prompts_all[:batch]
         base = dict(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-        plain, t_plain, spec, t_spec, acceptance = timed_pair(
+        plain, t_plain, spec, t_spec, figures = timed_pair(
             llm, prompts, SamplingParams(**base, speculative=False), SamplingParams(**base)
         )
         # the decode phase alone: the prefill and first token subtracted from both runs
@@ -130,7 +150,7 @@ def drafter_e2e(args) -> dict:
                 "tpot_ms_plain": decode_plain / steps * 1e3,
                 "tpot_ms_spec": decode_spec / steps * 1e3,
                 "decode_speedup": decode_plain / decode_spec,
-                "mean_acceptance_length": acceptance,
+                **figures,
                 "identical_outputs": sum(
                     a.outputs[0].token_ids == b.outputs[0].token_ids
                     for a, b in zip(plain, spec, strict=True)
@@ -155,31 +175,40 @@ def drafter_e2e(args) -> dict:
     }
 
 
+def _spec_columns(row: dict) -> str:
+    """Share of steps verifying, D-Cut's host cost of drafting the batch (`-` before it measured
+    one), and the plans it dropped for it."""
+    ms = row["host_ms_drafting_batch"]
+    host = "      -" if ms is None else f"{ms:7.3f}"
+    return f"{row['verify_step_share']:12.2f}  {host}  {row['host_gated_plans']:5d}"
+
+
 def format_drafter_e2e(result: dict) -> str:
     lines = [
         f"{result['drafter']} K={result['num_drafts']} on {result['model']} "
         f"({result['device']}, {result['dtype']})",
         "batch  plain_tok_s  spec_tok_s  speedup  tpot_plain_ms  tpot_spec_ms  decode_x  "
-        "accept_len  identical",
+        "accept_len  identical  verify_share  host_ms  gated",
     ]
     for r in result["e2e"]:
         lines.append(
             f"{r['batch']:5d}  {r['tokens_per_s_plain']:11.1f}  {r['tokens_per_s_spec']:10.1f}  "
             f"{r['speedup']:7.2f}  {r['tpot_ms_plain']:13.3f}  {r['tpot_ms_spec']:12.3f}  "
             f"{r['decode_speedup']:8.2f}  {r['mean_acceptance_length']:10.2f}  "
-            f"{r['identical_outputs']:9.2f}"
+            f"{r['identical_outputs']:9.2f}  {_spec_columns(r)}"
         )
     steady = [r for r in result["e2e"] if "steady" in r]
     if steady:
         lines.append(
             f"steady state ({result['steady_requests_per_slot']} requests per slot):\n"
-            "slots  requests  plain_tok_s  spec_tok_s  speedup  accept_len"
+            "slots  requests  plain_tok_s  spec_tok_s  speedup  accept_len  "
+            "verify_share  host_ms  gated"
         )
         for r in steady:
             s = r["steady"]
             lines.append(
                 f"{r['batch']:5d}  {s['requests']:8d}  {s['tokens_per_s_plain']:11.1f}  "
                 f"{s['tokens_per_s_spec']:10.1f}  {s['speedup']:7.2f}  "
-                f"{s['mean_acceptance_length']:10.2f}"
+                f"{s['mean_acceptance_length']:10.2f}  {_spec_columns(s)}"
             )
     return "\n".join(lines)

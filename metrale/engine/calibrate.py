@@ -80,7 +80,8 @@ def step_times(engine, batch_sizes, qs, context: int, reps: int = 7) -> dict[int
 
 def measured_cost_model(engine, num_drafts: int, max_seqs: int, context: int) -> VerifyCostModel:
     """The verify cost curve at batch sizes 1, 4, 16, 64, ... up to `max_seqs` and q = 1, 2,
-    1 + num_drafts (more rows are interpolated), as D-Cut reads it."""
+    1 + num_drafts (more rows are interpolated), as D-Cut reads it, with the plain step's
+    seconds (what prices the drafter's host work)."""
     sizes, b = [], 1
     while b < max_seqs:
         sizes.append(b)
@@ -89,5 +90,6 @@ def measured_cost_model(engine, num_drafts: int, max_seqs: int, context: int) ->
     qs = sorted({1, 2, num_drafts + 1})
     times = step_times(engine, sizes, qs, context, reps=5)
     return VerifyCostModel.from_points(
-        {(b, float(q)): times[b][q] / times[b][1] for b in sizes for q in qs if q > 1}
+        {(b, float(q)): times[b][q] / times[b][1] for b in sizes for q in qs if q > 1},
+        {b: times[b][1] for b in sizes},
     )

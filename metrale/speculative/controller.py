@@ -10,6 +10,7 @@ A drafter that raises fails only the sequences it was drafting for.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -19,6 +20,7 @@ from metrale.knobs import knobs
 from metrale.speculative.dcut import PlanInput, VerifyCostModel, plan
 from metrale.speculative.drafter import Draft, Drafter, Verdict
 from metrale.speculative.estimator import AcceptanceEstimator
+from metrale.speculative.host_cost import HostCost, drafting_loses
 from metrale.speculative.row_table import RowTable
 from metrale.speculative.verify_key import (
     canonical_assignment,
@@ -102,9 +104,27 @@ class SpeculativeDecoder:
         # whether this step's verdicts go to `observe` (False: nothing drafted, and the drafter
         # is `stateless`, so the step is a plain decode step end to end)
         self.observing = False
+        # What drafting costs the step on the host (the seconds of `prepare` and `observe`).
+        # Priced for a `stateless` drafter only: its drafting is host work a depth-0 step skips
+        # whole. A stateful one (MTP) catches up every step whatever the plan and chains its
+        # drafts inside that catch-up when most sequences draft, so its marginal cost is small
+        # and its probe steps (few drafting, the slow path) would misprice it: on the H200 the
+        # shipped model's MTP at batch 64 fell from 0.94x to 0.59x when priced.
+        priced = getattr(drafter, "stateless", False) and not knobs().no_dcut_host_cost
+        self.host = HostCost(bool(priced))
 
     def prepare(self, running: list[Sequence]) -> list[tuple[Sequence, str]]:
         """Set `seq.draft` on every running sequence; returns sequences whose drafting failed.
+        Times itself and `observe` for `HostCost`."""
+        if self.host.begin():
+            self._quiet = self._last_plan = None  # an estimate went stale: plan afresh
+        start = time.perf_counter()
+        failed = self._prepare(running)
+        self.host.spent(time.perf_counter() - start, len(self._proposed))
+        return failed
+
+    def _prepare(self, running: list[Sequence]) -> list[tuple[Sequence, str]]:
+        """`prepare`'s work.
 
         With D-Cut the depths are planned first, from the acceptance estimates: only sequences
         planned deeper than 0 are drafted, so a step planned at depth 0 everywhere drafts
@@ -157,8 +177,9 @@ class SpeculativeDecoder:
         A step planned at depth 0 everywhere is remembered: until an estimate changes or the
         running set does, the next steps skip planning (a plain step does no D-Cut work). Any
         other plan stands for `dcut_replan_every` steps while the running set is the same.
-        Every `dcut_probe_every` steps a few sequences, in turn, draft anyway."""
-        if self._steps % self.cfg.dcut_probe_every == 0:
+        Every `dcut_probe_every` steps a few sequences, in turn, draft anyway, unless drafting
+        cannot pay even with every draft accepted (then their acceptance does not matter)."""
+        if self._steps % self.cfg.dcut_probe_every == 0 and not self._hopeless(seqs, caps):
             # The plan's sequences, plus a few of the others in turn, drafting up to their caps
             # (the cut after drafting decides their depths; those at 0 learn their first draft).
             self._quiet = self._last_plan = None
@@ -182,6 +203,14 @@ class SpeculativeDecoder:
         self._last_plan = (running, depth_of, self._steps)
         return [seqs[i] for i in keep], depths, True
 
+    def _hopeless(self, seqs: list[Sequence], caps: list[int]) -> bool:
+        """Whether the drafter's measured host work costs more than the most tokens drafting
+        could buy: D-Cut plans depth 0 everywhere even if every draft would be accepted."""
+        perfect = [PlanInput(s.slot, c, [1.0] * c) for s, c in zip(seqs, caps, strict=True)]
+        return drafting_loses(
+            plan(perfect, self.cost, self.cfg.dcut_width_cap), self.cost, self.host
+        )
+
     def _worth_drafting(self, seqs: list[Sequence], caps: list[int]):
         """(indices into `seqs`, depths) of the sequences D-Cut gives a depth when every one of
         them drafts its cap at its estimated acceptance; the others are not drafted."""
@@ -190,6 +219,10 @@ class SpeculativeDecoder:
             for s, c in zip(seqs, caps, strict=True)
         ]
         chosen = plan(inputs, self.cost, self.cfg.dcut_width_cap)
+        if drafting_loses(chosen, self.cost, self.host):
+            # Planned before drafting: the drafter's host work is still to be paid.
+            self.telemetry.host_gated_plans += 1
+            return [], []
         keep = sorted(i for i, d in zip(chosen.order, chosen.depths, strict=True) if d > 0)
         # Drafting deeper than the plan buys nothing: the cut after drafting keeps at most this.
         depth = dict(zip(chosen.order, chosen.depths, strict=True))
@@ -234,6 +267,7 @@ class SpeculativeDecoder:
             )
             for seq, draft in live
         ]
+        # The drafts are paid for by now: only their rows are priced.
         chosen = plan(inputs, self.cost, self.cfg.dcut_width_cap)
         for idx, depth in zip(chosen.order, chosen.depths, strict=True):
             seq, draft = live[idx]
@@ -244,6 +278,13 @@ class SpeculativeDecoder:
         """Record one step's verdicts (sequences that verified drafts and those that did not);
         returns the sequences whose drafter `observe` raised, with why (they end; the others
         go on)."""
+        start = time.perf_counter()
+        try:
+            return self._observe(verdicts)
+        finally:
+            self.host.spent(time.perf_counter() - start)
+
+    def _observe(self, verdicts: list[Verdict]) -> list[tuple[Sequence, str]]:
         verified = [v for v in verdicts if v.drafts]
         if verified:
             slots = [v.seq.slot for v in verified]

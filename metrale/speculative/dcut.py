@@ -16,8 +16,10 @@ planned for the deal, which also cut distinct graph keys by about half rather th
 
 Host-side Python (numpy for the canonical plan): a batch is at most a few hundred sequences.
 
-Also here: the verify cost curve T (`VerifyCostModel`). The per-sequence, per-position acceptance
-estimate the planner reads is `estimator.AcceptanceEstimator`.
+T prices rows only; the controller drops a plan whose drafter's host work costs more than the
+plan buys (`host_cost.drafting_loses`). Also here: the verify cost curve T (`VerifyCostModel`).
+The per-sequence, per-position acceptance estimate the planner reads is
+`estimator.AcceptanceEstimator`.
 """
 
 from __future__ import annotations
@@ -79,10 +81,17 @@ class VerifyCostModel:
         self,
         knee_rows: float = DEFAULT_KNEE_ROWS,
         measured: Mapping[tuple[int, float], float] | None = None,
+        plain_seconds: Mapping[int, float] | None = None,
     ) -> None:
         if not knee_rows > 0:
             raise ValueError(f"knee_rows must be positive, got {knee_rows}")
         self.knee_rows = float(knee_rows)
+        # Seconds of a plain decode step per batch size, when measured: what prices the host
+        # work of drafting (`host_cost`) against the rows.
+        plain = sorted((int(b), float(s)) for b, s in (plain_seconds or {}).items())
+        if any(b < 1 or not (math.isfinite(s) and s > 0) for b, s in plain):
+            raise ValueError(f"plain step seconds need batch >= 1 and seconds > 0: {plain}")
+        self._plain = plain
         by_batch: dict[int, dict[float, float]] = {}
         for (b, q), r in (measured or {}).items():
             if b < 1 or not q >= 1 or not (math.isfinite(r) and r > 0):
@@ -104,18 +113,24 @@ class VerifyCostModel:
             self._curves.append((qs, ratios))
 
     @classmethod
-    def from_points(cls, points: Mapping[tuple[int, float], float]) -> VerifyCostModel:
-        """`{(batch_size, q): ratio}`: step time at q rows per sequence over that at q = 1."""
+    def from_points(
+        cls,
+        points: Mapping[tuple[int, float], float],
+        plain_seconds: Mapping[int, float] | None = None,
+    ) -> VerifyCostModel:
+        """`{(batch_size, q): ratio}`: step time at q rows per sequence over that at q = 1;
+        `plain_seconds`: `{batch_size: seconds}` of the plain step (q = 1), if known."""
         if not points:
             raise ValueError("a measured verify cost model needs at least one point")
-        return cls(measured=points)
+        return cls(measured=points, plain_seconds=plain_seconds)
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> VerifyCostModel:
         """The `metrale bench` verify cost curve:
 
         `{"batch_sizes": [1, 16, 64], "q": [1, 2, 4, 8], "ratio": [[1.0, 1.04, 1.15, null], ...]}`,
-        `ratio[b][k]` for `batch_sizes[b]` at `q[k]`; `null` marks a point not measured.
+        `ratio[b][k]` for `batch_sizes[b]` at `q[k]`; `null` marks a point not measured; an
+        optional `"plain_ms": [0.8, 1.1, 2.0]` gives the plain step's time per batch size.
         """
         try:
             batches, qs, table = doc["batch_sizes"], doc["q"], doc["ratio"]
@@ -131,7 +146,23 @@ class VerifyCostModel:
             for q, r in zip(qs, row)
             if r is not None
         }
-        return cls.from_points(points)
+        plain_ms = doc.get("plain_ms")
+        if plain_ms is not None and len(plain_ms) != len(batches):
+            raise ValueError(f"verify cost curve JSON: plain_ms must have {len(batches)} values")
+        plain = None if plain_ms is None else {int(b): ms / 1e3 for b, ms in zip(batches, plain_ms)}
+        return cls.from_points(points, plain)
+
+    def plain_seconds(self, width: int) -> float | None:
+        """Seconds of a plain step of `width` sequences (linear between measured batch sizes,
+        the nearest outside them); None when none was measured."""
+        if not self._plain:
+            return None
+        bs = [b for b, _ in self._plain]
+        if len(bs) == 1 or width <= bs[0]:
+            return self._plain[0][1]
+        if width >= bs[-1]:
+            return self._plain[-1][1]
+        return _interp(bs, [s for _, s in self._plain], width)
 
     def step_time(self, rows: int, width: int) -> float:
         """Relative time of a verify of `rows` rows over `width` sequences (1.0 at one each)."""

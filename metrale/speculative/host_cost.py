@@ -1,0 +1,108 @@
+"""What drafting costs a step beyond its verify rows, measured as the engine runs, and D-Cut's
+gate on it.
+
+The verify cost curve (`dcut.VerifyCostModel`) prices rows: what the forward pays for them. A
+speculative step also pays host work a plain step does not: the drafter's `propose`, D-Cut's cut,
+the verdict bookkeeping and, for a drafter that keeps no state, its `observe`. On a small model at
+a large batch that work costs more than the tokens it buys (the shipped model with n-gram at
+batch 64 on the H200: about 2.5 ms of it against a 1.7 ms step). `HostCost` measures those seconds
+per number of sequences drafted; `drafting_loses` compares a plan's tokens per unit of time, host
+work included, with plain decoding's, and the controller then decodes plainly.
+
+The gate is all or nothing on the plan D-Cut makes from rows alone: a plan cut down to fewer
+sequences would be a new verify shape, and a batch flipping between half-drafted plans paid more
+than either (measured: n-gram at batch 8 fell from 1.02x to 0.80x when D-Cut priced the host work
+per sequence inside its search).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from metrale.speculative.dcut import Plan, VerifyCostModel
+
+# A plan is dropped only when it loses to plain decoding by more than this: near break-even the
+# estimates cannot tell, and flipping costs more than either choice.
+GATE_MARGIN = 0.05
+# Samples that start a bucket's estimate (their median: a capture or a collection among them
+# does not set it).
+WARMUP_SAMPLES = 3
+
+
+def _bucket(k: int) -> int:
+    return k.bit_length()  # 1, 2-3, 4-7, ... sequences drafted
+
+
+class HostCost:
+    """Host seconds per drafted sequence, per bucket of the number drafted (powers of two), an
+    EMA from the median of its first samples.
+
+    A sample is a drafting step that follows a drafting step: the first one after steps that
+    drafted nothing also catches up on what they emitted (a probe extends the n-gram index by
+    several steps' tokens), which a drafter drafting every step pays in slices. A bucket with no
+    sample for `stale_after` steps is forgotten, so D-Cut drafts by rows alone and measures it
+    again: an estimate that once said "too dear" is not believed forever.
+    """
+
+    def __init__(self, enabled: bool, rate: float = 0.2, stale_after: int = 256) -> None:
+        self.enabled = enabled
+        self.rate = rate
+        self.stale_after = stale_after
+        self._step = 0
+        # bucket -> [warm-up samples, EMA of seconds per sequence or None, step of last sample]
+        self._buckets: dict[int, list] = {}
+        self._last = (0, 0.0)  # (sequences drafted, seconds) of the step in flight
+        self._drafted_before = False
+
+    def begin(self) -> bool:
+        """A step starts: record the one before it. True when an estimate just went stale (the
+        controller then plans afresh)."""
+        self._step += 1
+        drafted, spent = self._last
+        if self.enabled and drafted > 0 and self._drafted_before and spent > 0.0:
+            self._record(drafted, spent)
+        self._drafted_before, self._last = drafted > 0, (0, 0.0)
+        stale = [b for b, (_, _, at) in self._buckets.items() if self._step - at > self.stale_after]
+        for b in stale:
+            del self._buckets[b]
+        return bool(stale)
+
+    def spent(self, seconds: float, drafted: int | None = None) -> None:
+        """Add host seconds to the step in flight (and, from `prepare`, how many it drafted)."""
+        k, s = self._last
+        self._last = (k if drafted is None else drafted, s + seconds)
+
+    def _record(self, k: int, seconds: float) -> None:
+        per_seq = seconds / k
+        entry = self._buckets.setdefault(_bucket(k), [[], None, self._step])
+        entry[2] = self._step
+        if entry[1] is None:
+            entry[0].append(per_seq)
+            if len(entry[0]) == WARMUP_SAMPLES:
+                entry[0], entry[1] = [], statistics.median(entry[0])
+        else:
+            entry[1] += self.rate * (per_seq - entry[1])
+
+    def seconds(self, drafted: int) -> float | None:
+        """Host seconds that drafting `drafted` sequences adds to a step; None until measured
+        at about that many (or when pricing is off)."""
+        if drafted <= 0:
+            return 0.0
+        entry = self._buckets.get(_bucket(drafted))
+        if not self.enabled or entry is None or entry[1] is None:
+            return None
+        return drafted * entry[1]
+
+
+def drafting_loses(plan: Plan, cost: VerifyCostModel, host: HostCost) -> bool:
+    """Whether `plan` (from rows alone) emits fewer tokens per second than plain decoding, by
+    more than `GATE_MARGIN`, once the drafter's host work is paid. False while either the plain
+    step's seconds or the host work at this many drafted sequences is unknown."""
+    width = len(plan.depths)
+    drafted = sum(d > 0 for d in plan.depths)
+    plain = cost.plain_seconds(width)
+    seconds = host.seconds(drafted)
+    if drafted == 0 or plain is None or seconds is None:
+        return False
+    speculative = plan.expected_tokens / (cost.step_time(plan.rows, width) + seconds / plain)
+    return speculative < (1.0 - GATE_MARGIN) * width / cost.step_time(width, width)

@@ -1,0 +1,138 @@
+"""D-Cut prices the drafter's host work: `HostCost` measures its seconds per number of sequences
+drafted, and a plan whose tokens do not pay for it is dropped, so a batch whose drafting costs
+more than it buys decodes plainly (output unchanged), while cheap drafting keeps speculating."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from metrale import LLM, SamplingParams
+from metrale.speculative.dcut import PlanInput, VerifyCostModel, plan
+from metrale.speculative.host_cost import WARMUP_SAMPLES, HostCost, drafting_loses
+from metrale.speculative.replay import ReplayDrafter
+from tests.test_hybrid_engine import hybrid_dir  # noqa: F401 (a module fixture)
+
+PROMPTS = [[(7 * i + 3 * j) % 200 + 3 for j in range(5 + 3 * i)] for i in range(4)]
+TOKENS, PROBE_EVERY, REPLAN_EVERY = 80, 8, 4
+FLAT = VerifyCostModel.from_points({(1, 4.0): 1.0, (64, 4.0): 1.0})
+
+
+def _steps(host: HostCost, samples) -> None:
+    """Steps with (sequences drafted, host seconds) each."""
+    for drafted, seconds in samples:
+        host.begin()
+        host.spent(seconds, drafted)
+    host.begin()
+
+
+def test_per_bucket_estimates_from_steady_drafting_only():
+    host = HostCost(enabled=True)
+    assert host.seconds(8) is None
+    # the first drafting step follows none, so it is no sample; then a capture among the
+    # warm-up samples does not set the estimate (their median does)
+    _steps(host, [(8, 5.0), (8, 8e-3), (8, 1.0), (8, 8e-3)])
+    assert host.seconds(8) == pytest.approx(8e-3) and host.seconds(12) == pytest.approx(12e-3)
+    assert host.seconds(64) is None and host.seconds(0) == 0.0  # another bucket: unmeasured
+    # a probe after idle steps also catches up on them: no sample
+    _steps(host, [(0, 1e-5)] * 5 + [(8, 1.0), (0, 1e-5)])
+    assert host.seconds(8) == pytest.approx(8e-3)
+    _steps(host, [(8, 8e-3), (8, 16e-3)])  # the EMA moves a fifth of the way
+    assert host.seconds(8) == pytest.approx(8e-3 + 0.2 * 8e-3)
+    assert HostCost(enabled=False).seconds(8) is None
+
+
+def test_an_estimate_with_no_sample_for_a_while_is_forgotten():
+    host = HostCost(enabled=True, stale_after=10)
+    _steps(host, [(4, 4e-3)] * (WARMUP_SAMPLES + 1))
+    assert host.seconds(4) is not None
+    went_stale = []
+    for _ in range(12):
+        host.spent(1e-5, 0)
+        went_stale.append(host.begin())
+    assert went_stale.count(True) == 1 and host.seconds(4) is None
+
+
+def test_plain_seconds_from_points_and_json():
+    cost = VerifyCostModel.from_points({(1, 4.0): 1.2, (16, 4.0): 1.5}, {1: 1e-3, 16: 2.5e-3})
+    assert cost.plain_seconds(1) == 1e-3 and cost.plain_seconds(64) == 2.5e-3
+    assert cost.plain_seconds(6) == pytest.approx(1.5e-3)
+    doc = {"batch_sizes": [1, 16], "q": [1, 4], "ratio": [[1, 1.2], [1, 1.5]], "plain_ms": [1, 2]}
+    assert VerifyCostModel.from_json(doc).plain_seconds(16) == pytest.approx(2e-3)
+    assert VerifyCostModel.from_points({(1, 4.0): 1.2}).plain_seconds(1) is None
+    with pytest.raises(ValueError, match="plain_ms"):
+        VerifyCostModel.from_json({**doc, "plain_ms": [1]})
+    with pytest.raises(ValueError, match="seconds"):
+        VerifyCostModel.from_points({(1, 4.0): 1.2}, {1: 0.0})
+
+
+def _measured(per_seq: float, k: int) -> HostCost:
+    host = HostCost(enabled=True)
+    _steps(host, [(k, per_seq * k)] * (WARMUP_SAMPLES + 1))
+    return host
+
+
+def test_a_plan_loses_only_when_its_host_work_outweighs_its_tokens():
+    good = [PlanInput(slot=i, max_depth=3, accept=[0.9, 0.9, 0.9]) for i in range(8)]
+    chosen = plan(good, FLAT, width_cap=64)
+    assert chosen.depths == [3] * 8  # 8 x 3.44 tokens in one plain step's time
+    plain_1ms = VerifyCostModel.from_points({(1, 4.0): 1.0}, {8: 1e-3})
+    # host work of 2 plain steps: 27.5 tokens in 3 steps' time beats 8 in 1
+    assert not drafting_loses(chosen, plain_1ms, _measured(0.25e-3, 8))
+    # of 2.5 plain steps: 27.5 / 3.5 = 7.86 loses to 8, but within the margin: kept
+    assert not drafting_loses(chosen, plain_1ms, _measured(2.5e-3 / 8, 8))
+    # of 4 plain steps: 27.5 / 5 < 8 * 0.95
+    assert drafting_loses(chosen, plain_1ms, _measured(0.5e-3, 8))
+    # unknown plain time, unmeasured width, or nothing drafted: never dropped
+    assert not drafting_loses(chosen, FLAT, _measured(0.5e-3, 8))
+    assert not drafting_loses(chosen, plain_1ms, _measured(0.5e-3, 64))
+    bad = [PlanInput(slot=i, max_depth=3, accept=[0.0] * 3) for i in range(8)]
+    assert not drafting_loses(plan(bad, plain_1ms, 64), plain_1ms, _measured(0.5e-3, 8))
+
+
+class SlowReplay(ReplayDrafter):
+    """Perfect drafts that take `delay` seconds of host time to propose."""
+
+    def __init__(self, continuations, delay: float) -> None:
+        super().__init__(continuations, 1.0, 200)
+        self.delay = delay
+
+    def propose(self, seqs, max_drafts):
+        time.sleep(self.delay)
+        return super().propose(seqs, max_drafts)
+
+
+@pytest.mark.parametrize("target", ["dense", "hybrid"])
+def test_drafting_that_costs_more_than_it_buys_decodes_plainly(request, target):
+    path = request.getfixturevalue("tiny_model_dir" if target == "dense" else "hybrid_dir")
+    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+    plain = LLM(path, device="cpu").generate(PROMPTS, params, use_tqdm=False)
+    reference = [o.outputs[0].token_ids for o in plain]
+    continuations = dict(zip(map(tuple, PROMPTS), reference, strict=True))
+    verified = {}
+    # The same slow drafter (20 ms a step, always right) against a 1 ms and a 100 s plain step.
+    for plain_s in (1e-3, 100.0):
+        llm = LLM(
+            path,
+            device="cpu",
+            drafter=SlowReplay(continuations, 0.02),
+            spec={
+                "num_drafts": 3,
+                "dcut": True,
+                "dcut_probe_every": PROBE_EVERY,
+                "dcut_replan_every": REPLAN_EVERY,
+            },
+        )
+        cost = VerifyCostModel.from_points({(1, 4.0): 1.0, (4, 4.0): 1.0}, {1: plain_s})
+        llm.engine.spec.cost = cost
+        out = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in out] == reference
+        verified[plain_s] = llm.engine.telemetry.spec.verify_steps
+    # priced at 20 plain steps, drafting stops after the warm-up; even a perfect draft would not
+    # pay for that, so there are no probes either
+    # (the last plan before it stands for `dcut_replan_every` steps)
+    assert verified[1e-3] <= WARMUP_SAMPLES + 1 + REPLAN_EVERY
+    # priced at nothing, every step speculates: about TOKENS / 4 per step
+    assert verified[100.0] >= TOKENS // 4 - 2
+    assert llm.engine.spec.host.seconds(4) == pytest.approx(0.02, rel=0.5)
