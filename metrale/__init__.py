@@ -7,6 +7,7 @@ from metrale.api import LLM
 from metrale.config import EngineConfig, SamplingParams
 from metrale.outputs import CompletionOutput, Logprob, RequestOutput
 from metrale.speculative.drafter import Drafter
+from metrale.structured import StructuredOutput
 
 __all__ = [
     "LLM",
@@ -16,5 +17,6 @@ __all__ = [
     "Logprob",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutput",
 ]
 __version__ = "0.1.0"

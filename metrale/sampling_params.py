@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from metrale.structured.params import StructuredOutput
+
 
 def _check_number(name: str, value: Any, lo: float, hi: float, lo_open=False, hi_open=False):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
@@ -26,7 +28,8 @@ class SamplingParams:
     disable theirs. `repetition_penalty` (HF semantics) applies to prompt and output tokens;
     `presence_penalty` and `frequency_penalty` (OpenAI semantics) to output tokens only.
     `logprobs=None` returns none; `logprobs=k` returns the emitted token's logprob and the top-k,
-    computed from the model's raw logits (before penalties and temperature).
+    computed from the model's raw logits (before penalties and temperature; after a `structured`
+    constraint's mask).
     """
 
     n: int = 1
@@ -50,6 +53,8 @@ class SamplingParams:
     # Speculative decoding for this request: off, or a cap on its draft depth (None = engine's).
     speculative: bool = True
     num_drafts: int | None = None
+    # The output must match a JSON schema, regex, choice or grammar (a dict of its fields works).
+    structured: StructuredOutput | dict | None = None
 
     MAX_LOGPROBS = 20
     MAX_N = 128  # OpenAI's bound: one request cannot flood the engine with sequences
@@ -148,6 +153,7 @@ class SamplingParams:
             or self.num_drafts < 0
         ):
             raise ValueError(f"num_drafts must be an integer >= 0, got {self.num_drafts!r}")
+        set_("structured", StructuredOutput.coerce(self.structured))
         if self.logprobs is not None and (
             isinstance(self.logprobs, bool)
             or not isinstance(self.logprobs, int)

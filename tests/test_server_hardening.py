@@ -63,7 +63,7 @@ def error_of(resp, status, param="?"):
         (CHAT, {**user("hi"), "logprobs": "yes"}, 400, "logprobs"),
         (CHAT, {**user("hi"), "max_completion_tokens": 0}, 400, "max_completion_tokens"),
         (CHAT, {**user("hi"), "logprobs": True, "top_logprobs": 99}, 400, "top_logprobs"),
-        (CHAT, {**user("hi"), "response_format": {"type": "json_object"}}, 400, "response_format"),
+        (CHAT, {**user("hi"), "response_format": {"type": "yaml"}}, 400, "response_format"),
         (CHAT, {**user("hi"), "tools": [{"type": "function"}]}, 400, "tools"),
         (CMPL, {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
         (CMPL, {"prompt": "x", "echo": "yes"}, 400, "echo"),

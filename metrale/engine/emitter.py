@@ -29,6 +29,9 @@ class Emitter:
 
     def _append(self, seq: Sequence, token: SampledToken) -> str:
         seq.output_token_ids.append(token.token_id)
+        if seq.grammar is not None and not seq.grammar.advance([token.token_id]):
+            # the step's masks allow only what the grammar does: nothing should get here
+            seq.error = f"structured: the grammar refused token {token.token_id}"
         if token.logprob is not None:
             seq.cumulative_logprob += token.logprob
             entry = {

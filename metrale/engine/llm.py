@@ -30,6 +30,7 @@ from metrale.knobs import knobs
 from metrale.outputs import RequestOutput
 from metrale.speculative.drafter import Drafter, Verdict
 from metrale.speculative.setup import dflash_dir, speculative_decoder
+from metrale.structured.grammar import GrammarCompiler
 from metrale.telemetry import Telemetry
 from metrale.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -115,6 +116,8 @@ class LLMEngine:
         self._rng = random.Random(self.config.seed)
         self._next_seq_id = 0
         self.emitter = Emitter(self.tokenizer, self.max_model_len)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.runner.grammar_vocab = self.grammars.vocab_size
         self.spec = speculative_decoder(
             self.config, self.runner, drafter, self.telemetry.spec, self.max_model_len
         )
@@ -156,6 +159,8 @@ class LLMEngine:
         such as the HTTP server's, may call it): (prompt text or None, prompt token ids)."""
         text, token_ids = self._tokenize(prompt)
         params.check_vocab(self.vocab_size)
+        if params.structured is not None:
+            self.grammars.check(params.structured)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt: {len(token_ids)} tokens leave no room to generate under "
@@ -199,6 +204,9 @@ class LLMEngine:
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens
             )
+            if params.structured is not None:
+                seq.grammar = self.grammars.matcher(params.structured)
+                self.runner.structured_seqs += 1
             self._next_seq_id += 1
             seqs.append(seq)
         self.requests[request_id] = Request(request_id, text, list(token_ids), seqs)
@@ -402,6 +410,9 @@ class LLMEngine:
         for seq in seqs:
             self.telemetry.requests_finished[seq.finish_reason] += 1
             self.telemetry.request.finished(seq, now)
+            if seq.grammar is not None:
+                seq.grammar = None
+                self.runner.structured_seqs -= 1
             if self.spec is not None:
                 self.spec.release(seq)
 

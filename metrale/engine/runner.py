@@ -32,6 +32,7 @@ from metrale.models.mtp import load_mtp
 from metrale.models.qwen3 import Qwen3ForCausalLM
 from metrale.models.qwen3_next import Qwen3NextForCausalLM
 from metrale.speculative.verify import accept, build_layout
+from metrale.structured.masks import apply_grammar_masks
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +192,10 @@ class ModelRunner:
         # A bench-only override of the acceptance (`metrale.bench.forced`); never set by the
         # engine's configuration, the API or the server.
         self.forced_acceptance = None
+        # running sequences under a grammar (the engine counts them): 0 skips the masks' work;
+        # the matchers' vocabulary size (`GrammarCompiler.vocab_size`, set by the engine)
+        self.structured_seqs = 0
+        self.grammar_vocab = 0
         log.info(
             "model on %s (%s): %d KV pages of %d rows",
             self.device,
@@ -317,6 +322,9 @@ class ModelRunner:
         if logits is None:  # eager: the sampling rows' logits alone
             logits = self.model.compute_logits(hidden, torch.tensor(rows, device=self.device))
         entries = [e for e, _ in sampling]
+        if self.structured_seqs:
+            # Filled on the host while the forward runs (nothing above waited for it).
+            apply_grammar_masks(entries, logits, self.grammar_vocab)
         if all(is_plain_greedy(e.seq.params, len(e.seq.output_token_ids)) for e in entries):
             # The common case needs only each row's argmax: no sampling tensors, no kernels
             # beyond the argmax, the same one host sync.

@@ -65,6 +65,8 @@ class Sequence:
     fresh_noise: bool = False
     # drafts proposed for the next verify (a `speculative.drafter.Draft`), cut to the planned depth
     draft: Any = None
+    # its `structured.grammar.SequenceGrammar` when its output is constrained
+    grammar: Any = None
     # request timing (time.perf_counter()): arrival, first scheduled, first and last token
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None

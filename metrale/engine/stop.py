@@ -4,7 +4,7 @@ Stop strings can straddle tokens, so while a sequence has stop strings the last 
 characters of its text are held back: a streamed delta never has to be retracted when a stop
 string completes one token later. Token-based stops (stop token ids, EOS, `max_tokens`, the model
 length) take effect only once `min_tokens` tokens were emitted (the sampler also bans them until
-then); stop strings likewise.
+then); stop strings likewise. A structured output ends when its grammar is complete.
 """
 
 from __future__ import annotations
@@ -14,6 +14,12 @@ from metrale.engine.sequence import Sequence
 
 def _token_stop(seq: Sequence, max_model_len: int) -> tuple[str, int | None] | None:
     params = seq.params
+    if seq.error is not None:
+        return "error", None
+    if seq.grammar is not None and seq.grammar.finished:
+        # The grammar can take nothing more (a complete JSON value, the last choice): the text
+        # is done, whatever min_tokens or ignore_eos say, as it could only go on with EOS.
+        return "stop", None
     token = seq.output_token_ids[-1]
     n_out = len(seq.output_token_ids)
     if n_out >= params.min_tokens:

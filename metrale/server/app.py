@@ -162,11 +162,15 @@ def create_app(
             )
         return response
 
-    def validate_now(prompt, params) -> list[int]:
+    def validate_now(prompt, params, body) -> list[int]:
         try:
             ids = engine.validate(prompt, params)[1]
         except ValueError as e:
             field = str(e).split(":", 1)[0].split(" ", 1)[0]
+            if field == "structured":  # the output constraint does not compile
+                field = body.structured_field()
+                message = f"{field}: {str(e).split(':', 1)[1].strip()}"
+                raise APIError(message, field) from None
             raise APIError(str(e), field if field.isidentifier() else "prompt") from None
         limit = engine.max_model_len
         if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
@@ -178,9 +182,9 @@ def create_app(
             )
         return ids
 
-    async def validate(prompt, params) -> list[int]:
+    async def validate(prompt, params, body) -> list[int]:
         """Tokenise and check on a worker thread: a long prompt never stalls the event loop."""
-        return await asyncio.to_thread(validate_now, prompt, params)
+        return await asyncio.to_thread(validate_now, prompt, params, body)
 
     def submit(request_id: str, ids: list[int], params) -> asyncio.Queue:
         try:
@@ -249,7 +253,7 @@ def create_app(
         prompts = body.prompts
         if len(prompts) > 1:
             return await several_prompts(request, body, prompts, params)
-        ids = await validate(prompts[0], params)
+        ids = await validate(prompts[0], params, body)
         request_id = loop.new_id("cmpl")
         return await respond(request, body, request_id, ids, params)
 
@@ -259,7 +263,7 @@ def create_app(
             raise APIError("stream: a streamed call takes one prompt", "stream")
         if len(prompts) * params.n > SamplingParams.MAX_N:
             raise APIError(f"prompt: at most {SamplingParams.MAX_N} completions a call", "prompt")
-        all_ids = [await validate(p, params) for p in prompts]  # every prompt checked first
+        all_ids = [await validate(p, params, body) for p in prompts]  # every prompt checked first
         base = loop.new_id("cmpl")
         ids = [f"{base}-{i}" for i in range(len(prompts))]
         queues = []
@@ -304,7 +308,7 @@ def create_app(
             return ids, reasoning and opens_block(text)
 
         ids, opened = await asyncio.to_thread(render)
-        ids = await validate(ids, params)
+        ids = await validate(ids, params, body)
         request_id = loop.new_id("chatcmpl")
         return await respond(request, body, request_id, ids, params, opened)
 

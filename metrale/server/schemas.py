@@ -28,11 +28,11 @@ from pydantic import (
 )
 
 from metrale.sampling_params import SamplingParams
+from metrale.server.structured_schemas import StructuredFields
 
 # Fields refused until supported (never silently ignored), with the values that mean "not used".
 # To support one, drop it here and give its field below a real type.
 NOT_SUPPORTED: dict[str, tuple] = {
-    "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none",),
     "functions": ([],),
@@ -205,8 +205,8 @@ def _model():
     return Field(None, description="the served model's name (another one gets a 404)")
 
 
-class _GenerationRequest(_Body):
-    """What completions and chat completions share."""
+class _GenerationRequest(StructuredFields, _Body):
+    """What completions and chat completions share (the output constraints among them)."""
 
     model: StrictStr | None = _model()
     n: StrictInt | None = None
@@ -231,7 +231,6 @@ class _GenerationRequest(_Body):
     stream_options: StreamOptions | None = None
     speculative: SpeculativeOptions | None = None
     # not supported yet (NOT_SUPPORTED): refused unless absent or "not used"
-    response_format: Any = _not_yet()
     tools: Any = _not_yet()
     tool_choice: Any = _not_yet()
     functions: Any = _not_yet()
@@ -262,6 +261,9 @@ class _GenerationRequest(_Body):
     def sampling_kwargs(self) -> dict[str, Any]:
         """SamplingParams keywords for the fields the body gives."""
         kw = {k: getattr(self, k) for k in _SAMPLING_FIELDS if getattr(self, k) is not None}
+        structured = self.structured()
+        if structured is not None:
+            kw["structured"] = structured
         if self.speculative is not None:
             kw["speculative"] = self.speculative.enabled
             if self.speculative.num_drafts is not None:

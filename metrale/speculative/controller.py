@@ -66,6 +66,14 @@ def pad_draft(draft: Draft, depth: int, vocab_size: int) -> Draft:
     return Draft(draft.tokens + [filler] * extra, probs)
 
 
+def _grammar_cut(seq: Sequence, draft: Draft) -> Draft:
+    """The draft up to its first token the sequence's grammar forbids: a row past it could only
+    be rejected (the verify masks it too, so this saves rows, not correctness)."""
+    if seq.grammar is None:
+        return draft
+    return draft.truncate(seq.grammar.valid_prefix(draft.tokens))
+
+
 class SpeculativeDecoder:
     def __init__(
         self,
@@ -149,7 +157,12 @@ class SpeculativeDecoder:
         if not seqs:
             return []
         drafts, failed = self._propose(seqs, caps)
-        live = [(s, d) for s, d in zip(seqs, drafts, strict=True) if d is not None and d.tokens]
+        live = [
+            (s, _grammar_cut(s, d))
+            for s, d in zip(seqs, drafts, strict=True)
+            if d is not None and d.tokens
+        ]
+        live = [(s, d) for s, d in live if d.tokens]
         for seq, draft in live:
             if draft.probs is not None:
                 seq.fresh_noise = True  # from now on, for good: see `SamplingRow.fresh_noise`

@@ -1,0 +1,198 @@
+"""Structured output: what the grammar forbids is never emitted, speculation changes no token
+(greedy and seeded, n-gram, MTP, a drafter proposing forbidden tokens; dense and hybrid), the
+masks of a verify's rows follow its drafts, and bad constraints are clear errors."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from metrale import LLM, SamplingParams, StructuredOutput
+from metrale.default_model import default_model_dir
+from metrale.engine.sequence import ScheduledSeq, Sequence
+from metrale.speculative.drafter import Draft
+from metrale.structured.grammar import GrammarCompiler
+from metrale.structured.masks import apply_grammar_masks
+from tests.test_hybrid_engine import hybrid_dir  # noqa: F401 (a module fixture)
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "ok"],
+    "additionalProperties": False,
+}
+PROMPTS = [
+    "def parse(data):\n    # returns a JSON record\n",
+    "import json\nrecord = ",
+    "class User:\n    def to_json(self):\n        return ",
+    "# config\nsettings = ",
+]
+CONSTRAINTS = {
+    "json": {"json": SCHEMA},
+    "json_object": {"json_object": True},
+    "regex": {"regex": r"[a-z]{2,6}-\d{2,4}"},
+    "choice": {"choice": ["yes", "no", "maybe later"]},
+    "grammar": {"grammar": 'root ::= "(" num ("," num){0,4} ")"\nnum ::= [0-9]{1,3}'},
+}
+
+
+def _valid(kind: str, text: str) -> bool:
+    if kind == "json":
+        try:
+            jsonschema.validate(json.loads(text), SCHEMA)
+        except (ValueError, jsonschema.ValidationError):
+            return False
+        return True
+    if kind == "json_object":
+        try:
+            return isinstance(json.loads(text), dict)
+        except ValueError:
+            return False
+    if kind == "choice":
+        return text in CONSTRAINTS["choice"]["choice"]
+    pattern = {"regex": r"[a-z]{2,6}-\d{2,4}", "grammar": r"\(\d{1,3}(,\d{1,3}){0,4}\)"}[kind]
+    return re.fullmatch(pattern, text) is not None
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return LLM(str(default_model_dir()), device="cpu", spec={"method": "mtp", "num_drafts": 3})
+
+
+@pytest.fixture(scope="module")
+def shipped_ngram():
+    return LLM(str(default_model_dir()), device="cpu", spec={"method": "ngram", "num_drafts": 3})
+
+
+@pytest.mark.parametrize("kind", list(CONSTRAINTS))
+@pytest.mark.parametrize("drafter", ["ngram", "mtp"])
+def test_outputs_match_the_constraint_and_speculation_changes_nothing(request, kind, drafter):
+    llm = request.getfixturevalue("shipped" if drafter == "mtp" else "shipped_ngram")
+    for extra in ({"temperature": 0.0}, {"temperature": 0.9, "seed": 11}):
+        outs = {}
+        for spec in (False, True):
+            params = SamplingParams(
+                max_tokens=96, structured=CONSTRAINTS[kind], speculative=spec, **extra
+            )
+            outs[spec] = llm.generate(PROMPTS, params, use_tqdm=False)
+        for plain, fast in zip(outs[False], outs[True], strict=True):
+            text = plain.outputs[0].text
+            assert fast.outputs[0].token_ids == plain.outputs[0].token_ids
+            if kind == "json_object" and plain.outputs[0].finish_reason == "length":
+                continue  # any object: a small model may go on until max_tokens cuts it
+            assert plain.outputs[0].finish_reason == "stop", (kind, text)
+            assert _valid(kind, text), (kind, text)
+
+
+class Forbidden:
+    """Proposes `}` then `x` at every step: never a valid continuation of an integer."""
+
+    name = "forbidden"
+    needs_hidden = False
+    stateless = True
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        self.proposed = 0
+
+    def propose(self, seqs, max_drafts):
+        self.proposed += len(seqs)
+        return [Draft(self.tokens[:k]) for k in max_drafts]
+
+    def observe(self, verdicts) -> None: ...
+
+    def release(self, seq) -> None: ...
+
+
+@pytest.mark.parametrize("target", ["dense", "hybrid"])
+def test_a_drafter_proposing_forbidden_tokens_changes_nothing(request, target):
+    path = request.getfixturevalue("tiny_model_dir" if target == "dense" else "hybrid_dir")
+    plain_llm = LLM(path, device="cpu")
+    tok = plain_llm.tokenizer
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    params = SamplingParams(temperature=0, max_tokens=12, structured={"regex": r"[0-9]{12}"})
+    ref = plain_llm.generate(prompts, params, use_tqdm=False)
+    bad = tok.encode("x", add_special_tokens=False) + tok.encode("}", add_special_tokens=False)
+    drafter = Forbidden(bad)
+    llm = LLM(path, device="cpu", drafter=drafter, spec={"num_drafts": 2, "dcut": False})
+    out = llm.generate(prompts, params, use_tqdm=False)
+    assert drafter.proposed > 0
+    for a, b in zip(ref, out, strict=True):
+        assert re.fullmatch(r"[0-9]{12}", b.outputs[0].text), b.outputs[0].text
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert b.outputs[0].num_accepted_tokens == 0
+
+
+def test_each_verify_row_is_masked_in_the_state_after_the_drafts_before_it():
+    llm = LLM(str(default_model_dir()), device="cpu")
+    compiler = GrammarCompiler(llm.tokenizer, llm.engine.vocab_size, llm.engine.eos_token_ids)
+    enc = lambda s: llm.tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    vocab = llm.engine.vocab_size
+
+    def entry(drafts: list[int], structured=None) -> ScheduledSeq:
+        seq = Sequence(0, "r", [1, 2], SamplingParams(), 0, (), 0)
+        seq.num_computed_tokens = 1  # its last token and the drafts run
+        if structured is not None:
+            seq.grammar = compiler.matcher(StructuredOutput(**structured))
+        return ScheduledSeq(seq, 1 + len(drafts), drafts)
+
+    digits = enc("12")
+    assert len(digits) >= 1
+    free = entry([5, 6])  # no grammar: its 3 rows stay as they are
+    num = entry(digits + enc("x") + digits[:1], {"regex": r"[0-9]+"})
+    logits = torch.zeros(3 + 1 + len(num.drafts), vocab)
+    apply_grammar_masks([free, num], logits, compiler.vocab_size)
+    assert torch.isfinite(logits[:3]).all()
+    rows = logits[3:]
+    allowed = [set(torch.isfinite(r).nonzero().flatten().tolist()) for r in rows]
+    # row j: after j drafts; digits are allowed at every row up to the forbidden `x` ...
+    for j in range(len(digits) + 1):
+        assert digits[0] in allowed[j] and enc("x")[0] not in allowed[j]
+    # ... EOS only once a digit was committed; rows past the forbidden draft are left as they are
+    eos = llm.engine.eos_token_ids[0]
+    assert eos not in allowed[0] and eos in allowed[len(digits)]
+    assert allowed[len(digits) + 1] == set(range(vocab))
+
+
+@pytest.mark.parametrize(
+    "structured, match",
+    [
+        ({}, "exactly one"),
+        ({"json": {"type": "object"}, "regex": "a"}, "exactly one"),
+        ({"json": "{not json"}, "not valid JSON"),
+        ({"json": [1]}, "JSON object"),
+        ({"choice": []}, "1 to"),
+        ({"choice": "yes"}, "list of strings"),
+        ({"regex": ""}, "non-empty"),
+        ({"colour": "red"}, "unknown"),
+    ],
+)
+def test_bad_constraints_name_the_field(structured, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(structured=structured)
+
+
+@pytest.mark.parametrize(
+    "structured",
+    [
+        {"json": {"type": "foo"}},
+        {"regex": "(["},
+        {"grammar": "root ::= missing"},
+        {"json": {"type": "array", "uniqueItems": True}},
+    ],
+)
+def test_constraints_that_do_not_compile_are_refused_at_submission(shipped_ngram, structured):
+    with pytest.raises(ValueError, match="structured: "):
+        shipped_ngram.generate(["x"], SamplingParams(structured=structured), use_tqdm=False)
+    # nothing was left behind: the next request runs
+    out = shipped_ngram.generate(["x"], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
