@@ -196,3 +196,15 @@ def test_constraints_that_do_not_compile_are_refused_at_submission(shipped_ngram
     # nothing was left behind: the next request runs
     out = shipped_ngram.generate(["x"], SamplingParams(max_tokens=2), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_a_schema_compiles_once_and_each_sequence_gets_its_own_state(shipped_ngram):
+    compiler = shipped_ngram.engine.grammars
+    structured = StructuredOutput(regex=r"[0-9]{4}")
+    first = compiler.matcher(structured)
+    pristine = compiler._compiled[structured.grammar_text()]
+    second = compiler.matcher(structured)
+    assert compiler._compiled[structured.grammar_text()] is pristine  # not compiled again
+    digit = shipped_ngram.tokenizer.encode("7", add_special_tokens=False)
+    assert first.advance(digit * 4) and first.finished
+    assert not second.finished and second.valid_prefix(digit * 5) == 4

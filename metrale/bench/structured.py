@@ -47,10 +47,11 @@ SCHEMAS = [
         "additionalProperties": False,
     },
 ]
-# Inside a string every step, so every row is masked and nothing completes early.
+# Inside a string every step (which only a control character would end), so every row is
+# masked and nothing completes early.
 LONG_STRING = {
     "type": "object",
-    "properties": {"text": {"type": "string", "minLength": 4096}},
+    "properties": {"text": {"type": "string", "pattern": "^[a-z ]*\u0001$"}},
     "required": ["text"],
 }
 

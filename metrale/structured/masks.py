@@ -68,10 +68,10 @@ def apply_grammar_masks(entries, logits: torch.Tensor, grammar_vocab: int) -> No
         shifts = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
     bits = bitmask.to(device, non_blocking=pin)
     allowed = ((bits.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)[:, :vocab].bool()
-    index = torch.tensor(rows, device="cpu").to(device, non_blocking=pin)
     if len(rows) == logits.shape[0]:
         logits.masked_fill_(~allowed, float("-inf"))
     else:
+        index = torch.tensor(rows, pin_memory=pin).to(device, non_blocking=pin)
         logits.index_copy_(
             0, index, logits.index_select(0, index).masked_fill(~allowed, -torch.inf)
         )
