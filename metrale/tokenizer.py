@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -192,6 +193,12 @@ class Tokenizer:
     @property
     def has_chat_template(self) -> bool:
         return bool(self.chat_template)
+
+    def template_reads(self, variable: str) -> bool:
+        """Whether the chat template picked when tools are given mentions `variable` (`tools`:
+        it renders the tools itself; `tool_calls`: it renders assistant turns' calls)."""
+        source = _pick_template(self.chat_template, True)
+        return bool(source) and re.search(rf"\b{re.escape(variable)}\b", source) is not None
 
     @property
     def backend(self) -> tokenizers.Tokenizer:

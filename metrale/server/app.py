@@ -48,6 +48,8 @@ from metrale.server.response_schemas import (
 from metrale.server.routing import ERROR_RESPONSES, document, json_body_route, validation_error
 from metrale.server.schemas import ChatCompletionRequest, CompletionRequest
 from metrale.server.streaming import StreamStyle, sse_events
+from metrale.server.tool_parser import ToolParsing
+from metrale.server.tools import ToolPlan, plan_tools
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +170,7 @@ def create_app(
         except ValueError as e:
             field = str(e).split(":", 1)[0].split(" ", 1)[0]
             if field == "structured":  # the output constraint does not compile
-                field = body.structured_field()
+                field = body.structured_field() or "tools"  # (else a tool_choice's grammar)
                 message = f"{field}: {str(e).split(':', 1)[1].strip()}"
                 raise APIError(message, field) from None
             raise APIError(str(e), field if field.isidentifier() else "prompt") from None
@@ -288,16 +290,18 @@ def create_app(
         params = sampling_params(body, engine.tokenizer.sampling_defaults)
         variables = body.chat_template_kwargs or {}
 
-        def render() -> tuple[list[int], bool]:
-            """The prompt's token ids, and whether it leaves a thinking block open (on a worker
-            thread: templating and tokenising)."""
+        def render() -> tuple[list[int], bool, ToolPlan]:
+            """The prompt's token ids, whether it leaves a thinking block open, and what its
+            tools do (on a worker thread: templating, tokenising, compiling a tool grammar)."""
+            plan = plan_tools(body, engine.tokenizer, engine.grammars)
             messages = [m.for_template() for m in body.messages]
+            messages, tools = plan.render(messages, engine.tokenizer)
             chars = sum(len(m["content"]) for m in messages)
             if chars > engine.max_model_len * engine.tokenizer.max_token_chars:
                 raise APIError(f"messages: {chars} characters cannot fit the context", "messages")
             try:
                 text = engine.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, **variables
+                    messages, add_generation_prompt=True, tools=tools, **variables
                 )
                 text.encode("utf-8")
             except Exception as e:  # noqa: BLE001 (a template fails as it fails: the input's fault)
@@ -305,14 +309,23 @@ def create_app(
             ids = engine.tokenizer.encode(text, add_special_tokens=False)
             if not ids:
                 raise APIError("messages: the chat template rendered nothing", "messages")
-            return ids, reasoning and opens_block(text)
+            return ids, reasoning and opens_block(text), plan
 
-        ids, opened = await asyncio.to_thread(render)
+        ids, opened, plan = await asyncio.to_thread(render)
+        params = plan.apply(params)
         ids = await validate(ids, params, body)
         request_id = loop.new_id("chatcmpl")
-        return await respond(request, body, request_id, ids, params, opened)
+        return await respond(request, body, request_id, ids, params, opened, plan.parsing)
 
-    async def respond(request, body, request_id, ids, params, opened: bool = False):
+    async def respond(
+        request,
+        body,
+        request_id,
+        ids,
+        params,
+        opened: bool = False,
+        tools: ToolParsing | None = None,
+    ):
         chat = isinstance(body, ChatCompletionRequest)
         queue = submit(request_id, ids, params)
         try:
@@ -328,13 +341,16 @@ def create_app(
                     bool(body.echo),
                     style,
                     opened,
+                    tools,
                 )
                 return StreamingResponse(stream, media_type="text/event-stream")
             final = await final_output(request, request_id, queue)
             if final is None:  # the client went away; its request is aborted
                 return Response(status_code=499)
             if chat:
-                return chat_response(final, request_id, params, model_name, reasoning, opened)
+                return chat_response(
+                    final, request_id, params, model_name, reasoning, opened, tools
+                )
             return completion_response(
                 [final], request_id, params, engine.tokenizer, model_name, bool(body.echo)
             )

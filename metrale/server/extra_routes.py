@@ -1,5 +1,6 @@
 """The server's smaller endpoints, vLLM's: `/version`, `/v1/models[/{id}]`, `/tokenize` and
-`/detokenize` (text or chat messages to token ids and back, with the model's tokenizer)."""
+`/detokenize` (text or chat messages, with their tools, to token ids and back, with the model's
+tokenizer)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from metrale.server.response_schemas import (
     VersionResponse,
 )
 from metrale.server.schemas import DetokenizeRequest, TokenizeRequest
+from metrale.server.tools import render_tools
 
 
 def add_extra_routes(app: FastAPI, engine, model_name: str) -> None:
@@ -48,7 +50,10 @@ def add_extra_routes(app: FastAPI, engine, model_name: str) -> None:
 
             def render() -> list[int]:
                 messages = [m.for_template() for m in body.messages]
-                text = tok.apply_chat_template(messages, add_generation_prompt=True, **variables)
+                messages, tools = render_tools(messages, body.tools, tok)
+                text = tok.apply_chat_template(
+                    messages, add_generation_prompt=True, tools=tools, **variables
+                )
                 return tok.encode(text, add_special_tokens=False)
 
         else:

@@ -28,9 +28,11 @@ from metrale.server.response_schemas import (
     ErrorResponse,
     MetraleStats,
     SpeculativeStats,
+    ToolCallOut,
     TopLogprob,
     Usage,
 )
+from metrale.server.tool_parser import ToolParsing
 
 # Which build answered (OpenAI's field): the version, so clients can tell engines apart.
 SYSTEM_FINGERPRINT = f"metrale-{__version__}"
@@ -133,6 +135,12 @@ def chat_logprobs(c: CompletionOutput, k: int, start: int = 0) -> ChatLogprobs |
     return ChatLogprobs(content=content)
 
 
+def tool_calls_finish(finish_reason: str | None) -> str | None:
+    """An answer that made tool calls and ended by itself finishes with "tool_calls" (one cut
+    short keeps "length", as an aborted one keeps "abort")."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
 def now() -> int:
     return int(time.time())
 
@@ -179,18 +187,27 @@ def chat_response(
     model_name: str,
     reasoning: bool = False,
     opened: bool = False,
+    tools: ToolParsing | None = None,
 ) -> ChatCompletionResponse:
     """The chat response of a finished request; `reasoning`: the answer's thinking goes to
-    `reasoning_content` (`reasoning.py`; `opened`: the prompt opened the block)."""
+    `reasoning_content` (`reasoning.py`; `opened`: the prompt opened the block); `tools`: the
+    answer's tool calls go to `tool_calls` (`tool_parser.py`), after the thinking is split."""
     k = params.logprobs or 0
     choices = []
     for c in out.outputs:
         thought, content = split_whole(c.text, opened) if reasoning else (None, c.text)
+        calls, finish = None, c.finish_reason
+        if tools is not None:
+            content, parsed = tools.split(content)
+            if parsed:
+                calls = [ToolCallOut(**call.as_openai()) for call in parsed]
+                finish = tool_calls_finish(finish)
+        message = ChatResponseMessage(content=content, reasoning_content=thought, tool_calls=calls)
         choice = ChatChoice(
             index=c.index,
-            message=ChatResponseMessage(content=content, reasoning_content=thought),
+            message=message,
             logprobs=chat_logprobs(c, k),
-            finish_reason=c.finish_reason,
+            finish_reason=finish,
             stop_reason=c.stop_reason,
         )
         choices.append(choice)

@@ -89,12 +89,28 @@ class ChatLogprobs(_Body):
     content: list[ChatTokenLogprob]
 
 
+class FunctionCallOut(_Body):
+    name: str
+    arguments: str = Field(description="the arguments object as JSON text")
+
+
+class ToolCallOut(_Body):
+    """A tool call the answer made (`tool_parser.py`)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatResponseMessage(_Body):
+    _omit_none = frozenset({"tool_calls"})
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None = Field(description="null when the answer is only tool calls")
     reasoning_content: str | None = Field(
         None, description="the model's thinking, with --reasoning-parser"
     )
+    tool_calls: list[ToolCallOut] | None = Field(None, description="left out when none")
 
 
 class ChatChoice(_Body):
@@ -105,14 +121,21 @@ class ChatChoice(_Body):
     stop_reason: int | str | None = None
 
 
+class ToolCallDelta(ToolCallOut):
+    index: int = Field(description="the call's place among the answer's calls, from 0")
+
+
 class ChatDelta(_Body):
     """What a stream chunk adds to a chat choice: only the fields it has."""
 
-    _omit_none = frozenset({"role", "content", "reasoning_content"})
+    _omit_none = frozenset({"role", "content", "reasoning_content", "tool_calls"})
 
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = Field(
+        None, description="each call whole, in the chunk where its text ends"
+    )
 
 
 class ChatStreamChoice(_Body):

@@ -29,15 +29,19 @@ from pydantic import (
 
 from metrale.sampling_params import SamplingParams
 from metrale.server.structured_schemas import StructuredFields
+from metrale.server.tools import Tool, ToolFields
 
 # Fields refused until supported (never silently ignored), with the values that mean "not used".
 # To support one, drop it here and give its field below a real type.
 NOT_SUPPORTED: dict[str, tuple] = {
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "functions": ([],),
+    "functions": ([],),  # OpenAI's deprecated forms of tools and tool_choice
     "function_call": ("none",),
     "suffix": ("",),
+}
+# Chat's tool fields (`tools.py`), refused on completions likewise.
+CHAT_ONLY: dict[str, tuple] = {
+    "tools": ([],),
+    "tool_choice": ("none",),
     "parallel_tool_calls": (True, False),
 }
 
@@ -136,7 +140,7 @@ class FunctionCall(BaseModel):
 
 
 class ToolCall(BaseModel):
-    """A call an earlier assistant turn made (history only: this server makes none)."""
+    """A call an earlier assistant turn made."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -231,11 +235,8 @@ class _GenerationRequest(StructuredFields, _Body):
     stream_options: StreamOptions | None = None
     speculative: SpeculativeOptions | None = None
     # not supported yet (NOT_SUPPORTED): refused unless absent or "not used"
-    tools: Any = _not_yet()
-    tool_choice: Any = _not_yet()
     functions: Any = _not_yet()
     function_call: Any = _not_yet()
-    parallel_tool_calls: Any = _not_yet()
     suffix: Any = _not_yet()
 
     @field_validator(*NOT_SUPPORTED, mode="before")
@@ -284,6 +285,16 @@ class CompletionRequest(_GenerationRequest):
     ]
     logprobs: StrictInt | None = Field(None, description="how many top logprobs per token")
     echo: StrictBool | None = Field(None, description="the prompt before each completion")
+    tools: Any = Field(None, description="chat completions only: refused unless unused")
+    tool_choice: Any = Field(None, description="chat completions only: refused unless unused")
+    parallel_tool_calls: Any = Field(None, description="chat completions only")
+
+    @field_validator(*CHAT_ONLY, mode="before")
+    @classmethod
+    def _chat_only(cls, value, info: ValidationInfo):
+        if value is not None and value not in CHAT_ONLY[info.field_name]:
+            raise ValueError("supported by chat completions only")
+        return value
 
     @field_validator("echo")
     @classmethod
@@ -307,8 +318,8 @@ class CompletionRequest(_GenerationRequest):
         return [prompt]
 
 
-class ChatCompletionRequest(_GenerationRequest):
-    """`POST /v1/chat/completions`."""
+class ChatCompletionRequest(_GenerationRequest, ToolFields):
+    """`POST /v1/chat/completions` (its tool fields: `tools.py`)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(None, description="over max_tokens if both")
@@ -353,6 +364,7 @@ class TokenizeRequest(_Body):
     model: StrictStr | None = _model()
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     chat_template_kwargs: TemplateKwargs | None = None
+    tools: list[Tool] | None = Field(None, description="rendered with the messages")
     prompt: StrictStr | None = Field(None, validate_default=True)
     add_special_tokens: StrictBool = True
 

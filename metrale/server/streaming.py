@@ -1,7 +1,8 @@
 """A streamed completion or chat completion as server-sent events: one chunk per engine output
 that changed a choice (its text delta, logprobs, finish and stop reasons; for chat the role
-first and, with a reasoning parser, thinking as `reasoning_content`), the usage chunk when asked
-for, then `[DONE]`. One `created` for every chunk of a stream."""
+first and, with a reasoning parser, thinking as `reasoning_content`; with tools, each tool call
+whole as a `tool_calls` delta), the usage chunk when asked for, then `[DONE]`. One `created`
+for every chunk of a stream."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from metrale.server.protocol import (
     now,
     prompt_text,
     spec_stats,
+    tool_calls_finish,
     usage,
 )
 from metrale.server.reasoning import ThinkSplitter
@@ -24,7 +26,9 @@ from metrale.server.response_schemas import (
     ChatStreamChoice,
     CompletionChoice,
     CompletionStreamChunk,
+    ToolCallDelta,
 )
+from metrale.server.tool_parser import ToolParsing
 
 
 @dataclass(frozen=True)
@@ -46,9 +50,11 @@ async def sse_events(
     echo: bool,
     style: StreamStyle,
     opened: bool = False,
+    tools: ToolParsing | None = None,
 ) -> AsyncIterator[str]:
     """`events`: the request's RequestOutputs (ending the iteration early aborts it);
-    `opened`: the chat prompt opened a thinking block (`reasoning.py`)."""
+    `opened`: the chat prompt opened a thinking block (`reasoning.py`); `tools`: the answer's
+    tool calls are sent as `tool_calls` deltas (`tool_parser.py`), after thinking is split."""
     chunk_type = ChatCompletionStreamChunk if chat else CompletionStreamChunk
     k, created = params.logprobs or 0, now()  # one `created` for every chunk of a stream
 
@@ -69,6 +75,9 @@ async def sse_events(
     thinking = None
     if style.reasoning and chat:
         thinking = [ThinkSplitter(opened) for _ in range(params.n)]
+    calling = None
+    if tools is not None and chat:
+        calling = [tools.splitter() for _ in range(params.n)]
     final = None
     async for out in events:
         final = out
@@ -79,19 +88,31 @@ async def sse_events(
             if done[c.index] or not (c.delta_text or c.finish_reason or c.delta_token_ids):
                 continue
             if chat:
-                think, text = None, c.delta_text
+                ends, finish = c.finish_reason is not None, c.finish_reason
+                think, text, calls = None, c.delta_text, None
                 if thinking is not None:
-                    think, text = thinking[c.index].feed(text, c.finish_reason is not None)
+                    think, text = thinking[c.index].feed(text, ends)
+                if calling is not None:
+                    splitter = calling[c.index]
+                    first = splitter.count
+                    text, parsed = splitter.feed(text, ends)
+                    calls = [
+                        ToolCallDelta(index=first + i, **call.as_openai())
+                        for i, call in enumerate(parsed)
+                    ]
+                    if splitter.count:
+                        finish = tool_calls_finish(finish)
                 delta = ChatDelta(
                     role="assistant" if sent[c.index] == 0 else None,
-                    content=text if text or not think else None,
+                    content=text if text or not (think or calls) else None,
                     reasoning_content=think or None,
+                    tool_calls=calls or None,
                 )
                 choice = ChatStreamChoice(
                     index=c.index,
                     delta=delta,
                     logprobs=chat_logprobs(c, k, sent[c.index]),
-                    finish_reason=c.finish_reason,
+                    finish_reason=finish,
                     stop_reason=c.stop_reason,
                 )
             else:
