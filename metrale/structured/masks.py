@@ -18,6 +18,19 @@ import torch
 
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 _EXECUTOR: llguidance.LLExecutor | None = None
+# The host bitmask, kept and grown: a new pinned buffer every step cost more than the fill.
+# NOTE: reused by the next step, by when this step's copy has landed (each step reads its
+# verdicts back before the next one starts).
+_HOST: dict[tuple[int, bool], torch.Tensor] = {}
+
+
+def _host_bitmask(rows: int, vocab: int, pin: bool) -> torch.Tensor:
+    buf = _HOST.get((vocab, pin))
+    if buf is None or buf.shape[0] < rows:
+        with torch.inference_mode(False):  # a normal tensor: written in and out of the mode
+            buf = llgt.allocate_token_bitmask(max(rows, 64), vocab)
+            _HOST[vocab, pin] = buf = buf.pin_memory() if pin else buf
+    return buf[:rows]
 
 
 def _executor() -> llguidance.LLExecutor:
@@ -51,9 +64,7 @@ def apply_grammar_masks(entries, logits: torch.Tensor, grammar_vocab: int) -> No
         return
     vocab = logits.shape[-1]
     pin = logits.device.type == "cuda"
-    bitmask = llgt.allocate_token_bitmask(len(rows), grammar_vocab)
-    if pin:
-        bitmask = bitmask.pin_memory()
+    bitmask = _host_bitmask(len(rows), grammar_vocab, pin)
     bitmask.fill_(-1)  # all allowed: rows past a forbidden draft stay so
     # llguidance takes the rows without drafts and those with apart
     plain = [(m, row) for m, row, drafts in items if not drafts]
