@@ -154,6 +154,12 @@ class SamplingParams:
         ):
             raise ValueError(f"num_drafts must be an integer >= 0, got {self.num_drafts!r}")
         set_("structured", StructuredOutput.coerce(self.structured))
+        if self.structured is not None and self.min_tokens:
+            # the mask may leave only the ends the ban removes: nothing could be sampled
+            raise ValueError(
+                "min_tokens: not supported with structured output (its grammar decides where "
+                "the text ends)"
+            )
         if self.logprobs is not None and (
             isinstance(self.logprobs, bool)
             or not isinstance(self.logprobs, int)

@@ -136,3 +136,29 @@ def test_drafting_that_costs_more_than_it_buys_decodes_plainly(request, target):
     # priced at nothing, every step speculates: about TOKENS / 4 per step
     assert verified[100.0] >= TOKENS // 4 - 2
     assert llm.engine.spec.host.seconds(4) == pytest.approx(0.02, rel=0.5)
+
+
+class Sparse(SlowReplay):
+    """Takes the same host time for every sequence it is asked about, and drafts for one."""
+
+    def propose(self, seqs, max_drafts):
+        drafts = super().propose(seqs, max_drafts)
+        return [d if i == 0 else type(d)([]) for i, d in enumerate(drafts)]
+
+
+def test_host_work_is_counted_per_sequence_asked_not_per_draft_returned(tiny_model_dir):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    reference = LLM(tiny_model_dir, device="cpu").generate(PROMPTS, params, use_tqdm=False)
+    continuations = {
+        tuple(p): o.outputs[0].token_ids for p, o in zip(PROMPTS, reference, strict=True)
+    }
+    llm = LLM(
+        tiny_model_dir,
+        device="cpu",
+        drafter=Sparse(continuations, 0.004),
+        spec={"num_drafts": 3, "dcut": False},
+    )
+    out = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in reference]
+    host = llm.engine.spec.host
+    assert host.seconds(4) is not None and host.seconds(1) is None

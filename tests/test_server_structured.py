@@ -119,6 +119,10 @@ def test_json_object_and_text_formats(client):
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ({"guided_json": "{oops"}, "guided_json"),
         ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+        ({"guided_regex": ""}, "guided_regex"),
+        ({"guided_grammar": "  "}, "guided_grammar"),
+        ({"structured_outputs": {"choice": [""]}}, "structured_outputs"),
+        ({"guided_choice": ["a"], "min_tokens": 3}, "min_tokens"),
     ],
 )
 def test_bad_constraints_are_400s_naming_the_field(server, body, param):
@@ -127,6 +131,7 @@ def test_bad_constraints_are_400s_naming_the_field(server, body, param):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert len(error["message"]) > len(param) + 8, error  # says what is wrong
     ok = httpx.post(
         server.url + "/v1/completions",
         json={"model": "tiny", "prompt": "x", "max_tokens": 2},

@@ -173,6 +173,7 @@ def test_each_verify_row_is_masked_in_the_state_after_the_drafts_before_it():
         ({"choice": []}, "1 to"),
         ({"choice": "yes"}, "list of strings"),
         ({"regex": ""}, "non-empty"),
+        ({"grammar": "  "}, "grammar"),
         ({"colour": "red"}, "unknown"),
     ],
 )
@@ -208,3 +209,19 @@ def test_a_schema_compiles_once_and_each_sequence_gets_its_own_state(shipped_ngr
     digit = shipped_ngram.tokenizer.encode("7", add_special_tokens=False)
     assert first.advance(digit * 4) and first.finished
     assert not second.finished and second.valid_prefix(digit * 5) == 4
+
+
+def test_min_tokens_is_refused_and_a_single_space_is_a_regex():
+    with pytest.raises(ValueError, match="^min_tokens"):
+        SamplingParams(structured={"regex": "a+"}, min_tokens=2)
+    assert SamplingParams(structured={"regex": " "}).structured.regex == " "
+
+
+def test_logprobs_never_list_forbidden_tokens(shipped_ngram):
+    params = SamplingParams(
+        temperature=0, max_tokens=8, logprobs=5, structured={"choice": ["yes", "no"]}
+    )
+    out = shipped_ngram.generate(["answer: "], params, use_tqdm=False)[0].outputs[0]
+    assert out.text in ("yes", "no") and out.logprobs
+    for entry in out.logprobs:
+        assert all(lp.logprob > float("-inf") for lp in entry.values())

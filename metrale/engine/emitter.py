@@ -38,6 +38,8 @@ class Emitter:
                 token.token_id: Logprob(token.logprob, token.rank, self._piece(token.token_id))
             }
             for rank, (tok, lp) in enumerate(token.top or [], start=1):
+                if lp == float("-inf"):  # a token a structured output's grammar forbids
+                    continue
                 entry.setdefault(tok, Logprob(lp, rank, self._piece(tok)))
             seq.logprobs.append(entry)
         reason, stop_reason, new_text = check_stop(

@@ -6,6 +6,7 @@ each becomes a `StructuredOutput` (the engine then checks that it compiles: an i
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import (
@@ -106,7 +107,7 @@ class StructuredFields(BaseModel):
             kind = field.removeprefix("guided_")
             return StructuredOutput(**{kind: value})
         except ValueError as e:
-            message = str(e)
-            if message.startswith("structured"):  # StructuredOutput's own field names
-                message = message.split(":", 1)[1].strip()
+            # StructuredOutput names its own fields ("structured.regex ...", "structured: ..."):
+            # the body's field is the one to name
+            message = re.sub(r"^structured(\.\w+)?:?\s*", "", str(e))
             raise ValueError(f"{field}: {message}") from None

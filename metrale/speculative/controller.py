@@ -102,6 +102,7 @@ class SpeculativeDecoder:
         # seq_id -> (real drafts verified this step, the first draft proposed): padding is kept
         # out of the estimates, and a sequence cut to depth 0 still learns from its first draft.
         self._proposed: dict[int, tuple[int, int | None]] = {}
+        self._asked = 0
         self._steps = 0
         # the running sequences of the last step D-Cut planned at depth 0 everywhere, while no
         # estimate has changed since (None: plan again)
@@ -128,7 +129,7 @@ class SpeculativeDecoder:
             self._quiet = self._last_plan = None  # an estimate went stale: plan afresh
         start = time.perf_counter()
         failed = self._prepare(running)
-        self.host.spent(time.perf_counter() - start, len(self._proposed))
+        self.host.spent(time.perf_counter() - start, self._asked)
         return failed
 
     def _prepare(self, running: list[Sequence]) -> list[tuple[Sequence, str]]:
@@ -147,6 +148,7 @@ class SpeculativeDecoder:
                 seqs.append(seq)
                 caps.append(cap)
         self._proposed = {}
+        self._asked = 0  # sequences the drafter is asked for (what its host work scales with)
         self._steps += 1
         planned = False  # caps are depths D-Cut already chose
         if self.cfg.dcut and seqs:
@@ -156,6 +158,7 @@ class SpeculativeDecoder:
         self.observing = bool(seqs) or not getattr(self.drafter, "stateless", False)
         if not seqs:
             return []
+        self._asked = len(seqs)
         drafts, failed = self._propose(seqs, caps)
         live = [
             (s, _grammar_cut(s, d))
@@ -219,6 +222,8 @@ class SpeculativeDecoder:
     def _hopeless(self, seqs: list[Sequence], caps: list[int]) -> bool:
         """Whether the drafter's measured host work costs more than the most tokens drafting
         could buy: D-Cut plans depth 0 everywhere even if every draft would be accepted."""
+        if not self.host.enabled or self.cost.plain_seconds(len(seqs)) is None:
+            return False
         perfect = [PlanInput(s.slot, c, [1.0] * c) for s, c in zip(seqs, caps, strict=True)]
         return drafting_loses(
             plan(perfect, self.cost, self.cfg.dcut_width_cap), self.cost, self.host

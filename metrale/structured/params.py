@@ -49,10 +49,12 @@ class StructuredOutput:
             if not isinstance(schema, dict):
                 raise ValueError(f"structured.json: a schema is a JSON object, got {schema!r}")
             object.__setattr__(self, "json", schema)
-        for name in ("regex", "grammar"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value.strip()):
-                raise ValueError(f"structured.{name} must be a non-empty string, got {value!r}")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError(f"structured.regex must be a non-empty string, got {self.regex!r}")
+        if self.grammar is not None and (
+            not isinstance(self.grammar, str) or not self.grammar.strip()
+        ):
+            raise ValueError(f"structured.grammar must be a grammar, got {self.grammar!r}")
         if self.choice is not None:
             if isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)):
                 raise ValueError(f"structured.choice must be a list of strings: {self.choice!r}")
