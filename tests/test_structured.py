@@ -132,6 +132,23 @@ def test_a_drafter_proposing_forbidden_tokens_changes_nothing(request, target):
         assert b.outputs[0].num_accepted_tokens == 0
 
 
+@pytest.mark.parametrize("target", ["dense", "hybrid"])
+def test_tokens_the_grammar_forces_are_drafted_and_accepted(request, target):
+    """A drafter that knows nothing of the grammar still gets verifies full of accepted drafts
+    where the grammar leaves one way on (here: one long choice)."""
+    path = request.getfixturevalue("tiny_model_dir" if target == "dense" else "hybrid_dir")
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    params = SamplingParams(temperature=0, max_tokens=24, structured={"choice": ["abcabcabcabc"]})
+    ref = LLM(path, device="cpu").generate(prompts, params, use_tqdm=False)
+    drafter = Forbidden([3, 4])
+    llm = LLM(path, device="cpu", drafter=drafter, spec={"num_drafts": 3, "dcut": False})
+    out = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(ref, out, strict=True):
+        assert b.outputs[0].text == "abcabcabcabc"
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert b.outputs[0].num_accepted_tokens >= len(b.outputs[0].token_ids) // 2
+
+
 def test_each_verify_row_is_masked_in_the_state_after_the_drafts_before_it():
     llm = LLM(str(default_model_dir()), device="cpu")
     compiler = GrammarCompiler(llm.tokenizer, llm.engine.vocab_size, llm.engine.eos_token_ids)

@@ -66,12 +66,18 @@ def pad_draft(draft: Draft, depth: int, vocab_size: int) -> Draft:
     return Draft(draft.tokens + [filler] * extra, probs)
 
 
-def _grammar_cut(seq: Sequence, draft: Draft) -> Draft:
-    """The draft up to its first token the sequence's grammar forbids: a row past it could only
-    be rejected (the verify masks it too, so this saves rows, not correctness)."""
+def _grammar_drafts(seq: Sequence, draft: Draft, cap: int) -> Draft:
+    """Under a grammar: the draft up to its first token the grammar forbids (a row past it
+    could only be rejected; the verify masks it too), or the tokens the grammar forces next
+    when they reach further (JSON keys and punctuation the drafter cannot know about: the
+    target, masked, can emit nothing else)."""
     if seq.grammar is None:
         return draft
-    return draft.truncate(seq.grammar.valid_prefix(draft.tokens))
+    valid = seq.grammar.valid_prefix(draft.tokens)
+    forced = seq.grammar.forced(cap)
+    if len(forced) > valid:
+        return Draft(forced)
+    return draft.truncate(valid)
 
 
 class SpeculativeDecoder:
@@ -161,9 +167,9 @@ class SpeculativeDecoder:
         self._asked = len(seqs)
         drafts, failed = self._propose(seqs, caps)
         live = [
-            (s, _grammar_cut(s, d))
-            for s, d in zip(seqs, drafts, strict=True)
-            if d is not None and d.tokens
+            (s, _grammar_drafts(s, d, c))
+            for s, d, c in zip(seqs, drafts, caps, strict=True)
+            if d is not None
         ]
         live = [(s, d) for s, d in live if d.tokens]
         for seq, draft in live:

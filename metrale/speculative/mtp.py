@@ -64,7 +64,7 @@ class MTPDrafter:
         # token at p + 2), rows the last chain wrote (positions p + 1 .. p + chain_rows)]. On
         # the device, by state slot: that row's next_hidden and the first draft it predicts, so
         # observe writes and propose reads every sequence's state with one indexed copy.
-        self._pos: dict[int, list[int]] = {}
+        self._pos: dict[int, list] = {}
         hidden_size = runner.model.config.hidden_size
         # one entry past the slots: the catch-up programs' padding sequences write there
         self._hidden = torch.zeros(
@@ -183,8 +183,12 @@ class MTPDrafter:
                         "MTP_REFEED pos=%d fp=%016x", v.first_position + t, hidden_fingerprint(h)
                     )
             return hidden, v.first_position
-        # The chain's rows for accepted drafts hold the right tokens; keep them.
-        keep = min(v.num_accepted, state[1])
+        # The chain's rows for accepted drafts hold the right tokens; keep them, as far as
+        # the verified drafts are the chain's own (the controller may have replaced them: a
+        # grammar's forced tokens).
+        keep, chain = 0, state[2] if len(state) > 2 else ()
+        while keep < min(v.num_accepted, state[1]) and v.drafts[keep] == chain[keep]:
+            keep += 1
         return v.hidden[keep:], v.first_position + keep
 
     @torch.inference_mode()
@@ -223,7 +227,7 @@ class MTPDrafter:
         table = [rows[seq.seq_id] for _, seq, _, _ in live]
         for (i, _, k, state), row in zip(live, table, strict=True):
             drafts[i] = Draft(row[:k])
-            state[1] = k - 1
+            state[1:] = [k - 1, row[: k - 1]]  # the chain's rows and the tokens they hold
         return drafts
 
     def _chain_now(self, live) -> list[list[int]]:

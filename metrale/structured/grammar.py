@@ -27,6 +27,11 @@ class SequenceGrammar:
         """How many of `tokens` (drafts after the committed state) the grammar allows in order."""
         return self.matcher.validate_tokens(tokens) if tokens else 0
 
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces next (a JSON schema's keys and punctuation):
+        the target can emit nothing else, so they are drafts that are always accepted."""
+        return self.matcher.compute_ff_tokens()[:limit] if limit > 0 else []
+
     def advance(self, tokens: list[int]) -> bool:
         """Commit emitted tokens; False if the grammar refuses one (the state is then an error)."""
         return all(self.matcher.consume_token(t) for t in tokens)
