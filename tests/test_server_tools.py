@@ -226,6 +226,7 @@ BAD = [
     ),
     ({"tools": TOOLS, "tool_choice": NAMED, "guided_regex": "a+"}, "tool_choice"),
     ({"functions": [{"name": "f"}]}, "functions"),
+    ({"tools": TOOLS, "tool_choice": "required", "min_tokens": 2}, "min_tokens"),
 ]
 
 
@@ -327,6 +328,13 @@ TEXTS = [
     "   \n",
     "<tool_cal",
     "",
+    # the closing tag inside an argument string, then more text
+    '<tool_call>\n{"name": "add", "arguments": {"a": "x</tool_call>y"}}\n</tool_call> ok',
+    # what JSON or UTF-8 cannot carry back: no call
+    '<tool_call>\n{"name": "add", "arguments": {"a": 1e999}}\n</tool_call>',
+    '<tool_call>\n{"name": "add", "arguments": {"a": "\\ud800"}}\n</tool_call>',
+    # a malformed block, then a good one
+    '<tool_call>\n{"name": oops}\n</tool_call>\n' + CALL_A,
 ]
 
 
@@ -344,6 +352,15 @@ def test_whole_texts_split_into_content_and_calls():
     assert split_tool_calls("   \n", NAMES) == (None, [])
     call = '<tool_call>\n{"name": "add"}\n</tool_call>'  # no arguments: {}
     assert split_tool_calls(call, NAMES)[1][0].arguments == "{}"
+
+
+def test_calls_that_would_not_serialise_stay_text_and_a_tag_in_a_string_is_no_end():
+    content, calls = split_tool_calls(TEXTS[12], NAMES)
+    assert content == " ok" and json.loads(calls[0].arguments) == {"a": "x</tool_call>y"}
+    for text in TEXTS[13:15]:
+        assert split_tool_calls(text, NAMES) == (text, [])
+    content, calls = split_tool_calls(TEXTS[15], NAMES)
+    assert content.startswith("<tool_call>") and [c.name for c in calls] == ["add"]
 
 
 def test_a_tag_split_across_chunks_is_held_back():

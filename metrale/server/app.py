@@ -312,7 +312,11 @@ def create_app(
             return ids, reasoning and opens_block(text), plan
 
         ids, opened, plan = await asyncio.to_thread(render)
-        params = plan.apply(params)
+        try:
+            params = plan.apply(params)
+        except ValueError as e:  # the tool choice's constraint and the body's other fields
+            field = str(e).split(":", 1)[0]
+            raise APIError(str(e), field if field in type(body).model_fields else None) from None
         ids = await validate(ids, params, body)
         request_id = loop.new_id("chatcmpl")
         return await respond(request, body, request_id, ids, params, opened, plan.parsing)

@@ -56,9 +56,31 @@ def parse_call(body: str, names: frozenset[str]) -> ParsedCall | None:
     arguments = call.get("arguments", {})
     if not isinstance(arguments, dict):
         return None
-    return ParsedCall(
-        call["name"], json.dumps(arguments, ensure_ascii=False), f"call_{uuid.uuid4().hex}"
-    )
+    try:  # what JSON and UTF-8 cannot carry (1e999, a lone surrogate escape) is no call
+        text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        text.encode("utf-8")
+    except (ValueError, UnicodeEncodeError):
+        return None
+    return ParsedCall(call["name"], text, f"call_{uuid.uuid4().hex}")
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _block_end(buf: str) -> int:
+    """Where the closing tag of the block `buf` holds (after its `<tool_call>`) starts: after
+    the JSON value at its start, so a string in the arguments may hold the tag; -1 while no
+    JSON value followed by the tag is there (yet)."""
+    body = buf.lstrip()
+    try:
+        _, n = _DECODER.raw_decode(body)
+    except ValueError:
+        return -1
+    rest = body[n:]
+    tail = rest.lstrip()
+    if not tail.startswith(CLOSE):
+        return -1
+    return len(buf) - len(body) + n + len(rest) - len(tail)
 
 
 class ToolCallSplitter:
@@ -91,13 +113,16 @@ class ToolCallSplitter:
                     break
                 content += buf[:start]
                 buf, self.state = buf[start + len(OPEN) :], "call"
-            end = buf.find(CLOSE)
+            end = _block_end(buf)
             if end < 0:
-                if final:  # never closed: the block stays text
-                    content += OPEN + buf
-                else:
+                if not final:  # the JSON may still be coming
                     self.held = buf
-                break
+                    break
+                # It never parsed: text, up to the first closing tag (or all of it).
+                end = buf.find(CLOSE)
+                if end < 0:
+                    content += OPEN + buf
+                    break
             call = parse_call(buf[:end], self.names)
             if call is None:
                 content += OPEN + buf[: end + len(CLOSE)]
