@@ -363,6 +363,16 @@ def test_calls_that_would_not_serialise_stay_text_and_a_tag_in_a_string_is_no_en
     assert content.startswith("<tool_call>") and [c.name for c in calls] == ["add"]
 
 
+def test_one_call_at_most_when_parallel_calls_are_off():
+    text = f"{CALL_W}\n{CALL_A}"
+    content, calls = split_tool_calls(text, NAMES, single=True)
+    assert [c.name for c in calls] == ["get_weather"] and content == f"\n{CALL_A}"
+    splitter, streamed = ToolCallSplitter(NAMES, single=True), []
+    for piece in (text[:30], text[30:70], text[70:]):
+        streamed += splitter.feed(piece, final=piece is text[70:])[1]
+    assert [c.name for c in streamed] == ["get_weather"]
+
+
 def test_a_tag_split_across_chunks_is_held_back():
     splitter = ToolCallSplitter(NAMES)
     assert splitter.feed("Sure. <tool_") == ("Sure. ", [])

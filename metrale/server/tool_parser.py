@@ -88,8 +88,11 @@ class ToolCallSplitter:
     `strip`: texts dropped from the end of the answer (end-of-text tokens, when special tokens
     are decoded so that tool tags survive)."""
 
-    def __init__(self, names: frozenset[str], strip: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, names: frozenset[str], strip: tuple[str, ...] = (), single: bool = False
+    ) -> None:
         self.names, self.strip = names, strip
+        self.single = single  # parallel_tool_calls false: a block after the first call is text
         self.state = "text"  # or "call": inside a block, after its `<tool_call>`
         self.held = ""  # text not released yet (a partial tag, or an open block)
         self.space = ""  # leading whitespace of the content, until something else follows it
@@ -124,6 +127,8 @@ class ToolCallSplitter:
                     content += OPEN + buf
                     break
             call = parse_call(buf[:end], self.names)
+            if self.single and self.count + len(calls) > 0:
+                call = None
             if call is None:
                 content += OPEN + buf[: end + len(CLOSE)]
             else:
@@ -146,10 +151,10 @@ class ToolCallSplitter:
 
 
 def split_tool_calls(
-    text: str, names: frozenset[str], strip: tuple[str, ...] = ()
+    text: str, names: frozenset[str], strip: tuple[str, ...] = (), single: bool = False
 ) -> tuple[str | None, list[ParsedCall]]:
     """(content, or None when it is only whitespace; calls) of a whole answer."""
-    content, calls = ToolCallSplitter(names, strip).feed(text, final=True)
+    content, calls = ToolCallSplitter(names, strip, single).feed(text, final=True)
     return content or None, calls
 
 
@@ -160,9 +165,10 @@ class ToolParsing:
 
     names: frozenset[str]
     strip: tuple[str, ...] = ()
+    single: bool = False  # parallel_tool_calls false: one call at most
 
     def splitter(self) -> ToolCallSplitter:
-        return ToolCallSplitter(self.names, self.strip)
+        return ToolCallSplitter(self.names, self.strip, self.single)
 
     def split(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        return split_tool_calls(text, self.names, self.strip)
+        return split_tool_calls(text, self.names, self.strip, self.single)

@@ -314,7 +314,9 @@ def plan_tools(body, tokenizer, grammars) -> ToolPlan:
         and not tokenizer.decode([token])
     ]
     # decoding special tokens (so the tags survive) adds the end-of-text token's text too
-    parsing = ToolParsing(names, _eos_texts(tokenizer) if skipped else ())
+    parsing = ToolParsing(
+        names, _eos_texts(tokenizer) if skipped else (), body.parallel_tool_calls is False
+    )
     if mode == "auto":
         return ToolPlan(tools, parsing, decode_special=bool(skipped))
     other = body.structured_field()
