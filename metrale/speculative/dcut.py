@@ -318,8 +318,20 @@ def choose_depths(
     `max_rows` bounds the table (the widest the verify programs admit). A batch of more than
     `max_rows` sequences gets all zeros: that is a plain decode, which no verify table carries.
     """
-    n = len(inputs)
     gains = [_gains(x) for x in inputs]
+    return _choose(gains, [x.slot for x in inputs], cost, width_cap, max_rows, canonical)
+
+
+def _choose(
+    gains: list[list[float]],
+    slots: list[int],
+    cost: VerifyCostModel,
+    width_cap: int,
+    max_rows: int | None,
+    canonical: bool,
+) -> list[int]:
+    """`choose_depths` from each input's gains (`plan` reuses them for its expected tokens)."""
+    n = len(gains)
     if width_cap < 0:
         raise ValueError(f"width_cap must be >= 0, got {width_cap}")
     # Draft rows the table has room for (padding included).
@@ -335,7 +347,7 @@ def choose_depths(
             extra[n * d] = sum(sum(g[:d]) for g in gains)
         return [_best_extra_rows(extra, n, cost) // n] * n
     if canonical:
-        return _monotone_depths(gains, sorted(range(n), key=lambda i: inputs[i].slot), cost, spare)
+        return _monotone_depths(gains, sorted(range(n), key=slots.__getitem__), cost, spare)
     return _free_depths(gains, cost, spare)
 
 
@@ -351,7 +363,10 @@ def plan(
     ascending slots), so the deal leaves each sequence the depth planned for it.
     """
     canonical = canonical_assignment(len(inputs))
-    depths = choose_depths(inputs, cost, width_cap, max_rows, canonical)
-    order, dealt = verify_batch_order([x.slot for x in inputs], depths, canonical)
-    expected = sum(expected_tokens(inputs[i], d) for i, d in zip(order, dealt))
+    gains = [_gains(x) for x in inputs]  # once: the choice and the expected tokens read them
+    slots = [x.slot for x in inputs]
+    depths = _choose(gains, slots, cost, width_cap, max_rows, canonical)
+    order, dealt = verify_batch_order(slots, depths, canonical)
+    # E(d) = 1 + the first d gains; a padded row (past max_depth) has none
+    expected = sum(1.0 + sum(gains[i][:d]) for i, d in zip(order, dealt))
     return Plan(order=order, depths=dealt, expected_tokens=expected, rows=sum(dealt) + len(dealt))
