@@ -242,3 +242,25 @@ def test_logprobs_never_list_forbidden_tokens(shipped_ngram):
     assert out.text in ("yes", "no") and out.logprobs
     for entry in out.logprobs:
         assert all(lp.logprob > float("-inf") for lp in entry.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("drafter", ["ngram", "mtp"])
+def test_under_cuda_graphs_outputs_match_and_speculation_changes_nothing(drafter):
+    """The masks land on the logits the captured programs return, verify rows included."""
+    llm = LLM(str(default_model_dir()), device="cuda", spec={"method": drafter, "num_drafts": 3})
+    for kind in ("json", "regex", "choice"):
+        outs = {
+            spec: llm.generate(
+                PROMPTS * 4,
+                SamplingParams(
+                    temperature=0, max_tokens=96, structured=CONSTRAINTS[kind], speculative=spec
+                ),
+                use_tqdm=False,
+            )
+            for spec in (False, True)
+        }
+        for plain, fast in zip(outs[False], outs[True], strict=True):
+            assert _valid(kind, plain.outputs[0].text), (kind, plain.outputs[0].text)
+            assert fast.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert llm.engine.runner.structured_seqs == 0
