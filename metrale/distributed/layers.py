@@ -82,11 +82,15 @@ def _row_parallel(linear: nn.Linear, tp: TPGroup) -> RowParallelLinear:
 
 
 class _VocabParallel:
-    """What both sharded targets share: the embedding split by vocabulary rows, and logits
-    gathered from every rank's slice (float32 [R, V], so the sampler on rank 0 sees whole
-    rows)."""
+    """What both sharded targets share: the model built from this rank's config
+    (`self.config`), the embedding split by vocabulary rows, and logits gathered from every
+    rank's slice (float32 [R, V], so the sampler on rank 0 sees whole rows)."""
 
-    def _split_vocab(self, cfg: ModelConfig, local: ModelConfig, tp: TPGroup) -> None:
+    def __init__(
+        self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, tp: TPGroup
+    ) -> None:
+        local = local_config(cfg, tp)
+        super().__init__(local, backend, max_positions)
         self.tp = tp
         self.model.embed_tokens = VocabParallelEmbedding(local.vocab_size, cfg.hidden_size, tp)
 
@@ -101,9 +105,7 @@ class TPQwen3ForCausalLM(_VocabParallel, Qwen3ForCausalLM):
     def __init__(
         self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, tp: TPGroup
     ) -> None:
-        local = local_config(cfg, tp)
-        super().__init__(local, backend, max_positions)
-        self._split_vocab(cfg, local, tp)
+        super().__init__(cfg, backend, max_positions, tp)
         for layer in self.model.layers:
             layer.self_attn.o_proj = _row_parallel(layer.self_attn.o_proj, tp)
             layer.mlp.down_proj = _row_parallel(layer.mlp.down_proj, tp)
@@ -117,9 +119,8 @@ class TPQwen3NextForCausalLM(_VocabParallel, Qwen3NextForCausalLM):
     def __init__(
         self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int, tp: TPGroup
     ) -> None:
-        local = local_config(cfg, tp)
-        super().__init__(local, backend, max_positions)
-        self._split_vocab(cfg, local, tp)
+        super().__init__(cfg, backend, max_positions, tp)
+        local = self.config  # this rank's
         for layer in self.model.layers:
             if layer.layer_type == "linear_attention":
                 layer.linear_attn.out_proj = _row_parallel(layer.linear_attn.out_proj, tp)
