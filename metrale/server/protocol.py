@@ -169,15 +169,19 @@ def completion_response(
                 stop_reason=c.stop_reason,
             )
             choices.append(choice)
-    return CompletionResponse(
-        id=request_id,
-        created=now(),
-        model=model_name,
-        system_fingerprint=SYSTEM_FINGERPRINT,
-        choices=choices,
-        usage=usage(outs),
-        metrale=spec_stats(outs),
-    )
+    return CompletionResponse(choices=choices, **_envelope(outs, request_id, model_name))
+
+
+def _envelope(outs: list[RequestOutput], request_id: str, model_name: str) -> dict:
+    """The fields a completions and a chat response share around their choices."""
+    return {
+        "id": request_id,
+        "created": now(),
+        "model": model_name,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+        "usage": usage(outs),
+        "metrale": spec_stats(outs),
+    }
 
 
 def chat_response(
@@ -211,12 +215,4 @@ def chat_response(
             stop_reason=c.stop_reason,
         )
         choices.append(choice)
-    return ChatCompletionResponse(
-        id=request_id,
-        created=now(),
-        model=model_name,
-        system_fingerprint=SYSTEM_FINGERPRINT,
-        choices=choices,
-        usage=usage([out]),
-        metrale=spec_stats([out]),
-    )
+    return ChatCompletionResponse(choices=choices, **_envelope([out], request_id, model_name))

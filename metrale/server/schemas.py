@@ -201,6 +201,18 @@ def _template_variables(value: dict | None) -> dict | None:
     return value
 
 
+def _unused_only(values: dict[str, tuple], why: str):
+    """A validator refusing each field of `values` unless absent or one of its "not used"
+    values, saying `why`."""
+
+    def check(value, info: ValidationInfo):
+        if value is not None and value not in values[info.field_name]:
+            raise ValueError(why)
+        return value
+
+    return field_validator(*values, mode="before")(check)
+
+
 def _not_yet():
     return Field(None, description="not supported yet: refused unless absent or unused")
 
@@ -239,12 +251,7 @@ class _GenerationRequest(StructuredFields, _Body):
     function_call: Any = _not_yet()
     suffix: Any = _not_yet()
 
-    @field_validator(*NOT_SUPPORTED, mode="before")
-    @classmethod
-    def _not_supported(cls, value, info: ValidationInfo):
-        if value is not None and value not in NOT_SUPPORTED[info.field_name]:
-            raise ValueError("not supported by this server")
-        return value
+    _not_supported = _unused_only(NOT_SUPPORTED, "not supported by this server")
 
     @field_validator("best_of")
     @classmethod
@@ -289,12 +296,7 @@ class CompletionRequest(_GenerationRequest):
     tool_choice: Any = Field(None, description="chat completions only: refused unless unused")
     parallel_tool_calls: Any = Field(None, description="chat completions only")
 
-    @field_validator(*CHAT_ONLY, mode="before")
-    @classmethod
-    def _chat_only(cls, value, info: ValidationInfo):
-        if value is not None and value not in CHAT_ONLY[info.field_name]:
-            raise ValueError("supported by chat completions only")
-        return value
+    _chat_only = _unused_only(CHAT_ONLY, "supported by chat completions only")
 
     @field_validator("echo")
     @classmethod
