@@ -92,3 +92,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def client(server):
+    """An openai client of the `server` fixture of the requesting test module."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused")

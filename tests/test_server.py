@@ -73,11 +73,6 @@ def server(tiny_model_dir):
     srv.close()
 
 
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
-
-
 def test_openai_client_models_completion_chat_and_stream(client, server):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     done = client.completions.create(

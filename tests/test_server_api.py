@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from metrale import LLM, SamplingParams
-from tests.test_server import client, server  # noqa: F401
+from tests.test_server import server  # noqa: F401 (a module fixture; `client` is conftest's)
 
 openai = pytest.importorskip("openai")  # a dev dependency (the GPU machine may lack it)
 

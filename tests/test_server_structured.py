@@ -9,7 +9,6 @@ import re
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from metrale.default_model import default_model_dir
@@ -36,36 +35,25 @@ def server():
     srv.close()
 
 
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
-
-
 def test_json_schema_chat_streamed_and_not(client, server):
-    reply = client.chat.completions.create(
-        model="tiny", messages=CHAT, max_tokens=80, temperature=0, response_format=FORMAT
-    )
+    def forecast(**extra):
+        return client.chat.completions.create(
+            model="tiny",
+            messages=CHAT,
+            max_tokens=80,
+            temperature=0,
+            response_format=FORMAT,
+            **extra,
+        )
+
+    reply = forecast()
     text = reply.choices[0].message.content
     jsonschema.validate(json.loads(text), SCHEMA)
     assert reply.choices[0].finish_reason == "stop"
-    stream = client.chat.completions.create(
-        model="tiny",
-        messages=CHAT,
-        max_tokens=80,
-        temperature=0,
-        response_format=FORMAT,
-        stream=True,
-    )
+    stream = forecast(stream=True)
     streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert streamed == text
-    plain = client.chat.completions.create(
-        model="tiny",
-        messages=CHAT,
-        max_tokens=80,
-        temperature=0,
-        response_format=FORMAT,
-        extra_body={"speculative": {"enabled": False}},
-    )
+    plain = forecast(extra_body={"speculative": {"enabled": False}})
     assert plain.choices[0].message.content == text
     server.wait_idle()
 

@@ -14,7 +14,6 @@ import shutil
 import httpx
 import jsonschema
 import llguidance
-import openai
 import pytest
 import tokenizers
 from tokenizers import AddedToken
@@ -27,6 +26,7 @@ from metrale.server.tools import plan_tools, tool_call_grammar, tools_preamble
 from metrale.structured.grammar import GrammarCompiler
 from metrale.tokenizer import Tokenizer
 from tests.test_server import Server
+from tests.test_server_chat_extras import HISTORY
 
 WEATHER = {
     "type": "object",
@@ -68,11 +68,6 @@ def server():
     srv = Server(default_model_dir(), spec={"method": "ngram", "num_drafts": 3})
     yield srv
     srv.close()
-
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
 
 
 def ask(client, stream: bool = False, **extra):
@@ -169,22 +164,8 @@ def test_auto_parses_alike_streamed_and_not(client, server, choice):
 
 
 def test_tool_history_renders_with_the_preamble(server):
-    history = [
-        {"role": "system", "content": "Be brief."},
-        *CHAT,
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
-    ]
+    # the question, then an assistant's get_weather call for Paris and its "sunny" result
+    history = [{"role": "system", "content": "Be brief."}, *CHAT, *HISTORY[1:]]
     ids = httpx.post(server.url + "/tokenize", json={"messages": history, "tools": TOOLS}).json()
     text = httpx.post(server.url + "/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"]
     preamble = tools_preamble(TOOLS)
