@@ -135,7 +135,9 @@ def test_drafting_that_costs_more_than_it_buys_decodes_plainly(request, target):
     assert verified[1e-3] <= WARMUP_SAMPLES + 1 + REPLAN_EVERY
     # priced at nothing, every step speculates: about TOKENS / 4 per step
     assert verified[100.0] >= TOKENS // 4 - 2
-    assert llm.engine.spec.host.seconds(4) == pytest.approx(0.02, rel=0.5)
+    # the estimate holds at least the drafter's own 20 ms a step (no bound above: a busy machine
+    # only adds to it)
+    assert llm.engine.spec.host.seconds(4) >= 0.02 * 0.95
 
 
 class Sparse(SlowReplay):

@@ -71,8 +71,6 @@ def _grammar_drafts(seq: Sequence, draft: Draft, cap: int) -> Draft:
     could only be rejected; the verify masks it too), or the tokens the grammar forces next
     when they reach further (JSON keys and punctuation the drafter cannot know about: the
     target, masked, can emit nothing else)."""
-    if seq.grammar is None:
-        return draft
     valid = seq.grammar.valid_prefix(draft.tokens)
     forced = seq.grammar.forced(cap)
     if len(forced) > valid:
@@ -166,12 +164,12 @@ class SpeculativeDecoder:
             return []
         self._asked = len(seqs)
         drafts, failed = self._propose(seqs, caps)
-        live = [
-            (s, _grammar_drafts(s, d, c))
-            for s, d, c in zip(seqs, drafts, caps, strict=True)
-            if d is not None
-        ]
-        live = [(s, d) for s, d in live if d.tokens]
+        live = []
+        for seq, draft, cap in zip(seqs, drafts, caps, strict=True):
+            if draft is not None and seq.grammar is not None:
+                draft = _grammar_drafts(seq, draft, cap)
+            if draft is not None and draft.tokens:
+                live.append((seq, draft))
         for seq, draft in live:
             if draft.probs is not None:
                 seq.fresh_noise = True  # from now on, for good: see `SamplingRow.fresh_noise`

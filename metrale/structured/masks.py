@@ -48,6 +48,7 @@ def grammar_rows(entries) -> tuple[list, list[int]]:
         grammar = e.seq.grammar
         n = 1 + len(e.drafts)
         if grammar is not None:
+            # (the controller cut the drafts to the grammar's, but D-Cut may pad them after)
             valid = e.drafts[: grammar.valid_prefix(e.drafts)]
             items.append((grammar.matcher, len(rows), valid))
             rows.extend(range(first, first + n))
