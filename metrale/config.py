@@ -354,6 +354,14 @@ class EngineConfig:
     hybrid_verify_state: str = _opt(
         "write_on_accept", "hybrid verify: write_on_accept or per_row_slots"
     )
+    # Full KV pages (and, on hybrid targets, recurrent-state snapshots at page boundaries) are
+    # kept after their sequence ends, keyed by their tokens, and reused by later prompts.
+    prefix_caching: bool = _opt(True, "reuse cached KV pages of shared prompt prefixes")
+    # Batch-invariant kernels on the decode and verify path: a row's logits do not depend on the
+    # rows beside it, so greedy output is the same alone, in a batch, with or without speculation.
+    deterministic: bool = _opt(
+        False, "batch-invariant kernels: the same bits alone, in a batch, with speculation"
+    )
 
     def __post_init__(self) -> None:
         spec = self.spec
