@@ -240,6 +240,8 @@ class Qwen3NextForCausalLM(nn.Module):
     and advances `state` (see `GDNState` for the slots and the verify mode)."""
 
     packed_modules = PACKED_MODULES
+    # the head's product; `make_batch_invariant` swaps in the batch-invariant kernel
+    head_linear = staticmethod(torch.nn.functional.linear)
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int):
         super().__init__()
@@ -308,5 +310,5 @@ class Qwen3NextForCausalLM(nn.Module):
         (a graph's shared logits buffer: the float32 conversion writes it directly)."""
         if rows is not None:
             hidden = hidden.index_select(0, rows)
-        logits = torch.nn.functional.linear(hidden, self.head_weight)
+        logits = self.head_linear(hidden, self.head_weight)
         return logits.float() if out is None else out.copy_(logits)
