@@ -413,6 +413,9 @@ class EngineConfig:
             raise ValueError(
                 f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}"
             )
+        if self.deterministic and self.tensor_parallel_size > 1:
+            # an all-reduce may sum a row's shards in an order that follows the message size
+            raise ValueError("deterministic: not supported with tensor_parallel_size > 1")
         if self.hybrid_verify_state not in HYBRID_VERIFY_STATES:
             raise ValueError(
                 f"hybrid_verify_state must be one of {HYBRID_VERIFY_STATES}, "

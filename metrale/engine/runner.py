@@ -23,6 +23,7 @@ from metrale.engine.sequence import Batch, Phase, ScheduledSeq
 from metrale.engine.staging import to_device_packed
 from metrale.engine.state_cache import StateSlots
 from metrale.engine.step_output import StepOutput, greedy_verdicts, verdicts_of
+from metrale.kernels.batch_invariant import check_invariant_support, make_batch_invariant
 from metrale.kernels.paged_attention import TritonPagedAttention, triton_available
 from metrale.models.attention import AttentionMetadata, TorchPagedAttention
 from metrale.models.dflash import load_dflash
@@ -73,7 +74,13 @@ class ModelRunner:
         self.page_size = cfg.page_size
         self.verify_raw_argmax = cfg.spec.verify_raw_argmax
         use_kernel = self.device.type == "cuda" and triton_available(model_cfg.head_dim)
-        self.backend = TritonPagedAttention() if use_kernel else TorchPagedAttention()
+        if cfg.deterministic and self.device.type == "cuda":
+            check_invariant_support(model_cfg, cfg, use_kernel)
+        self.backend = (
+            TritonPagedAttention(invariant=cfg.deterministic)
+            if use_kernel
+            else TorchPagedAttention()
+        )
         self.hybrid = model_cfg.hybrid is not None
         target_cls = Qwen3NextForCausalLM if self.hybrid else Qwen3ForCausalLM
         # Rows of a step with prompt chunks that may replay a prefill program. The spare
@@ -98,6 +105,9 @@ class ModelRunner:
             else:
                 load_weights(self.model, model_dir)
             self.model.eval()
+        if cfg.deterministic:
+            # the target alone: drafts only decide what is verified, never what is emitted
+            make_batch_invariant(self.model)
         self.mtp = None
         if with_mtp:
             self.mtp = load_mtp(

@@ -3,15 +3,16 @@
 cuBLAS picks its kernel (split-K, reduction order) by the number of rows M, so the same token's
 row rounds differently alone, in a batch of 64, or as a verify row beside its drafts; that is why
 speculative greedy output drifts from plain greedy output in bf16. This kernel computes every
-output element the same way for any M: each program reduces over K in one fixed order (BLOCK_K
-chunks, first to last, float32 accumulation, one rounding at the end), there is no split-K and no atomics, and rows
-beyond M are masked loads that contribute nothing to the rows that are there. The tile shape
-may follow M (`config_for`): it changes which program computes an element, not how. A row's
-result is then a function of that row and the weight alone (the GPU tests check it bitwise for
-M = 1, 3, 17, 64, 256 at any position).
+output element the same way for any M: each program reduces over K in one fixed order
+(BLOCK_K chunks, first to last, float32 accumulation, one rounding at the end), there is no
+split-K and no atomics, and rows beyond M are masked loads that contribute nothing to the rows
+that are there. The tile shape may follow M (`config_for`): it changes which program computes
+an element, not how. A row's result is then a function of that row and the weight alone (the
+GPU tests check it bitwise for M = 1, 3, 17, 64, 256 at any position).
 
-`invariant_linear` has F.linear's signature; `make_batch_invariant(module)` points every nn.Linear of a
-model at it. CPU tensors (and machines without Triton) take F.linear: the CPU reference.
+`invariant_linear` has F.linear's signature; `make_batch_invariant(module)` points every
+nn.Linear of a model, and its head, at it. CPU tensors (and machines without Triton) take
+F.linear: the CPU reference.
 """
 
 from __future__ import annotations
@@ -167,3 +168,16 @@ def make_batch_invariant(module: nn.Module) -> int:
             sub.head_linear = invariant_linear
             changed += 1
     return changed
+
+
+def check_invariant_support(model_cfg, cfg, paged_kernel: bool) -> None:
+    """Refuse a deterministic engine on CUDA that would fall back to a batch-variant kernel."""
+    if triton is None:
+        raise ValueError("deterministic: needs Triton on CUDA (the invariant kernels are Triton)")
+    page = cfg.page_size
+    if not paged_kernel or page < 16 or page & (page - 1):
+        raise ValueError(
+            "deterministic: the batch-invariant paged attention needs page_size a power of two "
+            f">= 16 and head_dim a power of two >= 16 (got page_size {page}, "
+            f"head_dim {model_cfg.head_dim})"
+        )

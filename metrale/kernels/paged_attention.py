@@ -216,7 +216,18 @@ def triton_available(head_dim: int) -> bool:
 
 class TritonPagedAttention(TorchPagedAttention):
     """The Triton kernel for every batch it covers (CUDA, or the interpreter; pages of a power
-    of two >= 16 rows); the torch reference (this class's parent) otherwise."""
+    of two >= 16 rows); the torch reference (this class's parent) otherwise.
+
+    `invariant` (the engine's deterministic mode): every row, decode, verify or prefill, takes
+    the query-tiled path with one tile shape and no KV split, so a row reads its keys page by
+    page from the first, in one online softmax, in the same [tile, D] products wherever it sits:
+    its output depends on its query and its keys alone, not on the rows or sequences beside it
+    (pages past a row's position are masked to exact zeros). Without it the KV split follows the
+    number of sequences (`num_splits`) and decode tiles follow the rows per sequence."""
+
+    def __init__(self, invariant: bool = False) -> None:
+        super().__init__()
+        self.invariant = invariant
 
     def _kernel_covers(self, meta: AttentionMetadata) -> bool:
         # tl.dot tiles need 16+ keys per page; head_dim a power of two >= 16 (checked at init).
@@ -236,7 +247,7 @@ class TritonPagedAttention(TorchPagedAttention):
         heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
         group = heads // kv_heads
         group_p = triton.next_power_of_2(group)
-        tiled = meta.max_query_len > MAX_KERNEL_ROWS
+        tiled = self.invariant or meta.max_query_len > MAX_KERNEL_ROWS
         if tiled:  # prefill: tiles of query rows, one program each
             block_q = max(PREFILL_TILE_ROWS // group_p, 1)
         else:  # tl.dot needs 16+ tile rows: with few heads per group, pad the query rows

@@ -1,0 +1,225 @@
+"""Deterministic mode (issue 13): batch-invariant kernels, so a row's logits do not depend on the
+rows beside it. CPU: the kernels under the Triton interpreter against their torch references,
+the engine option's wiring and refusals. GPU-marked: bitwise invariance of each kernel over
+M = 1, 3, 17, 64, 256 rows at any position, and bf16 engines whose greedy output and logprobs are
+the same bits alone, in a batch, with and without speculation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from metrale import LLM, SamplingParams
+from metrale.config import EngineConfig
+from metrale.kernels.batch_invariant import (
+    InvariantLinear,
+    config_for,
+    invariant_linear,
+    make_batch_invariant,
+)
+from metrale.kernels.paged_attention import TritonPagedAttention
+from metrale.models.attention import AttentionMetadata, TorchPagedAttention
+
+triton = pytest.importorskip("triton")
+cuda = torch.cuda.is_available()
+DEVICE = "cuda" if cuda else "cpu"
+
+
+def test_invariant_linear_matches_torch_and_each_row_is_alone():
+    torch.manual_seed(0)
+    w, b = torch.randn(48, 80, device=DEVICE), torch.randn(48, device=DEVICE)
+    x = torch.randn(7, 80, device=DEVICE)
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=2, num_stages=1)
+    out = invariant_linear(x, w, b, config=cfg)
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    for at in (0, 3, 6):  # the same row alone, and as the last of a pair
+        assert torch.equal(invariant_linear(x[at : at + 1], w, b, config=cfg), out[at : at + 1])
+    assert torch.equal(invariant_linear(x[2:4], w, b, config=cfg), out[2:4])
+    # leading dimensions and an empty input keep F.linear's shapes
+    assert invariant_linear(x.view(7, 1, 80), w, config=cfg).shape == (7, 1, 48)
+    assert invariant_linear(x[:0], w, config=cfg).shape == (0, 48)
+
+
+def test_tile_configuration_depends_on_rows_and_width_only():
+    assert config_for(1, 4096) == config_for(16, 4096)
+    assert config_for(1, 4096) != config_for(1, 151936)  # the head gets wider tiles
+    for m in (1, 17, 64, 100, 256, 4096):
+        cfg = config_for(m, 4096)
+        assert set(cfg) == {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
+
+
+def test_make_batch_invariant_swaps_every_linear_and_the_head(tiny_model_dir):
+    llm = LLM(tiny_model_dir, device="cpu", deterministic=True)
+    model = llm.engine.runner.model
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is InvariantLinear for m in linears)
+    assert model.head_linear is invariant_linear
+    assert make_batch_invariant(model) == 1  # only the head hook is set again
+
+
+def test_deterministic_engine_on_cpu_gives_plain_tokens(tiny_model_dir):
+    prompts = [[5, 17, 300, 42, 9, 11], [7, 8, 9, 10, 7, 8, 9]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = LLM(tiny_model_dir, device="cpu").generate(prompts, params, use_tqdm=False)
+    det = LLM(tiny_model_dir, device="cpu", deterministic=True, spec={"method": "ngram"})
+    outs = det.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_deterministic_refusals():
+    with pytest.raises(ValueError, match="deterministic"):
+        EngineConfig(deterministic=True, tensor_parallel_size=2)
+    from metrale.kernels.batch_invariant import check_invariant_support
+
+    class Cfg:
+        page_size = 8
+        head_dim = 128
+
+    with pytest.raises(ValueError, match="page_size"):
+        check_invariant_support(Cfg, Cfg, paged_kernel=True)
+
+
+def _paged_case(q_lens, seq_lens, *, heads=4, kv_heads=2, dim=16, page=16, seed=0):
+    """Random q/k/v of a step (each sequence's last q_len rows) over a fresh paged cache."""
+    g = torch.Generator().manual_seed(seed)
+    pages_per = [-(-n // page) for n in seq_lens]
+    cache = torch.randn(2, sum(pages_per) + 1, page, kv_heads, dim, generator=g).to(DEVICE)
+    tables, first = [], 1
+    for n in pages_per:
+        tables.append(list(range(first, first + n)) + [0] * (max(pages_per) - n))
+        first += n
+    rows = sum(q_lens)
+    q = torch.randn(rows, heads, dim, generator=g).to(DEVICE)
+    k = torch.randn(rows, kv_heads, dim, generator=g).to(DEVICE)
+    v = torch.randn(rows, kv_heads, dim, generator=g).to(DEVICE)
+    slots, positions, starts = [], [], [0]
+    for ql, n, table in zip(q_lens, seq_lens, tables, strict=True):
+        slots += [table[p // page] * page + p % page for p in range(n - ql, n)]
+        positions += range(n - ql, n)
+        starts.append(starts[-1] + ql)
+
+    def t(x):
+        return torch.tensor(x, dtype=torch.long, device=DEVICE)
+
+    meta = AttentionMetadata(
+        slot_mapping=t(slots),
+        positions=t(positions),
+        query_start_loc=t(starts),
+        seq_lens=t(seq_lens),
+        block_tables=t(tables),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        page_size=page,
+    )
+    return q, k, v, cache, meta
+
+
+def test_invariant_paged_attention_matches_reference():
+    """Decode, verify and prefill rows in one step, through the one tiled path."""
+    q, k, v, cache, meta = _paged_case([1, 4, 37, 1], [40, 21, 37, 130])
+    torch_ref = TorchPagedAttention()
+    ref = torch_ref.forward(q, k, v, cache.clone(), torch_ref.prepare(meta), 0.25)
+    out = TritonPagedAttention(invariant=True).forward(q, k, v, cache.clone(), meta, 0.25)
+    torch.testing.assert_close(out, ref, rtol=2e-4, atol=2e-4)
+
+
+def _row_alone(q, k, v, cache, meta, seq, row, backend):
+    """Sequence `seq`'s query row `row` (of its q rows) run as a one-row decode of that position
+    (the keys of the rows after it are not visible to it anyway)."""
+    starts, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+    at = starts[seq] + row
+    q_len = starts[seq + 1] - starts[seq]
+    one = AttentionMetadata(
+        slot_mapping=meta.slot_mapping[at : at + 1],
+        positions=meta.positions[at : at + 1],
+        query_start_loc=torch.tensor([0, 1], device=q.device),
+        seq_lens=torch.tensor([lens[seq] - q_len + row + 1], device=q.device),
+        block_tables=meta.block_tables[seq : seq + 1],
+        max_query_len=1,
+        max_seq_len=lens[seq],
+        page_size=meta.page_size,
+    )
+    return backend.forward(q[at : at + 1], k[at : at + 1], v[at : at + 1], cache, one, 0.25)
+
+
+def test_invariant_paged_attention_row_is_alone():
+    """A verify row and a prefill row give the bits of the same position decoded alone."""
+    q, k, v, cache, meta = _paged_case([4, 37, 1], [21, 37, 130], seed=1)
+    backend = TritonPagedAttention(invariant=True)
+    full = backend.forward(q, k, v, cache, meta, 0.25)  # writes every row's K/V first
+    for seq, row, at in ((0, 2, 2), (1, 20, 24), (2, 0, 41)):
+        alone = _row_alone(q, k, v, cache, meta, seq, row, backend)
+        assert torch.equal(alone[0], full[at]), (seq, row)
+
+
+# ---- GPU: bitwise on the device ----------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(96, 256), (4096, 1024), (10240, 512), (151936, 256)])
+def test_cuda_invariant_linear_rows_are_bitwise_alone(n, k):
+    torch.manual_seed(n)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+    x = torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
+    full = invariant_linear(x, w)
+    ref = F.linear(x, w)
+    assert ((full.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+    for m, at in ((1, 0), (1, 200), (3, 7), (17, 100), (64, 150), (256, 0)):
+        assert torch.equal(invariant_linear(x[at : at + m], w), full[at : at + m]), (m, at)
+    flipped = invariant_linear(x.flip(0), w).flip(0)  # every row at another position
+    assert torch.equal(flipped, full)
+
+
+@pytest.mark.gpu
+def test_cuda_invariant_paged_attention_row_is_alone_bf16():
+    q, k, v, cache, meta = _paged_case([4, 37, 1, 8], [21, 300, 130, 64], heads=8, dim=128)
+    q, k, v, cache = (t.to(torch.bfloat16) for t in (q, k, v, cache))
+    backend = TritonPagedAttention(invariant=True)
+    full = backend.forward(q, k, v, cache, meta, 0.25)
+    for seq, row, at in ((0, 3, 3), (1, 0, 4), (1, 36, 40), (2, 0, 41), (3, 5, 47)):
+        alone = _row_alone(q, k, v, cache, meta, seq, row, backend)
+        assert torch.equal(alone[0], full[at]), (seq, row)
+
+
+def _bf16_model(factory):
+    """A random bf16-sized dense model whose products are long enough to round differently."""
+    return factory(
+        "det-dense",
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=2048,
+    )
+
+
+def _greedy(llm, prompts, logprobs=None):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=logprobs)
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+@pytest.mark.gpu
+def test_cuda_deterministic_speculation_and_batch_give_plain_bits(hf_qwen3_factory):
+    from tests.test_spec_lossless import replay
+
+    model = _bf16_model(hf_qwen3_factory)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 2000, (int(n),), generator=g).tolist() for n in range(8, 72)]
+    prompts = [p[: len(p) // 2] * 2 for p in prompts]  # repeats give the n-gram drafter matches
+    common = dict(device="cuda", dtype="bfloat16", deterministic=True)
+    plain = LLM(model, **common)
+    alone = [_greedy(plain, [p], logprobs=2)[0].outputs[0] for p in prompts[:4]]
+    batch = [o.outputs[0] for o in _greedy(plain, prompts, logprobs=2)]
+    for a, b in zip(alone, batch, strict=False):
+        assert a.token_ids == b.token_ids
+        assert [lp for lp in a.logprobs] == [lp for lp in b.logprobs]  # every bit
+    ref = [o.token_ids for o in batch]
+    for drafter, spec in ((None, {"method": "ngram"}), (replay(prompts, ref, 0.8), {})):
+        llm = LLM(model, drafter=drafter, spec={"num_drafts": 3, **spec}, **common)
+        outs = _greedy(llm, prompts, logprobs=2)
+        assert [o.outputs[0].token_ids for o in outs] == ref
+        assert [o.outputs[0].logprobs for o in outs] == [o.logprobs for o in batch]
+        assert llm.engine.telemetry.spec.num_accepted_tokens > 0
