@@ -130,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--kv-cache-memory-gb", type=float, default=4.0, help="KV pool size")
     bench.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="batch-invariant kernels (the engine option): the same bits alone, in a batch, "
+        "with speculation",
+    )
+    bench.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="ranks the target is split across"
     )
     bench.add_argument("--out", default="bench-out", help="folder for bench.json and bench.png")

@@ -88,6 +88,7 @@ def run(args) -> dict:
         spec={"num_drafts": args.num_drafts, "dcut": getattr(args, "dcut", False)},
         hybrid_verify_state=getattr(args, "hybrid_verify_state", "write_on_accept"),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        deterministic=getattr(args, "deterministic", False),
     )
     try:
         return _measure(llm, drafter, args, device, alphas, forced)
@@ -163,6 +164,7 @@ def _measure(llm: LLM, drafter, args, device: torch.device, alphas, forced: bool
             result["e2e"].append(row)
     runner = llm.engine.runner
     result["graph_refusals"] = runner.graph_refusals
+    result["deterministic"] = llm.engine.config.deterministic
     result["peak_memory_bytes"] = (
         torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     )

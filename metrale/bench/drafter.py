@@ -118,6 +118,7 @@ def drafter_e2e(args) -> dict:
         max_num_seqs=max(args.e2e_batch_sizes),
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         spec={"method": args.e2e_drafter, "num_drafts": args.num_drafts},
+        deterministic=getattr(args, "deterministic", False),
     )
     heldout = args.heldout or sysconfig.get_paths()["stdlib"]
     per_slot = args.steady_requests_per_slot
