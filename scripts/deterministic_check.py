@@ -28,11 +28,12 @@ def main():
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     model = args.model or write_shape(args.shape, out / "shape")
     g = torch.Generator().manual_seed(0)
     prompts = []
     for i in range(args.prompts):  # halves repeated, so the n-gram drafter finds matches
-        half = torch.randint(100, 5000, (8 + i % 24,), generator=g).tolist()
+        half = torch.randint(100, 4000, (8 + i % 24,), generator=g).tolist()
         prompts.append(half * 2)
     report = []
     for det in (bool(int(m)) for m in args.modes.split(",")):
