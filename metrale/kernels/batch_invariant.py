@@ -51,6 +51,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         DOT_F32: tl.constexpr,
+        PRECISION: tl.constexpr,
     ):
         """C[M, N] = A[M, K] @ W[N, K]^T (+ bias): one [BLOCK_M, BLOCK_N] tile per program."""
         pid = tl.program_id(0)
@@ -73,7 +74,7 @@ if triton is not None:
             w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if DOT_F32:
                 a, w = a.to(tl.float32), w.to(tl.float32)
-            acc = tl.dot(a, w, acc, input_precision="ieee" if DOT_F32 else "tf32")
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         if HAS_BIAS:
@@ -141,6 +142,8 @@ def invariant_linear(
         out.stride(0),
         HAS_BIAS=bias is not None,
         DOT_F32=INTERPRETED,
+        # float32 products in full float32, as torch's own (tf32 is off by default)
+        PRECISION="ieee" if x.dtype == torch.float32 or INTERPRETED else "tf32",
         **cfg,
     )
     return out.reshape(*lead, n)
