@@ -198,6 +198,13 @@ class Knobs:
         bool,
         "=1: run the hybrid target's recurrent delta rule as torch ops on CUDA too (A/B runs)",
     )
+    force_fused_kernels: bool = _knob(
+        "METRALE_FORCE_FUSED_KERNELS",
+        _is_one,
+        bool,
+        "=1 with TRITON_INTERPRET=1: run the hybrid target's Triton paths (MoE routing and grouped "
+        "experts, GDN kernels) on CPU tensors too, under the interpreter (tests)",
+    )
     # `METRALE_*` names that no knob reads: almost always a typo worth a line in the log.
     unrecognised: tuple[str, ...] = field(default=(), compare=False)
 

@@ -411,18 +411,3 @@ def test_attention_ignores_nan_past_the_sequence_and_rows_without_keys(splits, m
     out = kernel.forward(q, k, v, clean.clone(), kernel.prepare(meta([1, 5])), dim**-0.5)
     assert torch.isfinite(out).all()
     assert out[0].abs().max() == 0
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n, top_k", [(1, 4), (3, 2), (16, 4)])
-def test_moe_gemv_matches_the_expert_loop(dtype, n, top_k):
-    """The Triton routed-expert GEMVs against the per-expert loop: dims that are not multiples of
-    the blocks, experts shared by several pairs, rows routed to one expert."""
-    from metrale.kernels.moe import experts_gemv
-    from tests.test_moe_grouped import make_batch, make_experts
-
-    experts_mod = make_experts(8, 160, 48, dtype=dtype, device=DEVICE)
-    x, experts, weights = make_batch(n, 160, 8, top_k)
-    x, experts, weights = x.to(DEVICE, dtype), experts.to(DEVICE), weights.to(DEVICE, dtype)
-    out = experts_gemv(x, experts, weights, experts_mod.gate_up_proj, experts_mod.down_proj)
-    _close(out, experts_mod._looped(x, experts, weights), dtype)

@@ -4,13 +4,17 @@ SwiGLU MLP, plus one shared SwiGLU expert scaled by a sigmoid gate of its own.
 
 The experts are stacked as HF 5.x keeps them (`experts.gate_up_proj` [E, 2I, H] with gate rows
 first, `experts.down_proj` [E, H, I]); the loader fills them from per-expert checkpoint tensors
-(`experts.{e}.gate_proj.weight`, ...) as well. On CUDA a few (row, expert) pairs (decode, short
-verify) run as Triton GEMVs in routing order (`kernels/moe.py`). Where `torch._grouped_mm` runs
-without a host sync (bf16 on sm90/sm100 GPUs, any float dtype on CPU, 16-byte aligned dims),
-other batches sort their (row, expert) pairs by expert and run two grouped GEMMs that read each
-touched expert once.
-Elsewhere small batches (decode, verify) gather each row's experts and run batched matmuls, still
-sync-free, and larger ones loop over the experts.
+(`experts.{e}.gate_proj.weight`, ...) as well.
+
+On CUDA (and on CPU under the forced interpreter, `kernels/dispatch.py`) a block is five launches
+at any batch size: the router GEMM, routing + plan (`kernels/moe_routing.py`), and the grouped
+gate/up, down and combine kernels (`kernels/moe.py`) with the shared expert as one more group,
+the combine optionally ending in the next layer's residual add + norm. Equal router logits pick
+the lower expert index in both paths (`moe_routing.route_reference`). Elsewhere (CPU, or the
+kernels off), `torch._grouped_mm` where it runs without a host sync (bf16 on sm90/sm100 GPUs, any
+float dtype on CPU, 16-byte aligned dims); else small batches gather each row's experts and run
+batched matmuls, still sync-free, and larger ones loop over the experts (`_looped`: the
+reference).
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from metrale.config import ModelConfig
-from metrale.kernels import fused
-from metrale.kernels.moe import GEMV_MAX_PAIRS, experts_gemv
+from metrale.kernels.dispatch import hybrid_kernels_enabled
+from metrale.kernels.moe import BLOCK_M, SharedExpert, grouped_experts
+from metrale.kernels.moe_routing import route, route_reference
 from metrale.models.layers import SwiGLUMLP
 
 # Without the grouped GEMM: up to this many (row, expert) pairs, the experts' weights are gathered
@@ -70,19 +75,14 @@ class Qwen3NextExperts(nn.Module):
         return self._path(x, experts)(x, experts, weights)
 
     def _path(self, x: torch.Tensor, experts: torch.Tensor):
-        """Triton GEMVs for a few pairs on CUDA (`kernels/moe.py`). Else the grouped GEMM wherever
-        it runs sync-free: it reads each touched expert's weights
-        once at any batch size and keeps decode/verify steps graph-capturable. Otherwise the
-        gather for small batches (no sync, but a weight copy per pair) and the loop for the rest.
+        """The grouped Triton kernels where they run (`_triton`). Else the grouped GEMM wherever
+        it runs sync-free: it reads each touched expert's weights once at any batch size and
+        keeps decode/verify steps graph-capturable. Otherwise the gather for small batches (no
+        sync, but a weight copy per pair) and the loop for the rest.
         """
         w, down = self.gate_up_proj, self.down_proj
-        if (
-            fused.fused_enabled(x)
-            and experts.numel() <= GEMV_MAX_PAIRS
-            and w.is_contiguous()
-            and down.is_contiguous()
-        ):
-            return self._gemv
+        if hybrid_kernels_enabled(x) and w.is_contiguous() and down.is_contiguous():
+            return self._triton
         # `_grouped_mm` wants every stride a multiple of 16 bytes (TMA on CUDA; checked on CPU
         # too): H for x and the transposed gate_up, I for the activations and transposed down.
         # The CUTLASS kernel takes at most 1023 groups.
@@ -103,9 +103,15 @@ class Qwen3NextExperts(nn.Module):
             return self._gathered
         return self._looped
 
-    def _gemv(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """A few pairs (decode, short verify) on CUDA: Triton GEMVs in routing order, no sort."""
-        return experts_gemv(x, experts, weights, self.gate_up_proj, self.down_proj)
+    def _triton(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Given picks (an expert-parallel rank's, masked): the plan, then the grouped kernels."""
+        plan = route(
+            None, experts.shape[1], num_experts=self.num_experts, ids=experts, weights=weights,
+            dtype=x.dtype, block_m=BLOCK_M,
+        )  # fmt: skip
+        return grouped_experts(x, plan, self.gate_up_proj, self.down_proj)
 
     def _grouped(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
@@ -166,15 +172,45 @@ class Qwen3NextSparseMoeBlock(nn.Module):
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, H] -> (expert ids [N, k], routing weights [N, k] in x's dtype)."""
-        logits = self.gate(x)  # [N, E]
-        probs = logits.softmax(dim=-1, dtype=torch.float32)
-        weights, experts = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return experts, weights.to(logits.dtype)
+        """x [N, H] -> (expert ids [N, k], routing weights [N, k] in x's dtype); equal logits
+        pick the lower expert index (the routing kernel's rule)."""
+        return route_reference(self.gate(x), self.top_k, self.norm_topk_prob)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        experts, weights = self.route(x)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return self.experts(x, experts, weights) + shared
+    def fused(self, x: torch.Tensor) -> bool:
+        """Whether `forward` runs the routing and grouped kernels for this activation."""
+        return (
+            hybrid_kernels_enabled(x)
+            and self.experts.gate_up_proj.is_contiguous()
+            and self.experts.down_proj.is_contiguous()
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        next_norm: nn.Module | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> the block's output [N, H]. With `residual` and `next_norm` (a zero-centred
+        RMSNorm; only where `fused(x)`): next_norm.forward_residual(output, residual), fused
+        into the block's last launch."""
+        if not self.fused(x):
+            if residual is not None:
+                raise ValueError("the residual add + norm is fused only into the kernels' path")
+            experts, weights = self.route(x)
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            return self.experts(x, experts, weights) + shared
+        plan = route(
+            self.gate(x), self.top_k, norm_topk_prob=self.norm_topk_prob, shared=True,
+            block_m=BLOCK_M,
+        )  # fmt: skip
+        se = self.shared_expert
+        shared = SharedExpert(
+            se.gate_up_proj.weight, se.down_proj.weight, self.shared_expert_gate.weight[0]
+        )
+        experts = self.experts
+        if residual is None:
+            return grouped_experts(x, plan, experts.gate_up_proj, experts.down_proj, shared)
+        return grouped_experts(
+            x, plan, experts.gate_up_proj, experts.down_proj, shared,
+            residual=residual, norm_weight=next_norm.weight, eps=next_norm.eps,
+        )  # fmt: skip

@@ -1,0 +1,328 @@
+"""MoE routing and the grouped GEMMs' plan in one Triton launch: router logits -> softmax ->
+top-k -> (renormalised) weights -> each pair's place in expert order -> the tiles of rows that the
+grouped expert kernels (`kernels/moe.py`) walk.
+
+Per row, as `Qwen3NextSparseMoeBlock.route` (the torch reference): p = softmax(logits) in float32,
+the k largest picked one by one, weights p / sum(picked p) under `norm_topk_prob`, then rounded
+to the activation dtype. The pick compares the float32 logits (softmax is monotone: the same
+experts, without the exp's rounding making near-equal logits tie); equal logits go to the lower
+expert index first, the rule `route` follows too (torch.topk leaves ties unspecified: on CPU it
+does not pick the lower index).
+
+The plan, for pairs p = row * k + slot (plus, with a shared expert, one pair per row after them,
+p = N k + row, as "expert" E):
+  - `order[pos]`: the pair at position pos when pairs are sorted by expert, stably (a row's pairs
+    of one expert keep row order), the shared expert's pairs last;
+  - `tiles[:, t]` = (expert, first position, end position) of tile t: each expert's positions cut
+    into runs of `block_m`, expert -1 past the last tile. Tiles are at most
+    cdiv(N k, block_m) + min(E, N k) + cdiv(N, block_m): a static grid, no host sync.
+
+One program routes and plans up to `SINGLE_MAX_BLOCKS` blocks of rows (decode and verify steps);
+more rows (prefill chunks) take two launches of one program per block (route, then plan), with
+the same per-row arithmetic. Per-expert counts are integer sums: the plan is deterministic.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from metrale.kernels.fused import triton
+
+# One program plans up to this many blocks of rows; beyond, a program per block in two launches.
+SINGLE_MAX_BLOCKS = 16
+# Elements of a block's (pair, expert) one-hot table: bounds the rows per block for many experts.
+ONEHOT_ELEMENTS = 16384
+
+
+class MoEPlan(NamedTuple):
+    """What `route` hands the grouped expert kernels (see the module docstring)."""
+
+    ids: torch.Tensor  # [N, k] int32 expert of each (row, slot)
+    weights: torch.Tensor  # [N, k] routing weights, activation dtype
+    order: torch.Tensor  # [N k (+ N)] int32 pair at each sorted position
+    tiles: torch.Tensor  # [3, max_tiles] int32 (expert or -1, first position, end position)
+    num_rows: int
+    top_k: int
+    shared: bool  # pairs N k .. N k + N - 1 are the shared expert's ("expert" E)
+    block_m: int
+
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _route_block(
+        blk,
+        logits_ptr,
+        stride_l,
+        ids_in_ptr,
+        ids_ptr,
+        w_ptr,
+        counts_ptr,
+        N,
+        E,
+        K: tl.constexpr,
+        BR: tl.constexpr,
+        BE: tl.constexpr,
+        BKK: tl.constexpr,
+        FROM_LOGITS: tl.constexpr,
+        NORM: tl.constexpr,
+    ):
+        """Rows blk*BR ..: pick each row's experts (or read them), store ids (and weights), and
+        the block's per-expert counts."""
+        rows = blk * BR + tl.arange(0, BR)
+        r_ok = rows < N
+        cols = tl.arange(0, BE)
+        slot = tl.arange(0, BKK)
+        out_ok = r_ok[:, None] & (slot[None, :] < K)
+        out_off = rows[:, None] * K + slot[None, :]
+        counts = tl.zeros([BE], tl.int32)
+        if FROM_LOGITS:
+            ok = r_ok[:, None] & (cols[None, :] < E)
+            logit = tl.load(
+                logits_ptr + rows[:, None] * stride_l + cols[None, :], mask=ok, other=0.0
+            )
+            logit = tl.where(cols[None, :] < E, logit.to(tl.float32), float("-inf"))
+            ex = tl.exp(logit - tl.max(logit, axis=1)[:, None])
+            prob = ex / tl.sum(ex, axis=1)[:, None]
+            taken = cols[None, :] >= E
+            vals = tl.zeros([BR, BKK], tl.float32)
+            picks = tl.zeros([BR, BKK], tl.int32)
+            for j in tl.static_range(K):
+                cur = tl.where(taken, float("-inf"), logit)
+                best = tl.max(cur, axis=1)
+                # the lowest index among the largest: the tie rule
+                idx = tl.min(tl.where(cur == best[:, None], cols[None, :], BE), axis=1)
+                hit = cols[None, :] == idx[:, None]
+                taken = taken | hit
+                val = tl.sum(tl.where(hit, prob, 0.0), axis=1)
+                vals = tl.where(slot[None, :] == j, val[:, None], vals)
+                picks = tl.where(slot[None, :] == j, idx[:, None], picks)
+                counts += tl.sum((hit & r_ok[:, None]).to(tl.int32), axis=0)
+            if NORM:
+                vals = vals / tl.sum(vals, axis=1)[:, None]
+            tl.store(ids_ptr + out_off, picks, mask=out_ok)
+            tl.store(w_ptr + out_off, vals.to(w_ptr.dtype.element_ty), mask=out_ok)
+        else:
+            picks = tl.load(ids_in_ptr + out_off, mask=out_ok, other=0).to(tl.int32)
+            tl.store(ids_ptr + out_off, picks, mask=out_ok)
+            for j in tl.static_range(K):
+                idx = tl.sum(tl.where(slot[None, :] == j, picks, 0), axis=1)
+                hit = (cols[None, :] == idx[:, None]) & r_ok[:, None]
+                counts += tl.sum(hit.to(tl.int32), axis=0)
+        tl.store(counts_ptr + blk * BE + cols, counts)
+
+    @triton.jit
+    def _totals(counts_ptr, blk, NB, BE: tl.constexpr):
+        """(pairs per expert over all blocks, pairs per expert in the blocks before blk)."""
+        cols = tl.arange(0, BE)
+        total = tl.zeros([BE], tl.int32)
+        before = tl.zeros([BE], tl.int32)
+        for b in range(NB):
+            c = tl.load(counts_ptr + b * BE + cols)
+            total += c
+            before += tl.where(b < blk, c, 0)
+        return total, before
+
+    @triton.jit
+    def _plan_block(
+        blk,
+        ids_ptr,
+        counts_ptr,
+        order_ptr,
+        N,
+        NB,
+        K: tl.constexpr,
+        BR: tl.constexpr,
+        BE: tl.constexpr,
+        BKK: tl.constexpr,
+        SHARED: tl.constexpr,
+    ):
+        """Scatter block blk's pairs to their sorted positions."""
+        cols = tl.arange(0, BE)
+        total, before = _totals(counts_ptr, blk, NB, BE)
+        base = tl.cumsum(total, axis=0) - total + before  # where this block's pairs of e start
+        i = tl.arange(0, BR * BKK)
+        row = blk * BR + i // BKK
+        slot = i % BKK
+        ok = (row < N) & (slot < K)
+        pair = row * K + slot
+        expert = tl.load(ids_ptr + pair, mask=ok, other=0)
+        hot = ((expert[:, None] == cols[None, :]) & ok[:, None]).to(tl.int32)
+        rank = tl.cumsum(hot, axis=0) - hot  # earlier pairs of this block with the same expert
+        pos = tl.sum(hot * (base[None, :] + rank), axis=1)
+        tl.store(order_ptr + pos, pair, mask=ok)
+        if SHARED:
+            rows = blk * BR + tl.arange(0, BR)
+            tl.store(order_ptr + N * K + rows, N * K + rows, mask=rows < N)
+
+    @triton.jit
+    def _tile_map(
+        counts_ptr,
+        tiles_ptr,
+        N,
+        E,
+        NB,
+        MAX_TILES,
+        K: tl.constexpr,
+        BE: tl.constexpr,
+        BM: tl.constexpr,
+        BT: tl.constexpr,
+        SHARED: tl.constexpr,
+    ):
+        """tiles[:, t] = (expert, first, end position) of tile t; expert -1 past the last."""
+        cols = tl.arange(0, BE)
+        count, _ = _totals(counts_ptr, 0, NB, BE)
+        if SHARED:
+            count = tl.where(cols == E, N, count)
+        start = tl.cumsum(count, axis=0) - count
+        tiles = (count + BM - 1) // BM
+        first = tl.cumsum(tiles, axis=0) - tiles
+        for t0 in range(0, MAX_TILES, BT):
+            t = t0 + tl.arange(0, BT)
+            inside = (t[:, None] >= first[None, :]) & (t[:, None] < (first + tiles)[None, :])
+            found = tl.sum(inside.to(tl.int32), axis=1) > 0
+            expert = tl.sum(tl.where(inside, cols[None, :], 0), axis=1)
+            begin = tl.sum(tl.where(inside, start + (t[:, None] - first) * BM, 0), axis=1)
+            end = tl.minimum(begin + BM, tl.sum(tl.where(inside, start + count, 0), axis=1))
+            t_ok = t < MAX_TILES
+            tl.store(tiles_ptr + t, tl.where(found, expert, -1), mask=t_ok)
+            tl.store(tiles_ptr + MAX_TILES + t, begin, mask=t_ok)
+            tl.store(tiles_ptr + 2 * MAX_TILES + t, end, mask=t_ok)
+
+    @triton.jit
+    def _route_plan_kernel(
+        logits_ptr,
+        stride_l,
+        ids_in_ptr,
+        ids_ptr,
+        w_ptr,
+        counts_ptr,
+        order_ptr,
+        tiles_ptr,
+        N,
+        E,
+        NB,
+        MAX_TILES,
+        K: tl.constexpr,
+        BR: tl.constexpr,
+        BE: tl.constexpr,
+        BKK: tl.constexpr,
+        BM: tl.constexpr,
+        FROM_LOGITS: tl.constexpr,
+        NORM: tl.constexpr,
+        SHARED: tl.constexpr,
+        PHASE: tl.constexpr,  # 0: route, 1: plan (a program per block); 2: both, one program
+    ):
+        if PHASE == 2:
+            for blk in range(NB):
+                _route_block(
+                    blk, logits_ptr, stride_l, ids_in_ptr, ids_ptr, w_ptr, counts_ptr, N, E,
+                    K, BR, BE, BKK, FROM_LOGITS, NORM,
+                )  # fmt: skip
+            tl.debug_barrier()  # the counts and ids other threads stored, visible below
+            for blk in range(NB):
+                _plan_block(blk, ids_ptr, counts_ptr, order_ptr, N, NB, K, BR, BE, BKK, SHARED)
+            _tile_map(counts_ptr, tiles_ptr, N, E, NB, MAX_TILES, K, BE, BM, 64, SHARED)
+        elif PHASE == 0:
+            _route_block(
+                tl.program_id(0), logits_ptr, stride_l, ids_in_ptr, ids_ptr, w_ptr, counts_ptr,
+                N, E, K, BR, BE, BKK, FROM_LOGITS, NORM,
+            )  # fmt: skip
+        else:
+            blk = tl.program_id(0)
+            _plan_block(blk, ids_ptr, counts_ptr, order_ptr, N, NB, K, BR, BE, BKK, SHARED)
+            if blk == 0:
+                _tile_map(counts_ptr, tiles_ptr, N, E, NB, MAX_TILES, K, BE, BM, 64, SHARED)
+
+
+def max_tiles(num_rows: int, top_k: int, num_experts: int, shared: bool, block_m: int) -> int:
+    """The most tiles a plan can have (each expert's last tile may be partial)."""
+    pairs = num_rows * top_k
+    tiles = -(-pairs // block_m) + min(num_experts, pairs)
+    return tiles + (-(-num_rows // block_m) if shared else 0)
+
+
+def route(
+    logits: torch.Tensor | None,
+    top_k: int,
+    *,
+    num_experts: int | None = None,
+    norm_topk_prob: bool = True,
+    shared: bool = False,
+    block_m: int = 16,
+    ids: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> MoEPlan:
+    """logits [N, E] (any row stride) -> the routing and the plan, in the activation dtype
+    (`dtype`, default the logits'). Or, with `ids` [N, k] and `weights` given (an expert-
+    parallel rank's masked picks), only the plan; `num_experts` then bounds the ids."""
+    from_logits = ids is None
+    n = logits.shape[0] if from_logits else ids.shape[0]
+    e = logits.shape[1] if from_logits else num_experts
+    ref = logits if from_logits else ids
+    device = ref.device
+    dtype = dtype or (logits.dtype if from_logits else weights.dtype)
+    block_e = triton.next_power_of_2(e + 1)  # column E: the shared expert's group
+    block_k = triton.next_power_of_2(top_k)
+    block_r = max(1, min(16, ONEHOT_ELEMENTS // (block_k * block_e)))
+    block_r = 1 << (block_r.bit_length() - 1)  # a power of two
+    blocks = triton.cdiv(n, block_r)
+    tiles_n = max_tiles(n, top_k, e, shared, block_m)
+    out_ids = torch.empty(n, top_k, dtype=torch.int32, device=device)
+    out_w = torch.empty(n, top_k, dtype=dtype, device=device) if from_logits else weights
+    counts = torch.empty(max(blocks, 1), block_e, dtype=torch.int32, device=device)
+    order = torch.empty(n * top_k + (n if shared else 0), dtype=torch.int32, device=device)
+    tiles = torch.empty(3, tiles_n, dtype=torch.int32, device=device)
+    plan = MoEPlan(out_ids, out_w, order, tiles, n, top_k, shared, block_m)
+    if n == 0:
+        return plan
+    args = (
+        logits if from_logits else ids,
+        logits.stride(0) if from_logits else 0,
+        ids.contiguous() if not from_logits else out_ids,
+        out_ids,
+        out_w,
+        counts,
+        order,
+        tiles,
+        n,
+        e,
+        blocks,
+        tiles_n,
+    )
+    meta = dict(
+        K=top_k,
+        BR=block_r,
+        BE=block_e,
+        BKK=block_k,
+        BM=block_m,
+        FROM_LOGITS=from_logits,
+        NORM=norm_topk_prob,
+        SHARED=shared,
+    )
+    if from_logits and logits.stride(1) != 1:
+        raise ValueError("router logits need unit column stride")
+    if blocks <= SINGLE_MAX_BLOCKS:
+        _route_plan_kernel[(1,)](*args, **meta, PHASE=2, num_warps=4)
+    else:
+        _route_plan_kernel[(blocks,)](*args, **meta, PHASE=0, num_warps=4)
+        _route_plan_kernel[(blocks,)](*args, **meta, PHASE=1, num_warps=4)
+    return plan
+
+
+def route_reference(
+    logits: torch.Tensor, top_k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch routing with the kernel's tie rule: (ids [N, k] int64, weights [N, k] in the
+    logits' dtype). Equal logits go to the lower expert index (a stable descending sort)."""
+    logits32 = logits.float()
+    probs = logits32.softmax(dim=-1)
+    experts = logits32.sort(dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = probs.gather(1, experts)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return experts, weights.to(logits.dtype)

@@ -1,0 +1,228 @@
+"""The MoE Triton kernels against their torch references: routing + plan (`moe_routing.route`:
+ties, renormalisation, the stable expert order, the tiles; one launch and two), the grouped
+experts with the shared one and the folded norm (`moe.grouped_experts`), the whole sparse block,
+and batch invariance: a row's output is bitwise the same alone, or among 3 or 17 rows at any place.
+
+Under Triton's interpreter on CPU (conftest sets TRITON_INTERPRET=1), natively on CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from metrale.config import ModelConfig  # noqa: E402
+from metrale.kernels import moe, moe_routing  # noqa: E402
+from metrale.models import qwen3_next_moe  # noqa: E402
+from metrale.models.qwen3_next import ZeroCentredRMSNorm  # noqa: E402
+from metrale.models.qwen3_next_moe import Qwen3NextSparseMoeBlock  # noqa: E402
+from tests.test_moe_grouped import make_batch, make_experts  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no CUDA and TRITON_INTERPRET is not set", allow_module_level=True)
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _plan_reference(ids: torch.Tensor, num_experts: int, shared: bool, block_m: int):
+    """(order, tiles) as the plan defines them, in plain Python."""
+    n, k = ids.shape
+    order = ids.reshape(-1).cpu().sort(stable=True).indices.tolist()
+    counts = torch.bincount(ids.reshape(-1).cpu(), minlength=num_experts).tolist()
+    if shared:
+        order += list(range(n * k, n * k + n))
+        counts.append(n)
+    tiles, start = [], 0
+    for e, c in enumerate(counts):
+        tiles += [(e, start + t, start + min(t + block_m, c)) for t in range(0, c, block_m)]
+        start += c
+    return order, tiles
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize(
+    "n, experts, top_k",
+    [(1, 8, 2), (5, 8, 3), (17, 64, 10), (300, 8, 2)],  # 300: two launches (a program per block)
+)
+def test_routing_and_plan_match_the_reference(n, experts, top_k, norm):
+    """Integer-valued logits tie often: the picks equal the stable-sort reference exactly."""
+    gen = torch.Generator().manual_seed(n)
+    logits = (torch.randint(-3, 3, (n, experts), generator=gen) * 0.5).to(DEVICE)
+    for shared in (False, True):
+        plan = moe_routing.route(logits, top_k, norm_topk_prob=norm, shared=shared, block_m=4)
+        ids, weights = moe_routing.route_reference(logits, top_k, norm)
+        assert torch.equal(plan.ids.long(), ids)
+        torch.testing.assert_close(plan.weights, weights, rtol=1e-6, atol=1e-7)
+        order, tiles = _plan_reference(ids, experts, shared, 4)
+        assert plan.order.tolist() == order
+        got = [tuple(t) for t in plan.tiles.T.tolist()]
+        assert got[: len(tiles)] == tiles
+        assert all(t[0] == -1 for t in got[len(tiles) :])
+
+
+def test_ties_pick_the_lower_index_and_weights_renormalise():
+    logits = torch.tensor(
+        [[1.0, 1.0, 1.0, 1.0], [0.0, 2.0, 2.0, 1.0], [3.0, 1.0, 1.0, 1.0]], device=DEVICE
+    )
+    plan = moe_routing.route(logits, 2, norm_topk_prob=True)
+    assert plan.ids.tolist() == [[0, 1], [1, 2], [0, 1]]
+    torch.testing.assert_close(plan.weights.sum(-1), torch.ones(3, device=DEVICE))
+    torch.testing.assert_close(plan.weights[0], torch.full((2,), 0.5, device=DEVICE))
+    raw = moe_routing.route(logits, 2, norm_topk_prob=False)
+    torch.testing.assert_close(raw.weights[0], torch.full((2,), 0.25, device=DEVICE))
+    probs = logits.softmax(-1)
+    torch.testing.assert_close(raw.weights[2], probs[2, :2])
+    # the torch block's route() follows the same rule
+    ids, _ = moe_routing.route_reference(logits, 2, True)
+    assert ids.tolist() == [[0, 1], [1, 2], [0, 1]]
+
+
+def test_plan_from_given_ids():
+    """An expert-parallel rank's picks (others' masked to expert 0): the plan alone."""
+    ids = torch.tensor([[0, 2], [0, 0], [3, 1]], device=DEVICE)
+    weights = torch.rand(3, 2, device=DEVICE)
+    plan = moe_routing.route(None, 2, num_experts=4, ids=ids, weights=weights, block_m=2)
+    order, tiles = _plan_reference(ids, 4, False, 2)
+    assert plan.order.tolist() == order and plan.weights is weights
+    assert [tuple(t) for t in plan.tiles.T.tolist()][: len(tiles)] == tiles
+
+
+def _shared(hidden: int, inter: int, dtype, seed: int = 2) -> moe.SharedExpert:
+    gen = torch.Generator().manual_seed(seed)
+    parts = (
+        torch.randn(2 * inter, hidden, generator=gen) / math.sqrt(hidden),
+        torch.randn(hidden, inter, generator=gen) / math.sqrt(inter),
+        torch.randn(hidden, generator=gen) / math.sqrt(hidden),
+    )
+    return moe.SharedExpert(*(p.to(DEVICE, dtype) for p in parts))
+
+
+def _shared_reference(x: torch.Tensor, s: moe.SharedExpert) -> torch.Tensor:
+    gate, up = torch.nn.functional.linear(x, s.gate_up).chunk(2, -1)
+    y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, s.down)
+    return torch.sigmoid(torch.nn.functional.linear(x, s.gate[None])) * y
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, dtype) -> None:
+    """float32 tightly; bf16 by the whole tensor's relative error. The interpreter truncates to
+    bf16 (no round to nearest): over the experts' chain of eight roundings that triples the
+    error (measured 2e-2 where torch's bf16 path has 6e-3), hence its looser bound."""
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert err < (8e-3 if DEVICE == "cuda" else 4e-2), err
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, top_k, inter_s", [(1, 4, 48), (3, 2, 32), (17, 4, 80)])
+def test_grouped_experts_match_the_loop(dtype, n, top_k, inter_s):
+    """Dims off the blocks (H 160, I 48), experts shared by rows, a shared expert narrower,
+    as wide and wider than the routed ones, and without one."""
+    experts = make_experts(8, 160, 48, dtype=dtype, device=DEVICE)
+    x, ids, weights = make_batch(n, 160, 8, top_k)
+    x, ids, weights = x.to(DEVICE, dtype), ids.to(DEVICE), weights.to(DEVICE, dtype)
+    routed = experts._looped(x, ids, weights)
+    plan = moe_routing.route(None, top_k, num_experts=8, ids=ids, weights=weights)
+    out = moe.grouped_experts(x, plan, experts.gate_up_proj, experts.down_proj)
+    _close(out, routed, dtype)
+    shared = _shared(160, inter_s, dtype)
+    plan = moe_routing.route(None, top_k, num_experts=8, ids=ids, weights=weights, shared=True)
+    out = moe.grouped_experts(x, plan, experts.gate_up_proj, experts.down_proj, shared)
+    _close(out, routed + _shared_reference(x, shared), dtype)
+
+
+def _block(dtype, hidden=64, experts=8, top_k=3, inter=32, inter_s=48, norm=True):
+    raw = dict(
+        architectures=["Qwen3NextForCausalLM"], hidden_size=hidden, intermediate_size=96,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        linear_num_key_heads=1, linear_num_value_heads=1, linear_key_head_dim=8,
+        linear_value_head_dim=8, num_experts=experts, num_experts_per_tok=top_k,
+        moe_intermediate_size=inter, shared_expert_intermediate_size=inter_s,
+        norm_topk_prob=norm, vocab_size=64,
+    )  # fmt: skip
+    block = Qwen3NextSparseMoeBlock(ModelConfig.from_dict(raw))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+    return block.to(DEVICE, dtype)
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """force(on): the sparse block's fused path on or off, whatever the device."""
+
+    def force(on: bool) -> None:
+        monkeypatch.setattr(qwen3_next_moe, "hybrid_kernels_enabled", lambda x: on)
+
+    return force
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", [True, False])
+def test_sparse_block_fused_equals_torch(dtype, norm, kernels):
+    block = _block(dtype, norm=norm)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 64, generator=gen).to(DEVICE, dtype)
+    residual = torch.randn(9, 64, generator=gen).to(DEVICE, dtype)
+    next_norm = ZeroCentredRMSNorm(64, 1e-6).to(DEVICE, dtype)
+    with torch.no_grad():
+        next_norm.weight.normal_(0, 0.1)
+        kernels(False)
+        ref = block(x)
+        ref_normed = next_norm._reference(ref + residual)
+        kernels(True)
+        out = block(x)
+        normed, res = block(x, residual, next_norm)
+    _close(out, ref, dtype)
+    _close(res, ref + residual, dtype)
+    _close(normed, ref_normed, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_are_batch_invariant(dtype, kernels):
+    """One row's output (and its folded norm) bitwise alone, among 3 and among 17 rows, at
+    different places: the kernels' reduction order never depends on the batch."""
+    kernels(True)
+    block = _block(dtype, hidden=160, experts=16, top_k=4, inter=48, inter_s=48)
+    next_norm = ZeroCentredRMSNorm(160, 1e-6).to(DEVICE, dtype)
+    gen = torch.Generator().manual_seed(5)
+    row = torch.randn(1, 160, generator=gen).to(DEVICE, dtype)
+    res_row = torch.randn(1, 160, generator=gen).to(DEVICE, dtype)
+    outs = []
+    with torch.no_grad():
+        for n, at in ((1, 0), (3, 1), (3, 2), (17, 0), (17, 9), (17, 16)):
+            x = torch.randn(n, 160, generator=gen).to(DEVICE, dtype)
+            residual = torch.randn(n, 160, generator=gen).to(DEVICE, dtype)
+            x[at], residual[at] = row[0], res_row[0]
+            logits = block.gate(x)
+            # the router GEMM is not this file's kernel: give every batch the row's own logits
+            logits[at] = block.gate(row)[0]
+            plan = moe_routing.route(logits, 4, shared=True, block_m=moe.BLOCK_M)
+            se = block.shared_expert
+            shared = moe.SharedExpert(
+                se.gate_up_proj.weight, se.down_proj.weight, block.shared_expert_gate.weight[0]
+            )
+            exp = block.experts
+            out = moe.grouped_experts(x, plan, exp.gate_up_proj, exp.down_proj, shared)
+            normed, res = moe.grouped_experts(
+                x, plan, exp.gate_up_proj, exp.down_proj, shared,
+                residual=residual, norm_weight=next_norm.weight, eps=1e-6,
+            )  # fmt: skip
+            outs.append((out[at], normed[at], res[at], plan.weights[at], plan.ids[at]))
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_empty_batch(kernels):
+    kernels(True)
+    block = _block(torch.float32)
+    with torch.no_grad():
+        assert block(torch.zeros(0, 64, device=DEVICE)).shape == (0, 64)
