@@ -21,6 +21,7 @@ import functools
 
 import torch
 
+from metrale.kernels.dispatch import interpreter_forced
 from metrale.knobs import knobs
 
 try:
@@ -33,8 +34,11 @@ L2NORM_EPS = 1e-6  # as gdn.L2NORM_EPS (HF's l2norm)
 
 
 def triton_gdn_enabled(x: torch.Tensor) -> bool:
-    """Run the recurrent form as this kernel: CUDA, Triton, and not `METRALE_NO_GDN_TRITON=1`."""
-    return triton is not None and x.is_cuda and not knobs().no_gdn_triton
+    """Run the recurrent form as this kernel: CUDA, Triton, and not `METRALE_NO_GDN_TRITON=1`
+    (or CPU tensors under the interpreter when forced: `dispatch.interpreter_forced`)."""
+    if triton is None or knobs().no_gdn_triton:
+        return False
+    return x.is_cuda or interpreter_forced(x)
 
 
 if triton is not None:

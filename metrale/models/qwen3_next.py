@@ -9,21 +9,23 @@ meta.query_start_loc[b]:[b+1], starts from entry state.read[b] of every GDN laye
 
 Parameter names follow HF's; q/k/v and gate/up are fused as in `qwen3.py` (`PACKED_MODULES`),
 and the routed experts are stacked (see `qwen3_next_moe.py`). Unlike Qwen3, every RMSNorm outside
-the GDN layers scales by (1 + weight): the checkpoints store the weights centred on zero.
+the GDN layers scales by (1 + weight): the checkpoints store the weights centred on zero. The GDN
+layer lives in `qwen3_next_gdn.py`. Where the MoE kernels run, each sparse block's last launch
+also applies the next layer's input norm (or the final norm) with its residual add.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from metrale.config import ModelConfig
 from metrale.models.attention import AttentionBackend, AttentionMetadata
-from metrale.models.gdn import GatedRMSNorm, RowLayout
+from metrale.models.gdn import RowLayout
 from metrale.models.gdn_state import GDNState
 from metrale.models.layers import HiddenTaps, RMSNorm, RotaryEmbedding, SwiGLUMLP
 from metrale.models.qwen3 import PACKED_MODULES
+from metrale.models.qwen3_next_gdn import Qwen3NextGatedDeltaNet
 from metrale.models.qwen3_next_moe import Qwen3NextSparseMoeBlock
 
 
@@ -91,69 +93,6 @@ class Qwen3NextAttention(nn.Module):
         return self.o_proj(out)
 
 
-class Qwen3NextGatedDeltaNet(nn.Module):
-    """One GDN layer (HF `Qwen3NextGatedDeltaNet`); `state_index` is its entry in `GDNState`.
-
-    in_proj_qkvz and in_proj_ba are grouped by key head: for each of the Hk key heads,
-    [q (dk), k (dk), v (r*dv), z (r*dv)] and [b (r), a (r)], r = Hv / Hk value heads per key
-    head. The conv runs over the channels [q of all heads, k of all heads, v of all heads].
-    """
-
-    def __init__(self, cfg: ModelConfig, state_index: int) -> None:
-        super().__init__()
-        hybrid = cfg.hybrid
-        assert hybrid is not None
-        self.state_index = state_index
-        self.num_k_heads = hybrid.linear_num_key_heads
-        self.num_v_heads = hybrid.linear_num_value_heads
-        self.head_k_dim = hybrid.linear_key_head_dim
-        self.head_v_dim = hybrid.linear_value_head_dim
-        self.key_dim = self.num_k_heads * self.head_k_dim
-        self.value_dim = self.num_v_heads * self.head_v_dim
-        self.conv_dim = 2 * self.key_dim + self.value_dim
-        kernel = hybrid.linear_conv_kernel_dim
-        h = cfg.hidden_size
-        self.in_proj_qkvz = nn.Linear(h, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(h, 2 * self.num_v_heads, bias=False)
-        # HF's parameter [conv_dim, 1, K]; the module is only its holder (see causal_conv1d)
-        self.conv1d = nn.Conv1d(
-            self.conv_dim, self.conv_dim, kernel, groups=self.conv_dim, bias=False
-        )
-        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
-        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
-        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
-
-    def _split(self, qkvz: torch.Tensor, ba: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Per-key-head groups -> mixed qkv [N, conv_dim], z [N, Hv, dv], b, a [N, Hv]."""
-        n, hk = qkvz.shape[0], self.num_k_heads
-        r_dv = self.num_v_heads // hk * self.head_v_dim
-        q, k, v, z = qkvz.view(n, hk, -1).split([self.head_k_dim, self.head_k_dim, r_dv, r_dv], -1)
-        b, a = ba.view(n, hk, -1).chunk(2, dim=-1)
-        mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
-        hv = self.num_v_heads
-        return mixed, z.reshape(n, hv, self.head_v_dim), b.reshape(n, hv), a.reshape(n, hv)
-
-    def forward(self, hidden: torch.Tensor, layout: RowLayout, state: GDNState) -> torch.Tensor:
-        rows = hidden.shape[0]
-        mixed, z, b, a = self._split(self.in_proj_qkvz(hidden), self.in_proj_ba(hidden))
-        conv_in = layout.pad(mixed)  # [B, T, conv_dim]
-        bsz, t = conv_in.shape[:2]
-        conv = state.causal_conv(
-            self.state_index, conv_in, self.conv1d.weight[:, 0], layout.lengths
-        )
-        q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.view(bsz, t, self.num_k_heads, self.head_k_dim)
-        k = k.view(bsz, t, self.num_k_heads, self.head_k_dim)
-        v = v.view(bsz, t, self.num_v_heads, self.head_v_dim)
-        # NOTE: padded rows get g = beta = 0, which leaves the state unchanged.
-        beta = layout.pad(b.sigmoid())  # [B, T, Hv]
-        g = layout.pad(-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias))
-        out = state.delta_rule(self.state_index, q, k, v, g, beta)
-        out = self.norm(layout.unpad(out), z)  # [N, Hv, dv]
-        return self.out_proj(out.reshape(rows, self.value_dim))
-
-
 class Qwen3NextDecoderLayer(nn.Module):
     def __init__(
         self,
@@ -189,17 +128,42 @@ class Qwen3NextDecoderLayer(nn.Module):
         layout: RowLayout,
         state: GDNState,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
+        """-> (the MLP's output, the residual before it)."""
+        hidden, residual, _ = self.forward_fold(
+            positions, hidden, residual, meta, layout, state, None, False
+        )
+        return hidden, residual
+
+    def forward_fold(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+        layout: RowLayout,
+        state: GDNState,
+        next_norm: nn.Module | None,
+        normed: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """`forward`, where `normed` says `hidden` is already this layer's input norm of
+        (hidden + residual) and `residual` that sum, and `next_norm` (the next layer's input
+        norm, or the final one) asks the MoE kernels to apply it in their last launch: then the
+        result is (next_norm(output + residual), output + residual, True)."""
+        if not normed and residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
-        else:
+        elif not normed:
             hidden, residual = self.input_layernorm.forward_residual(hidden, residual)
         if self.layer_type == "linear_attention":
             hidden = self.linear_attn(hidden, layout, state)
         else:
             hidden = self.self_attn(positions, hidden, meta)
         hidden, residual = self.post_attention_layernorm.forward_residual(hidden, residual)
-        return self.mlp(hidden), residual
+        mlp = self.mlp
+        if next_norm is not None and isinstance(mlp, Qwen3NextSparseMoeBlock) and mlp.fused(hidden):
+            hidden, residual = mlp(hidden, residual, next_norm)
+            return hidden, residual, True
+        return mlp(hidden), residual, False
 
 
 class Qwen3NextModel(nn.Module):
@@ -227,11 +191,20 @@ class Qwen3NextModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         residual = None
         taps = self.taps
-        for i, layer in enumerate(self.layers):
-            hidden, residual = layer(positions, hidden, residual, meta, layout, state)
+        layers = self.layers
+        normed = False
+        for i, layer in enumerate(layers):
+            # Without taps (which read each layer's output), each MoE block's last launch also
+            # runs the next norm's residual add: one launch fewer per layer.
+            nxt = None if taps is not None else (layers[i + 1] if i + 1 < len(layers) else None)
+            nxt_norm = None if taps is not None else (nxt.input_layernorm if nxt else self.norm)
+            hidden, residual, normed = layer.forward_fold(
+                positions, hidden, residual, meta, layout, state, nxt_norm, normed
+            )
             if taps is not None:
                 taps.write(i, hidden, residual)
-        hidden, _ = self.norm.forward_residual(hidden, residual)
+        if not normed:
+            hidden, _ = self.norm.forward_residual(hidden, residual)
         return hidden
 
 

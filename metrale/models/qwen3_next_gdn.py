@@ -1,0 +1,139 @@
+"""The Gated DeltaNet layer of Qwen3-Next (HF `Qwen3NextGatedDeltaNet`): in-projections, the
+causal conv and the gated delta rule over the recurrent state (`gdn_state.GDNState`), the gated
+RMSNorm, the out-projection.
+
+Two paths compute the same thing. The torch path (CPU, and the reference) follows HF op by op.
+The fused path (CUDA, or the forced interpreter: `kernels/dispatch.py`) is six launches: one
+GEMM over both in-projections (their rows reordered once so that q, k, v, z, b and a are column
+ranges of its output), `gdn_fused.prepare` (gates and padding), the conv and delta-rule kernels
+(through the state), `gdn_fused.gated_norm` and out_proj.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from metrale.config import ModelConfig
+from metrale.kernels import gdn_fused
+from metrale.kernels.dispatch import hybrid_kernels_enabled
+from metrale.models.gdn import GatedRMSNorm, RowLayout
+from metrale.models.gdn_state import GDNState
+
+
+class Qwen3NextGatedDeltaNet(nn.Module):
+    """One GDN layer (HF `Qwen3NextGatedDeltaNet`); `state_index` is its entry in `GDNState`.
+
+    in_proj_qkvz and in_proj_ba are grouped by key head: for each of the Hk key heads,
+    [q (dk), k (dk), v (r*dv), z (r*dv)] and [b (r), a (r)], r = Hv / Hk value heads per key
+    head. The conv runs over the channels [q of all heads, k of all heads, v of all heads].
+    """
+
+    def __init__(self, cfg: ModelConfig, state_index: int) -> None:
+        super().__init__()
+        hybrid = cfg.hybrid
+        assert hybrid is not None
+        self.state_index = state_index
+        self.num_k_heads = hybrid.linear_num_key_heads
+        self.num_v_heads = hybrid.linear_num_value_heads
+        self.head_k_dim = hybrid.linear_key_head_dim
+        self.head_v_dim = hybrid.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        kernel = hybrid.linear_conv_kernel_dim
+        h = cfg.hidden_size
+        self.in_proj_qkvz = nn.Linear(h, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(h, 2 * self.num_v_heads, bias=False)
+        # HF's parameter [conv_dim, 1, K]; the module is only its holder (see causal_conv1d)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, kernel, groups=self.conv_dim, bias=False
+        )
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+        # Set by `_flatten` (the fused path's first forward): the in-projections' rows in the
+        # flat order and both weights views of `_in_proj`, one [rows, H] matrix.
+        self._in_proj: torch.Tensor | None = None
+
+    def _split(self, qkvz: torch.Tensor, ba: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """-> mixed qkv [N, conv_dim], z [N, Hv, dv], b, a [N, Hv]. The checkpoint's layout groups
+        the rows by key head; after `_flatten` they are in the flat order already."""
+        n, hk, hv = qkvz.shape[0], self.num_k_heads, self.num_v_heads
+        if self._in_proj is not None:
+            mixed, z = qkvz.split([self.conv_dim, self.value_dim], -1)
+            return mixed, z.reshape(n, hv, self.head_v_dim), ba[:, :hv], ba[:, hv:]
+        r_dv = self.num_v_heads // hk * self.head_v_dim
+        q, k, v, z = qkvz.view(n, hk, -1).split([self.head_k_dim, self.head_k_dim, r_dv, r_dv], -1)
+        b, a = ba.view(n, hk, -1).chunk(2, dim=-1)
+        mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
+        return mixed, z.reshape(n, hv, self.head_v_dim), b.reshape(n, hv), a.reshape(n, hv)
+
+    @torch.no_grad()
+    def _flatten(self) -> None:
+        """Reorder the in-projections' rows from per-key-head groups ([q, k, v, z] and [b, a] of
+        each key head) to [q of all heads, k, v, z] and [b, a], and make both weights views of
+        one matrix: the fused path runs one GEMM whose output columns the conv, the gates and the
+        norm read in place (no cat, no copies of z, b, a). Once, at the first fused forward (the
+        loader fills the checkpoint's layout); the torch path reads either layout."""
+        hk, dk = self.num_k_heads, self.head_k_dim
+        r, r_dv = self.num_v_heads // hk, self.num_v_heads // hk * self.head_v_dim
+        qkvz, ba = self.in_proj_qkvz.weight, self.in_proj_ba.weight
+        with torch.inference_mode(False):  # plain tensors, whatever mode the forward runs in
+            idx = torch.arange(qkvz.shape[0], device=qkvz.device).view(hk, -1)
+            parts = idx.split([dk, dk, r_dv, r_dv], -1)
+            order = torch.cat([p.reshape(-1) for p in parts])
+            idx_ba = torch.arange(ba.shape[0], device=ba.device).view(hk, 2 * r)
+            order_ba = torch.cat([idx_ba[:, :r].reshape(-1), idx_ba[:, r:].reshape(-1)])
+            packed = torch.cat([qkvz[order], ba[order_ba]])
+        self.in_proj_qkvz.weight.data = packed[: qkvz.shape[0]]
+        self.in_proj_ba.weight.data = packed[qkvz.shape[0] :]
+        self._in_proj = packed
+        if packed.is_cuda:  # the old storage is freed: let the reads above finish first
+            torch.cuda.current_stream(packed.device).synchronize()
+
+    def forward(self, hidden: torch.Tensor, layout: RowLayout, state: GDNState) -> torch.Tensor:
+        if hybrid_kernels_enabled(hidden):
+            return self._fused(hidden, layout, state)
+        rows = hidden.shape[0]
+        mixed, z, b, a = self._split(self.in_proj_qkvz(hidden), self.in_proj_ba(hidden))
+        conv_in = layout.pad(mixed)  # [B, T, conv_dim]
+        bsz, t = conv_in.shape[:2]
+        conv = state.causal_conv(
+            self.state_index, conv_in, self.conv1d.weight[:, 0], layout.lengths
+        )
+        q, k, v = self._heads(conv, bsz, t)
+        # NOTE: padded rows get g = beta = 0, which leaves the state unchanged.
+        beta = layout.pad(b.sigmoid())  # [B, T, Hv]
+        g = layout.pad(-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias))
+        out = state.delta_rule(self.state_index, q, k, v, g, beta)
+        out = self.norm(layout.unpad(out), z)  # [N, Hv, dv]
+        return self.out_proj(out.reshape(rows, self.value_dim))
+
+    def _heads(self, conv: torch.Tensor, bsz: int, t: int) -> tuple[torch.Tensor, ...]:
+        q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.view(bsz, t, self.num_k_heads, self.head_k_dim)
+        k = k.view(bsz, t, self.num_k_heads, self.head_k_dim)
+        return q, k, v.view(bsz, t, self.num_v_heads, self.head_v_dim)
+
+    def _fused(self, hidden: torch.Tensor, layout: RowLayout, state: GDNState) -> torch.Tensor:
+        """The same layer in six launches: one in-projection GEMM, `gdn_fused.prepare`, the
+        conv and delta-rule kernels (through `state`), `gdn_fused.gated_norm`, out_proj."""
+        if self._in_proj is None:
+            self._flatten()
+        proj = F.linear(hidden, self._in_proj)  # [N, conv_dim + value_dim + 2 Hv]
+        mixed, z, ba = proj.split([self.conv_dim, self.value_dim, 2 * self.num_v_heads], -1)
+        conv_in, g, beta = gdn_fused.prepare(
+            mixed, ba, self.A_log, self.dt_bias, layout.index, layout.lengths
+        )
+        bsz, t = conv_in.shape[:2]
+        conv = state.causal_conv(
+            self.state_index, conv_in, self.conv1d.weight[:, 0], layout.lengths
+        )
+        q, k, v = self._heads(conv, bsz, t)
+        out = state.delta_rule(self.state_index, q, k, v, g, beta)
+        norm = self.norm
+        out = gdn_fused.gated_norm(out, z, norm.weight, norm.eps, layout.row_seq, layout.row_offset)
+        return self.out_proj(out)
