@@ -25,6 +25,7 @@ import os
 
 import torch
 
+from metrale.kernels.invariant_attention import invariant_attention
 from metrale.models.attention import AttentionMetadata, TorchPagedAttention, write_kv
 
 try:
@@ -218,12 +219,10 @@ class TritonPagedAttention(TorchPagedAttention):
     """The Triton kernel for every batch it covers (CUDA, or the interpreter; pages of a power
     of two >= 16 rows); the torch reference (this class's parent) otherwise.
 
-    `invariant` (the engine's deterministic mode): every row, decode, verify or prefill, takes
-    the query-tiled path with one tile shape and no KV split, so a row reads its keys page by
-    page from the first, in one online softmax, in the same [tile, D] products wherever it sits:
-    its output depends on its query and its keys alone, not on the rows or sequences beside it
-    (pages past a row's position are masked to exact zeros). Without it the KV split follows the
-    number of sequences (`num_splits`) and decode tiles follow the rows per sequence."""
+    `invariant` (the engine's deterministic mode): `kernels/invariant_attention.py`, whose KV
+    splits sit at fixed positions, so a row's output depends on its query and keys alone. Here
+    the KV split follows the number of sequences (`num_splits`) and a step with a prompt chunk
+    tiles every sequence's rows, so a row's rounding depends on what shares its step."""
 
     def __init__(self, invariant: bool = False) -> None:
         super().__init__()
@@ -244,10 +243,21 @@ class TritonPagedAttention(TorchPagedAttention):
         if not self._kernel_covers(meta):
             return super().forward(q, k, v, kv_cache, meta, scale)
         write_kv(kv_cache, k, v, meta.slot_mapping)
+        if self.invariant:
+            return invariant_attention(
+                q.to(kv_cache.dtype),
+                kv_cache[0],
+                kv_cache[1],
+                meta,
+                scale,
+                max_rows=MAX_KERNEL_ROWS,
+                prompt_tile_rows=PREFILL_TILE_ROWS,
+                interpreted=INTERPRETED,
+            )
         heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
         group = heads // kv_heads
         group_p = triton.next_power_of_2(group)
-        tiled = self.invariant or meta.max_query_len > MAX_KERNEL_ROWS
+        tiled = meta.max_query_len > MAX_KERNEL_ROWS
         if tiled:  # prefill: tiles of query rows, one program each
             block_q = max(PREFILL_TILE_ROWS // group_p, 1)
         else:  # tl.dot needs 16+ tile rows: with few heads per group, pad the query rows

@@ -1,0 +1,270 @@
+"""Batch-invariant paged attention for the deterministic mode (`EngineConfig.deterministic`).
+
+A row's output must not depend on the rows and sequences beside it, nor on whether it is a
+decode row, a verify row or a row of a prompt chunk. So the keys are cut into splits at fixed
+positions (SPLIT_TOKENS each, counted from the sequence's first token, never from the batch):
+
+- each split's partial softmax (running max m, normaliser l, unnormalised output acc) is one
+  online softmax over the split's pages, first to last, in [tile rows, D] matrix products;
+- the partials are merged in split order, 0, 1, 2 ..., by `_merge`, then out = acc / l.
+
+Decode and verify sequences (at most MAX_KERNEL_ROWS rows) run one program per (sequence, KV
+head, split), which writes its partial; `_combine_kernel` merges them (parallel over splits, as
+flash-decoding: a batch-1 step still spreads over the GPU). Prompt chunks run one program per
+(sequence, KV head, tile of rows), which computes the same partials and merges them in registers
+with the same `_merge`. A page past a row's position, or a split past it, is an exact no-op of
+the online softmax and of the merge (its weights are exp(-inf) = 0), so a verify row sees
+the bits of the same position decoded alone, and a prompt row the bits it would get decoded.
+
+Two details keep the arithmetic independent of the tile's shape (decode tiles follow the rows
+per sequence): the row sums of the softmax are float32 products with a ones matrix, whose FMA
+reduction runs in key order for any layout (a `tl.sum` reduces in an order set by the layout),
+and the maxima are exact in any order. The products themselves run in 16-wide matrix steps, the
+same for any tile (the batch-invariant GEMM's finding, `kernels/batch_invariant.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metrale.models.attention import AttentionMetadata
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU machines: the deterministic mode then runs the torch reference
+    triton = None
+
+# Keys per split: a fixed count, so a position's split never depends on the batch.
+SPLIT_TOKENS = 128
+
+if triton is not None:
+
+    @triton.jit
+    def _merge(m, l_run, acc, m_s, l_s, acc_s):
+        """The running partial (m, l_run, acc) merged with a later split's. Shared by the combine
+        kernel and the prompt tiles so that both compile the same arithmetic."""
+        m_new = tl.maximum(m, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.exp(m - m_safe)
+        b = tl.exp(m_s - m_safe)
+        return m_new, l_run * a + l_s * b, acc * a[:, None] + acc_s * b[:, None]
+
+    @triton.jit
+    def _split_partial(
+        q, k_ptr, v_ptr, tables_ptr, seq, kvh, first, end, pos, row_ok, seq_len, scale,
+        stride_cp, stride_co, stride_ch, stride_bt,
+        M: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+        PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    ):  # fmt: skip
+        """One split's online softmax over pages first .. end - 1 for the tile's M rows."""
+        n = tl.arange(0, PAGE)
+        d = tl.arange(0, D)
+        ones = tl.full([PAGE, 16], 1.0, tl.float32)
+        m_i = tl.full([M], float("-inf"), tl.float32)
+        l_i = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, D], tl.float32)
+        for p in range(first, end):
+            page = tl.load(tables_ptr + seq * stride_bt + p)
+            base = page * stride_cp + kvh * stride_ch
+            key_pos = p * PAGE + n
+            k = tl.load(k_ptr + base + n[:, None] * stride_co + d[None, :])
+            # values past the sequence's end zeroed: a stale NaN there would pass 0 * NaN
+            v = tl.load(
+                v_ptr + base + n[:, None] * stride_co + d[None, :],
+                mask=(key_pos < seq_len)[:, None],
+                other=0.0,
+            )
+            if DOT_F32:  # the interpreter's bf16 dot is wrong; float32 operands are exact
+                k, v = k.to(tl.float32), v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+            s = tl.where((key_pos[None, :] <= pos[:, None]) & row_ok[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            probs = tl.exp(s - m_safe[:, None])
+            # the row sum as a float32 product: reduced in key order whatever the layout
+            row_sum = tl.max(tl.dot(probs, ones, input_precision="ieee"), axis=1)
+            l_i = l_i * alpha + row_sum
+            pv = tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + pv.to(tl.float32)
+            m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _tile_rows(seq, kvh, first_row, starts_ptr, lens_ptr, BLOCK_Q: tl.constexpr,
+                   GROUP: tl.constexpr, GROUP_P: tl.constexpr):  # fmt: skip
+        """The tile's rows (query row x head of the GQA group), their positions and validity."""
+        start = tl.load(starts_ptr + seq)
+        q_len = tl.load(starts_ptr + seq + 1) - start
+        seq_len = tl.load(lens_ptr + seq)
+        m_idx = tl.arange(0, BLOCK_Q * GROUP_P)
+        row = first_row + m_idx // GROUP_P
+        head = kvh * GROUP + m_idx % GROUP_P
+        row_ok = (row < q_len) & (m_idx % GROUP_P < GROUP)
+        return start, q_len, seq_len, row, head, row_ok, seq_len - q_len + row
+
+    @triton.jit
+    def _decode_split_kernel(
+        q_ptr, k_ptr, v_ptr, part_ptr, tables_ptr, starts_ptr, lens_ptr, scale,
+        stride_qt, stride_qh, stride_cp, stride_co, stride_ch, stride_bt,
+        NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+        BLOCK_Q: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, SPLIT_PAGES: tl.constexpr,
+        SPLITS: tl.constexpr, MAX_ROWS: tl.constexpr, PRECISION: tl.constexpr,
+        DOT_F32: tl.constexpr,
+    ):  # fmt: skip
+        """Split `program_id(2)` of a decode or verify sequence: its partial, into part_ptr
+        [sequences, BLOCK_Q, heads, SPLITS, D + 2] (acc, then m and l)."""
+        seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        start, q_len, seq_len, row, head, row_ok, pos = _tile_rows(
+            seq, kvh, 0, starts_ptr, lens_ptr, BLOCK_Q, GROUP, GROUP_P
+        )
+        first = split * SPLIT_PAGES
+        num_pages = tl.cdiv(seq_len, PAGE)
+        if q_len <= MAX_ROWS and first < num_pages:  # prompt chunks: the tile kernel's
+            d = tl.arange(0, D)
+            q = tl.load(
+                q_ptr + (start + row)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None],
+                other=0.0,
+            )
+            if DOT_F32:
+                q = q.to(tl.float32)
+            end = tl.minimum(first + SPLIT_PAGES, num_pages)
+            m_i, l_i, acc = _split_partial(
+                q, k_ptr, v_ptr, tables_ptr, seq, kvh, first, end, pos, row_ok, seq_len, scale,
+                stride_cp, stride_co, stride_ch, stride_bt,
+                BLOCK_Q * GROUP_P, D, PAGE, PRECISION, DOT_F32,
+            )  # fmt: skip
+            part = (((seq * BLOCK_Q + row) * NUM_HEADS + head) * SPLITS + split) * (D + 2)
+            tl.store(part_ptr + part[:, None] + d[None, :], acc, mask=row_ok[:, None])
+            tl.store(part_ptr + part + D, m_i, mask=row_ok)
+            tl.store(part_ptr + part + D + 1, l_i, mask=row_ok)
+
+    @triton.jit
+    def _combine_kernel(
+        part_ptr, out_ptr, starts_ptr, lens_ptr, stride_ot, stride_oh,
+        NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+        BLOCK_Q: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, SPLIT_PAGES: tl.constexpr,
+        SPLITS: tl.constexpr, MAX_ROWS: tl.constexpr,
+    ):  # fmt: skip
+        """A decode or verify sequence's partials merged in split order; out = acc / l_run."""
+        seq, kvh = tl.program_id(0), tl.program_id(1)
+        start, q_len, seq_len, row, head, row_ok, pos = _tile_rows(
+            seq, kvh, 0, starts_ptr, lens_ptr, BLOCK_Q, GROUP, GROUP_P
+        )
+        if q_len <= MAX_ROWS:
+            d = tl.arange(0, D)
+            m = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
+            l_run = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
+            acc = tl.zeros([BLOCK_Q * GROUP_P, D], tl.float32)
+            row_part = ((seq * BLOCK_Q + row) * NUM_HEADS + head) * SPLITS
+            for s in range(0, tl.cdiv(tl.cdiv(seq_len, PAGE), SPLIT_PAGES)):
+                part = (row_part + s) * (D + 2)
+                acc_s = tl.load(
+                    part_ptr + part[:, None] + d[None, :], mask=row_ok[:, None], other=0.0
+                )
+                m_s = tl.load(part_ptr + part + D, mask=row_ok, other=float("-inf"))
+                l_s = tl.load(part_ptr + part + D + 1, mask=row_ok, other=0.0)
+                m, l_run, acc = _merge(m, l_run, acc, m_s, l_s, acc_s)
+            out = acc / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
+            tl.store(
+                out_ptr
+                + (start + row)[:, None] * stride_ot
+                + head[:, None] * stride_oh
+                + d[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=row_ok[:, None],
+            )
+
+    @triton.jit
+    def _prompt_tile_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, lens_ptr, scale,
+        stride_qt, stride_qh, stride_cp, stride_co, stride_ch, stride_bt, stride_ot, stride_oh,
+        GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, D: tl.constexpr,
+        PAGE: tl.constexpr, SPLIT_PAGES: tl.constexpr, MAX_ROWS: tl.constexpr,
+        PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    ):  # fmt: skip
+        """A tile of a prompt chunk's rows: its splits' partials merged in registers."""
+        seq, kvh, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        start, q_len, seq_len, row, head, row_ok, pos = _tile_rows(
+            seq, kvh, tile * BLOCK_Q, starts_ptr, lens_ptr, BLOCK_Q, GROUP, GROUP_P
+        )
+        if q_len > MAX_ROWS and tile * BLOCK_Q < q_len:
+            d = tl.arange(0, D)
+            q = tl.load(
+                q_ptr + (start + row)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None],
+                other=0.0,
+            )
+            if DOT_F32:
+                q = q.to(tl.float32)
+            # causal: the pages up to the tile's last row
+            end = tl.cdiv(seq_len - q_len + tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len), PAGE)
+            m = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
+            l_run = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
+            acc = tl.zeros([BLOCK_Q * GROUP_P, D], tl.float32)
+            for s in range(0, tl.cdiv(end, SPLIT_PAGES)):
+                m_s, l_s, acc_s = _split_partial(
+                    q, k_ptr, v_ptr, tables_ptr, seq, kvh, s * SPLIT_PAGES,
+                    tl.minimum(s * SPLIT_PAGES + SPLIT_PAGES, end), pos, row_ok, seq_len, scale,
+                    stride_cp, stride_co, stride_ch, stride_bt,
+                    BLOCK_Q * GROUP_P, D, PAGE, PRECISION, DOT_F32,
+                )  # fmt: skip
+                m, l_run, acc = _merge(m, l_run, acc, m_s, l_s, acc_s)
+            out = acc / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
+            tl.store(
+                out_ptr
+                + (start + row)[:, None] * stride_ot
+                + head[:, None] * stride_oh
+                + d[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=row_ok[:, None],
+            )
+
+
+def invariant_attention(
+    q, k_cache, v_cache, meta: AttentionMetadata, scale: float, *, max_rows: int,
+    prompt_tile_rows: int, interpreted: bool,
+) -> torch.Tensor:  # fmt: skip
+    """Attention of every row of the step (K/V already written), batch-invariantly."""
+    heads, kv_heads, dim = q.shape[1], k_cache.shape[2], q.shape[2]
+    page = k_cache.shape[1]
+    group = heads // kv_heads
+    group_p = triton.next_power_of_2(group)
+    split_pages = max(1, SPLIT_TOKENS // page)
+    splits = -(-meta.block_tables.shape[1] // split_pages)  # the step's widest table
+    seqs = meta.num_seqs
+    out = torch.empty_like(q)
+    common = dict(
+        GROUP=group, GROUP_P=group_p, D=dim, PAGE=page, SPLIT_PAGES=split_pages, MAX_ROWS=max_rows
+    )
+    precision = "ieee" if q.dtype == torch.float32 or interpreted else "tf32"
+    strides = (
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        meta.block_tables.stride(0),
+    )  # fmt: skip
+    tables, starts, lens = meta.block_tables, meta.query_start_loc, meta.seq_lens
+    if meta.max_query_len > max_rows:  # prompt chunks in the step
+        block_q = max(prompt_tile_rows // group_p, 1)
+        tiles = -(-meta.max_query_len // block_q)
+        _prompt_tile_kernel[(seqs, kv_heads, tiles)](
+            q, k_cache, v_cache, out, tables, starts, lens, scale, *strides,
+            out.stride(0), out.stride(1), BLOCK_Q=block_q, PRECISION=precision,
+            DOT_F32=interpreted, **common,
+        )  # fmt: skip
+    # decode and verify sequences (every one, in a step without prompt chunks); tl.dot needs
+    # 16+ tile rows, so few heads per group pad the query rows
+    block_q = max(triton.next_power_of_2(min(meta.max_query_len, max_rows)), max(1, 16 // group_p))
+    part = torch.empty(
+        seqs * block_q * heads * splits * (dim + 2), dtype=torch.float32, device=q.device
+    )
+    _decode_split_kernel[(seqs, kv_heads, splits)](
+        q, k_cache, v_cache, part, tables, starts, lens, scale, *strides, NUM_HEADS=heads,
+        BLOCK_Q=block_q, SPLITS=splits, PRECISION=precision, DOT_F32=interpreted, **common,
+    )  # fmt: skip
+    _combine_kernel[(seqs, kv_heads)](
+        part, out, starts, lens, out.stride(0), out.stride(1), NUM_HEADS=heads, BLOCK_Q=block_q,
+        SPLITS=splits, **common,
+    )  # fmt: skip
+    return out
