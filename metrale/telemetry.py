@@ -214,6 +214,35 @@ class SpecTelemetry:
 
 
 @dataclass
+class PrefixCacheTelemetry:
+    """Prefix caching, counted in tokens as vLLM's `prefix_cache_queries` / `prefix_cache_hits`:
+    every admission (a recompute after preemption too) queries its tokens, and hits the ones its
+    cached pages cover."""
+
+    queries: int = 0
+    hits: int = 0
+    requests: int = 0  # admissions that queried the cache
+    evicted_pages: int = 0  # idle cached pages reclaimed for other use
+    snapshots_saved: int = 0  # hybrid targets: recurrent-state snapshots taken
+    snapshots_restored: int = 0  # and resumed from
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    def snapshot(self) -> dict:
+        return {
+            "queries": self.queries,
+            "hits": self.hits,
+            "hit_rate": self.hit_rate,
+            "requests": self.requests,
+            "evicted_pages": self.evicted_pages,
+            "snapshots_saved": self.snapshots_saved,
+            "snapshots_restored": self.snapshots_restored,
+        }
+
+
+@dataclass
 class Telemetry:
     prefill_tokens: int = 0  # rows at prompt positions run (recompute after preemption included)
     decode_tokens: int = 0  # tokens emitted
@@ -224,6 +253,7 @@ class Telemetry:
     step_time: Histogram = field(default_factory=lambda: Histogram(STEP_TIME_BUCKETS))
     spec: SpecTelemetry = field(default_factory=SpecTelemetry)
     request: RequestTelemetry = field(default_factory=RequestTelemetry)
+    prefix_cache: PrefixCacheTelemetry = field(default_factory=PrefixCacheTelemetry)
 
     def record_step(self, phase: str, prompt_rows: int, emitted: int, seconds: float) -> None:
         self.steps += 1
@@ -243,4 +273,5 @@ class Telemetry:
             "step_time_mean_s": self.step_time.mean,
             "tokens_per_step": self.decode_tokens / self.steps if self.steps else 0.0,
             "spec": self.spec.snapshot(),
+            "prefix_cache": self.prefix_cache.snapshot(),
         }

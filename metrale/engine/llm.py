@@ -14,16 +14,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from metrale.config import EngineConfig, ModelConfig, SamplingParams
-from metrale.distributed.parallel import DistributedError, check_tp
+from metrale.distributed.parallel import check_tp
 from metrale.engine.calibrate import measured_cost_model
 from metrale.engine.emitter import Emitter
+from metrale.engine.isolation import run_batch
 from metrale.engine.kv_cache import PageAllocator
+from metrale.engine.prefix_cache import build_prefix_cache
 from metrale.engine.runner import ModelRunner
 from metrale.engine.scheduler import Scheduler
-from metrale.engine.sequence import Batch, ScheduledSeq, Sequence
+from metrale.engine.sequence import Batch, Sequence, SequenceStatus
 from metrale.engine.step_output import StepOutput
 from metrale.hub import resolve_model
 from metrale.knobs import knobs
@@ -94,16 +94,17 @@ class LLMEngine:
         log.info("%s", knobs().describe())
 
     def _setup(self, drafter: Drafter | None) -> None:
-        """What sits on the runner: the page allocator, the scheduler, telemetry, the EOS ids,
-        the speculative side (and D-Cut's calibration)."""
-        self.allocator = PageAllocator(self.runner.num_pages, self.config.page_size)
+        """What sits on the runner: telemetry, the page allocator (and its prefix cache), the
+        scheduler, the EOS ids, the speculative side (and D-Cut's calibration)."""
+        self.telemetry = Telemetry()
+        cache = build_prefix_cache(self.config, self.runner, self.telemetry.prefix_cache)
+        self.allocator = PageAllocator(self.runner.num_pages, self.config.page_size, cache)
         self.scheduler = Scheduler(
             self.allocator,
             self.config.max_num_seqs,
             self.config.max_num_batched_tokens,
             lookahead=self.lookahead,
         )
-        self.telemetry = Telemetry()
         eos = dict.fromkeys(self.model_config.eos_token_ids + self.tokenizer.eos_token_ids)
         outside = [t for t in eos if not 0 <= t < self.vocab_size]
         if outside:
@@ -300,54 +301,8 @@ class LLMEngine:
         return outputs
 
     def _run(self, batch: Batch) -> StepOutput:
-        """Run the batch; if the forward fails, isolate the failing sequence(s) by running each
-        alone, so one bad sequence never takes the others down."""
-        if not batch.entries:
-            return StepOutput([], [], torch.empty(0), [])
-        try:
-            return self.runner.execute(batch)
-        except DistributedError:
-            raise  # a rank is gone: no sequence can run, so none is retried alone
-        except Exception as e:  # noqa: BLE001 (isolation: any error ends only its sequence)
-            if len(batch.entries) == 1:
-                log.exception("sequence %s failed", batch.entries[0].seq.request_id)
-                self._fail(batch.entries[0].seq, f"{type(e).__name__}: {e}")
-                return StepOutput([], [], torch.empty(0), [])
-            # said, so that a step that keeps failing (and running N times) is seen
-            log.warning(
-                "a batch of %d sequences failed (%s: %s); running each alone",
-                len(batch.entries),
-                type(e).__name__,
-                e,
-            )
-        parts = []
-        for entry in batch.entries:
-            if self.runner.hybrid and not self._rebuild_state(entry):
-                continue
-            parts.append(self._run(Batch(entries=[entry])))
-        return StepOutput.merge(parts)
-
-    def _rebuild_state(self, entry: ScheduledSeq) -> bool:
-        """A hybrid forward that failed may have advanced some layers' recurrent state: rebuild
-        the sequence's state by re-running its computed rows from its first token, in chunks of
-        the step budget (their KV is rewritten identically). False when that fails too (the
-        sequence is then ended)."""
-        seq, done = entry.seq, entry.seq.num_computed_tokens
-        if done == 0:
-            return True  # its state is reset before it runs anyway
-        chunk = self.config.max_num_batched_tokens  # the step budget bounds each re-run
-        try:
-            for start in range(0, done, chunk):
-                seq.num_computed_tokens = start
-                rows = min(chunk, done - start)
-                self.runner.execute(Batch(entries=[ScheduledSeq(seq, rows)]))
-        except Exception as e:  # noqa: BLE001 (isolation, as in _run)
-            log.exception("sequence %s failed", seq.request_id)
-            self._fail(seq, f"{type(e).__name__}: {e}")
-            return False
-        finally:
-            seq.num_computed_tokens = done
-        return True
+        """Run the batch, isolating a failing sequence (`isolation.run_batch`)."""
+        return run_batch(self, batch)
 
     def _commit(self, out: StepOutput, changed: dict) -> int:
         """Advance every sequence past its committed rows, emit its tokens, feed the drafter.
@@ -363,6 +318,9 @@ class LLMEngine:
         needs_hidden = observing and self.spec.drafter.needs_hidden
         drafter_verdicts: list[Verdict] = []
         finished: list[Sequence] = []
+        cache = self.allocator.cache
+        page = 0 if cache is None else cache.page_size
+        filled: list[Sequence] = []  # sequences whose committed rows filled a page
         emitted = 0
         for entry, end in zip(out.entries, out.row_ends, strict=True):
             seq, first = entry.seq, entry.seq.num_computed_tokens
@@ -370,6 +328,8 @@ class LLMEngine:
             accepted = 0 if v is None else v.num_accepted
             committed = entry.num_rows - len(entry.drafts) + accepted
             seq.num_computed_tokens += committed
+            if page and seq.num_computed_tokens >= (seq.num_registered_pages + 1) * page:
+                filled.append(seq)
             tokens: list[int] = []
             if v is not None:
                 seq.num_draft_tokens += len(entry.drafts)
@@ -401,6 +361,10 @@ class LLMEngine:
             for seq, message in self.spec.observe(drafter_verdicts):
                 self._fail(seq, message)
                 changed.setdefault(seq.request_id, {}).setdefault(seq.seq_id, ("", []))
+        # After the drafters wrote their KV rows of these positions: the pages are complete.
+        for seq in filled:
+            if seq.status is SequenceStatus.RUNNING:
+                cache.commit(seq)
         self._finish(finished)
         return emitted
 

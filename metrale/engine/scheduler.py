@@ -6,6 +6,10 @@ sequences in arrival order while rows, `max_num_seqs` and free pages last. When 
 sequence cannot get the pages its rows need, the newest running sequence is preempted: its pages
 are freed and it goes back to the waiting queue to be recomputed from its tokens later. Pages are
 reserved for every row a step will write, plus `lookahead` rows for sequences that sample.
+
+With prefix caching, a sequence being admitted first maps the cached pages its tokens start with
+(`PrefixCache.match`) and prefills only the rest; on a hybrid target its prefill chunks are cut
+to end at its snapshot boundaries (`Sequence.snapshot_at`), where its state is saved.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import time
 from collections.abc import Iterable
 
 from metrale.engine.kv_cache import PageAllocator
+from metrale.engine.prefix_cache import Hit
 from metrale.engine.sequence import Batch, ScheduledSeq, Sequence, SequenceStatus
 
 
@@ -49,8 +54,19 @@ class Scheduler:
         sequence can draft next step: when it samples now, and also when this chunk stops one
         token short of the prompt's end (the next step is then a decode, and a drafter writes
         its own rows past that token before the scheduler runs again)."""
-        end = seq.num_computed_tokens + num_rows
+        return self._reach(seq, seq.num_computed_tokens + num_rows)
+
+    def _reach(self, seq: Sequence, end: int) -> int:
         return end + (self.lookahead if end >= seq.num_tokens - 1 else 0)
+
+    @staticmethod
+    def _chunk(seq: Sequence, start: int, budget: int) -> int:
+        """Prompt rows from `start` this step: the rest, cut to the budget and, on a hybrid
+        target with prefix caching, to its next snapshot boundary."""
+        rows = min(seq.num_tokens - start, budget)
+        if rows > 1 and seq.snapshot_at and seq.snapshot_at[0] > start:
+            rows = min(rows, seq.snapshot_at[0] - start)
+        return rows
 
     def _drafts_for(self, seq: Sequence, budget: int) -> list[int]:
         """The drafts a decoding sequence verifies this step, cut to the row budget."""
@@ -89,7 +105,7 @@ class Scheduler:
         while idx < len(self.running) and budget > 0:
             seq = self.running[idx]
             drafts = self._drafts_for(seq, budget)
-            num_rows = min(seq.num_tokens - seq.num_computed_tokens, budget) + len(drafts)
+            num_rows = self._chunk(seq, seq.num_computed_tokens, budget) + len(drafts)
             need = self._rows_needed(seq, num_rows)
             if drafts and not self.allocator.can_fit(seq, need):
                 # Drafts are optional: drop them before evicting anyone for their rows.
@@ -125,15 +141,22 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             seq = self.waiting[0]
-            num_rows = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            need = self._rows_needed(seq, num_rows)
+            hit = self._match(seq)
+            start = seq.num_computed_tokens if hit is None else hit.tokens
+            num_rows = self._chunk(seq, start, budget)
+            need = self._reach(seq, start + num_rows)
             if self._never_fits(seq, need):
                 self.waiting.pop(0)
                 batch.failed.append(seq)
                 continue
-            if not self.allocator.can_fit(seq, need):
+            cached = [] if hit is None else hit.pages
+            taken = 0 if hit is None else hit.idle  # idle cached pages it maps stop being free
+            if self.allocator.pages_for(need) - len(cached) > self.allocator.num_free - taken:
                 break
             self.waiting.pop(0)
+            if hit is not None:
+                self.allocator.share(seq, hit.pages)
+                self.allocator.cache.admit(seq, hit)
             self.allocator.reserve(seq, need)
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:  # queue time ends (a re-admission keeps it)
@@ -143,6 +166,16 @@ class Scheduler:
             batch.entries.append(ScheduledSeq(seq, num_rows))
             budget -= num_rows
         return batch
+
+    def _match(self, seq: Sequence) -> Hit | None:
+        """The cached prefix of a sequence about to be admitted (None: prefix caching is off).
+        On a hybrid target it also sets where the sequence's state will be saved."""
+        cache = self.allocator.cache
+        if cache is None or seq.block_table:
+            return None
+        hit = cache.match(seq)
+        seq.snapshot_at = cache.snapshot_targets(seq, hit)
+        return hit
 
     def finish(self, seqs: Iterable[Sequence]) -> None:
         """Release finished (or aborted/failed) sequences: their pages return to the pool."""

@@ -72,6 +72,19 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float = 0.0
+    # Prefix caching (`engine/prefix_cache.py`). Chain hashes of its full pages, computed once
+    # (its tokens never change, so they outlive a preemption); the pages of its block table
+    # already offered to the cache; the tokens its last admission took from the cache.
+    page_hashes: list[bytes] = field(default_factory=list)
+    num_registered_pages: int = 0
+    num_cached_tokens: int = 0
+    # Hybrid targets: the snapshot entry its recurrent state is loaded from before its next
+    # forward (-1: none; set on a hit, cleared once loaded), the snapshot it resumed from, held
+    # until it ends (a failed step rebuilds its state from there), and the page boundaries
+    # (token counts, ascending) at which its state is saved as a snapshot.
+    state_restore: int = -1
+    state_pin: int = -1
+    snapshot_at: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -7,6 +7,11 @@ A sequence starting from its first token (a new request, or a recompute after pr
 entry zeroed before the forward; a finished or preempted sequence simply gives its slot back.
 Prefill chunks and decode steps advance the entry in place.
 
+A sequence resuming from a prefix-cache hit has its entry loaded from a snapshot instead
+(`Sequence.state_restore`): snapshots live in a pool of their own (`add_snapshots`), taken from a
+slot's committed state between steps (`save_snapshot`). The snapshot pool costs
+`snapshot_bytes()` per entry (every GDN layer's conv window and delta-rule state).
+
 Verify comes in the two variants of `EngineConfig.hybrid_verify_state`:
   - write_on_accept: slot s owns entry s + 1. The verify writes nothing; `commit` then advances
     the entry over the accepted rows only (the DEFER mode of `GDNState`).
@@ -41,6 +46,7 @@ class StateSlots:
         )
         self.device = self.pool.ssm[0].device if self.pool.ssm else torch.device("cpu")
         self._current = [0] * max_num_seqs  # per slot: its current entry among its `width`
+        self.snapshots: GDNState | None = None
 
     @staticmethod
     def entries_for(max_num_seqs: int, variant: str, max_verify_rows: int) -> int:
@@ -52,6 +58,19 @@ class StateSlots:
         """Bytes of the state pool (what the variant costs in memory)."""
         return self.pool.nbytes()
 
+    def add_snapshots(self, count: int) -> None:
+        """A pool of `count` recurrent-state snapshots (prefix caching on a hybrid target)."""
+        self.snapshots = self.pool.zeros_like(count)
+
+    def snapshot_bytes(self) -> int:
+        """Bytes of one snapshot (and of one state entry)."""
+        return self.pool.entry_bytes()
+
+    def save_snapshot(self, slot: int, snapshot: int) -> None:
+        """Copy `slot`'s committed state into snapshot entry `snapshot` (between steps)."""
+        dst, src = to_device_packed([[snapshot], [self.entry_of(slot)]], self.device)
+        self.snapshots.copy_entries(dst, self.pool, src)
+
     def entry_of(self, slot: int) -> int:
         """The pool entry holding a slot's committed state."""
         return 1 + slot * self.width + self._current[slot]
@@ -62,15 +81,26 @@ class StateSlots:
         """Entries for one forward over `entries` in packed order (None: a padding sequence of
         a graph, on the dummy entry): (the entry each sequence starts from, and for a per-row-slot
         verify the entry after each of its rows, [B * T] flattened, T = the most rows). Zeroes the
-        entries of sequences that start from their first token."""
-        fresh = []
+        entries of sequences that start from their first token, loads those resuming from a
+        snapshot."""
+        fresh, loads, snapshots = [], [], []
         for e in entries:
-            if e is not None and e.seq.num_computed_tokens == 0:
+            if e is None:
+                continue
+            if e.seq.state_restore >= 0:  # a prefix-cache hit: its state resumes from a snapshot
+                self._current[self._slot(e)] = 0
+                loads.append(self.entry_of(e.seq.slot))
+                snapshots.append(e.seq.state_restore)
+                e.seq.state_restore = -1
+            elif e.seq.num_computed_tokens == 0:
                 self._current[self._slot(e)] = 0
                 fresh.append(self.entry_of(e.seq.slot))
         if fresh:
             (fresh_t,) = to_device_packed([fresh], self.device)
             self.pool.reset(fresh_t)
+        if loads:
+            loads_t, snapshots_t = to_device_packed([loads, snapshots], self.device)
+            self.pool.copy_entries(loads_t, self.snapshots, snapshots_t)
         read = [DUMMY_ENTRY if e is None else self.entry_of(self._slot(e)) for e in entries]
         if not (verify and self.per_row):
             return read, None

@@ -217,6 +217,23 @@ class GDNState:
         # NOTE: nothing is popped: a graph capture runs this twice (warm-up, capture), a graphed
         # commit replays over the same static tensors, and the next DEFER forward replaces them.
 
+    def zeros_like(self, num_entries: int) -> GDNState:
+        """A zeroed pool of `num_entries` entries shaped as this one (prefix-cache snapshots)."""
+        return GDNState(
+            conv=[c.new_zeros(num_entries, *c.shape[1:]) for c in self.conv],
+            ssm=[t.new_zeros(num_entries, *t.shape[1:]) for t in self.ssm],
+        )
+
+    def entry_bytes(self) -> int:
+        """Bytes of one entry across every GDN layer (conv window and delta-rule state)."""
+        return sum(t[0].numel() * t.element_size() for t in self.conv + self.ssm)
+
+    def copy_entries(self, dst: torch.Tensor, src_pool: GDNState, src: torch.Tensor) -> None:
+        """Entries dst[i] of this pool become entries src[i] of `src_pool`, every layer (a
+        prefix-cache snapshot taken or resumed): two indexed copies per layer."""
+        for mine, theirs in zip(self.conv + self.ssm, src_pool.conv + src_pool.ssm, strict=True):
+            mine.index_copy_(0, dst, theirs.index_select(0, src))
+
     def reset(self, entries: torch.Tensor) -> None:
         """Zero the given entries (a sequence starting from its first token)."""
         for conv, ssm in zip(self.conv, self.ssm, strict=True):

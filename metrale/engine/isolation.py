@@ -1,0 +1,85 @@
+"""Failure isolation for the engine's step: a batch whose forward raises is run again one sequence
+at a time, so only the sequence that caused it ends (`finish_reason="error"`) and the others go
+on. On a hybrid target the failed forward may have advanced some GDN layers' state, so each
+sequence's state is rebuilt first, by re-running its computed rows from where its state started:
+its first token, or the prefix-cache snapshot it resumed from.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from metrale.distributed.parallel import DistributedError
+from metrale.engine.sequence import Batch, ScheduledSeq
+from metrale.engine.step_output import StepOutput
+
+log = logging.getLogger(__name__)
+
+
+def run_batch(engine, batch: Batch) -> StepOutput:
+    """Run the batch; if the forward fails, isolate the failing sequence(s) by running each
+    alone, so one bad sequence never takes the others down."""
+    if not batch.entries:
+        return StepOutput([], [], torch.empty(0), [])
+    try:
+        return engine.runner.execute(batch)
+    except DistributedError:
+        raise  # a rank is gone: no sequence can run, so none is retried alone
+    except Exception as e:  # noqa: BLE001 (isolation: any error ends only its sequence)
+        if len(batch.entries) == 1:
+            log.exception("sequence %s failed", batch.entries[0].seq.request_id)
+            engine._fail(batch.entries[0].seq, f"{type(e).__name__}: {e}")
+            return StepOutput([], [], torch.empty(0), [])
+        # said, so that a step that keeps failing (and running N times) is seen
+        log.warning(
+            "a batch of %d sequences failed (%s: %s); running each alone",
+            len(batch.entries),
+            type(e).__name__,
+            e,
+        )
+    parts = []
+    for entry in batch.entries:
+        if engine.runner.hybrid and not rebuild_state(engine, entry):
+            continue
+        parts.append(run_batch(engine, Batch(entries=[entry])))
+    return StepOutput.merge(parts)
+
+
+def rebuild_state(engine, entry: ScheduledSeq) -> bool:
+    """Rebuild a hybrid sequence's state by re-running its computed rows from where its state
+    started, in chunks of the step budget. False when that fails too (the sequence is then
+    ended).
+
+    NOTE: with prefix caching, rows it computed may sit in pages other sequences read (cached
+    ones): the re-run writes its KV rows into scratch pages instead, thrown away after, so a
+    cached page is never written. Without it the rows are rewritten in place, identically."""
+    seq, done = entry.seq, entry.seq.num_computed_tokens
+    start = seq.num_cached_tokens if seq.state_pin >= 0 else 0
+    if done == start:  # nothing computed since: load (or zero) its state again before it runs
+        seq.state_restore = seq.state_pin
+        return True
+    allocator, table, scratch = engine.allocator, seq.block_table, []
+    chunk = engine.config.max_num_batched_tokens  # the step budget bounds each re-run
+    try:
+        if allocator.cache is not None:
+            keep = start // allocator.page_size  # its snapshot sits on a page boundary
+            scratch = allocator.take_scratch(allocator.pages_for(done) - keep)
+            seq.block_table = table[:keep] + scratch
+        for first in range(start, done, chunk):
+            seq.num_computed_tokens = first
+            seq.state_restore = seq.state_pin if first == start else -1
+            engine.runner.execute(Batch(entries=[ScheduledSeq(seq, min(chunk, done - first))]))
+    except Exception as e:  # noqa: BLE001 (isolation, as in run_batch)
+        log.exception("sequence %s failed", seq.request_id)
+        seq.num_computed_tokens, seq.block_table = done, table
+        engine._fail(seq, f"{type(e).__name__}: {e}")
+        return False
+    finally:
+        seq.state_restore = -1
+        if seq.block_table is not table:
+            seq.block_table = table
+        allocator.free_scratch(scratch)
+    seq.num_computed_tokens = done
+    return True
