@@ -42,10 +42,10 @@ def test_invariant_linear_matches_torch_and_each_row_is_alone():
 
 
 def test_tile_configuration_depends_on_rows_and_width_only():
-    assert config_for(1, 4096) == config_for(16, 4096)
-    assert config_for(1, 4096) != config_for(1, 151936)  # the head gets wider tiles
+    assert config_for(1, 4096, 4096) == config_for(16, 4096, 4096)
+    assert config_for(1, 4096, 4096) != config_for(1, 151936, 4096)  # wider tiles for the head
     for m in (1, 17, 64, 100, 256, 4096):
-        cfg = config_for(m, 4096)
+        cfg = config_for(m, 4096, 12288)
         assert set(cfg) == {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
 
 

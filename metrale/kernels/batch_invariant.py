@@ -87,26 +87,35 @@ def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int) -> dict:
     return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
 
 
-def config_for(m: int, n: int) -> dict:
-    """The tile configuration for M rows of a weight with N columns.
+def config_for(m: int, n: int, k: int) -> dict:
+    """The tile configuration for M rows of a weight [N, K].
 
     Choosing it by M keeps the invariance: every configuration reduces each element over K in
     the same order (16-wide matrix-instruction steps, first to last, into one float32
     accumulator), and on the H200 all fourteen measured configurations, mma.sync and wgmma,
     BLOCK_K 32 to 256, gave bitwise equal outputs (`scripts/invariant_gemm_cross.py`; the GPU
-    test checks the chosen ones across M). Measured against cuBLAS on the qwen3-8b weights
-    (`scripts/invariant_gemm_sweep.py`, summed over the five weights): 0.96x at M <= 16, 1.04x
-    at 64, 1.14x at 128, 1.4x at 256 and above.
+    test checks the chosen ones across M). The choices are the fastest measured on the qwen3-8b
+    weights (`scripts/invariant_gemm_sweep.py`, `invariant_gemm_tune.py`); per decode step,
+    against cuBLAS: 0.96x at M <= 16, 1.04x at 64, 1.34x at 256, about 1.4x for long prefills.
     """
-    wide = n > 8192  # gate_up and the head: enough column blocks even with wide tiles
+    head = n > 65536  # a vocabulary projection
+    wide = n > 8192  # gate_up: enough column blocks even with wide tiles
     if m <= 16:  # decode at small batch: memory-bound, narrow tiles spread over the GPU
         return _cfg(16, 32, 256, 4, 4) if wide else _cfg(16, 16, 256, 2, 4)
     if m <= 64:
-        return _cfg(64, 128, 64, 4, 4) if wide else _cfg(64, 32, 128, 4, 4)
+        if head:
+            return _cfg(64, 128, 128, 4, 4)
+        if wide:
+            return _cfg(64, 64, 64, 4, 4)
+        return _cfg(64, 64 if n > 4096 else 32, 128, 4, 5)
     if m <= 128:
         return _cfg(128, 128, 64, 8, 3) if wide else _cfg(64, 64, 128, 4, 4)
-    if m <= 256 and not wide:
-        return _cfg(64, 128, 64, 4, 4)
+    if m <= 256 and not head:
+        if k > 4096:  # down
+            return _cfg(64, 128, 128, 4, 4)
+        if n <= 4096:  # o
+            return _cfg(128, 64, 128, 8, 4)
+        return _cfg(128, 128, 64, 8, 5)
     return _cfg(128, 128, 64, 8, 3)
 
 
@@ -127,7 +136,7 @@ def invariant_linear(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.reshape(*lead, n)
-    cfg = dict(config or config_for(m, n))
+    cfg = dict(config or config_for(m, n, k))
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _invariant_matmul_kernel[grid](
         a,
