@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from metrale.config import ModelConfig
+from metrale.kernels import next_attention
+from metrale.kernels.dispatch import hybrid_kernels_enabled
 from metrale.models.attention import AttentionBackend, AttentionMetadata
 from metrale.models.gdn import RowLayout
 from metrale.models.gdn_state import GDNState
@@ -79,6 +81,10 @@ class Qwen3NextAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
+        if self.kv_cache is None:
+            raise RuntimeError("attention layer has no KV cache bound; the runner binds it")
+        if hybrid_kernels_enabled(hidden):
+            return self._fused(positions, hidden, meta)
         rows = hidden.shape[0]
         qg, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], -1)
         q, gate = qg.view(rows, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
@@ -86,11 +92,24 @@ class Qwen3NextAttention(nn.Module):
         k = self.k_norm(k.view(rows, self.num_kv_heads, self.head_dim))
         q, k = self._rope(positions, q, k)
         v = v.view(rows, self.num_kv_heads, self.head_dim)
-        if self.kv_cache is None:
-            raise RuntimeError("attention layer has no KV cache bound; the runner binds it")
         out = self._backend.forward(q, k, v, self.kv_cache, meta, self.scale)  # [T, Hq, D]
         out = out.reshape(rows, -1) * torch.sigmoid(gate.reshape(rows, -1))
         return self.o_proj(out)
+
+    def _fused(
+        self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The same layer with its glue in two launches (`kernels/next_attention.py`)."""
+        rows = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        rotary = self._rotary[0]
+        q, k = next_attention.qk_norm_rope(
+            qkv, self.q_norm.weight, self.k_norm.weight, rotary.cos, rotary.sin, positions,
+            self.num_heads, self.num_kv_heads, self.q_norm.eps,
+        )  # fmt: skip
+        v = qkv[:, self.q_size + self.kv_size :].view(rows, self.num_kv_heads, self.head_dim)
+        out = self._backend.forward(q, k, v, self.kv_cache, meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(next_attention.output_gate(out, qkv, self.num_heads))
 
 
 class Qwen3NextDecoderLayer(nn.Module):

@@ -1,0 +1,135 @@
+"""The glue of Qwen3-Next's gated attention as two Triton launches: `qk_norm_rope` (the (1 + w)
+RMSNorm of every q and k head, then rotary on the heads' leading dims, read straight from the
+fused qkv projection where q and the output gate interleave per head) before the attention, and
+`output_gate` (attention output * sigmoid(gate)) after it. The torch path
+(`qwen3_next.Qwen3NextAttention`, the reference) spends about twenty launches per layer here: two
+norms with their copies, the rotary's products, differences and concatenations, the gate's copy
+and sigmoid.
+
+Rounding follows the torch path: the norm in float32 rounded once (`ZeroCentredRMSNorm`), cos and
+sin rounded to the activation dtype, each rotary product and the sum or difference rounded
+(`layers._rotate`), the sigmoid rounded and the gated product. One program per (row, head):
+batch invariant.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metrale.kernels.fused import triton
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _r(x, DT: tl.constexpr):
+        return x.to(DT).to(tl.float32)
+
+    @triton.jit
+    def _qk_norm_rope_kernel(
+        qkv_ptr,
+        stride_row,
+        qw_ptr,
+        kw_ptr,
+        cos_ptr,
+        sin_ptr,
+        stride_cos,
+        pos_ptr,
+        q_ptr,
+        k_ptr,
+        eps,
+        NUM_Q: tl.constexpr,
+        NUM_KV: tl.constexpr,
+        D: tl.constexpr,
+        ROT: tl.constexpr,
+        BD: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)  # q heads first, then k heads
+        d = tl.arange(0, BD)
+        ok = d < D
+        half = ROT // 2
+        # the partner of a rotated dim: d + half in the first half, d - half in the second
+        partner = tl.where(d < half, d + half, tl.where(d < ROT, d - half, d))
+        dt = q_ptr.dtype.element_ty
+        if head < NUM_Q:  # q_proj gives [q (D), gate (D)] per head
+            src = qkv_ptr + row * stride_row + head * 2 * D
+            w_ptr = qw_ptr
+        else:
+            src = qkv_ptr + row * stride_row + NUM_Q * 2 * D + (head - NUM_Q) * D
+            w_ptr = kw_ptr
+        x = tl.load(src + d, mask=ok, other=0.0).to(tl.float32)
+        xp = tl.load(src + partner, mask=ok, other=0.0).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        y = _r(x * inv * (1.0 + tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)), dt)
+        yp = _r(xp * inv * (1.0 + tl.load(w_ptr + partner, mask=ok, other=0.0).to(tl.float32)), dt)
+        pos = tl.load(pos_ptr + row).to(tl.int64)
+        rot = d < ROT
+        c = _r(tl.load(cos_ptr + pos * stride_cos + d % half, mask=rot, other=0.0), dt)
+        s = _r(tl.load(sin_ptr + pos * stride_cos + d % half, mask=rot, other=0.0), dt)
+        first = _r(_r(y * c, dt) - _r(yp * s, dt), dt)  # x1 cos - x2 sin
+        second = _r(_r(y * c, dt) + _r(yp * s, dt), dt)  # x2 cos + x1 sin
+        out = tl.where(d < half, first, tl.where(rot, second, y))
+        if head < NUM_Q:
+            dst = q_ptr + (row * NUM_Q + head) * D
+        else:
+            dst = k_ptr + (row * NUM_KV + head - NUM_Q) * D
+        tl.store(dst + d, out.to(dt), mask=ok)
+
+    @triton.jit
+    def _output_gate_kernel(
+        attn_ptr,
+        qkv_ptr,
+        stride_row,
+        out_ptr,
+        NUM_Q: tl.constexpr,
+        D: tl.constexpr,
+        BD: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        d = tl.arange(0, BD)
+        ok = d < D
+        dt = out_ptr.dtype.element_ty
+        a = tl.load(attn_ptr + (row * NUM_Q + head) * D + d, mask=ok, other=0.0).to(tl.float32)
+        g = tl.load(qkv_ptr + row * stride_row + head * 2 * D + D + d, mask=ok, other=0.0)
+        gate = _r(tl.sigmoid(g.to(tl.float32)), dt)
+        tl.store(out_ptr + (row * NUM_Q + head) * D + d, (a * gate).to(dt), mask=ok)
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    num_q: int,
+    num_kv: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """qkv [T, num_q * 2D + 2 num_kv D] (per q head its query then its gate; then k, then v) ->
+    (q [T, num_q, D], k [T, num_kv, D]) normalised with (1 + w) and rotated on the leading
+    2 cos.shape[-1] dims of each head at each row's position."""
+    rows, dim = qkv.shape[0], q_weight.shape[0]
+    q = torch.empty(rows, num_q, dim, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(rows, num_kv, dim, dtype=qkv.dtype, device=qkv.device)
+    if rows:
+        _qk_norm_rope_kernel[(rows, num_q + num_kv)](
+            qkv, qkv.stride(0), q_weight, k_weight, cos, sin, cos.stride(0), positions, q, k, eps,
+            NUM_Q=num_q, NUM_KV=num_kv, D=dim, ROT=2 * cos.shape[-1],
+            BD=triton.next_power_of_2(dim), num_warps=1,
+        )  # fmt: skip
+    return q, k
+
+
+def output_gate(attn: torch.Tensor, qkv: torch.Tensor, num_q: int) -> torch.Tensor:
+    """attn [T, num_q, D] (contiguous) * sigmoid(the gates in qkv) -> [T, num_q * D]."""
+    rows, _, dim = attn.shape
+    out = torch.empty(rows, num_q * dim, dtype=attn.dtype, device=attn.device)
+    if rows:
+        _output_gate_kernel[(rows, num_q)](
+            attn.contiguous(), qkv, qkv.stride(0), out, NUM_Q=num_q, D=dim,
+            BD=triton.next_power_of_2(dim), num_warps=1,
+        )  # fmt: skip
+    return out
