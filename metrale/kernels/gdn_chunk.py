@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import torch
 
-from metrale.kernels.gdn_recurrent import L2NORM_EPS, check_pool_shapes, triton
+from metrale.kernels.gdn_recurrent import L2NORM_EPS, GateInputs, check_pool_shapes, triton
 
 if triton is not None:
     import triton.language as tl
+
+    from metrale.kernels.gdn_fused import _softplus
 
     @triton.jit
     def _chunk_delta_rule_kernel(
@@ -41,6 +43,12 @@ if triton is not None:
         read_ptr,
         final_ptr,
         T,
+        stride_gb,
+        stride_gt,
+        stride_betab,
+        stride_betat,
+        a_log_ptr,
+        dt_bias_ptr,
         scale,
         eps,
         HK: tl.constexpr,
@@ -52,6 +60,7 @@ if triton is not None:
         BT: tl.constexpr,
         HAS_STATE: tl.constexpr,
         PRECISION: tl.constexpr,
+        RAW_GATES: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)  # row offsets of big batches pass 2**31
         h = tl.program_id(1)
@@ -86,8 +95,17 @@ if triton is not None:
                 mask=r_ok[:, None] & v_ok[None, :],
                 other=0.0,
             ).to(tl.float32)
-            g = tl.load(g_ptr + v_rows, mask=r_ok, other=0.0).to(tl.float32)
-            beta = tl.load(beta_ptr + v_rows, mask=r_ok, other=0.0).to(tl.float32)
+            g_at = g_ptr + b * stride_gb + rows * stride_gt + h
+            beta_at = beta_ptr + b * stride_betab + rows * stride_betat + h
+            if RAW_GATES:  # a and b (`GateInputs`); -inf past the end gives g = beta = 0
+                a = tl.load(g_at, mask=r_ok, other=float("-inf")).to(tl.float32)
+                neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
+                g = neg_a * _softplus(a + tl.load(dt_bias_ptr + h).to(tl.float32))
+                beta = tl.load(beta_at, mask=r_ok, other=float("-inf")).to(tl.float32)
+                beta = tl.sigmoid(beta).to(beta_ptr.dtype.element_ty).to(tl.float32)
+            else:
+                g = tl.load(g_at, mask=r_ok, other=0.0).to(tl.float32)
+                beta = tl.load(beta_at, mask=r_ok, other=0.0).to(tl.float32)
             cum = tl.cumsum(g, axis=0)  # G
             # masked before exp: above the diagonal G_i - G_j > 0 and may overflow
             diff = tl.where(causal, cum[:, None] - cum[None, :], 0.0)
@@ -130,14 +148,19 @@ def chunk_delta_rule_in_pool(
     final: torch.Tensor,
     *,
     scale: float | None = None,
+    gates: GateInputs | None = None,
 ) -> torch.Tensor:
     """q, k [B, T, Hk, dk] (l2-normalised here); v [B, T, Hv, dv]; g, beta [B, T, Hv]; pool
     [S, Hv, dk, dv] float32. Sequence b starts from entry read[b] (None: zeros) and ends in entry
-    final[b]. Returns out [B, T, Hv, dv] in v's dtype."""
+    final[b]. Returns out [B, T, Hv, dv] in v's dtype. With `gates`, g and beta are computed in
+    the kernel from the layer's gate inputs (g and beta are ignored)."""
     bsz, seq, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     check_pool_shapes(q, v, pool)
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    if gates is not None:
+        g, beta = gates.a, gates.b
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    g, beta = (x if x.stride(2) == 1 else x.contiguous() for x in (g, beta))
     out = torch.empty_like(v)
     # tl.dot needs every dimension >= 16 on the GPU: small heads are padded (masked)
     block_v = max(min(triton.next_power_of_2(dv), 32), 16)
@@ -155,6 +178,12 @@ def chunk_delta_rule_in_pool(
         pool if read is None else read.contiguous(),
         final.contiguous(),
         seq,
+        g.stride(0),
+        g.stride(1),
+        beta.stride(0),
+        beta.stride(1),
+        pool if gates is None else gates.a_log,
+        pool if gates is None else gates.dt_bias,
         dk**-0.5 if scale is None else scale,
         L2NORM_EPS,
         HK=hk,
@@ -166,6 +195,7 @@ def chunk_delta_rule_in_pool(
         BT=16,
         HAS_STATE=read is not None,
         PRECISION=precision,
+        RAW_GATES=gates is not None,
         num_warps=4,
     )
     return out

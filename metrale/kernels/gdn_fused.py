@@ -50,6 +50,7 @@ if triton is not None:
         BH: tl.constexpr,
         BC: tl.constexpr,
         PAD_CONV: tl.constexpr,
+        RAW: tl.constexpr,
     ):
         p = tl.program_id(0).to(tl.int64)  # padded position b * T + t
         b = p // T
@@ -62,10 +63,14 @@ if triton is not None:
             a = tl.load(ba_ptr + src * stride_ba + HV + h, mask=h_ok, other=0.0).to(tl.float32)
             a_log = tl.load(a_log_ptr + h, mask=h < HV, other=0.0).to(tl.float32)
             dt_bias = tl.load(dt_bias_ptr + h, mask=h < HV, other=0.0).to(tl.float32)
-            g = -tl.exp(a_log) * _softplus(a + dt_bias)
-            beta = tl.sigmoid(bb.to(tl.float32)).to(beta_ptr.dtype.element_ty)
-            tl.store(g_ptr + p * HV + h, tl.where(h_ok, g, 0.0), mask=h < HV)
-            tl.store(beta_ptr + p * HV + h, tl.where(h_ok, beta, 0.0), mask=h < HV)
+            if RAW:  # the gate inputs, for the delta-rule kernel (-inf: a padding row)
+                tl.store(g_ptr + p * HV + h, tl.where(h_ok, a, float("-inf")), mask=h < HV)
+                tl.store(beta_ptr + p * HV + h, tl.where(h_ok, bb, float("-inf")), mask=h < HV)
+            else:
+                g = -tl.exp(a_log) * _softplus(a + dt_bias)
+                beta = tl.sigmoid(bb.to(tl.float32)).to(beta_ptr.dtype.element_ty)
+                tl.store(g_ptr + p * HV + h, tl.where(h_ok, g, 0.0), mask=h < HV)
+                tl.store(beta_ptr + p * HV + h, tl.where(h_ok, beta, 0.0), mask=h < HV)
         if PAD_CONV:
             c = tl.program_id(1) * BC + tl.arange(0, BC)
             x = tl.load(
@@ -111,23 +116,29 @@ def prepare(
     dt_bias: torch.Tensor,
     index: torch.Tensor,
     lengths: torch.Tensor,
+    *,
+    raw: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mixed [N, C] (the conv input, unit column stride), ba [N, 2 Hv] (b then a, unit column
     stride), the layout's index [B, T] and lengths [B] -> (conv input [B, T, C]: a view of mixed
-    when T == 1, g [B, T, Hv] float32, beta [B, T, Hv] in ba's dtype)."""
+    when T == 1, g [B, T, Hv] float32, beta [B, T, Hv] in ba's dtype). `raw`: (conv input, a, b)
+    instead, the gate inputs padded with -inf for the delta-rule kernel to turn into g and beta
+    (`gdn_recurrent.GateInputs`); when T == 1 all three are views and nothing runs."""
     bsz, t = index.shape
     hv = a_log.shape[0]
     channels = mixed.shape[1]
-    g = torch.empty(bsz, t, hv, dtype=torch.float32, device=ba.device)
-    beta = torch.empty(bsz, t, hv, dtype=ba.dtype, device=ba.device)
     pad = t > 1
+    if raw and not pad:  # decode: one row per sequence, nothing to pad
+        return mixed.unsqueeze(1), ba[:, hv:].unsqueeze(1), ba[:, :hv].unsqueeze(1)
+    g = torch.empty(bsz, t, hv, dtype=ba.dtype if raw else torch.float32, device=ba.device)
+    beta = torch.empty(bsz, t, hv, dtype=ba.dtype, device=ba.device)
     conv = torch.empty(bsz, t, channels, dtype=mixed.dtype, device=mixed.device) if pad else None
     block_c = min(triton.next_power_of_2(channels), 1024)
     if bsz:
         _prepare_kernel[(bsz * t, triton.cdiv(channels, block_c) if pad else 1)](
             mixed, mixed.stride(0), ba, ba.stride(0), a_log, dt_bias, index.contiguous(), lengths,
             conv if pad else g, g, beta, t, channels,
-            HV=hv, BH=triton.next_power_of_2(hv), BC=block_c, PAD_CONV=pad, num_warps=4,
+            HV=hv, BH=triton.next_power_of_2(hv), BC=block_c, PAD_CONV=pad, RAW=raw, num_warps=4,
         )  # fmt: skip
     return (conv if pad else mixed.unsqueeze(1)), g, beta
 

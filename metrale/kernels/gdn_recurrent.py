@@ -18,8 +18,10 @@ A program reads and writes only its own tile, so writing back into the entry it 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from metrale.kernels.dispatch import interpreter_forced
 from metrale.knobs import knobs
@@ -33,6 +35,24 @@ except ImportError:
 L2NORM_EPS = 1e-6  # as gdn.L2NORM_EPS (HF's l2norm)
 
 
+class GateInputs(NamedTuple):
+    """A GDN layer's gate inputs, which the delta-rule kernels turn into its gates in registers
+    (no g and beta tensors, no launch to make them): g = -exp(a_log) * softplus(a + dt_bias) in
+    float32 and beta = sigmoid(b) rounded to b's dtype, as `Qwen3NextGatedDeltaNet` computes
+    them. a and b are [B, T, Hv] with unit head stride (row-strided views of the in-projection's
+    output will do); a padding row holds a = b = -inf, which gives g = beta = 0."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    a_log: torch.Tensor  # [Hv]
+    dt_bias: torch.Tensor  # [Hv]
+
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(g, beta) as torch ops: the reference, and the torch path's inputs."""
+        g = -self.a_log.float().exp() * F.softplus(self.a.float() + self.dt_bias)
+        return g, self.b.sigmoid()
+
+
 def triton_gdn_enabled(x: torch.Tensor) -> bool:
     """Run the recurrent form as this kernel: CUDA, Triton, and not `METRALE_NO_GDN_TRITON=1`
     (or CPU tensors under the interpreter when forced: `dispatch.interpreter_forced`)."""
@@ -42,6 +62,7 @@ def triton_gdn_enabled(x: torch.Tensor) -> bool:
 
 
 if triton is not None:
+    from metrale.kernels.gdn_fused import _softplus
 
     @triton.jit
     def _recurrent_delta_rule_kernel(
@@ -63,6 +84,12 @@ if triton is not None:
         stride_kt,
         stride_vb,
         stride_vt,
+        stride_gb,
+        stride_gt,
+        stride_betab,
+        stride_betat,
+        a_log_ptr,
+        dt_bias_ptr,
         scale,
         eps,
         HK: tl.constexpr,
@@ -77,10 +104,14 @@ if triton is not None:
         WRITE_ROWS: tl.constexpr,
         HAS_LENS: tl.constexpr,
         STORE_OUT: tl.constexpr,
+        RAW_GATES: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)  # row offsets of big batches pass 2**31
         h = tl.program_id(1)
         hk = h // (HV // HK)  # value head h reads key head h // (HV / HK)
+        if RAW_GATES:
+            neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
+            dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
         kk = tl.arange(0, BK)
         vv = tl.program_id(2) * BV + tl.arange(0, BV)
         k_ok, v_ok = kk < DK, vv < DV
@@ -106,8 +137,12 @@ if triton is not None:
             row = (b * T + t) * HV + h
             v_row = v_ptr + b * stride_vb + t * stride_vt + h * DV
             v = tl.load(v_row + vv, mask=v_ok, other=0.0).to(tl.float32)
-            g = tl.load(g_ptr + row).to(tl.float32)
-            beta = tl.load(beta_ptr + row).to(tl.float32)
+            g = tl.load(g_ptr + b * stride_gb + t * stride_gt + h).to(tl.float32)
+            beta = tl.load(beta_ptr + b * stride_betab + t * stride_betat + h)
+            if RAW_GATES:  # g, beta hold a, b: the layer's gates (`GateInputs`)
+                g = neg_a * _softplus(g + dt_bias)
+                beta = tl.sigmoid(beta.to(tl.float32)).to(beta_ptr.dtype.element_ty)
+            beta = beta.to(tl.float32)
             s = s * tl.exp(g)
             u = (v - tl.sum(k[:, None] * s, axis=0)) * beta  # the correction, [BV]
             s = s + k[:, None] * u[None, :]
@@ -136,6 +171,7 @@ def delta_rule_in_pool(
     scale: float | None = None,
     l2norm_qk: bool = True,
     lengths: torch.Tensor | None = None,
+    gates: GateInputs | None = None,
     block_v: int | None = None,
     num_warps: int = 4,
 ) -> torch.Tensor | None:
@@ -144,13 +180,17 @@ def delta_rule_in_pool(
     entry final[b] and the state after row t into entry rows[b, t] where those are given.
     Returns out [B, T, Hv, dv] in v's dtype; with `lengths` [B] (a write-on-accept commit) only
     each sequence's first lengths[b] rows run, and nothing but the states is written (None).
-    `block_v`, `num_warps`: the launch shape (value columns per program; default `_block_v`)."""
+    With `gates`, g and beta are computed in the kernel from the layer's gate inputs (g and
+    beta are ignored). `block_v`, `num_warps`: the launch shape (value columns per program;
+    default `_block_v`)."""
     bsz, seq, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     check_pool_shapes(q, v, pool)
     # q, k, v may be row-strided views (slices of the conv output): no copy
     q, k, v = (_heads_contiguous(x) for x in (q, k, v))
-    g, beta = g.contiguous(), beta.contiguous()
+    if gates is not None:
+        g, beta = gates.a, gates.b
+    g, beta = (x if x.stride(2) == 1 else x.contiguous() for x in (g, beta))
     out = None if lengths is not None else torch.empty(v.shape, dtype=v.dtype, device=v.device)
     block_v = block_v or _block_v(bsz * hv, dv, v.device)
     dummy = pool  # an unread pointer for the arguments a variant does not use
@@ -173,6 +213,12 @@ def delta_rule_in_pool(
         k.stride(1),
         v.stride(0),
         v.stride(1),
+        g.stride(0),
+        g.stride(1),
+        beta.stride(0),
+        beta.stride(1),
+        dummy if gates is None else gates.a_log,
+        dummy if gates is None else gates.dt_bias,
         dk**-0.5 if scale is None else scale,
         L2NORM_EPS,
         HK=hk,
@@ -187,6 +233,7 @@ def delta_rule_in_pool(
         WRITE_ROWS=rows is not None,
         HAS_LENS=lengths is not None,
         STORE_OUT=lengths is None,
+        RAW_GATES=gates is not None,
         num_warps=num_warps,
     )
     return out

@@ -6,7 +6,8 @@ Two paths compute the same thing. The torch path (CPU, and the reference) follow
 The fused path (CUDA, or the forced interpreter: `kernels/dispatch.py`) is six launches: one
 GEMM over both in-projections (their rows reordered once so that q, k, v, z, b and a are column
 ranges of its output), `gdn_fused.prepare` (gates and padding), the conv and delta-rule kernels
-(through the state), `gdn_fused.gated_norm` and out_proj.
+(through the state), `gdn_fused.gated_norm` and out_proj; five at decode where the state takes
+the gate inputs (`accepts_gate_inputs`: the delta-rule kernel computes g and beta itself).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 from metrale.config import ModelConfig
 from metrale.kernels import gdn_fused
 from metrale.kernels.dispatch import hybrid_kernels_enabled
+from metrale.kernels.gdn_recurrent import GateInputs
 from metrale.models.gdn import GatedRMSNorm, RowLayout
 from metrale.models.gdn_state import GDNState
 
@@ -125,15 +127,22 @@ class Qwen3NextGatedDeltaNet(nn.Module):
             self._flatten()
         proj = F.linear(hidden, self._in_proj)  # [N, conv_dim + value_dim + 2 Hv]
         mixed, z, ba = proj.split([self.conv_dim, self.value_dim, 2 * self.num_v_heads], -1)
+        # A state that takes the gate inputs lets the delta-rule kernel make g and beta: at
+        # decode `prepare` then has nothing to do (five launches).
+        raw = getattr(state, "accepts_gate_inputs", False)
         conv_in, g, beta = gdn_fused.prepare(
-            mixed, ba, self.A_log, self.dt_bias, layout.index, layout.lengths
+            mixed, ba, self.A_log, self.dt_bias, layout.index, layout.lengths, raw=raw
         )
         bsz, t = conv_in.shape[:2]
         conv = state.causal_conv(
             self.state_index, conv_in, self.conv1d.weight[:, 0], layout.lengths
         )
         q, k, v = self._heads(conv, bsz, t)
-        out = state.delta_rule(self.state_index, q, k, v, g, beta)
+        if raw:
+            gates = GateInputs(g, beta, self.A_log, self.dt_bias)
+            out = state.delta_rule(self.state_index, q, k, v, None, None, gates=gates)
+        else:
+            out = state.delta_rule(self.state_index, q, k, v, g, beta)
         norm = self.norm
         out = gdn_fused.gated_norm(out, z, norm.weight, norm.eps, layout.row_seq, layout.row_offset)
         return self.out_proj(out)
