@@ -1,9 +1,13 @@
 """`metrale bench serve --base-url URL`: an OpenAI-API load generator, usable against any
 OpenAI-compatible server (metrale's, vLLM's, ...), so the numbers compare with vLLM's
 `bench serve`. Streamed completions at a request rate (Poisson arrivals, seeded) or all at once,
-optionally capped in concurrency; prompts from a file (one per line) or random words. Reports
-TTFT, TPOT, ITL and end-to-end latency percentiles, requests/s and output tokens/s, and, where the
-server exports them, the speculative counters' acceptance over the run."""
+optionally capped in concurrency; prompts from a file (one per line) or random words; or
+multi-turn chat over a shared system prompt (`--multi-turn`, `serve_chat.py`). Reports TTFT,
+TPOT, ITL and end-to-end latency percentiles, requests/s and output tokens/s, and, where the
+server exports them, the speculative counters' acceptance and the prefix cache's hit rate over
+the run. With `--model`/`--shape` instead of `--base-url` it starts `metrale serve` itself, and
+with `--compare-prefix-caching` runs the load twice, with and without caching
+(`serve_launch.py`)."""
 
 from __future__ import annotations
 
@@ -73,7 +77,7 @@ async def one_request(http: httpx.AsyncClient, args, prompt: str) -> dict:
     if args.ignore_eos:
         body["ignore_eos"] = True
     start = time.perf_counter()
-    arrivals, tokens = [], 0
+    arrivals, tokens, text = [], 0, []
     try:
         async with http.stream("POST", "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
@@ -84,6 +88,7 @@ async def one_request(http: httpx.AsyncClient, args, prompt: str) -> dict:
                 chunk = json.loads(line[6:])
                 if chunk.get("choices"):  # a token chunk (its text may be empty: a held byte)
                     arrivals.append(time.perf_counter())
+                    text.append(chunk["choices"][0].get("text") or "")
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
     except httpx.HTTPError as e:
@@ -100,11 +105,21 @@ async def one_request(http: httpx.AsyncClient, args, prompt: str) -> dict:
         "tpot": (end - start - ttft) / (tokens - 1) if tokens > 1 else None,
         "itl": [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)],
         "tokens": tokens,
+        "text": "".join(text),
     }
 
 
+COUNTERS = (
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+)
+
+
 async def spec_counters(http: httpx.AsyncClient) -> dict[str, float]:
-    """Draft and accepted token counters from /metrics (metrale's or vLLM's names), if any."""
+    """The speculative and prefix-cache counters from /metrics (metrale's or vLLM's names),
+    where the server exports them."""
     try:
         text = (await http.get("/metrics")).text
     except httpx.HTTPError:
@@ -113,13 +128,50 @@ async def spec_counters(http: httpx.AsyncClient) -> dict[str, float]:
     for line in text.splitlines():
         metric, _, value = line.partition(" ")
         for prefix in ("metrale:", "vllm:"):
-            for name in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
+            for name in COUNTERS:
                 if metric.split("{")[0] in (prefix + name, prefix + name + "_total"):
                     out[name] = out.get(name, 0.0) + float(value)
     return out
 
 
-async def run_load(args) -> dict:
+def counter_rates(before: dict, after: dict) -> dict:
+    """Over the run: the drafts' acceptance rate and the prefix cache's hit rate (None where
+    the server exports no such counters or nothing moved)."""
+
+    def delta(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    drafted, queries = delta(COUNTERS[0]), delta(COUNTERS[2])
+    return {
+        "spec_acceptance_rate": delta(COUNTERS[1]) / drafted if drafted else None,
+        "prefix_cache_queries": queries if COUNTERS[2] in after else None,
+        "prefix_cache_hits": delta(COUNTERS[3]) if COUNTERS[3] in after else None,
+        "prefix_cache_hit_rate": delta(COUNTERS[3]) / queries if queries else None,
+    }
+
+
+async def run_load(args, tokenizer=None) -> tuple[dict, dict]:
+    """Run the workload against `args.base_url`: (the report, each request's reply text by
+    key). `tokenizer`: the server's, when known (it sizes the multi-turn system prompt)."""
+    if not args.multi_turn:
+        results, duration, before, after = await _random_load(args)
+        report = summarise(args, results, duration, before, after)
+        return report, {i: r.get("text") for i, r in enumerate(results)}
+    from metrale.bench.serve_chat import by_turn_ttft, run_chat
+
+    results, duration, before, after, info = await run_chat(args, tokenizer)
+    report = summarise(args, results, duration, before, after)
+    report.update(
+        workload="multi-turn",
+        num_clients=args.num_clients,
+        num_turns=args.num_turns,
+        p50_ttft_ms_by_turn=by_turn_ttft(results),
+        **info,
+    )
+    return report, {(r["client"], r["turn"]): r.get("text") for r in results}
+
+
+async def _random_load(args):
     if not args.request_rate > 0 or (args.max_concurrency is not None and args.max_concurrency < 1):
         raise ValueError("--request-rate must be > 0 and --max-concurrency >= 1")
     rng = random.Random(args.seed)
@@ -149,13 +201,14 @@ async def run_load(args) -> dict:
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         after = await spec_counters(http)
-    return summarise(args, results, duration, before, after)
+    return results, duration, before, after
 
 
 def summarise(args, results: list[dict], duration: float, before: dict, after: dict) -> dict:
     ok = [r for r in results if r["ok"]]
     tokens = sum(r["tokens"] for r in ok)
     report: dict = {
+        "workload": "random",
         "base_url": args.base_url,
         "model": args.served_model,
         "num_prompts": len(results),
@@ -179,13 +232,7 @@ def summarise(args, results: list[dict], duration: float, before: dict, after: d
         for p in PERCENTILES:
             value = percentile(values, p)
             report[f"p{p}_{name}_ms"] = None if value is None else value * 1e3
-    drafted = after.get("spec_decode_num_draft_tokens", 0) - before.get(
-        "spec_decode_num_draft_tokens", 0
-    )
-    accepted = after.get("spec_decode_num_accepted_tokens", 0) - before.get(
-        "spec_decode_num_accepted_tokens", 0
-    )
-    report["spec_acceptance_rate"] = accepted / drafted if drafted else None
+    report.update(counter_rates(before, after))
     return report
 
 
@@ -202,13 +249,45 @@ def format_report(report: dict) -> str:
         )
     if report["spec_acceptance_rate"] is not None:
         lines.append(f"speculative acceptance rate: {report['spec_acceptance_rate']:.3f}")
+    if report.get("prefix_cache_hit_rate") is not None:
+        lines.append(f"prefix cache hit rate: {report['prefix_cache_hit_rate']:.3f}")
+    if report.get("p50_ttft_ms_by_turn"):
+        cells = " ".join("-" if v is None else f"{v:.1f}" for v in report["p50_ttft_ms_by_turn"])
+        lines.append(f"ttft p50 by turn (ms): {cells}")
     if report["failures"]:
         lines.append(f"failures: {', '.join(report['failures'])}")
     return "\n".join(lines)
 
 
 def add_serve_bench_args(p) -> None:
-    p.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--base-url", default=None, help="the server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="instead: start `metrale serve` on this model")
+    p.add_argument(
+        "--shape", default=None, help="instead: start it on random weights of this bench shape"
+    )
+    p.add_argument(
+        "--server-args",
+        default="",
+        help='more `metrale serve` flags, one string (e.g. "--kv-cache-memory-gb 40")',
+    )
+    p.add_argument(
+        "--compare-prefix-caching",
+        action="store_true",
+        help="run twice (servers started here), with and without prefix caching",
+    )
+    p.add_argument(
+        "--launch-timeout", type=float, default=900.0, help="seconds a started server may take"
+    )
+    p.add_argument(
+        "--multi-turn",
+        action="store_true",
+        help="multi-turn chat: clients share a system prompt, each resends its conversation",
+    )
+    p.add_argument("--num-clients", type=int, default=64, help="multi-turn: conversations")
+    p.add_argument("--num-turns", type=int, default=4, help="multi-turn: user turns each")
+    p.add_argument(
+        "--system-prompt-len", type=int, default=2000, help="multi-turn: shared prompt tokens"
+    )
     p.add_argument("--served-model", default=None, help="model name (default: /v1/models' first)")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--num-prompts", type=int, default=100, help="requests to send")
@@ -217,7 +296,9 @@ def add_serve_bench_args(p) -> None:
     )
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     p.add_argument("--prompt-file", default=None, help="one prompt per line (else random words)")
-    p.add_argument("--input-len", type=int, default=64, help="words per random prompt")
+    p.add_argument(
+        "--input-len", type=int, default=64, help="words per random prompt (or user turn)"
+    )
     p.add_argument("--output-len", type=int, default=64, help="max_tokens per request")
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM, metrale)")
     p.add_argument("--seed", type=int, default=0, help="seeds the prompts and arrivals")
@@ -226,11 +307,17 @@ def add_serve_bench_args(p) -> None:
 
 
 def main(args) -> int:
-    report = asyncio.run(run_load(args))
-    print(format_report(report))
+    from metrale.bench.serve_launch import format_comparison, run
+
+    report = run(args)
+    compared = "with_prefix_caching" in report
+    print(format_comparison(report) if compared else format_report(report))
     text = json.dumps(report)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text + "\n")
     print(text)
-    return 0 if report["completed"] else 1
+    runs = [report]
+    if compared:
+        runs = [report["with_prefix_caching"], report["without_prefix_caching"]]
+    return 0 if all(r["completed"] for r in runs) else 1

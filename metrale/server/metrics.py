@@ -1,5 +1,6 @@
-"""Prometheus metrics of the server: requests, tokens, latency, KV-pool use, graph programs and
-the speculative counters (named as vLLM's `spec_decode_*`), in a registry of the app's own."""
+"""Prometheus metrics of the server: requests, tokens, latency, KV-pool use, prefix-cache queries
+and hits, graph programs and the speculative counters (named as vLLM's `prefix_cache_*` and
+`spec_decode_*`), in a registry of the app's own."""
 
 from __future__ import annotations
 
@@ -48,6 +49,18 @@ class _EngineCollector:
                 "metrale:kv_cache_usage_perc",
                 "Share of KV pages in use",
                 value=1.0 - alloc.num_free / alloc.num_usable,
+            )
+            # vLLM's names: tokens queried at admission, and the ones cached pages covered
+            cache = tel.prefix_cache
+            yield CounterMetricFamily(
+                "metrale:prefix_cache_queries",
+                "Prefix cache queries, in tokens (prompt tokens at each admission)",
+                value=cache.queries,
+            )
+            yield CounterMetricFamily(
+                "metrale:prefix_cache_hits",
+                "Prefix cache hits, in tokens (prompt tokens taken from cached pages)",
+                value=cache.hits,
             )
             yield GaugeMetricFamily(
                 "metrale:num_requests_running",
