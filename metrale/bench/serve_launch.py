@@ -39,22 +39,22 @@ def _model_dir(args) -> tuple[Path, list[str]]:
     if args.shape is not None:
         from metrale.bench.shapes import write_shape
 
-        folder = Path(args.out).parent if args.out else Path(tempfile.mkdtemp())
-        return write_shape(args.shape, folder / f"shape-{args.shape}"), ["--load-format", "dummy"]
+        folder = Path(tempfile.mkdtemp(prefix="metrale-shape-"))
+        return write_shape(args.shape, folder / args.shape), ["--load-format", "dummy"]
     return Path(args.model), []
 
 
 @contextlib.contextmanager
-def launched(args, extra: list[str]):
-    """`metrale serve` on a free loopback port with `--server-args` and `extra` flags; yields
-    its base URL and stops it after (its log goes to a temporary file, shown if it fails)."""
-    model, flags = _model_dir(args)
-    flags += shlex.split(args.server_args or "")
+def launched(args, model: Path, flags: list[str]):
+    """`metrale serve` of `model` on a free loopback port with `flags` and `--server-args`;
+    yields its base URL and stops it after (its log goes to a temporary file, shown if it
+    fails)."""
+    flags = flags + shlex.split(args.server_args or "")
     if "--max-num-seqs" not in flags:
         flags += ["--max-num-seqs", str(args.num_clients if args.multi_turn else 64)]
     port = _free_port()
     cmd = [sys.executable, "-m", "metrale.cli", "serve", "--model", str(model)]
-    cmd += ["--port", str(port), "--no-access-log", *flags, *extra]
+    cmd += ["--port", str(port), "--no-access-log", *flags]
     fd, log_path = tempfile.mkstemp(prefix="metrale-serve-", suffix=".log")
     print("starting:", shlex.join(cmd), f"(log: {log_path})", file=sys.stderr, flush=True)
     # this metrale, installed or not
@@ -89,13 +89,6 @@ def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_path: st
     raise RuntimeError(f"metrale serve was not healthy after {timeout:.0f} s (log: {log_path})")
 
 
-def _tokenizer(args):
-    """The served model's tokenizer (it sizes the multi-turn system prompt in tokens)."""
-    from metrale.tokenizer import Tokenizer
-
-    return Tokenizer.from_dir(_model_dir(args)[0])
-
-
 def _warm_up(args) -> None:
     """One request unlike the load's (first-use compilation and captures happen here)."""
     body = {"prompt": "warm up " * 32, "max_tokens": 8, "temperature": 0.0}
@@ -114,14 +107,17 @@ def run(args) -> dict:
         raise ValueError("--compare-prefix-caching starts its own servers: give --model/--shape")
     if not launching:
         return asyncio.run(run_load(args))[0]
-    tokenizer = _tokenizer(args)
+    from metrale.tokenizer import Tokenizer
+
+    model, flags = _model_dir(args)
+    tokenizer = Tokenizer.from_dir(model)  # it sizes the multi-turn system prompt in tokens
     runs = {}
     modes = (True, False) if args.compare_prefix_caching else (None,)
     for caching in modes:
         extra = []
         if caching is not None:
             extra = ["--prefix-caching" if caching else "--no-prefix-caching"]
-        with launched(args, extra) as url:
+        with launched(args, model, flags + extra) as url:
             args.base_url, args.served_model = url, None
             _warm_up(args)
             runs[caching] = asyncio.run(run_load(args, tokenizer))
@@ -154,7 +150,7 @@ def format_comparison(report: dict) -> str:
             format_report(report["with_prefix_caching"]),
             "without prefix caching:",
             format_report(report["without_prefix_caching"]),
-            f"TTFT p50 {'-' if speedup is None else f'{speedup:.2f}x'} lower with caching; "
+            f"TTFT p50 without / with caching: {'-' if speedup is None else f'{speedup:.2f}x'}; "
             f"{report['identical_replies']}/{report['replies']} replies identical",
         ]
     )
