@@ -1,7 +1,9 @@
 """`metrale bench`: step times against the weight-bytes roofline, the verify cost curve, and
 end-to-end speed with and without speculation at a known acceptance, in one process.
 
-- Roofline: the weights' bytes over the memory bandwidth measured here by a device-to-device copy.
+- Roofline: the weights' bytes over the memory bandwidth measured here by a device-to-device copy
+  (a batch-1 token's experts; per batch also the experts the batch reads, `batch_roofline_*`).
+  On CUDA, `launches_batch1` counts the kernels of one batch-1 decode step (profiler).
 - Decode and verify: B sequences with `context` cached tokens each run q rows per sequence (their
   last token plus q - 1 drafts) through the engine's step (forward, acceptance, the host copy);
   the verify cost curve is T(q) / T(1) per B, in the JSON shape `VerifyCostModel.from_json` reads.
@@ -24,7 +26,8 @@ import torch
 from metrale.api import LLM
 from metrale.bench.anchor import anchor_step_times
 from metrale.bench.e2e import end_to_end
-from metrale.bench.shapes import write_shape
+from metrale.bench.profile_step import step_launches
+from metrale.bench.shapes import batch_weight_bytes, write_shape
 from metrale.bench.timing import bandwidth, weight_bytes
 from metrale.engine.calibrate import step_times
 from metrale.engine.heap import freeze_startup_heap
@@ -128,6 +131,10 @@ def _measure(llm: LLM, drafter, args, device: torch.device, alphas, forced: bool
                 "batch": b,
                 "ms": times[b][1] * 1e3,
                 "roofline_ratio": times[b][1] / roofline,
+                # the roofline of the weights this batch reads (a MoE batch reads more experts)
+                "batch_roofline_ms": batch_weight_bytes(llm.engine.runner.model, b) / bw * 1e3,
+                "batch_roofline_ratio": times[b][1]
+                / (batch_weight_bytes(llm.engine.runner.model, b) / bw),
                 # the plain graph-captured PyTorch step of the same weights (`bench/anchor.py`)
                 "anchor_ms": None if anchor is None else anchor[b] * 1e3,
                 "anchor_ratio": None if anchor is None else times[b][1] / anchor[b],
@@ -163,6 +170,8 @@ def _measure(llm: LLM, drafter, args, device: torch.device, alphas, forced: bool
             row["ideal_speedup_at_measured_acceptance"] = row["mean_acceptance_length"] * cost
             result["e2e"].append(row)
     runner = llm.engine.runner
+    if device.type == "cuda" and tp == 1:  # kernels of one batch-1 decode step (profiler)
+        result["launches_batch1"] = step_launches(llm, 1, args.context)["kernels"]
     result["graph_refusals"] = runner.graph_refusals
     result["deterministic"] = llm.engine.config.deterministic
     result["peak_memory_bytes"] = (
@@ -182,13 +191,19 @@ def table(result: dict) -> str:
         f"bandwidth {result['bandwidth_GBps']:.0f} GB/s, roofline {result['roofline_ms']:.3f} ms"
     ]
     qs = result["verify_cost"]["q"]
-    lines.append("batch  decode_ms  x_roofline  x_anchor  " + "  ".join(f"q={q:<3d}" for q in qs))
+    lines.append(
+        "batch  decode_ms  x_roofline  x_batch_roofline  x_anchor  "
+        + "  ".join(f"q={q:<3d}" for q in qs)
+    )
     for d, ratios in zip(result["decode"], result["verify_cost"]["ratio"]):
         anchor = "       -" if d.get("anchor_ratio") is None else f"{d['anchor_ratio']:8.2f}"
+        batch_ratio = d.get("batch_roofline_ratio", d["roofline_ratio"])
         lines.append(
-            f"{d['batch']:5d}  {d['ms']:9.3f}  {d['roofline_ratio']:10.2f}  {anchor}  "
-            + "  ".join(f"{r:5.2f}" for r in ratios)
+            f"{d['batch']:5d}  {d['ms']:9.3f}  {d['roofline_ratio']:10.2f}  {batch_ratio:16.2f}  "
+            f"{anchor}  " + "  ".join(f"{r:5.2f}" for r in ratios)
         )
+    if result.get("launches_batch1") is not None:
+        lines.append(f"kernel launches per batch-1 decode step: {result['launches_batch1']}")
     for e in result["e2e"]:
         lines.append(
             f"e2e {e['acceptance']} alpha {e['alpha']} batch {e['batch']}: decode "

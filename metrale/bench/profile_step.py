@@ -5,18 +5,26 @@ host-side pieces of the step, and the eager forward's kernels (count and time by
 
 Run it twice with METRALE_NO_FUSED_KERNELS=1 unset and set for an A/B of the fused kernels.
 Writes profile.json and kernels-B{b}.txt under --out.
+
+`step_launches` (what `metrale bench` reports) counts the kernels of one decode step's forward
+and logits: with the CUDA profiler on CUDA, and on CPU with `count_launches`, which counts what
+would launch on a GPU (aten ops other than views and allocations, and Triton launches: run the
+fused paths under the interpreter, `METRALE_FORCE_FUSED_KERNELS=1`) to estimate it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from metrale.api import LLM
 from metrale.bench.shapes import write_shape
@@ -78,6 +86,114 @@ def kernel_table(llm: LLM, batch, path: Path) -> dict:
     path.write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
     total = sum(e.self_device_time_total for e in events)
     return {"kernels": sum(e.count for e in events), "kernel_time_ms": total / 1e3}
+
+
+# aten ops that launch nothing on a GPU: allocations, views and metadata
+_NO_KERNEL = {
+    "empty", "empty_strided", "empty_like", "view", "_unsafe_view", "alias", "as_strided",
+    "t", "transpose", "permute", "expand", "slice", "select", "split", "split_with_sizes",
+    "unsqueeze", "squeeze", "detach", "unbind", "chunk", "narrow", "lift_fresh",
+    "_local_scalar_dense", "is_same_size", "sym_size", "sym_stride", "sym_numel", "dim",
+    "size", "stride", "unfold", "view_as_real", "view_as_complex", "_reshape_alias",
+    "resize_", "set_", "record_stream",
+}  # fmt: skip
+
+
+class _AtenCounter(TorchDispatchMode):
+    """Counts aten ops that would launch a kernel: not allocations or metadata, not an op whose
+    result is a view of its input (a reshape or `to` that copies nothing), not the interpreter's
+    own copies while a Triton kernel runs (`paused`)."""
+
+    def __init__(self, counts: Counter) -> None:
+        super().__init__()
+        self.counts = counts
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if self.paused or name in _NO_KERNEL:
+            return out
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if (
+            not name.endswith("_")
+            and first is not None
+            and isinstance(out, torch.Tensor)
+            and out.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        ):
+            return out  # a view
+        self.counts["aten." + name] += 1
+        return out
+
+
+@contextlib.contextmanager
+def _triton_counter(counts: Counter, aten: _AtenCounter):
+    """Count Triton launches (compiled or interpreted) by kernel name; the interpreter's copies
+    of the arguments are not launches."""
+    import triton.runtime.interpreter as interp
+    import triton.runtime.jit as jit
+
+    saved = []
+    for cls in (jit.JITFunction, interp.InterpretedFunction):
+        real = cls.run
+
+        def run(self, *args, _real=real, **kwargs):
+            if not kwargs.get("warmup"):
+                counts["triton." + getattr(self.fn, "__name__", "?")] += 1
+            aten.paused = True
+            try:
+                return _real(self, *args, **kwargs)
+            finally:
+                aten.paused = False
+
+        saved.append((cls, real))
+        cls.run = run
+    try:
+        yield
+    finally:
+        for cls, real in saved:
+            cls.run = real
+
+
+def count_launches(fn) -> Counter:
+    """What `fn()` would launch on a GPU, by op or kernel name (its CPU estimate)."""
+    counts: Counter = Counter()
+    aten = _AtenCounter(counts)
+    with _triton_counter(counts, aten), aten:
+        fn()
+    return counts
+
+
+def step_launches(llm: LLM, batch_size: int = 1, context: int = 64) -> dict:
+    """Kernels of one decode step (forward and logits, eager: the kernels its graph replays) of
+    `batch_size` synthetic sequences: {"kernels": n, "by_name": {name: count}}."""
+    runner = llm.engine.runner
+    batch = synthetic_batch(llm.engine, batch_size, context, 1, random.Random(0))
+    try:
+        input_ids, positions, meta = runner._metadata(batch)
+
+        def fwd():
+            hidden = runner._forward(batch, input_ids, positions, meta)[0]
+            return runner.model.compute_logits(hidden)
+
+        with torch.inference_mode():
+            fwd()  # warm-up: compiles, packs weights
+            if runner.device.type != "cuda":
+                counts = count_launches(fwd)
+            else:
+                torch.cuda.synchronize()
+                acts = [torch.profiler.ProfilerActivity.CUDA]
+                with torch.profiler.profile(activities=acts) as prof:
+                    fwd()
+                    torch.cuda.synchronize()
+                counts = Counter()
+                for e in prof.key_averages():
+                    if e.device_type == torch.autograd.DeviceType.CUDA:
+                        counts[e.key] += e.count
+    finally:
+        for e in batch.entries:
+            llm.engine.allocator.free(e.seq)
+    return {"kernels": sum(counts.values()), "by_name": dict(counts.most_common())}
 
 
 @torch.inference_mode()
