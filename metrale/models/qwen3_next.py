@@ -179,7 +179,8 @@ class Qwen3NextDecoderLayer(nn.Module):
             hidden = self.self_attn(positions, hidden, meta)
         hidden, residual = self.post_attention_layernorm.forward_residual(hidden, residual)
         mlp = self.mlp
-        if next_norm is not None and isinstance(mlp, Qwen3NextSparseMoeBlock) and mlp.fused(hidden):
+        fold = isinstance(mlp, Qwen3NextSparseMoeBlock) and mlp.folds_next_norm(hidden)
+        if next_norm is not None and fold:
             hidden, residual = mlp(hidden, residual, next_norm)
             return hidden, residual, True
         return mlp(hidden), residual, False

@@ -184,6 +184,12 @@ class Qwen3NextSparseMoeBlock(nn.Module):
             and self.experts.down_proj.is_contiguous()
         )
 
+    def folds_next_norm(self, x: torch.Tensor) -> bool:
+        """Whether `forward(x, residual, next_norm)` may fuse the next norm: the kernels' path of
+        this class (not a subclass with its own forward: the tensor-parallel block all-reduces
+        its partial sums before any norm)."""
+        return type(self).forward is Qwen3NextSparseMoeBlock.forward and self.fused(x)
+
     def forward(
         self,
         x: torch.Tensor,
