@@ -187,7 +187,7 @@ def test_sparse_block_fused_equals_torch(dtype, norm, kernels):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rows_are_batch_invariant(dtype, kernels):
-    """One row's output (and its folded norm) bitwise alone, among 3 and among 17 rows, at
+    """One row's output (and its folded norm) bitwise alone, among 3, 17 and 300 rows, at
     different places: the kernels' reduction order never depends on the batch."""
     kernels(True)
     block = _block(dtype, hidden=160, experts=16, top_k=4, inter=48, inter_s=48)
@@ -197,7 +197,8 @@ def test_rows_are_batch_invariant(dtype, kernels):
     res_row = torch.randn(1, 160, generator=gen).to(DEVICE, dtype)
     outs = []
     with torch.no_grad():
-        for n, at in ((1, 0), (3, 1), (3, 2), (17, 0), (17, 9), (17, 16)):
+        # 300 rows: the routing's two-launch form
+        for n, at in ((1, 0), (3, 1), (3, 2), (17, 0), (17, 9), (17, 16), (300, 150)):
             x = torch.randn(n, 160, generator=gen).to(DEVICE, dtype)
             residual = torch.randn(n, 160, generator=gen).to(DEVICE, dtype)
             x[at], residual[at] = row[0], res_row[0]
