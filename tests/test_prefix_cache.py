@@ -178,3 +178,22 @@ def test_multi_turn_chat_on_the_shipped_model_runs_fewer_prefill_rows():
     assert len(system) > 150 and stats.hit_rate > 0.6
     assert rows[True] < 0.4 * rows[False]
     assert rows[False] - rows[True] == stats.hits
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", sorted(SPECS))
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_cuda_graphs_output_equals_uncached(spec, engine):
+    """On CUDA, graphed decode, verify and prefill steps (the shipped model with its MTP head):
+    caching changes no token."""
+    prompts = shared_prompts(2 * 16 + 5, 12, seed=3, vocab=4000)
+    options = dict(device="cuda", dtype="float32", spec=SPECS[spec], **ENGINES[engine])
+    options.setdefault("max_num_seqs", 8)  # fewer programs to capture
+    if engine == "tight":
+        options.update(num_kv_pages=30, max_num_batched_tokens=32)
+    model = default_model_dir()
+    expected = run_twice(LLM(model, prefix_caching=False, **options), prompts)
+    llm = LLM(model, **options)
+    watch = Watch(llm)
+    assert run_twice(llm, prompts) == expected
+    assert watch.checks > 0 and llm.engine.telemetry.prefix_cache.hits > 0

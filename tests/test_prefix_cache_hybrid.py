@@ -144,3 +144,25 @@ def test_failed_forward_rebuilds_state_from_the_snapshot(hybrid_dir, monkeypatch
     assert scratch and llm.engine.telemetry.prefix_cache.snapshots_restored > 0
     alloc = llm.engine.allocator
     assert alloc.num_free == alloc.num_usable and not any(alloc.cache.snapshots._pins)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["write_on_accept", "per_row_slots"])
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_cuda_graphs_output_equals_uncached(hybrid_dir, variant, engine):  # noqa: F811
+    """On CUDA (float32, graphed decode and verify steps restoring snapshots into the state
+    pool the programs read): caching changes no token."""
+    prompts = shared_prompts(3 * PAGE + 1, 8, seed=4)
+    options = dict(
+        device="cuda",
+        dtype="float32",
+        page_size=PAGE,
+        hybrid_verify_state=variant,
+        spec={"method": "ngram", "num_drafts": 3},
+        **{"max_num_seqs": 8, **ENGINES[engine]},
+    )
+    expected = run_turns(LLM(hybrid_dir, prefix_caching=False, **options), prompts)
+    llm = LLM(hybrid_dir, **options)
+    Watch(llm)
+    assert run_turns(llm, prompts) == expected
+    assert llm.engine.telemetry.prefix_cache.snapshots_restored > 0

@@ -165,6 +165,7 @@ async def run_load(args, tokenizer=None) -> tuple[dict, dict]:
         workload="multi-turn",
         num_clients=args.num_clients,
         num_turns=args.num_turns,
+        think_time_s=args.think_time,
         p50_ttft_ms_by_turn=by_turn_ttft(results),
         **info,
     )
@@ -287,6 +288,12 @@ def add_serve_bench_args(p) -> None:
     p.add_argument("--num-turns", type=int, default=4, help="multi-turn: user turns each")
     p.add_argument(
         "--system-prompt-len", type=int, default=2000, help="multi-turn: shared prompt tokens"
+    )
+    p.add_argument(
+        "--think-time",
+        type=float,
+        default=0.0,
+        help="multi-turn: mean seconds a client pauses before each next turn (0: none)",
     )
     p.add_argument("--served-model", default=None, help="model name (default: /v1/models' first)")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")

@@ -2,7 +2,10 @@
 for. Every client's conversation opens with the same system prompt of `--system-prompt-len`
 tokens; it then sends `--num-turns` user turns of `--input-len` random words, each request
 carrying the whole conversation so far (system prompt, earlier turns, the replies it got), and
-waits for each reply before the next turn. All clients start at once.
+waits for each reply before the next turn. All clients start at once, or with
+`--think-time S` spread over S seconds, each then pausing a random time (exponential, mean S)
+before each next turn, as people do: turns then arrive spread out, as a server sees them, rather
+than in waves of every client at once.
 
 Requests go to `/v1/completions` with the conversation as a plain transcript (any OpenAI-
 compatible server takes it, and every streamed chunk is a token, so TTFT is the first chunk's
@@ -53,7 +56,11 @@ async def conversation(http: httpx.AsyncClient, args, client: int, system: str) 
     rng = random.Random(f"{args.seed}-{client}")
     turns: list[tuple[str, str]] = []
     results = []
+    if args.think_time > 0:  # clients start spread over one think time
+        await asyncio.sleep(rng.uniform(0, args.think_time))
     for turn in range(args.num_turns):
+        if turn and args.think_time > 0:  # the user reads the reply, types the next turn
+            await asyncio.sleep(rng.expovariate(1 / args.think_time))
         user = words(rng, args.input_len)
         result = await one_request(http, args, transcript(system, turns, user))
         results.append({**result, "client": client, "turn": turn})
