@@ -58,7 +58,9 @@ class DFlashDrafter:
             seq, rows = v.seq, 0 if v.hidden is None else v.hidden.shape[0]
             if rows == 0 or seq.slot < 0 or not seq.params.speculative:
                 continue
-            first, have = v.first_position, self._context.get(seq.seq_id, 0)
+            # a prefix-cache hit's pages already hold their context rows, written by the
+            # sequence that computed them
+            first, have = v.first_position, self._context.get(seq.seq_id, seq.num_cached_tokens)
             if first > have:  # a gap in its context: it is never drafted for again
                 self._context[seq.seq_id] = -1
                 continue
