@@ -73,6 +73,21 @@ def test_greedy_output_equals_uncached(mtp_dir, prefix_len, engine, spec):
     assert alloc.num_free == alloc.num_usable  # every page free or idle again
 
 
+def test_dflash_drafts_sequences_admitted_with_a_hit():
+    """The shipped model's DFlash drafter: a hit's pages hold their context rows, so a sequence
+    admitted with one is drafted as it would be without caching, and its output is unchanged."""
+    prompts = shared_prompts(40, 8, seed=1, vocab=4000)
+    spec = {"method": "dflash", "num_drafts": 4, "dcut": False}
+    drafted, outputs = {}, {}
+    for caching in (False, True):
+        llm = LLM(default_model_dir(), device="cpu", prefix_caching=caching, spec=spec)
+        outputs[caching] = run_twice(llm, prompts)
+        drafted[caching] = llm.engine.telemetry.spec.num_draft_tokens
+    assert outputs[True] == outputs[False]
+    assert llm.engine.telemetry.prefix_cache.hits > 0
+    assert drafted[True] >= 0.9 * drafted[False] > 0
+
+
 def test_off_means_off(tiny_model_dir):
     llm = LLM(tiny_model_dir, device="cpu", page_size=PAGE, prefix_caching=False)
     prompts = shared_prompts(3 * PAGE, 4, seed=1)

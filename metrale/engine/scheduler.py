@@ -105,7 +105,10 @@ class Scheduler:
         while idx < len(self.running) and budget > 0:
             seq = self.running[idx]
             drafts = self._drafts_for(seq, budget)
-            num_rows = self._chunk(seq, seq.num_computed_tokens, budget) + len(drafts)
+            num_rows = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_rows > 1 and seq.snapshot_at:  # a prompt chunk (never a decode's one row)
+                num_rows = self._chunk(seq, seq.num_computed_tokens, budget)
+            num_rows += len(drafts)
             need = self._rows_needed(seq, num_rows)
             if drafts and not self.allocator.can_fit(seq, need):
                 # Drafts are optional: drop them before evicting anyone for their rows.
