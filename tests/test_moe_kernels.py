@@ -44,13 +44,13 @@ def _plan_reference(ids: torch.Tensor, num_experts: int, shared: bool, block_m: 
     return order, tiles
 
 
+@pytest.mark.parametrize("launches", [1, 2])  # 2: a program per block, route then plan
 @pytest.mark.parametrize("norm", [True, False])
-@pytest.mark.parametrize(
-    "n, experts, top_k",
-    [(1, 8, 2), (5, 8, 3), (17, 64, 10), (300, 8, 2)],  # 300: two launches (a program per block)
-)
-def test_routing_and_plan_match_the_reference(n, experts, top_k, norm):
+@pytest.mark.parametrize("n, experts, top_k", [(1, 8, 2), (5, 8, 3), (17, 64, 10), (300, 8, 2)])
+def test_routing_and_plan_match_the_reference(n, experts, top_k, norm, launches, monkeypatch):
     """Integer-valued logits tie often: the picks equal the stable-sort reference exactly."""
+    if launches == 2:
+        monkeypatch.setattr(moe_routing, "SINGLE_MAX_BLOCKS", 0)
     gen = torch.Generator().manual_seed(n)
     logits = (torch.randint(-3, 3, (n, experts), generator=gen) * 0.5).to(DEVICE)
     for shared in (False, True):
@@ -186,9 +186,10 @@ def test_sparse_block_fused_equals_torch(dtype, norm, kernels):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rows_are_batch_invariant(dtype, kernels):
+def test_rows_are_batch_invariant(dtype, kernels, monkeypatch):
     """One row's output (and its folded norm) bitwise alone, among 3, 17 and 300 rows, at
-    different places: the kernels' reduction order never depends on the batch."""
+    different places, routed in one launch or two: the kernels' reduction order never depends
+    on the batch."""
     kernels(True)
     block = _block(dtype, hidden=160, experts=16, top_k=4, inter=48, inter_s=48)
     next_norm = ZeroCentredRMSNorm(160, 1e-6).to(DEVICE, dtype)
@@ -197,8 +198,10 @@ def test_rows_are_batch_invariant(dtype, kernels):
     res_row = torch.randn(1, 160, generator=gen).to(DEVICE, dtype)
     outs = []
     with torch.no_grad():
-        # 300 rows: the routing's two-launch form
+        single = moe_routing.SINGLE_MAX_BLOCKS
         for n, at in ((1, 0), (3, 1), (3, 2), (17, 0), (17, 9), (17, 16), (300, 150)):
+            # the routing's two-launch form for 300 rows
+            monkeypatch.setattr(moe_routing, "SINGLE_MAX_BLOCKS", 0 if n == 300 else single)
             x = torch.randn(n, 160, generator=gen).to(DEVICE, dtype)
             residual = torch.randn(n, 160, generator=gen).to(DEVICE, dtype)
             x[at], residual[at] = row[0], res_row[0]

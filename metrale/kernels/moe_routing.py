@@ -17,8 +17,8 @@ p = N k + row, as "expert" E):
     into runs of `block_m`, expert -1 past the last tile. Tiles are at most
     cdiv(N k, block_m) + min(E, N k) + cdiv(N, block_m): a static grid, no host sync.
 
-One program routes and plans up to `SINGLE_MAX_BLOCKS` blocks of rows (decode and verify steps);
-more rows (prefill chunks) take two launches of one program per block (route, then plan), with
+One program routes and plans up to `SINGLE_MAX_BLOCKS` blocks of rows (decode steps); more rows
+(verify and prefill steps) take two launches of one program per block (route, then plan), with
 the same per-row arithmetic. Per-expert counts are integer sums: the plan is deterministic.
 """
 
@@ -31,9 +31,10 @@ import torch
 from metrale.kernels.fused import triton
 
 # One program plans up to this many blocks of rows; beyond, a program per block in two launches.
-SINGLE_MAX_BLOCKS = 16
-# Elements of a block's (pair, expert) one-hot table: bounds the rows per block for many experts.
-ONEHOT_ELEMENTS = 16384
+SINGLE_MAX_BLOCKS = 2
+# Elements of a block's (row, expert) tables: 16 rows per block for up to 127 experts, fewer for
+# more (sm90, 8 warps: no register spills).
+BLOCK_ELEMENTS = 2048
 
 
 class MoEPlan(NamedTuple):
@@ -78,15 +79,14 @@ if triton is not None:
         slot = tl.arange(0, BKK)
         out_ok = r_ok[:, None] & (slot[None, :] < K)
         out_off = rows[:, None] * K + slot[None, :]
-        counts = tl.zeros([BE], tl.int32)
         if FROM_LOGITS:
             ok = r_ok[:, None] & (cols[None, :] < E)
             logit = tl.load(
                 logits_ptr + rows[:, None] * stride_l + cols[None, :], mask=ok, other=0.0
             )
             logit = tl.where(cols[None, :] < E, logit.to(tl.float32), float("-inf"))
-            ex = tl.exp(logit - tl.max(logit, axis=1)[:, None])
-            prob = ex / tl.sum(ex, axis=1)[:, None]
+            top = tl.max(logit, axis=1)
+            total = tl.sum(tl.exp(logit - top[:, None]), axis=1)
             taken = cols[None, :] >= E
             vals = tl.zeros([BR, BKK], tl.float32)
             picks = tl.zeros([BR, BKK], tl.int32)
@@ -95,23 +95,22 @@ if triton is not None:
                 best = tl.max(cur, axis=1)
                 # the lowest index among the largest: the tie rule
                 idx = tl.min(tl.where(cur == best[:, None], cols[None, :], BE), axis=1)
-                hit = cols[None, :] == idx[:, None]
-                taken = taken | hit
-                val = tl.sum(tl.where(hit, prob, 0.0), axis=1)
+                taken = taken | (cols[None, :] == idx[:, None])
+                val = tl.exp(best - top) / total  # its softmax probability, bit for bit
                 vals = tl.where(slot[None, :] == j, val[:, None], vals)
                 picks = tl.where(slot[None, :] == j, idx[:, None], picks)
-                counts += tl.sum((hit & r_ok[:, None]).to(tl.int32), axis=0)
             if NORM:
                 vals = vals / tl.sum(vals, axis=1)[:, None]
             tl.store(ids_ptr + out_off, picks, mask=out_ok)
             tl.store(w_ptr + out_off, vals.to(w_ptr.dtype.element_ty), mask=out_ok)
+            hits = (taken & (cols[None, :] < E) & r_ok[:, None]).to(tl.int32)
         else:
-            picks = tl.load(ids_in_ptr + out_off, mask=out_ok, other=0).to(tl.int32)
-            tl.store(ids_ptr + out_off, picks, mask=out_ok)
+            hits = tl.zeros([BR, BE], tl.int32)  # picks of e in row r (masked picks repeat)
             for j in tl.static_range(K):
-                idx = tl.sum(tl.where(slot[None, :] == j, picks, 0), axis=1)
-                hit = (cols[None, :] == idx[:, None]) & r_ok[:, None]
-                counts += tl.sum(hit.to(tl.int32), axis=0)
+                idx = tl.load(ids_in_ptr + rows * K + j, mask=r_ok, other=0).to(tl.int32)
+                tl.store(ids_ptr + rows * K + j, idx, mask=r_ok)
+                hits += ((cols[None, :] == idx[:, None]) & r_ok[:, None]).to(tl.int32)
+        counts = tl.sum(hits, axis=0)
         tl.store(counts_ptr + blk * BE + cols, counts)
 
     @triton.jit
@@ -137,26 +136,29 @@ if triton is not None:
         K: tl.constexpr,
         BR: tl.constexpr,
         BE: tl.constexpr,
-        BKK: tl.constexpr,
         SHARED: tl.constexpr,
     ):
-        """Scatter block blk's pairs to their sorted positions."""
+        """Scatter block blk's pairs to their sorted positions: pair (r, j) of expert e goes to
+        the start of e's group + e's pairs in earlier rows + e's picks in row r before slot j
+        (an expert-parallel rank's masked picks repeat an expert within a row)."""
         cols = tl.arange(0, BE)
+        rows = blk * BR + tl.arange(0, BR)
+        r_ok = rows < N
         total, before = _totals(counts_ptr, blk, NB, BE)
         base = tl.cumsum(total, axis=0) - total + before  # where this block's pairs of e start
-        i = tl.arange(0, BR * BKK)
-        row = blk * BR + i // BKK
-        slot = i % BKK
-        ok = (row < N) & (slot < K)
-        pair = row * K + slot
-        expert = tl.load(ids_ptr + pair, mask=ok, other=0)
-        hot = ((expert[:, None] == cols[None, :]) & ok[:, None]).to(tl.int32)
-        rank = tl.cumsum(hot, axis=0) - hot  # earlier pairs of this block with the same expert
-        pos = tl.sum(hot * (base[None, :] + rank), axis=1)
-        tl.store(order_ptr + pos, pair, mask=ok)
+        count = tl.zeros([BR, BE], tl.int32)  # picks of e in row r
+        for j in tl.static_range(K):
+            idx = tl.load(ids_ptr + rows * K + j, mask=r_ok, other=0)
+            count += ((cols[None, :] == idx[:, None]) & r_ok[:, None]).to(tl.int32)
+        at = tl.cumsum(count, axis=0) - count + base[None, :]
+        for j in tl.static_range(K):
+            idx = tl.load(ids_ptr + rows * K + j, mask=r_ok, other=0)
+            hit = cols[None, :] == idx[:, None]
+            pos = tl.sum(tl.where(hit, at, 0), axis=1)
+            tl.store(order_ptr + pos, rows * K + j, mask=r_ok)
+            at += hit.to(tl.int32)  # a repeat of e in this row goes after this one
         if SHARED:
-            rows = blk * BR + tl.arange(0, BR)
-            tl.store(order_ptr + N * K + rows, N * K + rows, mask=rows < N)
+            tl.store(order_ptr + N * K + rows, N * K + rows, mask=r_ok)
 
     @triton.jit
     def _tile_map(
@@ -224,7 +226,7 @@ if triton is not None:
                 )  # fmt: skip
             tl.debug_barrier()  # the counts and ids other threads stored, visible below
             for blk in range(NB):
-                _plan_block(blk, ids_ptr, counts_ptr, order_ptr, N, NB, K, BR, BE, BKK, SHARED)
+                _plan_block(blk, ids_ptr, counts_ptr, order_ptr, N, NB, K, BR, BE, SHARED)
             _tile_map(counts_ptr, tiles_ptr, N, E, NB, MAX_TILES, K, BE, BM, 64, SHARED)
         elif PHASE == 0:
             _route_block(
@@ -233,7 +235,7 @@ if triton is not None:
             )  # fmt: skip
         else:
             blk = tl.program_id(0)
-            _plan_block(blk, ids_ptr, counts_ptr, order_ptr, N, NB, K, BR, BE, BKK, SHARED)
+            _plan_block(blk, ids_ptr, counts_ptr, order_ptr, N, NB, K, BR, BE, SHARED)
             if blk == 0:
                 _tile_map(counts_ptr, tiles_ptr, N, E, NB, MAX_TILES, K, BE, BM, 64, SHARED)
 
@@ -268,7 +270,7 @@ def route(
     dtype = dtype or (logits.dtype if from_logits else weights.dtype)
     block_e = triton.next_power_of_2(e + 1)  # column E: the shared expert's group
     block_k = triton.next_power_of_2(top_k)
-    block_r = max(1, min(16, ONEHOT_ELEMENTS // (block_k * block_e)))
+    block_r = max(1, min(16, BLOCK_ELEMENTS // block_e))
     block_r = 1 << (block_r.bit_length() - 1)  # a power of two
     blocks = triton.cdiv(n, block_r)
     tiles_n = max_tiles(n, top_k, e, shared, block_m)
@@ -307,10 +309,10 @@ def route(
     if from_logits and logits.stride(1) != 1:
         raise ValueError("router logits need unit column stride")
     if blocks <= SINGLE_MAX_BLOCKS:
-        _route_plan_kernel[(1,)](*args, **meta, PHASE=2, num_warps=4)
+        _route_plan_kernel[(1,)](*args, **meta, PHASE=2, num_warps=8)
     else:
-        _route_plan_kernel[(blocks,)](*args, **meta, PHASE=0, num_warps=4)
-        _route_plan_kernel[(blocks,)](*args, **meta, PHASE=1, num_warps=4)
+        _route_plan_kernel[(blocks,)](*args, **meta, PHASE=0, num_warps=8)
+        _route_plan_kernel[(blocks,)](*args, **meta, PHASE=1, num_warps=8)
     return plan
 
 
