@@ -5,6 +5,7 @@ oracle): `paged_attention` (decode/verify attention over KV pages), `fused` (res
 RMSNorm, QK-norm + rotary, SiLU * up, gated RMSNorm), `gdn_recurrent` (the gated delta rule per
 row), `gdn_chunk` (its chunked WY form for prefill), `gdn_conv` (the causal conv window),
 `gdn_fused` (a GDN layer's gates, padding and gated norm), `moe_routing` (router top-k and the
-grouped GEMMs' plan) and `moe` (the grouped expert GEMMs and their combine); `dispatch` says when
-the hybrid target's kernels run. The tests run them under `TRITON_INTERPRET=1` on CPU.
+grouped GEMMs' plan), `moe` (the grouped expert GEMMs and their combine) and `next_attention`
+(Qwen3-Next's QK-norm + partial rotary and output gate); `dispatch` says when the hybrid
+target's kernels run. The tests run them under `TRITON_INTERPRET=1` on CPU.
 """
