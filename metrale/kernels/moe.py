@@ -54,7 +54,7 @@ if triton is not None:
         """x rounded to the activation dtype and back to float32 (what a torch op on DT does)."""
         return x.to(DT).to(tl.float32)
 
-    @triton.jit(do_not_specialize=["NK", "N"])
+    @triton.jit(do_not_specialize=["NK", "N", "MAX_TILES"])
     def _gate_up_kernel(
         x_ptr,
         stride_x,
@@ -119,7 +119,7 @@ if triton is not None:
         dst = h_ptr + pos[:, None].to(tl.int64) * IW + n[None, :]
         tl.store(dst, h.to(dt), mask=ok[:, None] & n_ok[None, :])
 
-    @triton.jit(do_not_specialize=["N"])
+    @triton.jit(do_not_specialize=["N", "MAX_TILES"])
     def _down_kernel(
         h_ptr,
         w_ptr,

@@ -275,7 +275,10 @@ def route(
     blocks = triton.cdiv(n, block_r)
     tiles_n = max_tiles(n, top_k, e, shared, block_m)
     out_ids = torch.empty(n, top_k, dtype=torch.int32, device=device)
-    out_w = torch.empty(n, top_k, dtype=dtype, device=device) if from_logits else weights
+    if from_logits:
+        out_w = torch.empty(n, top_k, dtype=dtype, device=device)
+    else:
+        out_w = weights.contiguous()  # the combine reads [N, k] rows
     counts = torch.empty(max(blocks, 1), block_e, dtype=torch.int32, device=device)
     order = torch.empty(n * top_k + (n if shared else 0), dtype=torch.int32, device=device)
     tiles = torch.empty(3, tiles_n, dtype=torch.int32, device=device)
