@@ -6,15 +6,19 @@ positions (SPLIT_TOKENS each, counted from the sequence's first token, never fro
 
 - each split's partial softmax (running max m, normaliser l, unnormalised output acc) is one
   online softmax over the split's pages, first to last, in [tile rows, D] matrix products;
-- the partials are merged in split order, 0, 1, 2 ..., by `_merge`, then out = acc / l.
+- split s belongs to group s % GROUPS; a group's partial is its splits' partials merged in split
+  order by `_merge`, and the row's output is the groups' partials merged in group order, then
+  out = acc / l. The order is a function of positions alone.
 
 Decode and verify sequences (at most MAX_KERNEL_ROWS rows) run one program per (sequence, KV
-head, split), which writes its partial; `_combine_kernel` merges them (parallel over splits, as
-flash-decoding: a batch-1 step still spreads over the GPU). Prompt chunks run one program per
-(sequence, KV head, tile of rows), which computes the same partials and merges them in registers
-with the same `_merge`. A page past a row's position, or a split past it, is an exact no-op of
-the online softmax and of the merge (its weights are exp(-inf) = 0), so a verify row sees
-the bits of the same position decoded alone, and a prompt row the bits it would get decoded.
+head, group), which writes its group's partial; `_combine_kernel` merges them (parallel over
+groups, as flash-decoding: a batch-1 step still spreads over the GPU, and a fixed number of
+groups bounds the programs and the partials' memory at any context length). Prompt chunks run
+one program per (sequence, KV head, tile of rows), which computes the same group partials and
+merges them in registers with the same `_merge`. A page past a row's position, or a split past
+it, is an exact no-op of the online softmax and of the merge (its weights are exp(-inf) = 0), so
+a verify row sees the bits of the same position decoded alone, and a prompt row the bits it
+would get decoded.
 
 Two details keep the arithmetic independent of the tile's shape (decode tiles follow the rows
 per sequence): the row sums of the softmax are float32 products with a ones matrix, whose FMA
@@ -37,6 +41,11 @@ except ImportError:  # CPU machines: the deterministic mode then runs the torch 
 
 # Keys per split: a fixed count, so a position's split never depends on the batch.
 SPLIT_TOKENS = 128
+# Split groups: split s belongs to group s % GROUPS; a decode program computes one group (its
+# splits merged in order) and the combine merges the groups in order. A fixed count bounds the
+# programs and the partials' memory at any context length, and keeps the merge order a function
+# of positions alone.
+GROUPS = 16
 
 if triton is not None:
 
@@ -105,50 +114,87 @@ if triton is not None:
         return start, q_len, seq_len, row, head, row_ok, seq_len - q_len + row
 
     @triton.jit
-    def _decode_split_kernel(
+    def _group_partial(
+        q, k_ptr, v_ptr, tables_ptr, seq, kvh, group, num_pages, pos, row_ok, seq_len, scale,
+        stride_cp, stride_co, stride_ch, stride_bt,
+        M: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, SPLIT_PAGES: tl.constexpr,
+        GROUPS: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    ):  # fmt: skip
+        """Group `group`'s partial: its splits (group, group + GROUPS, ...) over the first
+        num_pages pages, each an online softmax of its own, merged in split order."""
+        m = tl.full([M], float("-inf"), tl.float32)
+        l_run = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, D], tl.float32)
+        for s in range(group, tl.cdiv(num_pages, SPLIT_PAGES), GROUPS):
+            first = s * SPLIT_PAGES
+            m_s, l_s, acc_s = _split_partial(
+                q, k_ptr, v_ptr, tables_ptr, seq, kvh, first,
+                tl.minimum(first + SPLIT_PAGES, num_pages), pos, row_ok, seq_len, scale,
+                stride_cp, stride_co, stride_ch, stride_bt, M, D, PAGE, PRECISION, DOT_F32,
+            )  # fmt: skip
+            m, l_run, acc = _merge(m, l_run, acc, m_s, l_s, acc_s)
+        return m, l_run, acc
+
+    @triton.jit
+    def _load_q(q_ptr, start, row, head, row_ok, stride_qt, stride_qh, D: tl.constexpr,
+                DOT_F32: tl.constexpr):  # fmt: skip
+        d = tl.arange(0, D)
+        q = tl.load(
+            q_ptr + (start + row)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+        )
+        return q.to(tl.float32) if DOT_F32 else q
+
+    @triton.jit
+    def _part_offsets(seq, start, row, head, group, NUM_HEADS: tl.constexpr,
+                      BLOCK_Q: tl.constexpr, GROUPS: tl.constexpr, D: tl.constexpr,
+                      ROW_BY_START: tl.constexpr):  # fmt: skip
+        """Where a row's group partial lives (int64: a long context's buffer is large):
+        [rows, heads, GROUPS, D + 2], the rows numbered by the step's row (start + row) or by
+        (sequence, row), whichever is fewer."""
+        prow = (start + row) if ROW_BY_START else (seq * BLOCK_Q + row)
+        return ((prow.to(tl.int64) * NUM_HEADS + head) * GROUPS + group) * (D + 2)
+
+    @triton.jit
+    def _decode_group_kernel(
         q_ptr, k_ptr, v_ptr, part_ptr, tables_ptr, starts_ptr, lens_ptr, scale,
         stride_qt, stride_qh, stride_cp, stride_co, stride_ch, stride_bt,
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
         BLOCK_Q: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, SPLIT_PAGES: tl.constexpr,
-        SPLITS: tl.constexpr, MAX_ROWS: tl.constexpr, PRECISION: tl.constexpr,
-        DOT_F32: tl.constexpr,
+        GROUPS: tl.constexpr, MAX_ROWS: tl.constexpr, ROW_BY_START: tl.constexpr,
+        PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     ):  # fmt: skip
-        """Split `program_id(2)` of a decode or verify sequence: its partial, into part_ptr
-        [sequences, BLOCK_Q, heads, SPLITS, D + 2] (acc, then m and l)."""
-        seq, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        """Group `program_id(2)` of a decode or verify sequence: its partial into part_ptr
+        (acc, then m and l)."""
+        seq, kvh, group = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         start, q_len, seq_len, row, head, row_ok, pos = _tile_rows(
             seq, kvh, 0, starts_ptr, lens_ptr, BLOCK_Q, GROUP, GROUP_P
         )
-        first = split * SPLIT_PAGES
         num_pages = tl.cdiv(seq_len, PAGE)
-        if q_len <= MAX_ROWS and first < num_pages:  # prompt chunks: the tile kernel's
-            d = tl.arange(0, D)
-            q = tl.load(
-                q_ptr + (start + row)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None],
-                other=0.0,
-            )
-            if DOT_F32:
-                q = q.to(tl.float32)
-            end = tl.minimum(first + SPLIT_PAGES, num_pages)
-            m_i, l_i, acc = _split_partial(
-                q, k_ptr, v_ptr, tables_ptr, seq, kvh, first, end, pos, row_ok, seq_len, scale,
-                stride_cp, stride_co, stride_ch, stride_bt,
-                BLOCK_Q * GROUP_P, D, PAGE, PRECISION, DOT_F32,
+        # prompt chunks are the tile kernel's; a group past the sequence's splits is empty
+        if q_len <= MAX_ROWS and group * SPLIT_PAGES < num_pages:
+            q = _load_q(q_ptr, start, row, head, row_ok, stride_qt, stride_qh, D, DOT_F32)
+            m, l_run, acc = _group_partial(
+                q, k_ptr, v_ptr, tables_ptr, seq, kvh, group, num_pages, pos, row_ok, seq_len,
+                scale, stride_cp, stride_co, stride_ch, stride_bt,
+                BLOCK_Q * GROUP_P, D, PAGE, SPLIT_PAGES, GROUPS, PRECISION, DOT_F32,
             )  # fmt: skip
-            part = (((seq * BLOCK_Q + row) * NUM_HEADS + head) * SPLITS + split) * (D + 2)
+            part = _part_offsets(seq, start, row, head, group, NUM_HEADS, BLOCK_Q, GROUPS, D,
+                                 ROW_BY_START)  # fmt: skip
+            d = tl.arange(0, D)
             tl.store(part_ptr + part[:, None] + d[None, :], acc, mask=row_ok[:, None])
-            tl.store(part_ptr + part + D, m_i, mask=row_ok)
-            tl.store(part_ptr + part + D + 1, l_i, mask=row_ok)
+            tl.store(part_ptr + part + D, m, mask=row_ok)
+            tl.store(part_ptr + part + D + 1, l_run, mask=row_ok)
 
     @triton.jit
     def _combine_kernel(
         part_ptr, out_ptr, starts_ptr, lens_ptr, stride_ot, stride_oh,
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
         BLOCK_Q: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, SPLIT_PAGES: tl.constexpr,
-        SPLITS: tl.constexpr, MAX_ROWS: tl.constexpr,
+        GROUPS: tl.constexpr, MAX_ROWS: tl.constexpr, ROW_BY_START: tl.constexpr,
     ):  # fmt: skip
-        """A decode or verify sequence's partials merged in split order; out = acc / l_run."""
+        """A decode or verify sequence's group partials merged in group order; out = acc / l."""
         seq, kvh = tl.program_id(0), tl.program_id(1)
         start, q_len, seq_len, row, head, row_ok, pos = _tile_rows(
             seq, kvh, 0, starts_ptr, lens_ptr, BLOCK_Q, GROUP, GROUP_P
@@ -158,9 +204,11 @@ if triton is not None:
             m = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
             l_run = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
             acc = tl.zeros([BLOCK_Q * GROUP_P, D], tl.float32)
-            row_part = ((seq * BLOCK_Q + row) * NUM_HEADS + head) * SPLITS
-            for s in range(0, tl.cdiv(tl.cdiv(seq_len, PAGE), SPLIT_PAGES)):
-                part = (row_part + s) * (D + 2)
+            # the groups the decode kernel wrote: those holding at least one split
+            groups = tl.minimum(tl.cdiv(tl.cdiv(seq_len, PAGE), SPLIT_PAGES), GROUPS)
+            for g in range(0, groups):
+                part = _part_offsets(seq, start, row, head, g, NUM_HEADS, BLOCK_Q, GROUPS, D,
+                                     ROW_BY_START)  # fmt: skip
                 acc_s = tl.load(
                     part_ptr + part[:, None] + d[None, :], mask=row_ok[:, None], other=0.0
                 )
@@ -182,37 +230,31 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, lens_ptr, scale,
         stride_qt, stride_qh, stride_cp, stride_co, stride_ch, stride_bt, stride_ot, stride_oh,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, D: tl.constexpr,
-        PAGE: tl.constexpr, SPLIT_PAGES: tl.constexpr, MAX_ROWS: tl.constexpr,
-        PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+        PAGE: tl.constexpr, SPLIT_PAGES: tl.constexpr, GROUPS: tl.constexpr,
+        MAX_ROWS: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     ):  # fmt: skip
-        """A tile of a prompt chunk's rows: its splits' partials merged in registers."""
+        """A tile of a prompt chunk's rows: the same group partials, merged in registers in the
+        same order."""
         seq, kvh, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         start, q_len, seq_len, row, head, row_ok, pos = _tile_rows(
             seq, kvh, tile * BLOCK_Q, starts_ptr, lens_ptr, BLOCK_Q, GROUP, GROUP_P
         )
         if q_len > MAX_ROWS and tile * BLOCK_Q < q_len:
-            d = tl.arange(0, D)
-            q = tl.load(
-                q_ptr + (start + row)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None],
-                other=0.0,
-            )
-            if DOT_F32:
-                q = q.to(tl.float32)
+            q = _load_q(q_ptr, start, row, head, row_ok, stride_qt, stride_qh, D, DOT_F32)
             # causal: the pages up to the tile's last row
             end = tl.cdiv(seq_len - q_len + tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len), PAGE)
             m = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
             l_run = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
             acc = tl.zeros([BLOCK_Q * GROUP_P, D], tl.float32)
-            for s in range(0, tl.cdiv(end, SPLIT_PAGES)):
-                m_s, l_s, acc_s = _split_partial(
-                    q, k_ptr, v_ptr, tables_ptr, seq, kvh, s * SPLIT_PAGES,
-                    tl.minimum(s * SPLIT_PAGES + SPLIT_PAGES, end), pos, row_ok, seq_len, scale,
+            for g in range(0, tl.minimum(tl.cdiv(end, SPLIT_PAGES), GROUPS)):
+                m_s, l_s, acc_s = _group_partial(
+                    q, k_ptr, v_ptr, tables_ptr, seq, kvh, g, end, pos, row_ok, seq_len, scale,
                     stride_cp, stride_co, stride_ch, stride_bt,
-                    BLOCK_Q * GROUP_P, D, PAGE, PRECISION, DOT_F32,
+                    BLOCK_Q * GROUP_P, D, PAGE, SPLIT_PAGES, GROUPS, PRECISION, DOT_F32,
                 )  # fmt: skip
                 m, l_run, acc = _merge(m, l_run, acc, m_s, l_s, acc_s)
             out = acc / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
+            d = tl.arange(0, D)
             tl.store(
                 out_ptr
                 + (start + row)[:, None] * stride_ot
@@ -232,13 +274,12 @@ def invariant_attention(
     page = k_cache.shape[1]
     group = heads // kv_heads
     group_p = triton.next_power_of_2(group)
-    split_pages = max(1, SPLIT_TOKENS // page)
-    splits = -(-meta.block_tables.shape[1] // split_pages)  # the step's widest table
     seqs = meta.num_seqs
     out = torch.empty_like(q)
     common = dict(
-        GROUP=group, GROUP_P=group_p, D=dim, PAGE=page, SPLIT_PAGES=split_pages, MAX_ROWS=max_rows
-    )
+        GROUP=group, GROUP_P=group_p, D=dim, PAGE=page, SPLIT_PAGES=max(1, SPLIT_TOKENS // page),
+        GROUPS=GROUPS, MAX_ROWS=max_rows,
+    )  # fmt: skip
     precision = "ieee" if q.dtype == torch.float32 or interpreted else "tf32"
     strides = (
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -256,15 +297,15 @@ def invariant_attention(
     # decode and verify sequences (every one, in a step without prompt chunks); tl.dot needs
     # 16+ tile rows, so few heads per group pad the query rows
     block_q = max(triton.next_power_of_2(min(meta.max_query_len, max_rows)), max(1, 16 // group_p))
-    part = torch.empty(
-        seqs * block_q * heads * splits * (dim + 2), dtype=torch.float32, device=q.device
-    )
-    _decode_split_kernel[(seqs, kv_heads, splits)](
-        q, k_cache, v_cache, part, tables, starts, lens, scale, *strides, NUM_HEADS=heads,
-        BLOCK_Q=block_q, SPLITS=splits, PRECISION=precision, DOT_F32=interpreted, **common,
+    by_start = q.shape[0] < seqs * block_q
+    rows = q.shape[0] if by_start else seqs * block_q
+    part = torch.empty(rows * heads * GROUPS * (dim + 2), dtype=torch.float32, device=q.device)
+    shared = dict(NUM_HEADS=heads, BLOCK_Q=block_q, ROW_BY_START=by_start, **common)
+    _decode_group_kernel[(seqs, kv_heads, GROUPS)](
+        q, k_cache, v_cache, part, tables, starts, lens, scale, *strides, PRECISION=precision,
+        DOT_F32=interpreted, **shared,
     )  # fmt: skip
     _combine_kernel[(seqs, kv_heads)](
-        part, out, starts, lens, out.stride(0), out.stride(1), NUM_HEADS=heads, BLOCK_Q=block_q,
-        SPLITS=splits, **common,
+        part, out, starts, lens, out.stride(0), out.stride(1), **shared
     )  # fmt: skip
     return out
