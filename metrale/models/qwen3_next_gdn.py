@@ -18,6 +18,7 @@ from torch import nn
 
 from metrale.config import ModelConfig
 from metrale.kernels import gdn_fused
+from metrale.kernels.batch_invariant import InvariantLinear, invariant_linear
 from metrale.kernels.dispatch import hybrid_kernels_enabled
 from metrale.kernels.gdn_recurrent import GateInputs
 from metrale.models.gdn import GatedRMSNorm, RowLayout
@@ -125,7 +126,9 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         conv and delta-rule kernels (through `state`), `gdn_fused.gated_norm`, out_proj."""
         if self._in_proj is None:
             self._flatten()
-        proj = F.linear(hidden, self._in_proj)  # [N, conv_dim + value_dim + 2 Hv]
+        # the projections' own product (the deterministic mode's batch-invariant one if set)
+        product = invariant_linear if isinstance(self.in_proj_qkvz, InvariantLinear) else F.linear
+        proj = product(hidden, self._in_proj)  # [N, conv_dim + value_dim + 2 Hv]
         mixed, z, ba = proj.split([self.conv_dim, self.value_dim, 2 * self.num_v_heads], -1)
         # A state that takes the gate inputs lets the delta-rule kernel make g and beta: at
         # decode `prepare` then has nothing to do (five launches).
