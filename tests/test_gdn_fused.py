@@ -130,3 +130,27 @@ def test_fused_layer_equals_the_torch_path(shape, mode, monkeypatch):
     for other in results[1:]:
         for got, want in zip(other, results[0], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_layer_keeps_the_deterministic_product(monkeypatch):
+    """Under `make_batch_invariant` (the deterministic mode) the packed in-projection runs the
+    batch-invariant product too, not F.linear."""
+    from metrale.kernels.batch_invariant import make_batch_invariant
+
+    layer = _gdn_layer()
+    make_batch_invariant(layer)
+    calls = []
+    real = qwen3_next_gdn.invariant_linear
+
+    def spy(x, w, bias=None):
+        calls.append(tuple(w.shape))
+        return real(x, w, bias)
+
+    monkeypatch.setattr(qwen3_next_gdn, "invariant_linear", spy)
+    monkeypatch.setattr(qwen3_next_gdn, "hybrid_kernels_enabled", lambda x: True)
+    monkeypatch.setattr(gdn_state, "triton_gdn_enabled", lambda x: True)
+    layout = _layout(LAYOUTS["decode"])
+    hidden = torch.randn(3, 48, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    with torch.no_grad():
+        layer(hidden, layout, _state(StateMode.WRITE, 3, 1, seed=6))
+    assert calls and calls[0] == (80 + 48 + 8, 48)  # q, k, v | z | b, a rows
