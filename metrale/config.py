@@ -357,6 +357,11 @@ class EngineConfig:
     # Full KV pages (and, on hybrid targets, recurrent-state snapshots at page boundaries) are
     # kept after their sequence ends, keyed by their tokens, and reused by later prompts.
     prefix_caching: bool = _opt(True, "reuse cached KV pages of shared prompt prefixes")
+    # Hybrid targets: recurrent-state snapshots kept for prefix caching (each one sequence's
+    # state, outside the KV budget); None: 2 x max_num_seqs; 0: hybrids cache nothing.
+    prefix_cache_snapshots: int | None = _opt(
+        None, "hybrid targets: state snapshots kept for prefix caching (default 2 x max_num_seqs)"
+    )
     # Batch-invariant kernels on the decode and verify path: a row's logits do not depend on the
     # rows beside it, so greedy output is the same alone, in a batch, with or without speculation.
     deterministic: bool = _opt(
@@ -412,6 +417,13 @@ class EngineConfig:
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(
                 f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}"
+            )
+        snaps = self.prefix_cache_snapshots
+        if snaps is not None and (
+            isinstance(snaps, bool) or not isinstance(snaps, int) or snaps < 0
+        ):
+            raise ValueError(
+                f"prefix_cache_snapshots must be None or an integer >= 0, got {snaps!r}"
             )
         if self.deterministic and self.tensor_parallel_size > 1:
             # an all-reduce may sum a row's shards in an order that follows the message size

@@ -166,3 +166,13 @@ def test_cuda_graphs_output_equals_uncached(hybrid_dir, variant, engine):  # noq
     Watch(llm)
     assert run_turns(llm, prompts) == expected
     assert llm.engine.telemetry.prefix_cache.snapshots_restored > 0
+
+
+def test_snapshot_pool_size_is_an_engine_option(hybrid_dir):  # noqa: F811
+    """`prefix_cache_snapshots` sizes the pool; 0 leaves a hybrid target without prefix caching
+    (a hit needs a state to resume from), and a bad value names the field."""
+    sized = llm_for(hybrid_dir, prefix_cache_snapshots=3)
+    assert sized.engine.allocator.cache.snapshots.capacity == 3
+    assert llm_for(hybrid_dir, prefix_cache_snapshots=0).engine.allocator.cache is None
+    with pytest.raises(ValueError, match="prefix_cache_snapshots"):
+        llm_for(hybrid_dir, prefix_cache_snapshots=-1)

@@ -282,8 +282,9 @@ class PrefixCache:
 
 def build_prefix_cache(cfg, runner, stats: PrefixCacheTelemetry) -> PrefixCache | None:
     """The engine's prefix cache, or None when `cfg.prefix_caching` is off. A hybrid target
-    gets a snapshot pool of `2 * max_num_seqs` entries (each running sequence's next turn can
-    find its last prompt's snapshot while as many new ones are taken)."""
+    gets a snapshot pool of `cfg.prefix_cache_snapshots` entries, by default `2 * max_num_seqs`
+    (each running sequence's next turn can find its last prompt's snapshot while as many new
+    ones are taken); with none it caches nothing (a hit needs a state to resume from)."""
     if not cfg.prefix_caching:
         return None
     snapshots = None
@@ -292,7 +293,12 @@ def build_prefix_cache(cfg, runner, stats: PrefixCacheTelemetry) -> PrefixCache 
             # the recurrent state lives on every rank; snapshots would have to follow it there
             log.warning("prefix caching is off: hybrid targets under tensor parallelism")
             return None
-        count = 2 * cfg.max_num_seqs
+        count = cfg.prefix_cache_snapshots
+        if count is None:
+            count = 2 * cfg.max_num_seqs
+        if count == 0:
+            log.info("prefix caching is off: a hybrid target without state snapshots")
+            return None
         snapshots = SnapshotIndex(runner.states, count, stats)
         log.info(
             "prefix caching: %d state snapshots of %.1f MiB",
