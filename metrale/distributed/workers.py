@@ -176,7 +176,9 @@ class TPGDNState(GDNState):
 
     def view(self, read, mode, rows=None) -> TPGDNState:
         v = super().view(read, mode, rows)
-        return TPGDNState(v.conv, v.ssm, v.read, v.rows, v.mode, send=self.send)
+        return TPGDNState(
+            v.conv, v.ssm, v.read, v.rows, v.mode, chunk_min_rows=v.chunk_min_rows, send=self.send
+        )
 
     def reset(self, entries: torch.Tensor) -> None:
         self.send([CMD_STATE_RESET, entries])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 from pathlib import Path
 
 import torch
@@ -169,6 +170,8 @@ class ModelRunner:
             self.states = StateSlots(
                 self.model, cfg.max_num_seqs, cfg.hybrid_verify_state, num_drafts + 1
             )
+            if cfg.deterministic:  # every GDN row in the recurrent form (see GDNState)
+                self.states.pool.chunk_min_rows = sys.maxsize
         self.graphs = None
         # NOTE: tensor-parallel steps run eagerly for now (their collectives are not captured)
         if cfg.cuda_graphs and self.device.type == "cuda" and self.tp_size == 1:

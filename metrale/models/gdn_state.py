@@ -74,6 +74,10 @@ class GDNState:
     pending: dict[int, PendingRows] = field(default_factory=dict)
     # per layer: the conv's inputs [B, T, conv_dim], to re-base the window at commit
     pending_conv: dict[int, torch.Tensor] = field(default_factory=dict)
+    # forwards of more rows per sequence run the chunked kernel on the GPU; the deterministic
+    # mode sets it past any row count, so a row takes the recurrent form whatever shares its
+    # step (the chunked form's 16-row blocks start at the chunk's first row)
+    chunk_min_rows: int = CHUNK_MIN_ROWS
 
     @classmethod
     def zeros(
@@ -103,7 +107,7 @@ class GDNState:
         """The same entries, addressed for one forward."""
         if (mode is StateMode.ROWS) != (rows is not None):
             raise ValueError(f"mode {mode.value} with rows={'given' if rows is not None else None}")
-        return GDNState(self.conv, self.ssm, read, rows, mode)
+        return GDNState(self.conv, self.ssm, read, rows, mode, chunk_min_rows=self.chunk_min_rows)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.conv + self.ssm)
@@ -129,7 +133,7 @@ class GDNState:
         if mode is StateMode.DEFER:
             self.pending[layer] = PendingRows(q, k, v, g, beta)
         triton = triton_gdn_enabled(v)
-        if triton and mode is StateMode.WRITE and t > CHUNK_MIN_ROWS:
+        if triton and mode is StateMode.WRITE and t > self.chunk_min_rows:
             return chunk_delta_rule_in_pool(q, k, v, g, beta, pool, read, read)
         if triton:
             return delta_rule_in_pool(
