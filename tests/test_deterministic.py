@@ -225,3 +225,28 @@ def test_cuda_deterministic_speculation_and_batch_give_plain_bits(hf_qwen3_facto
         assert [o.outputs[0].token_ids for o in outs] == ref
         assert [o.outputs[0].logprobs for o in outs] == [o.logprobs for o in batch]
         assert llm.engine.telemetry.spec.num_accepted_tokens > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["write_on_accept", "per_row_slots"])
+def test_cuda_deterministic_hybrid_gives_plain_bits(tmp_path, tokenizer_dir, variant):
+    """A bf16 hybrid target (GDN, gated attention, MoE) with longer products than the tiny one:
+    alone, in a batch and with replayed drafts, the same tokens and logprobs to the bit."""
+    from metrale.speculative.replay import ReplayDrafter
+    from tests.test_hybrid_engine import write_hybrid
+
+    model = write_hybrid(tmp_path / "hybrid", tokenizer_dir, seed=3, hidden_size=256)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 300, (int(n),), generator=g).tolist() for n in range(6, 40, 2)]
+    common = dict(device="cuda", dtype="bfloat16", deterministic=True, hybrid_verify_state=variant)
+    plain = LLM(model, **common)
+    batch = [o.outputs[0] for o in _greedy(plain, prompts, logprobs=2)]
+    for p, b in zip(prompts[:4], batch, strict=False):
+        alone = _greedy(plain, [p], logprobs=2)[0].outputs[0]
+        assert (alone.token_ids, alone.logprobs) == (b.token_ids, b.logprobs)
+    truth = {tuple(p): o.token_ids for p, o in zip(prompts, batch, strict=True)}
+    drafter = ReplayDrafter(truth, 0.8, vocab_size=320)
+    llm = LLM(model, drafter=drafter, spec={"num_drafts": 3}, **common)
+    outs = [o.outputs[0] for o in _greedy(llm, prompts, logprobs=2)]
+    assert [(o.token_ids, o.logprobs) for o in outs] == [(b.token_ids, b.logprobs) for b in batch]
+    assert llm.engine.telemetry.spec.num_accepted_tokens > 0
