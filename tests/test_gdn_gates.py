@@ -21,7 +21,7 @@ from metrale.kernels.gdn_conv import conv_in_pool  # noqa: E402
 from metrale.kernels.gdn_recurrent import GateInputs, delta_rule_in_pool  # noqa: E402
 from metrale.models import gdn_state, qwen3_next_gdn  # noqa: E402
 from metrale.models.gdn import recurrent_gated_delta_rule, window_after  # noqa: E402
-from metrale.models.gdn_state import CHUNK_MIN_ROWS, GDNState, StateMode  # noqa: E402
+from metrale.models.gdn_state import GDNState, StateMode  # noqa: E402
 from tests.test_gdn_fused import DEVICE, LAYOUTS, _gdn_layer, _layout, _state  # noqa: E402
 
 
@@ -48,7 +48,7 @@ def GATED_DELTA_RULE(self, layer, q, k, v, g, beta, gates=None):  # noqa: N802
     read = self._read(q.shape[0], pool.device)
     if mode is StateMode.DEFER:
         self.pending[layer] = PendingGated(q, k, v, None, None, gates)
-    if mode is StateMode.WRITE and t > CHUNK_MIN_ROWS:
+    if mode is StateMode.WRITE and t > self.chunk_min_rows:
         return chunk_delta_rule_in_pool(q, k, v, None, None, pool, read, read, gates=gates)
     return delta_rule_in_pool(
         q, k, v, None, None, pool, read,

@@ -4,7 +4,8 @@ only when a test forces them under Triton's interpreter (`METRALE_FORCE_FUSED_KE
 
 The MoE kernels (`moe_routing`, `moe`), the GDN glue (`gdn_fused`) and the attention glue
 (`next_attention`) follow `METRALE_NO_FUSED_KERNELS`; the delta-rule and conv kernels follow
-`METRALE_NO_GDN_TRITON` (`gdn_recurrent.triton_gdn_enabled`).
+`METRALE_NO_GDN_TRITON` (`gdn_recurrent.triton_gdn_enabled`). Where they do not run, the
+models' torch reference paths do (and CPU tensors always, unless forced).
 """
 
 from __future__ import annotations

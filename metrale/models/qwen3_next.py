@@ -138,6 +138,12 @@ class Qwen3NextDecoderLayer(nn.Module):
         self.input_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def folds_next_norm(self, x: torch.Tensor) -> bool:
+        """Whether this layer's MLP can apply the next norm in its last launch (a sparse MoE
+        block on the kernels' path): then `forward(..., next_norm=...)` does."""
+        mlp = self.mlp
+        return isinstance(mlp, Qwen3NextSparseMoeBlock) and mlp.folds_next_norm(x)
+
     def forward(
         self,
         positions: torch.Tensor,
@@ -146,10 +152,13 @@ class Qwen3NextDecoderLayer(nn.Module):
         meta: AttentionMetadata,
         layout: RowLayout,
         state: GDNState,
+        next_norm: nn.Module | None = None,
+        normed: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (the MLP's output, the residual before it)."""
+        """-> (the MLP's output, the residual before it); see `forward_fold` for `next_norm`
+        and `normed`."""
         hidden, residual, _ = self.forward_fold(
-            positions, hidden, residual, meta, layout, state, None, False
+            positions, hidden, residual, meta, layout, state, next_norm, normed
         )
         return hidden, residual
 
@@ -165,9 +174,10 @@ class Qwen3NextDecoderLayer(nn.Module):
         normed: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """`forward`, where `normed` says `hidden` is already this layer's input norm of
-        (hidden + residual) and `residual` that sum, and `next_norm` (the next layer's input
-        norm, or the final one) asks the MoE kernels to apply it in their last launch: then the
-        result is (next_norm(output + residual), output + residual, True)."""
+        (hidden + residual) and `residual` that sum (the previous layer folded it), and
+        `next_norm` (only where `folds_next_norm`: the next layer's input norm, or the final
+        one) is applied in the MLP's last launch: then the result is (next_norm(output +
+        residual), output + residual, True)."""
         if not normed and residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -178,12 +188,10 @@ class Qwen3NextDecoderLayer(nn.Module):
         else:
             hidden = self.self_attn(positions, hidden, meta)
         hidden, residual = self.post_attention_layernorm.forward_residual(hidden, residual)
-        mlp = self.mlp
-        fold = isinstance(mlp, Qwen3NextSparseMoeBlock) and mlp.folds_next_norm(hidden)
-        if next_norm is not None and fold:
-            hidden, residual = mlp(hidden, residual, next_norm)
+        if next_norm is not None:
+            hidden, residual = self.mlp(hidden, residual, next_norm)
             return hidden, residual, True
-        return mlp(hidden), residual, False
+        return self.mlp(hidden), residual, False
 
 
 class Qwen3NextModel(nn.Module):
@@ -216,11 +224,12 @@ class Qwen3NextModel(nn.Module):
         for i, layer in enumerate(layers):
             # Without taps (which read each layer's output), each MoE block's last launch also
             # runs the next norm's residual add: one launch fewer per layer.
-            nxt = None if taps is not None else (layers[i + 1] if i + 1 < len(layers) else None)
-            nxt_norm = None if taps is not None else (nxt.input_layernorm if nxt else self.norm)
-            hidden, residual, normed = layer.forward_fold(
-                positions, hidden, residual, meta, layout, state, nxt_norm, normed
+            fold = taps is None and layer.folds_next_norm(hidden)
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+            hidden, residual = layer(
+                positions, hidden, residual, meta, layout, state, nxt if fold else None, normed
             )
+            normed = fold
             if taps is not None:
                 taps.write(i, hidden, residual)
         if not normed:
