@@ -25,6 +25,9 @@ per sequence): the row sums of the softmax are float32 products with a ones matr
 reduction runs in key order for any layout (a `tl.sum` reduces in an order set by the layout),
 and the maxima are exact in any order. The products themselves run in 16-wide matrix steps, the
 same for any tile (the batch-invariant GEMM's finding, `kernels/batch_invariant.py`).
+
+The torch reference it must equal (to rounding) is `models/attention.TorchPagedAttention`, as for
+`kernels/paged_attention.py`; the tests also pin each row to its position computed alone.
 """
 
 from __future__ import annotations

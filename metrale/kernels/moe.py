@@ -13,7 +13,7 @@ among them. Every launch uses one block shape whatever the batch, reduces over K
 BK loop (no split-K), and the routed sum runs per row over its slots in slot order; nothing is
 accumulated across programs. `tests/test_moe_grouped.py` checks rows bitwise across batches.
 
-Rounding follows the torch paths (`qwen3_next_moe.Qwen3NextExperts._looped` and
+Rounding follows the torch reference paths (`qwen3_next_moe.Qwen3NextExperts._looped` and
 `Qwen3NextSparseMoeBlock.forward`): each GEMM result rounded to the activation dtype, SiLU
 rounded before the product and the product once more, each expert's output rounded, the routed
 sum rounded once, the shared expert's gate (logit, then sigmoid) and its product rounded, and the
