@@ -53,8 +53,9 @@ def rebuild_state(engine, entry: ScheduledSeq) -> bool:
     ended).
 
     NOTE: with prefix caching, rows it computed may sit in pages other sequences read (cached
-    ones): the re-run writes its KV rows into scratch pages instead, thrown away after, so a
-    cached page is never written. Without it the rows are rewritten in place, identically."""
+    or shared ones): the re-run writes those rows into scratch pages instead, thrown away after,
+    so a cached page is never written. Its private pages are rewritten in place, as without
+    caching."""
     seq, done = entry.seq, entry.seq.num_computed_tokens
     start = seq.num_cached_tokens if seq.state_pin >= 0 else 0
     if done == start:  # nothing computed since: load (or zero) its state again before it runs
@@ -64,9 +65,18 @@ def rebuild_state(engine, entry: ScheduledSeq) -> bool:
     chunk = engine.config.max_num_batched_tokens  # the step budget bounds each re-run
     try:
         if allocator.cache is not None:
+            # Pages others may read (cached, or mapped by another sequence) get scratch pages;
+            # its private pages are rewritten in place, so a full pool rarely stops a rebuild.
             keep = start // allocator.page_size  # its snapshot sits on a page boundary
-            scratch = allocator.take_scratch(allocator.pages_for(done) - keep)
-            seq.block_table = table[:keep] + scratch
+            need = allocator.pages_for(done)
+            rows = table[keep:need]
+            shared = [
+                i for i, p in enumerate(rows) if allocator.cache.holds(p) or allocator.refs(p) > 1
+            ]
+            scratch = allocator.take_scratch(len(shared))
+            for i, page in zip(shared, scratch, strict=True):
+                rows[i] = page
+            seq.block_table = table[:keep] + rows + table[need:]
         for first in range(start, done, chunk):
             seq.num_computed_tokens = first
             seq.state_restore = seq.state_pin if first == start else -1

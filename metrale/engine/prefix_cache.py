@@ -226,7 +226,9 @@ class PrefixCache:
     def commit(self, seq: Sequence) -> None:
         """Offer the pages `seq`'s committed rows have filled; save its state as a snapshot
         when its rows end at one of its snapshot boundaries."""
-        done = seq.num_computed_tokens
+        # a stop inside a verify drops the accepted drafts after it: their rows were computed
+        # but hold no token of the sequence
+        done = min(seq.num_computed_tokens, seq.num_tokens)
         full = done // self.page_size
         names = self.hashes(seq, full)
         for i in range(seq.num_registered_pages, full):
