@@ -44,6 +44,9 @@ def test_bench_serve_multi_turn_compares_prefix_caching(tiny_model_dir, tmp_path
     assert on["completed"] == off["completed"] == 6 and on["workload"] == "multi-turn"
     assert report["identical_replies"] == report["replies"] == 6
     assert on["system_prompt_tokens"] >= 120 and len(on["p50_ttft_ms_by_turn"]) == 2
-    assert on["prefix_cache_hit_rate"] > 0.5 and off["prefix_cache_hits"] == 0
+    # Turn 2 always reuses its own conversation (about 45% of all queried tokens); turn 1
+    # shares the system prompt only when an earlier client's pages were committed first, which
+    # the clients' timing decides, so the bound holds for any arrival order.
+    assert on["prefix_cache_hit_rate"] > 0.35 and off["prefix_cache_hits"] == 0
     assert report["ttft_p50_speedup"] > 0
     assert "replies identical" in capsys.readouterr().out
