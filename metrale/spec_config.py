@@ -1,0 +1,80 @@
+"""Speculative decoding's configuration (`EngineConfig.spec`): which drafter, how deep, how
+D-Cut plans the depths. Validated here, once, with a ValueError that names the bad field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SPEC_METHODS = ("ngram", "mtp", "dflash")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding for an engine: which drafter, how deep, how depths are planned.
+
+    `method=None` turns speculation off. `num_drafts` (K) is the deepest a sequence is verified;
+    each request may lower it or opt out (`SamplingParams.num_drafts` / `.speculative`). With
+    `dcut`, the D-Cut planner picks each sequence's depth per step (0..K) from its observed
+    acceptance and the verify cost; above `dcut_width_cap` sequences every depth is equal. The
+    depths are planned before anything is drafted: only sequences given a depth are drafted
+    (and a few others every `dcut_probe_every` steps, to re-measure their acceptance); a plan
+    stands for `dcut_replan_every` steps while the running sequences do not change.
+    """
+
+    method: str | None = None
+    num_drafts: int = 4
+    # a drafter checkpoint of its own (DFlash); None: `<target dir>/dflash`
+    model: str | None = None
+    ngram_min: int = 1
+    ngram_max: int = 4
+    ngram_window: int = 4096  # tokens searched back from the end: bounds the host-side lookup
+    dcut: bool = True
+    dcut_width_cap: int = 32
+    dcut_prior: float = 0.6  # acceptance assumed for a position never observed
+    # Every this many steps a few sequences (in turn) that D-Cut would leave at depth 0 draft
+    # anyway, so acceptance estimates can recover; on other steps they are not drafted at all.
+    dcut_probe_every: int = 8
+    # A plan is kept for up to this many steps while the running sequences stay the same (the
+    # estimates move slowly, and planning costs ~0.2 ms of host time per step at batch 8);
+    # 1 plans every step.
+    dcut_replan_every: int = 4
+    # sequences the MTP drafter drafts for per step (None: all); 1 = single-sequence mode, where
+    # the METRALE_MTP_CATCHUP / _REFEED_* knobs apply
+    mtp_max_seqs: int | None = None
+    # Judge greedy drafts on the raw argmax (no penalties, bias or bans). Faster, and lossless
+    # only for requests without them: off unless asked for.
+    verify_raw_argmax: bool = False
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in SPEC_METHODS:
+            raise ValueError(
+                f"spec.method must be one of {SPEC_METHODS} or None, got {self.method!r}"
+            )
+        for name, lo in (
+            ("num_drafts", 1),
+            ("ngram_min", 1),
+            ("ngram_window", 1),
+            ("dcut_width_cap", 1),
+            ("dcut_probe_every", 1),
+            ("dcut_replan_every", 1),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                raise ValueError(f"spec.{name} must be an integer >= {lo}, got {value!r}")
+        if not isinstance(self.ngram_max, int) or self.ngram_max < self.ngram_min:
+            raise ValueError(
+                f"spec.ngram_max must be an integer >= ngram_min={self.ngram_min}, "
+                f"got {self.ngram_max!r}"
+            )
+        if self.mtp_max_seqs is not None and (
+            not isinstance(self.mtp_max_seqs, int) or self.mtp_max_seqs < 1
+        ):
+            raise ValueError(
+                f"spec.mtp_max_seqs must be an integer >= 1, got {self.mtp_max_seqs!r}"
+            )
+        if not 0.0 <= self.dcut_prior <= 1.0:
+            raise ValueError(f"spec.dcut_prior must be in [0, 1], got {self.dcut_prior!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
