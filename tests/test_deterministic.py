@@ -80,6 +80,29 @@ def test_deterministic_refusals():
         check_invariant_support(Cfg, Cfg, paged_kernel=True)
 
 
+def step_metadata(q_lens, seq_lens, tables, page, device):
+    """The metadata of a step whose sequences run their last q_len rows over `tables`."""
+    slots, positions, starts = [], [], [0]
+    for ql, n, table in zip(q_lens, seq_lens, tables, strict=True):
+        slots += [table[p // page] * page + p % page for p in range(n - ql, n)]
+        positions += range(n - ql, n)
+        starts.append(starts[-1] + ql)
+
+    def t(x):
+        return torch.tensor(x, dtype=torch.long, device=device)
+
+    return AttentionMetadata(
+        slot_mapping=t(slots),
+        positions=t(positions),
+        query_start_loc=t(starts),
+        seq_lens=t(seq_lens),
+        block_tables=t(tables),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        page_size=page,
+    )
+
+
 def _paged_case(q_lens, seq_lens, *, heads=4, kv_heads=2, dim=16, page=16, seed=0):
     """Random q/k/v of a step (each sequence's last q_len rows) over a fresh paged cache."""
     g = torch.Generator().manual_seed(seed)
@@ -93,25 +116,7 @@ def _paged_case(q_lens, seq_lens, *, heads=4, kv_heads=2, dim=16, page=16, seed=
     q = torch.randn(rows, heads, dim, generator=g).to(DEVICE)
     k = torch.randn(rows, kv_heads, dim, generator=g).to(DEVICE)
     v = torch.randn(rows, kv_heads, dim, generator=g).to(DEVICE)
-    slots, positions, starts = [], [], [0]
-    for ql, n, table in zip(q_lens, seq_lens, tables, strict=True):
-        slots += [table[p // page] * page + p % page for p in range(n - ql, n)]
-        positions += range(n - ql, n)
-        starts.append(starts[-1] + ql)
-
-    def t(x):
-        return torch.tensor(x, dtype=torch.long, device=DEVICE)
-
-    meta = AttentionMetadata(
-        slot_mapping=t(slots),
-        positions=t(positions),
-        query_start_loc=t(starts),
-        seq_lens=t(seq_lens),
-        block_tables=t(tables),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        page_size=page,
-    )
+    meta = step_metadata(q_lens, seq_lens, tables, page, DEVICE)
     return q, k, v, cache, meta
 
 
@@ -124,20 +129,20 @@ def test_invariant_paged_attention_matches_reference():
     torch.testing.assert_close(out, ref, rtol=2e-4, atol=2e-4)
 
 
-def _row_alone(q, k, v, cache, meta, seq, row, backend):
-    """Sequence `seq`'s query row `row` (of its q rows) run as a one-row decode of that position
+def row_alone(q, k, v, cache, meta, seq, row, backend):
+    """The position of sequence `seq`'s row `row` decoded alone, its table cut to its pages
     (the keys of the rows after it are not visible to it anyway)."""
     starts, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
-    at = starts[seq] + row
-    q_len = starts[seq + 1] - starts[seq]
+    at, q_len = starts[seq] + row, starts[seq + 1] - starts[seq]
+    n = lens[seq] - q_len + row + 1
     one = AttentionMetadata(
         slot_mapping=meta.slot_mapping[at : at + 1],
         positions=meta.positions[at : at + 1],
         query_start_loc=torch.tensor([0, 1], device=q.device),
-        seq_lens=torch.tensor([lens[seq] - q_len + row + 1], device=q.device),
-        block_tables=meta.block_tables[seq : seq + 1],
+        seq_lens=torch.tensor([n], device=q.device),
+        block_tables=meta.block_tables[seq : seq + 1, : -(-n // meta.page_size)].contiguous(),
         max_query_len=1,
-        max_seq_len=lens[seq],
+        max_seq_len=n,
         page_size=meta.page_size,
     )
     return backend.forward(q[at : at + 1], k[at : at + 1], v[at : at + 1], cache, one, 0.25)
@@ -151,7 +156,7 @@ def test_invariant_paged_attention_row_is_alone():
     backend = TritonPagedAttention(invariant=True)
     full = backend.forward(q, k, v, cache, meta, 0.25)  # writes every row's K/V first
     for seq, row, at in ((0, 2, 2), (1, 20, 24), (1, 36, 40), (2, 0, 41)):
-        alone = _row_alone(q, k, v, cache, meta, seq, row, backend)
+        alone = row_alone(q, k, v, cache, meta, seq, row, backend)
         assert torch.equal(alone[0], full[at]), (seq, row)
 
 
@@ -180,7 +185,7 @@ def test_cuda_invariant_paged_attention_row_is_alone_bf16():
     backend = TritonPagedAttention(invariant=True)
     full = backend.forward(q, k, v, cache, meta, 0.25)
     for seq, row, at in ((0, 3, 3), (1, 0, 4), (1, 36, 40), (2, 0, 41), (3, 5, 47)):
-        alone = _row_alone(q, k, v, cache, meta, seq, row, backend)
+        alone = row_alone(q, k, v, cache, meta, seq, row, backend)
         assert torch.equal(alone[0], full[at]), (seq, row)
 
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from metrale.kernels.paged_attention import TritonPagedAttention
 from metrale.models.attention import AttentionMetadata, TorchPagedAttention
+from tests.test_deterministic import row_alone, step_metadata
 
 triton = pytest.importorskip("triton")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -51,44 +52,8 @@ def _poisoned_case(q_lens, seq_lens, *, heads, kv_heads, dim, page, seed=0):
     q = torch.randn(rows, heads, dim, generator=g)
     k = torch.randn(rows, kv_heads, dim, generator=g)
     v = torch.randn(rows, kv_heads, dim, generator=g)
-    slots, positions, starts = [], [], [0]
-    for ql, n, table in zip(q_lens, seq_lens, tables, strict=True):
-        slots += [table[p // page] * page + p % page for p in range(n - ql, n)]
-        positions += range(n - ql, n)
-        starts.append(starts[-1] + ql)
-
-    def t(x):
-        return torch.tensor(x, dtype=torch.long)
-
-    meta = AttentionMetadata(
-        slot_mapping=t(slots),
-        positions=t(positions),
-        query_start_loc=t(starts),
-        seq_lens=t(seq_lens),
-        block_tables=t(tables),
-        max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
-        page_size=page,
-    )
+    meta = step_metadata(q_lens, seq_lens, tables, page, "cpu")
     return q, k, v, cache, meta
-
-
-def _alone(q, k, v, cache, meta, seq, row, backend):
-    """The position of sequence `seq`'s row `row` decoded alone, its table cut to its pages."""
-    starts, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
-    at, q_len = starts[seq] + row, starts[seq + 1] - starts[seq]
-    n = lens[seq] - q_len + row + 1
-    one = AttentionMetadata(
-        slot_mapping=meta.slot_mapping[at : at + 1],
-        positions=meta.positions[at : at + 1],
-        query_start_loc=torch.tensor([0, 1]),
-        seq_lens=torch.tensor([n]),
-        block_tables=meta.block_tables[seq : seq + 1, : -(-n // meta.page_size)].contiguous(),
-        max_query_len=1,
-        max_seq_len=n,
-        page_size=meta.page_size,
-    )
-    return backend.forward(q[at : at + 1], k[at : at + 1], v[at : at + 1], cache, one, 0.25)
 
 
 @pytest.fixture
@@ -144,7 +109,7 @@ def test_invariant_attention_edge_cases_hold(monkeypatch, row_exact_dot, q_lens,
     starts = meta.query_start_loc.tolist()
     for seq, q_len in enumerate(q_lens):
         for row in {0, q_len // 2, q_len - 1} if q_len else ():
-            alone = _alone(q, k, v, cache, meta, seq, row, backend)
+            alone = row_alone(q, k, v, cache, meta, seq, row, backend)
             assert torch.equal(alone[0], out[starts[seq] + row]), (seq, row)
 
 
