@@ -51,25 +51,38 @@ def fake_graphs(monkeypatch):
     return made
 
 
-def graphed(llm):
+def graphed(llm, ragged: bool = False):
+    """`llm` with a graph runner: row-table programs, or (`ragged`) the ragged programs the
+    paged kernel gets on the GPU (decode programs of width 1, verify programs of width 1 + K,
+    keyed by row and sequence buckets alone)."""
     runner = llm.engine.runner
     runner.graphs = graphs.GraphRunner(
         runner.model,
-        64,
+        None if ragged else 64,
         llm.engine.max_model_len + llm.engine.lookahead,
         runner.page_size,
         runner.device,
+        paged_kernel=ragged,
         state_pool=runner.states.pool,
+        max_q=llm.engine.config.spec.num_drafts + 1 if llm.engine.spec is not None else 1,
+        max_seqs=llm.engine.config.max_num_seqs,
+        verify_mode=runner.states.verify_mode,
     )
     return llm
 
 
+@pytest.mark.parametrize("ragged", [False, True], ids=["row-table", "ragged"])
 @pytest.mark.parametrize("variant", ["write_on_accept", "per_row_slots"])
-def test_graphed_hybrid_steps_equal_plain_decoding(hybrid_dir, fake_graphs, variant):  # noqa: F811
+def test_graphed_hybrid_steps_equal_plain_decoding(
+    hybrid_dir,  # noqa: F811
+    fake_graphs,
+    variant,
+    ragged,
+):
     plain = llm_for(hybrid_dir).generate(PROMPTS, greedy(20))
     want = [o.outputs[0].token_ids for o in plain]
     truth = {tuple(p): w for p, w in zip(PROMPTS, want, strict=True)}
-    decode = graphed(llm_for(hybrid_dir))
+    decode = graphed(llm_for(hybrid_dir), ragged)
     assert [o.outputs[0].token_ids for o in decode.generate(PROMPTS, greedy(20))] == want
     drafter = ReplayDrafter(truth, 0.6, vocab_size=320, seed=3)
     spec = graphed(
@@ -78,14 +91,19 @@ def test_graphed_hybrid_steps_equal_plain_decoding(hybrid_dir, fake_graphs, vari
             drafter=drafter,
             spec={"num_drafts": 3},
             hybrid_verify_state=variant,
-        )
+        ),
+        ragged,
     )
     assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, greedy(20))] == want
     tel = spec.engine.telemetry.spec
     assert 0 < tel.num_accepted_tokens < tel.num_draft_tokens
     # the steps really replayed programs, with padded depth groups among them
     assert sum(g.replays for g in fake_graphs) > 20
-    assert spec.engine.runner.graphs.cache.stats()["misses"] > 1
+    cache = spec.engine.runner.graphs.cache
+    assert cache.stats()["misses"] > 1
+    if ragged:  # keyed by buckets: decode programs of width 1, verify programs of width 1 + K
+        widths = {key[0].max_q: key[1][1] for key in cache._programs}
+        assert widths == {1: graphs.StateMode.WRITE, 4: spec.engine.runner.states.verify_mode}
 
 
 def test_commit_graphs_are_bounded_by_the_program_cache(hybrid_dir, fake_graphs):  # noqa: F811

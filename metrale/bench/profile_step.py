@@ -61,8 +61,8 @@ def host_pieces(llm: LLM, batch) -> dict[str, float]:
 def replay_only(llm: LLM, batch) -> float:
     runner = llm.engine.runner
     b = len(batch.entries)
-    if runner.graphs.ragged:  # dense targets: the program of b one-row sequences
-        table = ragged_shape(b, b, runner.graphs.max_q)
+    if runner.graphs.ragged:  # the program of b one-row sequences (a hybrid's: width 1)
+        table = ragged_shape(b, b, 1 if runner.states is not None else runner.graphs.max_q)
     else:
         pad = decode_bucket(b) - b
         table = RowTable.from_dispatch(range(b + pad), [1] * (b + pad))

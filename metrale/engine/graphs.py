@@ -159,6 +159,21 @@ def capture(fn, pool, device: torch.device):
     return graph, outputs
 
 
+def ragged_programs(
+    max_seqs: int, max_q: int, verify_mode: StateMode | None
+) -> list[tuple[RaggedShape, StateMode | None]]:
+    """(shape, state mode) of every ragged program. A dense target: one set of shapes (no
+    state). A hybrid one: decode shapes of one row per sequence (WRITE), and verify shapes in
+    the verify variant's mode: the delta rule pads each sequence to its program's `max_q` rows,
+    so a decode step must not run in a verify's width."""
+    if verify_mode is None:
+        return [(shape, None) for shape in all_ragged_shapes(max_seqs, max_q)]
+    programs = [(shape, StateMode.WRITE) for shape in all_ragged_shapes(max_seqs, 1)]
+    if max_q > 1:
+        programs += [(shape, verify_mode) for shape in all_ragged_shapes(max_seqs, max_q)]
+    return programs
+
+
 class GraphRunner:
     """Captures and replays the target forward (+ logits of every row) on CUDA."""
 
@@ -174,30 +189,33 @@ class GraphRunner:
         max_q: int = 1,
         max_seqs: int = 1,
         prefill_rows: int = 0,
+        verify_mode: StateMode | None = None,
     ) -> None:
         """`paged_kernel`: the attention reads pages itself (no gather to a fixed length), so
         programs need no KV bucket in their key. `state_pool`: a hybrid target's state.
         `max_q`: the most rows one sequence runs in a step (1 + K); `max_seqs`: sequences.
-        With the paged kernel and no recurrent state, programs are ragged
-        (`program_shapes.py`), and steps with prefill chunks of up to `prefill_rows` rows
-        (rounded down to a power of two; 0: none) replay prefill programs. `max_rows` None: as
+        With the paged kernel programs are ragged (`program_shapes.py`; a hybrid's verify
+        programs run state mode `verify_mode`), and a dense target's steps with prefill chunks
+        of up to `prefill_rows` rows (rounded down to a power of two; 0: none) replay prefill
+        programs. `max_rows` None: as
         many rows as any step of `max_seqs` sequences can need, so no step is refused."""
         self.model, self.page_size, self.device = model, page_size, device
         self.state_pool = state_pool
         self.max_model_len = max_model_len
         self.paged_kernel = paged_kernel
-        self.ragged = paged_kernel and state_pool is None
+        self.ragged = paged_kernel
         self.max_q, self.max_seqs = max_q, max_seqs
-        shapes = all_ragged_shapes(max_seqs, max_q) if self.ragged else []
+        # (shape, state mode) of every program captured at start-up
+        shapes = ragged_programs(max_seqs, max_q, verify_mode) if self.ragged else []
         # the largest power of two of rows a prefill program takes (0: steps with prefill
-        # chunks run eagerly), within the rows the user allowed a graphed step
-        prefill_rows = prefill_program_rows(prefill_rows) if self.ragged else 0
+        # chunks run eagerly), within the rows the user allowed a graphed step; dense only
+        prefill_rows = prefill_program_rows(prefill_rows) if self.ragged and not state_pool else 0
         decode_rows = max_rows or default_max_rows(max_seqs, max_q, self.ragged)
         if max_rows is None:
             max_rows = max(decode_rows, prefill_rows)
         self.prefill_rows = prefill_program_rows(min(prefill_rows, max_rows))
         prefill = all_prefill_shapes(max_seqs, self.prefill_rows, max_q)
-        shapes += prefill
+        shapes += [(shape, None) for shape in prefill]
         self.cache: ProgramCache = ProgramCache(
             self._capture,
             max_rows,
@@ -279,7 +297,8 @@ class GraphRunner:
                 return hidden, logits, None
 
             return prefill
-        width = 0 if isinstance(table, RaggedShape) else max(run.k for run in table.runs)
+        # per-row state slots: each sequence's row entries, [seqs, width] (its widest rows)
+        width = table.max_q if isinstance(table, RaggedShape) else max(r.k for r in table.runs)
 
         def run():
             meta = self._meta(table, bucket)
@@ -371,10 +390,10 @@ class GraphRunner:
         use, now (start-up) rather than inside running steps: (programs, seconds). Shapes past a
         `max_rows` the user set are skipped: those steps run eagerly."""
         start, captured = time.perf_counter(), 0
-        for shape in self._ragged_shapes:
+        for shape, mode in self._ragged_shapes:
             if shape.rows() > self.cache.max_rows:
                 continue
-            self.cache.get(shape, (self.max_model_len, None))
+            self.cache.get(shape, (self.max_model_len, mode))
             captured += 1
         torch.cuda.synchronize(self.device)
         return captured, time.perf_counter() - start

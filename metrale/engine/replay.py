@@ -2,9 +2,9 @@
 workspace, replay, and return the real rows' outputs. The runner falls back to its eager
 forward when these return None.
 
-Three kinds of program (`program_shapes.py`): row-table programs (hybrid targets, and dense ones
-without the paged kernel), ragged programs (dense decode and verify steps), and prefill programs
-(dense steps with prompt chunks).
+Three kinds of program (`program_shapes.py`): row-table programs (targets without the paged
+kernel), ragged programs (decode and verify steps), and prefill programs (dense steps with prompt
+chunks).
 """
 
 from __future__ import annotations
@@ -66,19 +66,29 @@ def replay_decode(runner, batch: Batch):
 
 
 def _replay_ragged(runner, batch: Batch):
-    """`replay_decode` for a ragged program (dense targets, `program_shapes.RaggedShape`): the
-    real rows come first, in batch order; padding sequences on the dummy page follow."""
+    """`replay_decode` for a ragged program (`program_shapes.RaggedShape`): the real rows come
+    first, in batch order; padding sequences on the dummy page (and a hybrid's dummy state
+    entry) follow. A hybrid target's decode step (one row per sequence) takes a program of
+    width 1, its verify step one of width 1 + K: its delta rule runs every sequence over the
+    program's width."""
     spans = spans_of(batch)
-    num_rows = batch.num_rows
-    shape = ragged_shape(len(spans), num_rows, runner.graphs.max_q)
+    num_rows, num_seqs = batch.num_rows, len(spans)
+    hybrid = runner.states is not None
+    width = 1 if hybrid and num_rows == num_seqs else runner.graphs.max_q
+    shape = ragged_shape(num_seqs, num_rows, width)
     dummy_table = [DUMMY_PAGE] * -(-runner.graphs.max_q // runner.page_size)
-    for rows in padding_rows(shape, len(spans), num_rows):
+    for rows in padding_rows(shape, num_seqs, num_rows):
         spans.append((dummy_table, 0, [0] * rows))
-    ran = run_program(runner, shape, spans)
+    entries: list[ScheduledSeq | None] = list(batch.entries)
+    state = None
+    if hybrid:
+        entries += [None] * (shape.num_seqs - num_seqs)
+        state = runner.states.addresses(entries, num_rows > num_seqs, width=shape.max_q)
+    ran = run_program(runner, shape, spans, state)
     if ran is None:
         return None
-    hidden, logits, _ = ran
-    return _kept_hidden(runner, hidden, num_rows), logits[:num_rows], None, list(batch.entries)
+    hidden, logits, state_view = ran
+    return _kept_hidden(runner, hidden, num_rows), logits[:num_rows], state_view, entries
 
 
 def replay_prefill(runner, batch: Batch, sample_rows: list[int]):

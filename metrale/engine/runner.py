@@ -188,6 +188,7 @@ class ModelRunner:
                 max_q=num_drafts + 1,
                 max_seqs=cfg.max_num_seqs,
                 prefill_rows=self.prefill_limit,
+                verify_mode=None if self.states is None else self.states.verify_mode,
             )
         self.taps = None
         if self.dflash is not None:  # before any capture: the programs write the taps too

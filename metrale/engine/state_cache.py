@@ -76,13 +76,13 @@ class StateSlots:
         return 1 + slot * self.width + self._current[slot]
 
     def _plan(
-        self, entries: list[ScheduledSeq | None], verify: bool
+        self, entries: list[ScheduledSeq | None], verify: bool, width: int | None = None
     ) -> tuple[list[int], list[int] | None]:
         """Entries for one forward over `entries` in packed order (None: a padding sequence of
         a graph, on the dummy entry): (the entry each sequence starts from, and for a per-row-slot
-        verify the entry after each of its rows, [B * T] flattened, T = the most rows). Zeroes the
-        entries of sequences that start from their first token, loads those resuming from a
-        snapshot."""
+        verify the entry after each of its rows, [B * T] flattened, T = `width` or else the most
+        rows). Zeroes the entries of sequences that start from their first token, loads those
+        resuming from a snapshot."""
         fresh, loads, snapshots = [], [], []
         for e in entries:
             if e is None:
@@ -104,7 +104,7 @@ class StateSlots:
         read = [DUMMY_ENTRY if e is None else self.entry_of(self._slot(e)) for e in entries]
         if not (verify and self.per_row):
             return read, None
-        t = max(1 if e is None else e.num_rows for e in entries)
+        t = width or max(1 if e is None else e.num_rows for e in entries)
         rows = []
         for e in entries:
             if e is None:
@@ -126,13 +126,15 @@ class StateSlots:
         return e.seq.slot
 
     def addresses(
-        self, entries: list[ScheduledSeq | None], verify: bool
+        self, entries: list[ScheduledSeq | None], verify: bool, width: int | None = None
     ) -> tuple[StateMode, torch.Tensor, torch.Tensor | None]:
         """How one forward over `entries` (packed order; None: a graph's padding sequence)
         addresses the pool: (mode, the entry each sequence reads [B], for a per-row-slot verify
         the entry after each of its rows [B, T], else None), on the device. `verify`: a forward
-        with drafts, in the configured variant. Zeroes the entries of fresh sequences."""
-        read, rows = self._plan(entries, verify)
+        with drafts, in the configured variant. `width`: T, the rows the forward pads each
+        sequence to (a ragged program's; default the most rows). Zeroes the entries of fresh
+        sequences."""
+        read, rows = self._plan(entries, verify, width)
         mode = self.verify_mode if verify else StateMode.WRITE
         if rows is None:
             (read_t,) = to_device_packed([read], self.device)
