@@ -42,3 +42,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # prompt tokens whose KV came from the prefix cache (vLLM's name): its first admission's hit,
+    # kept after a preemption; 0 before it is admitted, without a hit, or with caching off
+    num_cached_tokens: int = 0

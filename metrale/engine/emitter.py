@@ -81,4 +81,7 @@ class Emitter:
             prompt_token_ids=request.prompt_token_ids,
             outputs=outputs,
             finished=request.finished,
+            # n > 1: the prompt's first sequence (admitted first, or in the same step as the
+            # others), as usage counts the prompt once
+            num_cached_tokens=request.seqs[0].num_prompt_cached_tokens,
         )

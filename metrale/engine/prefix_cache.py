@@ -193,6 +193,11 @@ class PrefixCache:
         """`seq` was admitted with `hit.pages` mapped (`PageAllocator.share`): it starts after
         them; count the query; on a hybrid target, its state resumes from the hit's snapshot."""
         seq.num_computed_tokens = seq.num_cached_tokens = hit.tokens
+        if seq.num_preemptions == 0:
+            # What its request reports (`RequestOutput.num_cached_tokens`) is its first
+            # admission's hit, as vLLM keeps it: a recompute after a preemption (which may find
+            # its own pages) counts in the hit counters below but does not change it.
+            seq.num_prompt_cached_tokens = hit.tokens
         seq.num_registered_pages = len(hit.pages)
         self.stats.queries += seq.num_tokens
         self.stats.hits += hit.tokens

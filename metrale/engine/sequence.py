@@ -74,10 +74,12 @@ class Sequence:
     last_token_time: float = 0.0
     # Prefix caching (`engine/prefix_cache.py`). Chain hashes of its full pages, computed once
     # (its tokens never change, so they outlive a preemption); the pages of its block table
-    # already offered to the cache; the tokens its last admission took from the cache.
+    # already offered to the cache; the tokens its last admission took from the cache; the
+    # tokens its first admission took (what its request reports as `num_cached_tokens`).
     page_hashes: list[bytes] = field(default_factory=list)
     num_registered_pages: int = 0
     num_cached_tokens: int = 0
+    num_prompt_cached_tokens: int = 0
     # Hybrid targets: the snapshot entry its recurrent state is loaded from before its next
     # forward (-1: none; set on a hit, cleared once loaded), the snapshot it resumed from, held
     # until it ends (a failed step rebuilds its state from there), and the page boundaries
