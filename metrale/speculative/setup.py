@@ -42,6 +42,8 @@ def speculative_decoder(
             return None
         if spec.method == "ngram":
             drafter = NgramDrafter(spec.ngram_min, spec.ngram_max, spec.ngram_window)
+            # a scheduler slot per running sequence, at most max_model_len tokens each
+            drafter.use_device(config.max_num_seqs, max_model_len, runner.device)
         elif spec.method == "dflash":
             block = runner.dflash.config.block_size
             if spec.num_drafts > block - 1:

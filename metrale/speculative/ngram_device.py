@@ -1,0 +1,90 @@
+"""The n-gram drafter's device side: the running sequences' tokens in a device table, kept up to
+date incrementally, and one kernel launch (`kernels.ngram_lookup`) that drafts for the whole batch.
+
+On the host, the drafter's per-sequence Python (growing each sequence's index, then a dictionary
+look-up per n) cost about 0.9 ms per step at batch 64 on the H200, half a plain step of the
+shipped model. Here a step costs one packed copy of the new tokens and the batch's
+(slot, length, cap), one launch, and one copy back of the drafts: the Python left per sequence is
+a comparison of counters and the slicing of its drafts.
+
+A row of the table belongs to a scheduler slot (`Sequence.slot`); a sequence's tokens are written
+once, the first time it drafts after they exist (a new prompt, or the tokens of its last steps),
+and only the last `window + n_max` of them: the search never reaches further back. A sequence
+that comes back on another slot (a preemption) is written again from its tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metrale.engine.sequence import Sequence
+from metrale.engine.staging import to_device_packed
+from metrale.kernels.ngram_lookup import ngram_lookup
+
+
+class DeviceNgramTable:
+    def __init__(
+        self,
+        num_slots: int,
+        capacity: int,
+        device: torch.device,
+        n_min: int,
+        n_max: int,
+        window: int,
+    ) -> None:
+        """`num_slots`: the scheduler's slots (`max_num_seqs`); `capacity`: the most tokens a
+        sequence holds (`max_model_len`)."""
+        self.capacity = capacity
+        self.n_min, self.n_max, self.window = n_min, n_max, window
+        self.table = torch.zeros(num_slots, capacity, dtype=torch.int32, device=device)
+        self.device = device
+        # seq_id -> (slot, tokens written): its row holds positions up to there
+        self._written: dict[int, tuple[int, int]] = {}
+
+    def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> list[list[int]]:
+        """Up to max_drafts[i] tokens for seqs[i], exactly as `ngram.lookup` over its last
+        `window` tokens proposes."""
+        where, tokens, slots, lengths = [], [], [], []
+        reach = self.window + self.n_max  # the furthest back a lookup reads
+        rows = self.table.shape[0]
+        for seq in seqs:
+            slot, done = self._written.get(seq.seq_id, (-1, 0))
+            total = seq.num_tokens
+            if not (0 <= seq.slot < rows and total <= self.capacity):
+                # no row for it (cannot happen to a running sequence under its length limit):
+                # length 0 drafts nothing, which only costs this step's speculation
+                slots.append(0)
+                lengths.append(0)
+                continue
+            if slot != seq.slot:
+                slot, done = seq.slot, 0
+            if done < total:
+                start = max(done, total - reach)
+                base = slot * self.capacity
+                where.extend(range(base + start, base + total))
+                tokens.extend(seq.tokens(start, total))
+                self._written[seq.seq_id] = (slot, total)
+            slots.append(slot)
+            lengths.append(total)
+        where_t, tokens_t, slots_t, lengths_t, ks_t = to_device_packed(
+            [where, tokens, slots, lengths, max_drafts], self.device
+        )
+        if where:
+            self.table.view(-1).index_copy_(0, where_t, tokens_t.to(torch.int32))
+        max_k = max(max_drafts, default=0)
+        drafts, counts = ngram_lookup(
+            self.table,
+            slots_t,
+            lengths_t,
+            ks_t,
+            self.n_min,
+            self.n_max,
+            self.window,
+            max_k,
+        )
+        # one copy back: each row's count, then its drafts
+        rows = torch.cat([counts[:, None], drafts], dim=1).tolist()
+        return [row[1 : 1 + row[0]] for row in rows]
+
+    def release(self, seq: Sequence) -> None:
+        self._written.pop(seq.seq_id, None)

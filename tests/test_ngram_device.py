@@ -1,0 +1,150 @@
+"""The n-gram drafter on the device (`kernels.ngram_lookup`, `speculative.ngram_device`) against
+the reference scan `ngram.lookup`: the same drafts for every sequence of a batch, through the
+table's incremental upkeep (new prompts, growing outputs, slots reused, preemption onto another
+slot), and an engine drafting on the device emits what plain decoding emits. Under Triton's
+interpreter on CPU; on CUDA where there is one."""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from metrale.api import LLM  # noqa: E402
+from metrale.config import SamplingParams  # noqa: E402
+from metrale.knobs import knobs  # noqa: E402
+from metrale.speculative import ngram  # noqa: E402
+from metrale.speculative.ngram import NgramDrafter, lookup  # noqa: E402
+from metrale.speculative.ngram_device import DeviceNgramTable  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no CUDA and TRITON_INTERPRET is not set", allow_module_level=True)
+
+
+@dataclass
+class Seq:
+    """The fields of `engine.sequence.Sequence` the drafter reads."""
+
+    seq_id: int
+    slot: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        return (self.prompt_token_ids + self.output_token_ids)[start:stop]
+
+
+def reference(seq: Seq, k: int, n_min: int, n_max: int, window: int) -> list[int]:
+    return lookup(seq.tokens(0, seq.num_tokens)[-window:], n_min, n_max, k)
+
+
+@pytest.mark.parametrize("n_min,n_max,window", [(1, 4, 4096), (2, 3, 64), (1, 1, 16), (3, 5, 40)])
+def test_device_drafts_equal_the_reference_scan(n_min, n_max, window):
+    rng = random.Random(n_min * 100 + n_max + window)
+    table = DeviceNgramTable(12, 600, DEVICE, n_min, n_max, window)
+    seqs, ks = [], []
+    for i in range(12):
+        vocab = rng.choice([2, 3, 5, 50])  # small vocabularies recur, a large one rarely
+        length = rng.choice([0, 1, 2, 3, 5, 17, 100, 300, 599])
+        seqs.append(Seq(i, 11 - i, [rng.randrange(vocab) for _ in range(length)]))
+        ks.append(rng.choice([0, 1, 3, 7]))
+    got = table.propose(seqs, ks)
+    want = [reference(s, k, n_min, n_max, window) for s, k in zip(seqs, ks, strict=True)]
+    assert got == want
+    assert any(want), "the cases must include matches"
+
+
+def test_the_table_follows_growing_sequences_reused_slots_and_preemption():
+    """Steps of a running batch: outputs grow by a few tokens, sequences finish and new ones take
+    their slots, one comes back on another slot after a preemption; every step's drafts equal
+    the reference scan of each sequence's whole history."""
+    rng = random.Random(7)
+    n_min, n_max, window = 1, 3, 48
+    table = DeviceNgramTable(6, 400, DEVICE, n_min, n_max, window)
+    live = [Seq(i, i, [rng.randrange(4) for _ in range(rng.randrange(1, 60))]) for i in range(6)]
+    next_id = 6
+    for step in range(40):
+        ks = [rng.choice([1, 3, 4]) for _ in live]
+        want = [reference(s, k, n_min, n_max, window) for s, k in zip(live, ks, strict=True)]
+        assert table.propose(live, ks) == want, f"step {step}"
+        for s in live:
+            s.output_token_ids += [rng.randrange(4) for _ in range(rng.randrange(1, 5))]
+        if step % 7 == 3:  # a sequence finishes: a new one takes its slot
+            gone = live.pop(rng.randrange(len(live)))
+            table.release(gone)
+            live.append(Seq(next_id, gone.slot, [rng.randrange(4) for _ in range(30)]))
+            next_id += 1
+        if step % 11 == 5:  # preempted and back on another slot (its tokens kept)
+            a, b = rng.sample(range(len(live)), 2)
+            table.release(live[a])
+            live[a].slot, live[b].slot = live[b].slot, live[a].slot
+
+
+def test_a_sequence_without_a_row_drafts_nothing_and_harms_no_row():
+    table = DeviceNgramTable(2, 16, DEVICE, 1, 2, 16)
+    ok = Seq(0, 0, [1, 2, 1, 2, 1])
+    too_long = Seq(1, 1, [1] * 17)  # past the capacity
+    no_slot = Seq(2, -1, [1, 1, 1])
+    assert table.propose([ok, too_long, no_slot], [2, 2, 2]) == [[2, 1], [], []]
+    assert table.propose([ok], [2]) == [[2, 1]]
+
+
+def test_the_drafter_uses_the_device_for_wide_batches_only(monkeypatch):
+    drafter = NgramDrafter(1, 3, 64)
+    assert drafter.use_device(8, 128, DEVICE) or DEVICE.type == "cpu"
+    if drafter.device_table is None:  # CPU without the forced interpreter: the host path
+        monkeypatch.setattr(
+            drafter, "device_table", DeviceNgramTable(8, 128, DEVICE, 1, 3, 64), raising=False
+        )
+    calls = []
+    propose = drafter.device_table.propose
+    monkeypatch.setattr(
+        drafter.device_table, "propose", lambda s, k: calls.append(len(s)) or propose(s, k)
+    )
+    seqs = [Seq(i, i, [i % 3, 1, i % 3, 1, i % 3]) for i in range(ngram.DEVICE_MIN_SEQS)]
+    wide = drafter.propose(seqs, [2] * len(seqs))
+    narrow = drafter.propose(seqs[:1], [2])
+    assert calls == [len(seqs)]
+    assert [d.tokens for d in wide] == [reference(s, 2, 1, 3, 64) for s in seqs]
+    assert narrow[0].tokens == wide[0].tokens
+
+
+@pytest.fixture
+def forced_device(monkeypatch):
+    """The engine's n-gram drafter on the device even on CPU (the interpreter)."""
+    monkeypatch.setenv("METRALE_FORCE_FUSED_KERNELS", "1")
+    knobs.cache_clear()
+    yield
+    knobs.cache_clear()
+
+
+def test_an_engine_drafting_on_the_device_emits_plain_decoding(
+    tiny_model_dir, forced_device, monkeypatch
+):
+    monkeypatch.setattr(ngram, "DEVICE_MIN_SEQS", 2)
+    rng = random.Random(3)
+    # repetitive prompts, so the drafts are often right
+    prompts = [[rng.randrange(6) + 10 for _ in range(rng.randrange(8, 40))] * 2 for _ in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    kw = dict(device=str(DEVICE), dtype="float32", max_num_seqs=4, max_model_len=160)
+    plain = LLM(tiny_model_dir, **kw).generate(prompts, params, use_tqdm=False)
+    llm = LLM(tiny_model_dir, **kw, spec={"method": "ngram", "num_drafts": 3})
+    table = llm.engine.spec.drafter.device_table
+    assert table is not None
+    widths = []
+    propose = table.propose
+    monkeypatch.setattr(table, "propose", lambda s, k: widths.append(len(s)) or propose(s, k))
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert llm.engine.telemetry.spec.num_draft_tokens > 0
+    assert widths and max(widths) >= 3  # the device drafted for batches of several sequences
