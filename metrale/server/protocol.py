@@ -27,6 +27,7 @@ from metrale.server.response_schemas import (
     ErrorInfo,
     ErrorResponse,
     MetraleStats,
+    PromptTokensDetails,
     SpeculativeStats,
     ToolCallOut,
     TopLogprob,
@@ -77,8 +78,12 @@ def sampling_params(request, defaults: dict | None = None) -> SamplingParams:
 def usage(outs: list[RequestOutput]) -> Usage:
     prompt = sum(len(out.prompt_token_ids) for out in outs)
     completion = sum(len(c.token_ids) for out in outs for c in out.outputs)
+    cached = sum(out.num_cached_tokens for out in outs)
     return Usage(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
 
 

@@ -36,10 +36,18 @@ class ErrorResponse(_Body):
     error: ErrorInfo
 
 
+class PromptTokensDetails(_Body):
+    cached_tokens: int = Field(
+        description="prompt tokens whose KV came from the prefix cache (0 with caching off)"
+    )
+
+
 class Usage(_Body):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # always sent, as OpenAI does (cached_tokens 0 without a hit or with caching off)
+    prompt_tokens_details: PromptTokensDetails
 
 
 class SpeculativeStats(_Body):
