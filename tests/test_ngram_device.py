@@ -51,7 +51,7 @@ def reference(seq: Seq, k: int, n_min: int, n_max: int, window: int) -> list[int
 @pytest.mark.parametrize("n_min,n_max,window", [(1, 4, 4096), (2, 3, 64), (1, 1, 16), (3, 5, 40)])
 def test_device_drafts_equal_the_reference_scan(n_min, n_max, window):
     rng = random.Random(n_min * 100 + n_max + window)
-    table = DeviceNgramTable(12, 600, DEVICE, n_min, n_max, window)
+    table = DeviceNgramTable(12, 600, DEVICE, n_min, n_max, window, 7)
     seqs, ks = [], []
     for i in range(12):
         vocab = rng.choice([2, 3, 5, 50])  # small vocabularies recur, a large one rarely
@@ -70,7 +70,7 @@ def test_the_table_follows_growing_sequences_reused_slots_and_preemption():
     the reference scan of each sequence's whole history."""
     rng = random.Random(7)
     n_min, n_max, window = 1, 3, 48
-    table = DeviceNgramTable(6, 400, DEVICE, n_min, n_max, window)
+    table = DeviceNgramTable(6, 400, DEVICE, n_min, n_max, window, 4)
     live = [Seq(i, i, [rng.randrange(4) for _ in range(rng.randrange(1, 60))]) for i in range(6)]
     next_id = 6
     for step in range(40):
@@ -91,7 +91,7 @@ def test_the_table_follows_growing_sequences_reused_slots_and_preemption():
 
 
 def test_a_sequence_without_a_row_drafts_nothing_and_harms_no_row():
-    table = DeviceNgramTable(2, 16, DEVICE, 1, 2, 16)
+    table = DeviceNgramTable(2, 16, DEVICE, 1, 2, 16, 2)
     ok = Seq(0, 0, [1, 2, 1, 2, 1])
     too_long = Seq(1, 1, [1] * 17)  # past the capacity
     no_slot = Seq(2, -1, [1, 1, 1])
@@ -101,10 +101,10 @@ def test_a_sequence_without_a_row_drafts_nothing_and_harms_no_row():
 
 def test_the_drafter_uses_the_device_for_wide_batches_only(monkeypatch):
     drafter = NgramDrafter(1, 3, 64)
-    assert drafter.use_device(8, 128, DEVICE) or DEVICE.type == "cpu"
+    assert drafter.use_device(8, 128, DEVICE, 2) or DEVICE.type == "cpu"
     if drafter.device_table is None:  # CPU without the forced interpreter: the host path
         monkeypatch.setattr(
-            drafter, "device_table", DeviceNgramTable(8, 128, DEVICE, 1, 3, 64), raising=False
+            drafter, "device_table", DeviceNgramTable(8, 128, DEVICE, 1, 3, 64, 2), raising=False
         )
     calls = []
     propose = drafter.device_table.propose

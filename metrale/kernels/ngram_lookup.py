@@ -30,15 +30,16 @@ def device_lookup_supported(device: torch.device) -> bool:
 
 
 if triton is not None:
-
-    @triton.jit(do_not_specialize=["capacity", "window", "max_k"])
+    # NOTE: every integer is a runtime value and the three per-sequence arrays sit in one
+    # aligned tensor: otherwise Triton would compile a variant per divisibility of each (a
+    # slice's address, a batch size), seconds apiece inside running steps.
+    @triton.jit(do_not_specialize=["bsz", "capacity", "window", "max_k"])
     def _ngram_kernel(
         table_ptr,
-        slots_ptr,
-        lens_ptr,
-        ks_ptr,
+        meta_ptr,
         out_ptr,
         count_ptr,
+        bsz,
         capacity,
         window,
         max_k,
@@ -48,9 +49,9 @@ if triton is not None:
         BLOCK: tl.constexpr,
     ):
         b = tl.program_id(0)
-        slot = tl.load(slots_ptr + b).to(tl.int64)
-        length = tl.load(lens_ptr + b).to(tl.int64)
-        k = tl.load(ks_ptr + b).to(tl.int64)
+        slot = tl.load(meta_ptr + b).to(tl.int64)
+        length = tl.load(meta_ptr + bsz + b).to(tl.int64)
+        k = tl.load(meta_ptr + 2 * bsz + b).to(tl.int64)
         row = table_ptr + slot * capacity
         first = tl.maximum(length - window, 0)
         best_any = tl.full([], -1, tl.int64)
@@ -86,33 +87,32 @@ if triton is not None:
 
 def ngram_lookup(
     table: torch.Tensor,
-    slots: torch.Tensor,
-    lengths: torch.Tensor,
-    ks: torch.Tensor,
+    meta: torch.Tensor,
     n_min: int,
     n_max: int,
     window: int,
     max_k: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """table [S, capacity] int32; slots, lengths, ks [B] (the row, token count and most drafts
-    of each sequence) -> (drafts [B, max_k] int64, zero past each count; counts [B] int64)."""
-    bsz = slots.shape[0]
-    out = torch.empty(bsz, max(max_k, 1), dtype=torch.int64, device=table.device)
+    """table [S, capacity] int32; meta [3 * B] int64: each sequence's row, then each one's
+    token count, then each one's most drafts (at most `max_k`) -> (drafts [B, max_k] int64,
+    zero past each count; counts [B] int64)."""
+    bsz = meta.shape[0] // 3
+    max_k = max(max_k, 1)
+    out = torch.empty(bsz, max_k, dtype=torch.int64, device=table.device)
     counts = torch.empty(bsz, dtype=torch.int64, device=table.device)
     if bsz:
         _ngram_kernel[(bsz,)](
             table,
-            slots,
-            lengths,
-            ks,
+            meta,
             out,
             counts,
+            bsz,
             table.shape[1],
             window,
-            max(max_k, 1),
+            max_k,
             N_MIN=n_min,
             N_MAX=n_max,
-            BK=triton.next_power_of_2(max(max_k, 1)),
+            BK=triton.next_power_of_2(max_k),
             BLOCK=BLOCK,
         )
-    return out[:, :max_k], counts
+    return out, counts

@@ -138,14 +138,16 @@ class NgramDrafter:
         self._indexes: dict[int, NgramIndex] = {}  # seq_id -> its n-grams
         self.device_table: DeviceNgramTable | None = None
 
-    def use_device(self, num_slots: int, capacity: int, device: torch.device) -> bool:
+    def use_device(
+        self, num_slots: int, capacity: int, device: torch.device, max_drafts: int
+    ) -> bool:
         """Draft batches of `DEVICE_MIN_SEQS` or more on `device` (the engine's, where the kernel
-        runs: CUDA) from a table of `num_slots` rows of `capacity` tokens; returns whether it
-        will."""
+        runs: CUDA) from a table of `num_slots` rows of `capacity` tokens, at most `max_drafts`
+        each; returns whether it will."""
         if not device_lookup_supported(device):
             return False
         self.device_table = DeviceNgramTable(
-            num_slots, capacity, device, self.n_min, self.n_max, self.window
+            num_slots, capacity, device, self.n_min, self.n_max, self.window, max_drafts
         )
         return True
 

@@ -31,15 +31,21 @@ class DeviceNgramTable:
         n_min: int,
         n_max: int,
         window: int,
+        max_drafts: int,
     ) -> None:
         """`num_slots`: the scheduler's slots (`max_num_seqs`); `capacity`: the most tokens a
-        sequence holds (`max_model_len`)."""
-        self.capacity = capacity
+        sequence holds (`max_model_len`); `max_drafts`: the most a sequence is asked for (K).
+        Compiles the kernel now (one variant: every launch has the same constants)."""
+        self.capacity, self.max_drafts = capacity, max(max_drafts, 1)
         self.n_min, self.n_max, self.window = n_min, n_max, window
         self.table = torch.zeros(num_slots, capacity, dtype=torch.int32, device=device)
         self.device = device
         # seq_id -> (slot, tokens written): its row holds positions up to there
         self._written: dict[int, tuple[int, int]] = {}
+        self._lookup(torch.zeros(3, dtype=torch.int64, device=device))
+
+    def _lookup(self, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return ngram_lookup(self.table, meta, self.n_min, self.n_max, self.window, self.max_drafts)
 
     def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> list[list[int]]:
         """Up to max_drafts[i] tokens for seqs[i], exactly as `ngram.lookup` over its last
@@ -66,22 +72,14 @@ class DeviceNgramTable:
                 self._written[seq.seq_id] = (slot, total)
             slots.append(slot)
             lengths.append(total)
-        where_t, tokens_t, slots_t, lengths_t, ks_t = to_device_packed(
-            [where, tokens, slots, lengths, max_drafts], self.device
+        ks = [min(k, self.max_drafts) for k in max_drafts]
+        # the kernel's arrays first: the packed buffer's start is aligned
+        meta, where_t, tokens_t = to_device_packed(
+            [slots + lengths + ks, where, tokens], self.device
         )
         if where:
             self.table.view(-1).index_copy_(0, where_t, tokens_t.to(torch.int32))
-        max_k = max(max_drafts, default=0)
-        drafts, counts = ngram_lookup(
-            self.table,
-            slots_t,
-            lengths_t,
-            ks_t,
-            self.n_min,
-            self.n_max,
-            self.window,
-            max_k,
-        )
+        drafts, counts = self._lookup(meta)
         # one copy back: each row's count, then its drafts
         rows = torch.cat([counts[:, None], drafts], dim=1).tolist()
         return [row[1 : 1 + row[0]] for row in rows]

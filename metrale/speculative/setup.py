@@ -43,7 +43,7 @@ def speculative_decoder(
         if spec.method == "ngram":
             drafter = NgramDrafter(spec.ngram_min, spec.ngram_max, spec.ngram_window)
             # a scheduler slot per running sequence, at most max_model_len tokens each
-            drafter.use_device(config.max_num_seqs, max_model_len, runner.device)
+            drafter.use_device(config.max_num_seqs, max_model_len, runner.device, spec.num_drafts)
         elif spec.method == "dflash":
             block = runner.dflash.config.block_size
             if spec.num_drafts > block - 1:
