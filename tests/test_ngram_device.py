@@ -100,18 +100,17 @@ def test_a_sequence_without_a_row_drafts_nothing_and_harms_no_row():
 
 
 def test_the_drafter_uses_the_device_for_wide_batches_only(monkeypatch):
-    drafter = NgramDrafter(1, 3, 64)
-    assert drafter.use_device(8, 128, DEVICE, 2) or DEVICE.type == "cpu"
+    drafter, slots = NgramDrafter(1, 3, 64), ngram.DEVICE_MIN_SEQS
+    assert drafter.use_device(slots, 128, DEVICE, 2) or DEVICE.type == "cpu"
     if drafter.device_table is None:  # CPU without the forced interpreter: the host path
-        monkeypatch.setattr(
-            drafter, "device_table", DeviceNgramTable(8, 128, DEVICE, 1, 3, 64, 2), raising=False
-        )
+        table = DeviceNgramTable(slots, 128, DEVICE, 1, 3, 64, 2)
+        monkeypatch.setattr(drafter, "device_table", table, raising=False)
     calls = []
     propose = drafter.device_table.propose
     monkeypatch.setattr(
         drafter.device_table, "propose", lambda s, k: calls.append(len(s)) or propose(s, k)
     )
-    seqs = [Seq(i, i, [i % 3, 1, i % 3, 1, i % 3]) for i in range(ngram.DEVICE_MIN_SEQS)]
+    seqs = [Seq(i, i, [i % 3, 1, i % 3, 1, i % 3]) for i in range(slots)]
     wide = drafter.propose(seqs, [2] * len(seqs))
     narrow = drafter.propose(seqs[:1], [2])
     assert calls == [len(seqs)]
