@@ -1,94 +1,51 @@
-"""The GDN gates folded into the delta-rule kernels (`gdn_recurrent.GateInputs`): the recurrent
-and chunked kernels fed the layer's gate inputs equal them fed g and beta, and a GDN layer whose
-state takes the gate inputs equals the torch path in every mode.
+"""The GDN gates folded into the delta-rule kernels (`gdn_recurrent.GateInputs`: g and beta made
+in registers from the layer's raw a and b): the recurrent and chunked kernels fed gate inputs
+equal them fed g and beta; `GDNState.delta_rule` fed gate inputs equals each sequence run alone
+through the torch reference, on the Triton and the torch path, in every state mode (WRITE through
+both kernels, ROWS, DEFER and its commit), over ragged sequences padded to T whose padding rows
+leave the state unchanged; and the fused layer passes the gate inputs only where the Triton delta
+rule runs (five launches at decode), equal to its torch path.
 
-`gdn_state.GDNState` does not take gate inputs yet. `GATED_DELTA_RULE` and `GATED_COMMIT` below
-are the change it needs (a `gates` argument passed through to the kernels and kept for the
-commit); the tests install them on the class for their duration.
+The paths are chosen as in the engine, through the knobs: `METRALE_FORCE_FUSED_KERNELS=1` (the
+interpreter on CPU), `METRALE_NO_FUSED_KERNELS` (the layer's glue) and `METRALE_NO_GDN_TRITON`
+(the state's delta rule).
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from metrale.bench.profile_step import count_launches  # noqa: E402
 from metrale.kernels.gdn_chunk import chunk_delta_rule_in_pool  # noqa: E402
-from metrale.kernels.gdn_conv import conv_in_pool  # noqa: E402
 from metrale.kernels.gdn_recurrent import GateInputs, delta_rule_in_pool  # noqa: E402
-from metrale.models import gdn_state, qwen3_next_gdn  # noqa: E402
-from metrale.models.gdn import recurrent_gated_delta_rule, window_after  # noqa: E402
-from metrale.models.gdn_state import GDNState, StateMode  # noqa: E402
+from metrale.knobs import knobs  # noqa: E402
+from metrale.models.gdn import recurrent_gated_delta_rule  # noqa: E402
+from metrale.models.gdn_state import CHUNK_MIN_ROWS, GDNState, StateMode  # noqa: E402
 from tests.test_gdn_fused import DEVICE, LAYOUTS, _gdn_layer, _layout, _state  # noqa: E402
 
-
-class PendingGated(NamedTuple):
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    g: torch.Tensor | None
-    beta: torch.Tensor | None
-    gates: GateInputs | None
-
-
-def GATED_DELTA_RULE(self, layer, q, k, v, g, beta, gates=None):  # noqa: N802
-    """`GDNState.delta_rule` with a `gates` argument: the change gdn_state.py needs."""
-    if gates is not None and not gdn_state.triton_gdn_enabled(v):
-        g, beta = gates.materialize()  # the torch path makes g and beta itself
-        gates = None
-    if gates is None:
-        out = GDNState._plain_delta_rule(self, layer, q, k, v, g, beta)
-        if self.mode is StateMode.DEFER:
-            self.pending[layer] = PendingGated(q, k, v, g, beta, None)
-        return out
-    pool, mode, t = self.ssm[layer], self.mode, q.shape[1]
-    read = self._read(q.shape[0], pool.device)
-    if mode is StateMode.DEFER:
-        self.pending[layer] = PendingGated(q, k, v, None, None, gates)
-    if mode is StateMode.WRITE and t > self.chunk_min_rows:
-        return chunk_delta_rule_in_pool(q, k, v, None, None, pool, read, read, gates=gates)
-    return delta_rule_in_pool(
-        q, k, v, None, None, pool, read,
-        final=read if mode is StateMode.WRITE else None,
-        rows=self.rows if mode is StateMode.ROWS else None,
-        gates=gates,
-    )  # fmt: skip
-
-
-def GATED_COMMIT(self, num_rows):  # noqa: N802
-    """`GDNState.commit` reading the kept gate inputs: only the delta-rule step changes."""
-    if self.mode is not StateMode.DEFER:
-        raise RuntimeError(f"commit after a {self.mode.value} forward")
-    for layer, p in self.pending.items():
-        bsz, t = p.q.shape[:2]
-        pool, store = self.ssm[layer], self.conv[layer]
-        read = self._read(bsz, pool.device)
-        if gdn_state.triton_gdn_enabled(p.v):
-            delta_rule_in_pool(
-                p.q, p.k, p.v, p.g, p.beta, pool, read, final=read, lengths=num_rows,
-                gates=p.gates,
-            )  # fmt: skip
-        else:  # as before (gate inputs were materialised for the torch path)
-            keep = torch.arange(t, device=pool.device)[None, :] < num_rows[:, None]
-            g, beta = p.g * keep[..., None], p.beta * keep[..., None]
-            res = recurrent_gated_delta_rule(p.q, p.k, p.v, g, beta, pool[read])
-            pool.index_copy_(0, read, res.state)
-        conv_in = self.pending_conv[layer]
-        if gdn_state._conv_kernel_runs(conv_in, store):
-            conv_in_pool(conv_in, None, store, read, num_rows, final=read)
-        else:
-            store.index_copy_(0, read, window_after(store[read], conv_in, num_rows).to(store.dtype))
+HK, HV, DK, DV = 2, 4, 8, 12
 
 
 @pytest.fixture
-def gated_state(monkeypatch):
-    monkeypatch.setattr(GDNState, "_plain_delta_rule", GDNState.delta_rule, raising=False)
-    monkeypatch.setattr(GDNState, "delta_rule", GATED_DELTA_RULE)
-    monkeypatch.setattr(GDNState, "commit", GATED_COMMIT)
-    monkeypatch.setattr(GDNState, "accepts_gate_inputs", True, raising=False)
+def paths(monkeypatch):
+    """paths(glue, triton): the layer's fused glue and the state's Triton delta rule on or off
+    (on CPU under the interpreter), by the knobs the engine reads."""
+
+    def select(glue: bool, triton: bool) -> None:
+        monkeypatch.setenv("METRALE_FORCE_FUSED_KERNELS", "1")
+        for env, on in (("METRALE_NO_FUSED_KERNELS", glue), ("METRALE_NO_GDN_TRITON", triton)):
+            if on:
+                monkeypatch.delenv(env, raising=False)
+            else:
+                monkeypatch.setenv(env, "1")
+        knobs.cache_clear()
+
+    yield select
+    monkeypatch.undo()
+    knobs.cache_clear()
 
 
 def _inputs(bsz, t, seed, dtype=torch.float32):
@@ -97,8 +54,8 @@ def _inputs(bsz, t, seed, dtype=torch.float32):
     def r(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen) * scale).to(DEVICE, dtype)
 
-    q, k, v = r(bsz, t, 2, 8), r(bsz, t, 2, 8), r(bsz, t, 4, 12)
-    gates = GateInputs(r(bsz, t, 4, scale=3), r(bsz, t, 4, scale=3), r(4), r(4, scale=4))
+    q, k, v = r(bsz, t, HK, DK), r(bsz, t, HK, DK), r(bsz, t, HV, DV)
+    gates = GateInputs(r(bsz, t, HV, scale=3), r(bsz, t, HV, scale=3), r(HV), r(HV, scale=4))
     return q, k, v, gates
 
 
@@ -112,7 +69,7 @@ def test_kernels_make_the_gates_from_their_inputs(t, dtype):
     gates.a[1, -1], gates.b[1, -1] = float("-inf"), float("-inf")
     g, beta = gates.materialize()
     assert (g[1, -1] == 0).all() and (beta[1, -1] == 0).all()
-    pool0 = torch.randn(1 + bsz + bsz * t, 4, 8, 12, device=DEVICE) * 0.1
+    pool0 = torch.randn(1 + bsz + bsz * t, HV, DK, DV, device=DEVICE) * 0.1
     read = torch.tensor([1, 2], device=DEVICE)
     rows = torch.arange(3, 3 + bsz * t, device=DEVICE).view(bsz, t)
     results = []
@@ -131,26 +88,120 @@ def test_kernels_make_the_gates_from_their_inputs(t, dtype):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
+# ragged sequences padded to T; "chunked" passes CHUNK_MIN_ROWS (the WRITE forward's WY kernel)
+RAGGED = {"verify": [3, 1, 4], "chunked": [CHUNK_MIN_ROWS + 4, 7]}
+
+
+@pytest.mark.parametrize("triton", [True, False], ids=["triton", "torch"])
+@pytest.mark.parametrize("mode", list(StateMode), ids=lambda m: m.value)
+@pytest.mark.parametrize("shape", sorted(RAGGED))
+def test_state_with_gate_inputs_equals_each_sequence_alone(shape, mode, triton, paths):
+    """`GDNState.delta_rule(gates=...)` over ragged rows padded to T (padding a = b = -inf, as
+    `gdn_fused.prepare` pads them, and garbage q, k, v) against each sequence's real rows alone
+    through the torch reference: outputs, the states each mode writes (WRITE: the final one;
+    ROWS: one per row, padding rows repeating the last real one; DEFER: none until `commit`
+    advances each sequence over its accepted rows), and no other entry touched."""
+    if mode is not StateMode.WRITE and shape == "chunked":
+        pytest.skip("verify rows only")
+    paths(glue=True, triton=triton)
+    lengths = RAGGED[shape]
+    bsz, t = len(lengths), max(lengths)
+    q, k, v, gates = _inputs(bsz, t, seed=11)
+    real = torch.arange(t, device=DEVICE)[None, :] < torch.tensor(lengths, device=DEVICE)[:, None]
+    pad = ~real[..., None].expand(-1, -1, HV)
+    padded = GateInputs(
+        gates.a.masked_fill(pad, float("-inf")),
+        gates.b.masked_fill(pad, float("-inf")),
+        gates.a_log,
+        gates.dt_bias,
+    )
+    g, beta = gates.materialize()
+    # entries: 2 bsz + 1 (sequence b reads 2 (bsz - b) - 1; the even ones nobody addresses), then
+    # bsz t per-row slots
+    entries = 2 * bsz + 1 + bsz * t
+    state = GDNState.zeros(1, entries, (5, 3), (HV, DK, DV), torch.float32, DEVICE)
+    gen = torch.Generator().manual_seed(13)
+    state.ssm[0].copy_(torch.randn(entries, HV, DK, DV, generator=gen) * 0.1)
+    pool0 = state.ssm[0].clone()
+    read = torch.arange(bsz, device=DEVICE).flip(0) * 2 + 1
+    rows = None
+    if mode is StateMode.ROWS:
+        rows = torch.arange(2 * bsz + 1, entries, device=DEVICE).view(bsz, t)
+    view = state.view(read, mode, rows)
+    conv_in = torch.randn(bsz, t, 5, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    with torch.no_grad():
+        # the conv runs only because a commit advances the windows too (not under test here)
+        view.causal_conv(0, conv_in, torch.ones(5, 4, device=DEVICE), real.sum(1))
+        out = view.delta_rule(0, q, k, v, gates=padded)
+        if mode is StateMode.DEFER:
+            kept = view.pending[0]
+            assert (kept.gates is not None) == triton and (kept.g is None) == triton
+            torch.testing.assert_close(state.ssm[0], pool0, rtol=0, atol=0)  # nothing written
+            accepted = torch.tensor([min(2, n) for n in lengths], device=DEVICE)
+            view.commit(accepted)
+    want_pool = pool0.clone()
+    for b, n in enumerate(lengths):
+        alone = recurrent_gated_delta_rule(
+            q[b : b + 1, :n], k[b : b + 1, :n], v[b : b + 1, :n],
+            g[b : b + 1, :n], beta[b : b + 1, :n], pool0[read[b]][None], output_all_states=True,
+        )  # fmt: skip
+        torch.testing.assert_close(out[b, :n], alone.out[0], rtol=1e-5, atol=1e-5)
+        assert alone.states is not None
+        if mode is StateMode.WRITE:
+            want_pool[read[b]] = alone.state[0]
+        elif mode is StateMode.ROWS:
+            assert rows is not None
+            want_pool[rows[b, :n]] = alone.states[0]
+            want_pool[rows[b, n:]] = alone.state[0]  # padding rows change nothing
+        else:
+            want_pool[read[b]] = alone.states[0, int(accepted[b]) - 1]
+    torch.testing.assert_close(state.ssm[0], want_pool, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("mode", list(StateMode), ids=lambda m: m.value)
 @pytest.mark.parametrize("shape", sorted(LAYOUTS))
-def test_layer_with_gate_inputs_equals_the_torch_path(shape, mode, monkeypatch, gated_state):
+def test_layer_passes_gate_inputs_only_to_the_triton_delta_rule(shape, mode, paths):
+    """The fused layer with the Triton delta rule (gate inputs), with the torch one (g and beta
+    from `prepare`) and the torch path agree: outputs, the states written, the commit's."""
     if mode is not StateMode.WRITE and shape == "prefill":
         pytest.skip("verify rows only")
     layout = _layout(LAYOUTS[shape])
     bsz, t = layout.index.shape
     hidden = torch.randn(layout.row_seq.shape[0], 48, generator=torch.Generator().manual_seed(3))
     layer = _gdn_layer()
-    monkeypatch.setattr(gdn_state, "triton_gdn_enabled", lambda x: True)
     results = []
-    for fused in (False, True):
-        monkeypatch.setattr(qwen3_next_gdn, "hybrid_kernels_enabled", lambda x, f=fused: f)
+    for glue, triton in ((False, False), (True, True), (True, False)):
+        paths(glue=glue, triton=triton)
         state = _state(mode, bsz, t, seed=4)
         with torch.no_grad():
             out = layer(hidden.to(DEVICE), layout, state)
-            kept = [p.gates is not None for p in state.pending.values()]
-            assert kept == ([fused] if mode is StateMode.DEFER else [])
             if mode is StateMode.DEFER:
+                assert (state.pending[0].gates is not None) == (glue and triton)
                 state.commit(torch.tensor([1, 2, 3][:bsz], device=DEVICE).minimum(layout.lengths))
-        results.append((out, state.conv[0].clone(), state.ssm[0].clone()))
-    for got, want in zip(*results, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        conv, ssm = state.conv[0].clone(), state.ssm[0].clone()
+        if state.rows is not None:
+            # NOTE: the entries of padding rows are never read (the engine points them at its
+            # dummy entry): the conv kernel leaves them as they were, the torch conv writes them
+            pad = state.rows[~layout.valid]
+            conv[pad], ssm[pad] = 0, 0
+        results.append((out, conv, ssm))
+    for other in results[1:]:
+        for got, want in zip(other, results[0], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_decode_layer_is_five_launches(paths):
+    """At decode the fused layer launches the in-projection, the conv, the delta rule (making
+    the gates), the gated norm and out_proj: nothing for g and beta."""
+    paths(glue=True, triton=True)
+    layout = _layout(LAYOUTS["decode"])
+    layer = _gdn_layer()
+    hidden = torch.randn(3, 48, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    state = _state(StateMode.WRITE, 3, 1, seed=6)
+    with torch.no_grad():
+        layer(hidden, layout, state)  # the first fused forward reorders the in-projections
+        counts = count_launches(lambda: layer(hidden, layout, state))
+    assert sum(counts.values()) == 5, counts
+    assert (
+        counts["triton._recurrent_delta_rule_kernel"] == 1 and not counts["triton._prepare_kernel"]
+    )

@@ -18,9 +18,7 @@ import pytest
 
 from metrale.knobs import knobs
 from metrale.models import qwen3_next_gdn, qwen3_next_moe
-from metrale.models.gdn_state import GDNState
 from metrale.speculative.replay import ReplayDrafter
-from tests.test_gdn_gates import GATED_COMMIT, GATED_DELTA_RULE
 from tests.test_hybrid_engine import PROMPTS, greedy, hybrid_dir, llm_for  # noqa: F401
 
 pytestmark = pytest.mark.skipif(
@@ -44,14 +42,11 @@ def forced(monkeypatch):
 
     def force(gates: bool) -> Counter:
         monkeypatch.setenv("METRALE_FORCE_FUSED_KERNELS", "1")
+        if not gates:  # the torch delta rule: the layer hands it g and beta from `prepare`
+            monkeypatch.setenv("METRALE_NO_GDN_TRITON", "1")
         knobs.cache_clear()
         spy(qwen3_next_moe, "route")
         spy(qwen3_next_gdn, "GateInputs")
-        if gates:  # the GDNState change `tests/test_gdn_gates.py` spells out
-            monkeypatch.setattr(GDNState, "_plain_delta_rule", GDNState.delta_rule, raising=False)
-            monkeypatch.setattr(GDNState, "delta_rule", GATED_DELTA_RULE)
-            monkeypatch.setattr(GDNState, "commit", GATED_COMMIT)
-            monkeypatch.setattr(GDNState, "accepts_gate_inputs", True, raising=False)
         return calls
 
     yield force

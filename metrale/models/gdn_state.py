@@ -14,10 +14,15 @@ entry `read[b]` of every layer (`read=None`: entry b). A new sequence's entry mu
          hands each sequence K+1 entries and, once the acceptance is known, just points the
          sequence at the entry of its last accepted row: no copy, K+1 times the memory.
   DEFER  write-on-accept (verify): nothing is written; each layer keeps its rows' inputs
-         (q, k, v, g, beta and the conv inputs: about 2 * conv_dim activations per row and
-         layer, 32 KB at Qwen3-Next-80B's shape) and `commit(num_rows)` then advances
-         `read[b]` over the accepted rows only. A CUDA-graph program keeps these buffers while
-         it is cached, beside its logits (about 1.2 MB per row at that shape over 36 layers).
+         (q, k, v, the gates or their inputs, and the conv inputs: about 2 * conv_dim
+         activations per row and layer, 32 KB at Qwen3-Next-80B's shape) and
+         `commit(num_rows)` then advances `read[b]` over the accepted rows only. A CUDA-graph
+         program keeps these buffers while it is cached, beside its logits (about 1.2 MB per row
+         at that shape over 36 layers).
+
+The gates reach `delta_rule` either as g and beta or, where the Triton kernels run
+(`fuses_gates`), as the layer's raw gate inputs (`gdn_recurrent.GateInputs`), which the kernels
+turn into g and beta in registers: no launch to make them. The torch path materialises them.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch
 
 from metrale.kernels.gdn_chunk import chunk_delta_rule_in_pool
 from metrale.kernels.gdn_conv import conv_in_pool
-from metrale.kernels.gdn_recurrent import delta_rule_in_pool, triton_gdn_enabled
+from metrale.kernels.gdn_recurrent import GateInputs, delta_rule_in_pool, triton_gdn_enabled
 from metrale.models.gdn import (
     causal_conv1d,
     chunk_gated_delta_rule,
@@ -55,13 +60,15 @@ class StateMode(Enum):
 
 
 class PendingRows(NamedTuple):
-    """A DEFER forward's delta-rule inputs of one GDN layer, padded [B, T, ...], for `commit`."""
+    """A DEFER forward's delta-rule inputs of one GDN layer, padded [B, T, ...], for `commit`:
+    g and beta, or (Triton path) the gate inputs the forward's kernel read instead."""
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    g: torch.Tensor
-    beta: torch.Tensor
+    g: torch.Tensor | None
+    beta: torch.Tensor | None
+    gates: GateInputs | None
 
 
 @dataclass
@@ -115,26 +122,40 @@ class GDNState:
     def _read(self, batch: int, device: torch.device) -> torch.Tensor:
         return torch.arange(batch, device=device) if self.read is None else self.read
 
+    def fuses_gates(self, x: torch.Tensor) -> bool:
+        """Whether `delta_rule` for activations like x runs the Triton kernels, which take the
+        gate inputs and make g and beta themselves (the layer then launches nothing for them)."""
+        return triton_gdn_enabled(x)
+
     def delta_rule(
         self,
         layer: int,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
+        g: torch.Tensor | None = None,
+        beta: torch.Tensor | None = None,
+        *,
+        gates: GateInputs | None = None,
     ) -> torch.Tensor:
-        """The delta rule over padded rows (see `gdn.recurrent_gated_delta_rule`; padding rows have
-        g = beta = 0) from each sequence's entry, writing as `mode` says -> out [B, T, Hv, dv]."""
+        """The delta rule over padded rows (see `gdn.recurrent_gated_delta_rule`) from each
+        sequence's entry, writing as `mode` says -> out [B, T, Hv, dv]. The gates come as g and
+        beta [B, T, Hv] (padding rows g = beta = 0) or as `gates` (padding rows a = b = -inf,
+        which give the same zeros); a padding row leaves the state unchanged."""
         bsz, t = q.shape[:2]
         pool = self.ssm[layer]
         read = self._read(bsz, pool.device)
         mode = self.mode
-        if mode is StateMode.DEFER:
-            self.pending[layer] = PendingRows(q, k, v, g, beta)
         triton = triton_gdn_enabled(v)
+        if gates is not None and not triton:
+            g, beta = gates.materialize()
+            gates = None
+        if g is None and gates is None:
+            raise ValueError("delta_rule needs g and beta, or gates")
+        if mode is StateMode.DEFER:
+            self.pending[layer] = PendingRows(q, k, v, g, beta, gates)
         if triton and mode is StateMode.WRITE and t > self.chunk_min_rows:
-            return chunk_delta_rule_in_pool(q, k, v, g, beta, pool, read, read)
+            return chunk_delta_rule_in_pool(q, k, v, g, beta, pool, read, read, gates=gates)
         if triton:
             return delta_rule_in_pool(
                 q,
@@ -146,7 +167,9 @@ class GDNState:
                 read,
                 final=read if mode is StateMode.WRITE else None,
                 rows=self.rows if mode is StateMode.ROWS else None,
+                gates=gates,
             )
+        assert g is not None and beta is not None
         if mode is StateMode.WRITE and t > 1:
             res = chunk_gated_delta_rule(q, k, v, g, beta, pool[read])
         else:
@@ -201,13 +224,18 @@ class GDNState:
         if self.mode is not StateMode.DEFER:
             raise RuntimeError(f"commit after a {self.mode.value} forward")
         for layer, p in self.pending.items():
-            bsz, t = p.g.shape[:2]
+            bsz, t = p.q.shape[:2]
             pool, store = self.ssm[layer], self.conv[layer]
             read = self._read(bsz, pool.device)
             if triton_gdn_enabled(p.v):
-                delta_rule_in_pool(*p, pool, read, final=read, lengths=num_rows)
+                delta_rule_in_pool(
+                    p.q, p.k, p.v, p.g, p.beta, pool, read,
+                    final=read, lengths=num_rows, gates=p.gates,
+                )  # fmt: skip
             else:
-                # the recurrent form whatever t is, as the verify itself ran
+                # the recurrent form whatever t is, as the verify itself ran; the forward kept
+                # g and beta (the torch path materialises gate inputs)
+                assert p.g is not None and p.beta is not None
                 keep = torch.arange(t, device=pool.device)[None, :] < num_rows[:, None]
                 g, beta = p.g * keep[..., None], p.beta * keep[..., None]  # masked rows: identity
                 res = recurrent_gated_delta_rule(p.q, p.k, p.v, g, beta, pool[read])

@@ -6,8 +6,9 @@ Two paths compute the same thing. The torch path (CPU, and the reference) follow
 The fused path (CUDA, or the forced interpreter: `kernels/dispatch.py`) is six launches: one
 GEMM over both in-projections (their rows reordered once so that q, k, v, z, b and a are column
 ranges of its output), `gdn_fused.prepare` (gates and padding), the conv and delta-rule kernels
-(through the state), `gdn_fused.gated_norm` and out_proj; five at decode where the state takes
-the gate inputs (`accepts_gate_inputs`: the delta-rule kernel computes g and beta itself).
+(through the state), `gdn_fused.gated_norm` and out_proj. Where the state's delta rule runs the
+Triton kernels (`GDNState.fuses_gates`) it gets the raw gate inputs and makes g and beta in
+registers; at decode `prepare` then has nothing to pad either: five launches.
 """
 
 from __future__ import annotations
@@ -122,20 +123,22 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         return q, k, v.view(bsz, t, self.num_v_heads, self.head_v_dim)
 
     def _fused(self, hidden: torch.Tensor, layout: RowLayout, state: GDNState) -> torch.Tensor:
-        """The same layer in six launches: one in-projection GEMM, `gdn_fused.prepare`, the
-        conv and delta-rule kernels (through `state`), `gdn_fused.gated_norm`, out_proj."""
+        """The same layer in six launches (five at decode): one in-projection GEMM,
+        `gdn_fused.prepare`, the conv and delta-rule kernels (through `state`),
+        `gdn_fused.gated_norm`, out_proj."""
         if self._in_proj is None:
             self._flatten()
         # the projections' own product (the deterministic mode's batch-invariant one if set)
         product = invariant_linear if isinstance(self.in_proj_qkvz, InvariantLinear) else F.linear
         proj = product(hidden, self._in_proj)  # [N, conv_dim + value_dim + 2 Hv]
         mixed, z, ba = proj.split([self.conv_dim, self.value_dim, 2 * self.num_v_heads], -1)
-        # A state that takes the gate inputs lets the delta-rule kernel make g and beta: at
-        # decode `prepare` then has nothing to do (five launches).
-        raw = getattr(state, "accepts_gate_inputs", False)
+        # Where the delta rule runs as a Triton kernel, it makes g and beta from a and b itself:
+        # `prepare` then only pads (-inf on padding rows), and at decode launches nothing. The
+        # torch delta rule gets g and beta from `prepare` (one launch, not its half-dozen ops).
+        raw = state.fuses_gates(hidden)
         conv_in, g, beta = gdn_fused.prepare(
             mixed, ba, self.A_log, self.dt_bias, layout.index, layout.lengths, raw=raw
-        )
+        )  # raw: g, beta hold the (padded) gate inputs a, b
         bsz, t = conv_in.shape[:2]
         conv = state.causal_conv(
             self.state_index, conv_in, self.conv1d.weight[:, 0], layout.lengths
@@ -143,7 +146,7 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         q, k, v = self._heads(conv, bsz, t)
         if raw:
             gates = GateInputs(g, beta, self.A_log, self.dt_bias)
-            out = state.delta_rule(self.state_index, q, k, v, None, None, gates=gates)
+            out = state.delta_rule(self.state_index, q, k, v, gates=gates)
         else:
             out = state.delta_rule(self.state_index, q, k, v, g, beta)
         norm = self.norm
