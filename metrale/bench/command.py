@@ -171,7 +171,9 @@ def _measure(llm: LLM, drafter, args, device: torch.device, alphas, forced: bool
             result["e2e"].append(row)
     runner = llm.engine.runner
     if device.type == "cuda" and tp == 1:  # kernels of one batch-1 decode step (profiler)
-        result["launches_batch1"] = step_launches(llm, 1, args.context)["kernels"]
+        launches = step_launches(llm, 1, args.context)
+        result["launches_batch1"] = launches["kernels"]
+        result["launches_batch1_by_kernel"] = launches["by_name"]  # where a fusion would pay
     result["graph_refusals"] = runner.graph_refusals
     result["deterministic"] = llm.engine.config.deterministic
     result["peak_memory_bytes"] = (
