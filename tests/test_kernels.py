@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 from metrale.config import RopeConfig  # noqa: E402
 from metrale.kernels import fused, paged_attention  # noqa: E402
-from metrale.models.attention import AttentionMetadata, TorchPagedAttention  # noqa: E402
+from metrale.models.attention import AttentionMetadata, TorchPagedAttention, write_kv  # noqa: E402
 from metrale.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -160,6 +160,28 @@ def test_qk_norm_rope_matches_reference(dtype, rope_type, reference_ops):
     q_ref, k_ref = rotary(positions, q_ref, k_ref)
     _close(q, q_ref, dtype)
     _close(k, k_ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_writes_the_rows_kv_into_their_slots(dtype):
+    """Given a cache and slots, the kernel stores each row's k and v at its slot: the cache
+    equals `write_kv` of the same k and v, bit for bit; other slots keep their values."""
+    torch.manual_seed(4)
+    rows, num_q, num_kv, dim, pages, page = 6, 4, 2, 32, 4, 4
+    rotary = RotaryEmbedding(RopeConfig("default", 10000.0), dim, 64).to(DEVICE)
+    weight = torch.randn(dim, device=DEVICE, dtype=dtype)
+    qkv = torch.randn(rows, (num_q + 2 * num_kv) * dim, device=DEVICE, dtype=dtype)
+    positions = torch.tensor([0, 1, 5, 30, 31, 63], device=DEVICE)
+    slots = torch.tensor([15, 3, 4, 0, 9, 12], device=DEVICE)
+    cache = torch.randn(2, pages, page, num_kv, dim, device=DEVICE, dtype=dtype)
+    want = cache.clone()
+    args = (qkv, weight, weight, rotary.cos, rotary.sin, positions, num_q, num_kv, 1e-6)
+    q, k = fused.qk_norm_rope(*args, cache, slots)
+    assert [torch.equal(a, b) for a, b in zip((q, k), fused.qk_norm_rope(*args))] == [True] * 2
+    write_kv(want, k, qkv[:, (num_q + num_kv) * dim :].reshape(rows, num_kv, dim), slots)
+    assert torch.equal(cache, want)
+    with pytest.raises(ValueError, match="slots"):
+        fused.qk_norm_rope(*args, cache, None)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

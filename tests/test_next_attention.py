@@ -13,6 +13,7 @@ pytest.importorskip("triton")
 
 from metrale.config import RopeConfig  # noqa: E402
 from metrale.kernels import next_attention  # noqa: E402
+from metrale.models.attention import write_kv  # noqa: E402
 from metrale.models.layers import RotaryEmbedding  # noqa: E402
 from metrale.models.qwen3_next import ZeroCentredRMSNorm  # noqa: E402
 
@@ -68,3 +69,27 @@ def test_output_gate_equals_the_torch_path(dtype):
     gate = qkv[:, : 2 * heads * dim].reshape(rows, heads, 2 * dim)[..., dim:]
     ref = attn.reshape(rows, -1) * torch.sigmoid(gate.reshape(rows, -1))
     torch.testing.assert_close(out, ref, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_norm_rope_writes_the_rows_kv_into_their_slots(dtype):
+    """With a cache and slots the kernel also stores each row's k and v at its slot: the cache
+    equals `write_kv` of the same k and v (bit for bit), and no other slot changes."""
+    heads, kv_heads, dim, rows, pages, page = 4, 2, 16, 5, 3, 4
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(rows, 2 * heads * dim + 2 * kv_heads * dim + 3, generator=gen)
+    qkv = qkv.to(DEVICE, dtype)[:, :-3]
+    weight = (torch.randn(dim, generator=gen) * 0.2).to(DEVICE, dtype)
+    rotary = RotaryEmbedding(RopeConfig(rope_type="default", theta=10000.0), dim // 4, 64)
+    rotary = rotary.to(DEVICE)
+    positions = torch.tensor([0, 3, 17, 63, 5], device=DEVICE)
+    slots = torch.tensor([9, 0, 4, 11, 2], device=DEVICE)  # scattered over the pages
+    cache = torch.randn(2, pages, page, kv_heads, dim, generator=gen).to(DEVICE, dtype)
+    want = cache.clone()
+    args = (qkv, weight, weight, rotary.cos, rotary.sin, positions, heads, kv_heads, 1e-6)
+    q, k = next_attention.qk_norm_rope(*args, cache, slots)
+    q_alone, k_alone = next_attention.qk_norm_rope(*args)
+    assert torch.equal(q, q_alone) and torch.equal(k, k_alone)
+    v = qkv[:, 2 * heads * dim + kv_heads * dim :].reshape(rows, kv_heads, dim)
+    write_kv(want, k, v, slots)
+    assert torch.equal(cache, want)

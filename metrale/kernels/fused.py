@@ -80,12 +80,16 @@ if triton is not None:
         pos_ptr,
         q_ptr,
         k_ptr,
+        kc_ptr,
+        vc_ptr,
+        slots_ptr,
         stride_row,
         stride_cos,
         eps,
         NUM_Q: tl.constexpr,
         NUM_KV: tl.constexpr,
         D: tl.constexpr,
+        WRITE_KV: tl.constexpr,
     ):
         row = tl.program_id(0)
         head = tl.program_id(1)  # q heads first, then k heads
@@ -114,6 +118,15 @@ if triton is not None:
             dst = k_ptr + (row * NUM_KV + head - NUM_Q) * D
         tl.store(dst + half, o1.to(dt))
         tl.store(dst + D // 2 + half, o2.to(dt))
+        if WRITE_KV and head >= NUM_Q:  # this row's k and v head into its cache slot
+            kv_head = head - NUM_Q
+            at = tl.load(slots_ptr + row).to(tl.int64) * (NUM_KV * D) + kv_head * D
+            cdt = kc_ptr.dtype.element_ty
+            tl.store(kc_ptr + at + half, o1.to(dt).to(cdt))
+            tl.store(kc_ptr + at + D // 2 + half, o2.to(dt).to(cdt))
+            v_src = qkv_ptr + row * stride_row + (NUM_Q + NUM_KV + kv_head) * D
+            tl.store(vc_ptr + at + half, tl.load(v_src + half).to(cdt))
+            tl.store(vc_ptr + at + D // 2 + half, tl.load(v_src + D // 2 + half).to(cdt))
 
     @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, stride_x, n, BLOCK: tl.constexpr):
@@ -190,13 +203,19 @@ def qk_norm_rope(
     num_q: int,
     num_kv: int,
     eps: float,
+    kv_cache: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """qkv [T, (num_q + 2 num_kv) D] -> (q [T, num_q, D], k [T, num_kv, D]): per-head RMSNorm
-    with the q/k weights, then rotary (rotate-half) at each row's position. v is untouched."""
+    with the q/k weights, then rotary (rotate-half) at each row's position. v is untouched.
+    With `kv_cache` [2, pages, page_size, Hkv, D] and `slots` [T]: each row's k and v also go
+    to its slot (`attention.write_kv`'s work, saving its two launches: then pass the backend
+    `kv_written=True`)."""
     rows = qkv.shape[0]
     dim = q_weight.shape[0]
     q = torch.empty(rows, num_q, dim, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(rows, num_kv, dim, dtype=qkv.dtype, device=qkv.device)
+    kc, vc, slots = kv_cache_halves(kv_cache, slots, q)
     if rows:
         _qk_norm_rope_kernel[(rows, num_q + num_kv)](
             qkv,
@@ -207,15 +226,31 @@ def qk_norm_rope(
             positions,
             q,
             k,
+            kc,
+            vc,
+            slots,
             qkv.stride(0),
             cos.stride(0),
             eps,
             NUM_Q=num_q,
             NUM_KV=num_kv,
             D=dim,
+            WRITE_KV=kv_cache is not None,
             num_warps=1,
         )
     return q, k
+
+
+def kv_cache_halves(
+    kv_cache: torch.Tensor | None, slots: torch.Tensor | None, dummy: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(k cache, v cache, slots) for a glue kernel that writes the KV rows itself, or three
+    unused stand-ins when it does not (`kv_cache` None)."""
+    if kv_cache is None:
+        return dummy, dummy, dummy
+    if slots is None or not kv_cache.is_contiguous():
+        raise ValueError("writing KV in the kernel needs slots and a contiguous cache")
+    return kv_cache[0], kv_cache[1], slots
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from metrale.kernels.fused import triton
+from metrale.kernels.fused import kv_cache_halves, triton
 
 if triton is not None:
     import triton.language as tl
@@ -37,12 +37,16 @@ if triton is not None:
         pos_ptr,
         q_ptr,
         k_ptr,
+        kc_ptr,
+        vc_ptr,
+        slots_ptr,
         eps,
         NUM_Q: tl.constexpr,
         NUM_KV: tl.constexpr,
         D: tl.constexpr,
         ROT: tl.constexpr,
         BD: tl.constexpr,
+        WRITE_KV: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)  # q heads first, then k heads
@@ -75,6 +79,13 @@ if triton is not None:
         else:
             dst = k_ptr + (row * NUM_KV + head - NUM_Q) * D
         tl.store(dst + d, out.to(dt), mask=ok)
+        if WRITE_KV and head >= NUM_Q:  # this row's k and v head into its cache slot
+            kv_head = head - NUM_Q
+            at = tl.load(slots_ptr + row).to(tl.int64) * (NUM_KV * D) + kv_head * D
+            cdt = kc_ptr.dtype.element_ty
+            tl.store(kc_ptr + at + d, out.to(dt).to(cdt), mask=ok)
+            v_src = qkv_ptr + row * stride_row + NUM_Q * 2 * D + (NUM_KV + kv_head) * D
+            tl.store(vc_ptr + at + d, tl.load(v_src + d, mask=ok, other=0.0).to(cdt), mask=ok)
 
     @triton.jit
     def _output_gate_kernel(
@@ -107,18 +118,22 @@ def qk_norm_rope(
     num_q: int,
     num_kv: int,
     eps: float,
+    kv_cache: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """qkv [T, num_q * 2D + 2 num_kv D] (per q head its query then its gate; then k, then v) ->
     (q [T, num_q, D], k [T, num_kv, D]) normalised with (1 + w) and rotated on the leading
-    2 cos.shape[-1] dims of each head at each row's position."""
+    2 cos.shape[-1] dims of each head at each row's position. With `kv_cache` and `slots`, each
+    row's k and v also go to its slot (as `fused.qk_norm_rope`: two launches fewer a layer)."""
     rows, dim = qkv.shape[0], q_weight.shape[0]
     q = torch.empty(rows, num_q, dim, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(rows, num_kv, dim, dtype=qkv.dtype, device=qkv.device)
+    kc, vc, slots = kv_cache_halves(kv_cache, slots, q)
     if rows:
         _qk_norm_rope_kernel[(rows, num_q + num_kv)](
-            qkv, qkv.stride(0), q_weight, k_weight, cos, sin, cos.stride(0), positions, q, k, eps,
-            NUM_Q=num_q, NUM_KV=num_kv, D=dim, ROT=2 * cos.shape[-1],
-            BD=triton.next_power_of_2(dim), num_warps=1,
+            qkv, qkv.stride(0), q_weight, k_weight, cos, sin, cos.stride(0), positions, q, k,
+            kc, vc, slots, eps, NUM_Q=num_q, NUM_KV=num_kv, D=dim, ROT=2 * cos.shape[-1],
+            BD=triton.next_power_of_2(dim), WRITE_KV=kv_cache is not None, num_warps=1,
         )  # fmt: skip
     return q, k
 

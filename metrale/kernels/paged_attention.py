@@ -239,10 +239,13 @@ class TritonPagedAttention(TorchPagedAttention):
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
         return meta if self._kernel_covers(meta) else super().prepare(meta)
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, kv_written: bool = False
+    ) -> torch.Tensor:
         if not self._kernel_covers(meta):
-            return super().forward(q, k, v, kv_cache, meta, scale)
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+            return super().forward(q, k, v, kv_cache, meta, scale, kv_written)
+        if not kv_written:
+            write_kv(kv_cache, k, v, meta.slot_mapping)
         if self.invariant:
             return invariant_attention(
                 q.to(kv_cache.dtype),

@@ -58,7 +58,8 @@ class AttentionBackend(Protocol):
     """The one seam between the model and the attention kernel.
 
     `prepare` derives whatever per-step index tensors the kernel needs (once per forward);
-    `forward` writes this step's K/V into the layer's cache and returns the attention output.
+    `forward` writes this step's K/V into the layer's cache (unless `kv_written`: a glue kernel
+    before it already did) and returns the attention output.
     """
 
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata: ...
@@ -71,6 +72,7 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_written: bool = False,
     ) -> torch.Tensor: ...
 
 
@@ -128,9 +130,11 @@ class TorchPagedAttention:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_written: bool = False,
     ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> out [T, Hq, D]."""
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+        if not kv_written:
+            write_kv(kv_cache, k, v, meta.slot_mapping)
         flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])
         keys = flat[0][meta.kv_slots].to(q.dtype)  # [B, max_kv, Hkv, D]
         values = flat[1][meta.kv_slots].to(q.dtype)

@@ -53,7 +53,10 @@ class Qwen3Attention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         v = v.view(rows, self.num_kv_heads, self.head_dim)
         rotary = self._rotary[0]
-        if fused.fused_enabled(qkv) and self.head_dim & (self.head_dim - 1) == 0:
+        if self.kv_cache is None:
+            raise RuntimeError("attention layer has no KV cache bound; the runner binds it")
+        written = fused.fused_enabled(qkv) and self.head_dim & (self.head_dim - 1) == 0
+        if written:  # the glue kernel writes k and v into the cache too
             q, k = fused.qk_norm_rope(
                 qkv,
                 self.q_norm.weight,
@@ -64,14 +67,14 @@ class Qwen3Attention(nn.Module):
                 self.num_heads,
                 self.num_kv_heads,
                 self.q_norm.eps,
+                self.kv_cache,
+                meta.slot_mapping,
             )
         else:
             q = self.q_norm(q.view(rows, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(rows, self.num_kv_heads, self.head_dim))
             q, k = rotary(positions, q, k)
-        if self.kv_cache is None:
-            raise RuntimeError("attention layer has no KV cache bound; the runner binds it")
-        out = self._backend.forward(q, k, v, self.kv_cache, meta, self.scale)  # [T, Hq, D]
+        out = self._backend.forward(q, k, v, self.kv_cache, meta, self.scale, kv_written=written)
         return self.o_proj(out.reshape(rows, self.q_size))
 
 

@@ -105,10 +105,10 @@ class Qwen3NextAttention(nn.Module):
         rotary = self._rotary[0]
         q, k = next_attention.qk_norm_rope(
             qkv, self.q_norm.weight, self.k_norm.weight, rotary.cos, rotary.sin, positions,
-            self.num_heads, self.num_kv_heads, self.q_norm.eps,
-        )  # fmt: skip
+            self.num_heads, self.num_kv_heads, self.q_norm.eps, self.kv_cache, meta.slot_mapping,
+        )  # fmt: skip (k and v written into the cache too)
         v = qkv[:, self.q_size + self.kv_size :].view(rows, self.num_kv_heads, self.head_dim)
-        out = self._backend.forward(q, k, v, self.kv_cache, meta, self.scale)  # [T, Hq, D]
+        out = self._backend.forward(q, k, v, self.kv_cache, meta, self.scale, kv_written=True)
         return self.o_proj(next_attention.output_gate(out, qkv, self.num_heads))
 
 
