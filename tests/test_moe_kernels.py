@@ -65,6 +65,37 @@ def test_routing_and_plan_match_the_reference(n, experts, top_k, norm, launches,
         assert all(t[0] == -1 for t in got[len(tiles) :])
 
 
+@pytest.mark.parametrize("launches", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, experts, top_k, hidden", [(1, 64, 10, 200), (37, 8, 2, 64)])
+def test_router_logits_made_in_the_kernel(n, experts, top_k, hidden, dtype, launches, monkeypatch):
+    """route(hidden=, router=) equals route(logits) of the router product rounded to the
+    activation dtype (H not a multiple of the kernel's chunk; masked rows and experts), and a
+    row's plan does not depend on the rows beside it."""
+    if launches == 2:
+        monkeypatch.setattr(moe_routing, "SINGLE_MAX_BLOCKS", 0)
+    gen = torch.Generator().manual_seed(n + hidden)
+    # integer-valued hidden and router entries: every product and sum is exact, so the logits
+    # are the same bits whatever the order of summation (and ties are frequent)
+    x = torch.randint(-2, 3, (n, hidden), generator=gen).to(DEVICE, dtype)
+    router = torch.randint(-1, 2, (experts, hidden), generator=gen).to(DEVICE, dtype)
+    plan = moe_routing.route(None, top_k, hidden=x, router=router, shared=True, block_m=4)
+    want = moe_routing.route(x @ router.T, top_k, shared=True, block_m=4)
+    for got, ref in zip(plan[:4], want[:4], strict=True):
+        assert torch.equal(got, ref)
+    alone = moe_routing.route(None, top_k, hidden=x[-1:], router=router)
+    assert torch.equal(alone.ids, plan.ids[-1:]) and torch.equal(alone.weights, plan.weights[-1:])
+
+
+def test_router_logits_in_the_kernel_are_refused_where_they_cannot_run():
+    x = torch.zeros(2, 16, device=DEVICE)
+    assert moe_routing.makes_logits(127) and not moe_routing.makes_logits(128)
+    with pytest.raises(ValueError, match="router"):
+        moe_routing.route(None, 2, hidden=x, router=torch.zeros(512, 16, device=DEVICE))
+    with pytest.raises(ValueError, match="router"):
+        moe_routing.route(None, 2, hidden=x, router=torch.zeros(8, 15, device=DEVICE))
+
+
 def test_ties_pick_the_lower_index_and_weights_renormalise():
     logits = torch.tensor(
         [[1.0, 1.0, 1.0, 1.0], [0.0, 2.0, 2.0, 1.0], [3.0, 1.0, 1.0, 1.0]], device=DEVICE

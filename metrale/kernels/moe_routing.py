@@ -1,6 +1,6 @@
-"""MoE routing and the grouped GEMMs' plan in one Triton launch: router logits -> softmax ->
-top-k -> (renormalised) weights -> each pair's place in expert order -> the tiles of rows that the
-grouped expert kernels (`kernels/moe.py`) walk.
+"""MoE routing and the grouped GEMMs' plan in one Triton launch: (hidden -> router logits, for up
+to 127 experts) -> softmax -> top-k -> (renormalised) weights -> each pair's place in expert
+order -> the tiles of rows that the grouped expert kernels (`kernels/moe.py`) walk.
 
 Per row, as `Qwen3NextSparseMoeBlock.route` (the torch reference): p = softmax(logits) in float32,
 the k largest picked one by one, weights p / sum(picked p) under `norm_topk_prob`, then rounded
@@ -24,12 +24,14 @@ the same per-row arithmetic. Per-expert counts are integer sums: the plan is det
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
 
 from metrale.kernels.fused import triton
 
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # One program plans up to this many blocks of rows; beyond, a program per block in two launches.
 SINGLE_MAX_BLOCKS = 2
 # Elements of a block's (row, expert) tables: 16 rows per block for up to 127 experts, fewer for
@@ -58,6 +60,8 @@ if triton is not None:
         blk,
         logits_ptr,
         stride_l,
+        router_ptr,
+        H,
         ids_in_ptr,
         ids_ptr,
         w_ptr,
@@ -69,10 +73,13 @@ if triton is not None:
         BE: tl.constexpr,
         BKK: tl.constexpr,
         FROM_LOGITS: tl.constexpr,
+        FROM_HIDDEN: tl.constexpr,
+        BH: tl.constexpr,
         NORM: tl.constexpr,
     ):
         """Rows blk*BR ..: pick each row's experts (or read them), store ids (and weights), and
-        the block's per-expert counts."""
+        the block's per-expert counts. FROM_HIDDEN: logits_ptr holds the hidden rows [N, H],
+        whose router logits (rows of router [E, H]) are made here, rounded to their dtype."""
         rows = blk * BR + tl.arange(0, BR)
         r_ok = rows < N
         cols = tl.arange(0, BE)
@@ -80,10 +87,35 @@ if triton is not None:
         out_ok = r_ok[:, None] & (slot[None, :] < K)
         out_off = rows[:, None] * K + slot[None, :]
         if FROM_LOGITS:
-            ok = r_ok[:, None] & (cols[None, :] < E)
-            logit = tl.load(
-                logits_ptr + rows[:, None] * stride_l + cols[None, :], mask=ok, other=0.0
-            )
+            if FROM_HIDDEN:  # each row's logits over H in a fixed order: batch invariant
+                hh = tl.arange(0, BH)
+                acc = tl.zeros([BR, BE], tl.float32)
+                for h0 in range(0, H, BH):
+                    h = h0 + hh
+                    x = tl.load(
+                        logits_ptr + rows[:, None] * stride_l + h[None, :],
+                        mask=r_ok[:, None] & (h[None, :] < H),
+                        other=0.0,
+                    )
+                    w = tl.load(
+                        router_ptr + cols[None, :] * H + h[:, None],
+                        mask=(cols[None, :] < E) & (h[:, None] < H),
+                        other=0.0,
+                    )
+                    if FROM_HIDDEN == 2 or x.dtype == tl.float32:
+                        # float32 as torch's product (no tf32); 2: the interpreter, whose bf16
+                        # dot is wrong (float32 operands hold bf16 ones exactly)
+                        acc = tl.dot(
+                            x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee"
+                        )
+                    else:
+                        acc = tl.dot(x, w, acc)
+                logit = acc.to(logits_ptr.dtype.element_ty)  # a GEMM's output rounding
+            else:
+                ok = r_ok[:, None] & (cols[None, :] < E)
+                logit = tl.load(
+                    logits_ptr + rows[:, None] * stride_l + cols[None, :], mask=ok, other=0.0
+                )
             logit = tl.where(cols[None, :] < E, logit.to(tl.float32), float("-inf"))
             top = tl.max(logit, axis=1)
             total = tl.sum(tl.exp(logit - top[:, None]), axis=1)
@@ -198,6 +230,8 @@ if triton is not None:
     def _route_plan_kernel(
         logits_ptr,
         stride_l,
+        router_ptr,
+        H,
         ids_in_ptr,
         ids_ptr,
         w_ptr,
@@ -214,6 +248,8 @@ if triton is not None:
         BKK: tl.constexpr,
         BM: tl.constexpr,
         FROM_LOGITS: tl.constexpr,
+        FROM_HIDDEN: tl.constexpr,
+        BH: tl.constexpr,
         NORM: tl.constexpr,
         SHARED: tl.constexpr,
         PHASE: tl.constexpr,  # 0: route, 1: plan (a program per block); 2: both, one program
@@ -221,8 +257,8 @@ if triton is not None:
         if PHASE == 2:
             for blk in range(NB):
                 _route_block(
-                    blk, logits_ptr, stride_l, ids_in_ptr, ids_ptr, w_ptr, counts_ptr, N, E,
-                    K, BR, BE, BKK, FROM_LOGITS, NORM,
+                    blk, logits_ptr, stride_l, router_ptr, H, ids_in_ptr, ids_ptr, w_ptr,
+                    counts_ptr, N, E, K, BR, BE, BKK, FROM_LOGITS, FROM_HIDDEN, BH, NORM,
                 )  # fmt: skip
             tl.debug_barrier()  # the counts and ids other threads stored, visible below
             for blk in range(NB):
@@ -230,8 +266,8 @@ if triton is not None:
             _tile_map(counts_ptr, tiles_ptr, N, E, NB, MAX_TILES, K, BE, BM, 64, SHARED)
         elif PHASE == 0:
             _route_block(
-                tl.program_id(0), logits_ptr, stride_l, ids_in_ptr, ids_ptr, w_ptr, counts_ptr,
-                N, E, K, BR, BE, BKK, FROM_LOGITS, NORM,
+                tl.program_id(0), logits_ptr, stride_l, router_ptr, H, ids_in_ptr, ids_ptr,
+                w_ptr, counts_ptr, N, E, K, BR, BE, BKK, FROM_LOGITS, FROM_HIDDEN, BH, NORM,
             )  # fmt: skip
         else:
             blk = tl.program_id(0)
@@ -247,6 +283,18 @@ def max_tiles(num_rows: int, top_k: int, num_experts: int, shared: bool, block_m
     return tiles + (-(-num_rows // block_m) if shared else 0)
 
 
+def _block_rows(num_experts: int) -> int:
+    """Rows per block of the routing tables: 16 up to 127 experts, fewer past (registers)."""
+    block_r = max(1, min(16, BLOCK_ELEMENTS // triton.next_power_of_2(num_experts + 1)))
+    return 1 << (block_r.bit_length() - 1)  # a power of two
+
+
+def makes_logits(num_experts: int) -> bool:
+    """Whether `route` can make the router logits itself (`hidden=`, `router=`): blocks of 16
+    rows, tl.dot's least M, so up to 127 experts (Qwen3-Next-80B's 512 take the GEMM first)."""
+    return triton is not None and _block_rows(num_experts) >= 16
+
+
 def route(
     logits: torch.Tensor | None,
     top_k: int,
@@ -258,20 +306,32 @@ def route(
     ids: torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
     dtype: torch.dtype | None = None,
+    hidden: torch.Tensor | None = None,
+    router: torch.Tensor | None = None,
 ) -> MoEPlan:
     """logits [N, E] (any row stride) -> the routing and the plan, in the activation dtype
-    (`dtype`, default the logits'). Or, with `ids` [N, k] and `weights` given (an expert-
-    parallel rank's masked picks), only the plan; `num_experts` then bounds the ids."""
+    (`dtype`, default the logits'). Or, with `hidden` [N, H] and `router` [E, H] instead of
+    logits (`makes_logits(E)`), the logits hidden @ router.T made in the same launch, rounded
+    to hidden's dtype: the router GEMM's launch saved. Or, with `ids` [N, k] and `weights`
+    given (an expert-parallel rank's masked picks), only the plan; `num_experts` then bounds
+    the ids."""
+    from_hidden = hidden is not None
+    if from_hidden:
+        if router is None or logits is not None or not makes_logits(router.shape[0]):
+            raise ValueError("route(hidden=...) needs router [E, H], no logits, E <= 127")
+        if router.shape[1] != hidden.shape[1] or router.dtype != hidden.dtype:
+            raise ValueError("router [E, H] must match hidden [N, H] in H and dtype")
+        logits, router = (hidden if hidden.stride(1) == 1 else hidden.contiguous()), router
+        router = router.contiguous()
     from_logits = ids is None
     n = logits.shape[0] if from_logits else ids.shape[0]
-    e = logits.shape[1] if from_logits else num_experts
+    e = (router.shape[0] if from_hidden else logits.shape[1]) if from_logits else num_experts
     ref = logits if from_logits else ids
     device = ref.device
     dtype = dtype or (logits.dtype if from_logits else weights.dtype)
     block_e = triton.next_power_of_2(e + 1)  # column E: the shared expert's group
     block_k = triton.next_power_of_2(top_k)
-    block_r = max(1, min(16, BLOCK_ELEMENTS // block_e))
-    block_r = 1 << (block_r.bit_length() - 1)  # a power of two
+    block_r = _block_rows(e)
     blocks = triton.cdiv(n, block_r)
     tiles_n = max_tiles(n, top_k, e, shared, block_m)
     out_ids = torch.empty(n, top_k, dtype=torch.int32, device=device)
@@ -288,6 +348,8 @@ def route(
     args = (
         logits if from_logits else ids,
         logits.stride(0) if from_logits else 0,
+        router if from_hidden else out_ids,  # (unused without hidden)
+        router.shape[1] if from_hidden else 0,
         ids.contiguous() if not from_logits else out_ids,
         out_ids,
         out_w,
@@ -306,6 +368,8 @@ def route(
         BKK=block_k,
         BM=block_m,
         FROM_LOGITS=from_logits,
+        FROM_HIDDEN=(2 if INTERPRETED else 1) if from_hidden else 0,
+        BH=64,
         NORM=norm_topk_prob,
         SHARED=shared,
     )

@@ -6,8 +6,9 @@ The experts are stacked as HF 5.x keeps them (`experts.gate_up_proj` [E, 2I, H] 
 first, `experts.down_proj` [E, H, I]); the loader fills them from per-expert checkpoint tensors
 (`experts.{e}.gate_proj.weight`, ...) as well.
 
-On CUDA (and on CPU under the forced interpreter, `kernels/dispatch.py`) a block is five launches
-at any batch size: the router GEMM, routing + plan (`kernels/moe_routing.py`), and the grouped
+On CUDA (and on CPU under the forced interpreter, `kernels/dispatch.py`) a block is four launches
+at any batch size: routing + plan with the router product inside (`kernels/moe_routing.py`; the
+router GEMM first, a fifth launch, past 127 experts), and the grouped
 gate/up, down and combine kernels (`kernels/moe.py`) with the shared expert as one more group,
 the combine optionally ending in the next layer's residual add + norm. Equal router logits pick
 the lower expert index in both paths (`moe_routing.route_reference`). Elsewhere (CPU, or the
@@ -28,7 +29,7 @@ from torch import nn
 from metrale.config import ModelConfig
 from metrale.kernels.dispatch import hybrid_kernels_enabled
 from metrale.kernels.moe import BLOCK_M, SharedExpert, grouped_experts
-from metrale.kernels.moe_routing import route, route_reference
+from metrale.kernels.moe_routing import makes_logits, route, route_reference
 from metrale.models.layers import SwiGLUMLP
 
 # Without the grouped GEMM: up to this many (row, expert) pairs, the experts' weights are gathered
@@ -205,10 +206,17 @@ class Qwen3NextSparseMoeBlock(nn.Module):
             experts, weights = self.route(x)
             shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
             return self.experts(x, experts, weights) + shared
-        plan = route(
-            self.gate(x), self.top_k, norm_topk_prob=self.norm_topk_prob, shared=True,
-            block_m=BLOCK_M,
-        )  # fmt: skip
+        gate = self.gate.weight
+        if makes_logits(gate.shape[0]) and gate.dtype == x.dtype:  # the router GEMM inside
+            plan = route(
+                None, self.top_k, norm_topk_prob=self.norm_topk_prob, shared=True,
+                block_m=BLOCK_M, hidden=x, router=gate,
+            )  # fmt: skip
+        else:
+            plan = route(
+                self.gate(x), self.top_k, norm_topk_prob=self.norm_topk_prob, shared=True,
+                block_m=BLOCK_M,
+            )  # fmt: skip
         se = self.shared_expert
         shared = SharedExpert(
             se.gate_up_proj.weight, se.down_proj.weight, self.shared_expert_gate.weight[0]
