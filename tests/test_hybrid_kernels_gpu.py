@@ -80,7 +80,6 @@ def test_moe_rows_are_batch_invariant(monkeypatch):
     norm = ZeroCentredRMSNorm(H, 1e-6).cuda().bfloat16()
     row = torch.randn(1, H, generator=torch.Generator().manual_seed(2)).cuda().bfloat16()
     res_row = torch.randn(1, H, generator=torch.Generator().manual_seed(3)).cuda().bfloat16()
-    row_logits = block.gate(row)
     outs = []
     with torch.no_grad():
         single = moe_routing.SINGLE_MAX_BLOCKS
@@ -88,9 +87,11 @@ def test_moe_rows_are_batch_invariant(monkeypatch):
             # 256 rows: the routing's two-launch form (a program per block)
             monkeypatch.setattr(moe_routing, "SINGLE_MAX_BLOCKS", 0 if n == 256 else single)
             x, residual = _rows_with(row, n, at, 10 + i), _rows_with(res_row, n, at, 50 + i)
-            logits = block.gate(x)
-            logits[at] = row_logits[0]  # the router GEMM is cuBLAS's (issue 13), not tested here
-            plan = moe_routing.route(logits, K, shared=True, block_m=moe.BLOCK_M)
+            # the router product made in the routing kernel: the row's logits are its own too
+            gate = block.gate.weight
+            plan = moe_routing.route(
+                None, K, shared=True, block_m=moe.BLOCK_M, hidden=x, router=gate
+            )
             se = block.shared_expert
             shared = moe.SharedExpert(
                 se.gate_up_proj.weight, se.down_proj.weight, block.shared_expert_gate.weight[0]
