@@ -97,19 +97,19 @@ if triton is not None:
                         mask=r_ok[:, None] & (h[None, :] < H),
                         other=0.0,
                     )
+                    # [BE, BH]: each expert's run of H contiguous (coalesced), transposed in dot
                     w = tl.load(
-                        router_ptr + cols[None, :] * H + h[:, None],
-                        mask=(cols[None, :] < E) & (h[:, None] < H),
+                        router_ptr + cols[:, None] * H + h[None, :],
+                        mask=(cols[:, None] < E) & (h[None, :] < H),
                         other=0.0,
                     )
                     if FROM_HIDDEN == 2 or x.dtype == tl.float32:
                         # float32 as torch's product (no tf32); 2: the interpreter, whose bf16
                         # dot is wrong (float32 operands hold bf16 ones exactly)
-                        acc = tl.dot(
-                            x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee"
-                        )
+                        w32 = tl.trans(w.to(tl.float32))
+                        acc = tl.dot(x.to(tl.float32), w32, acc, input_precision="ieee")
                     else:
-                        acc = tl.dot(x, w, acc)
+                        acc = tl.dot(x, tl.trans(w), acc)
                 logit = acc.to(logits_ptr.dtype.element_ty)  # a GEMM's output rounding
             else:
                 ok = r_ok[:, None] & (cols[None, :] < E)
@@ -369,7 +369,7 @@ def route(
         BM=block_m,
         FROM_LOGITS=from_logits,
         FROM_HIDDEN=(2 if INTERPRETED else 1) if from_hidden else 0,
-        BH=64,
+        BH=128,
         NORM=norm_topk_prob,
         SHARED=shared,
     )
