@@ -7,8 +7,8 @@ so with it the key carries the KV length rounded up to a power of two; with the 
 kernel it does not. A hybrid target's programs also read their sequences' state entries from the
 workspace (`state_read`, and `state_rows` for a per-row-slot verify), and a write-on-accept
 verify program returns the `GDNState` whose pending rows `StateSlots.commit` settles. Prefill
-programs (`program_shapes.PrefillShape`, dense targets) compute logits only for the rows that
-sample.
+programs (`program_shapes.PrefillShape` for dense targets, `GDNPrefillShape` for hybrids, whose
+state they advance in WRITE mode) compute logits only for the rows that sample.
 """
 
 from __future__ import annotations
@@ -21,12 +21,15 @@ from metrale.engine.kv_cache import DUMMY_PAGE
 from metrale.engine.program_cache import CACHE_CAP, ProgramCache, capture, kv_bucket
 from metrale.engine.program_cache import Workspace as Workspace  # re-exported
 from metrale.engine.program_shapes import (
+    GDNPrefillShape,
     PrefillShape,
     RaggedShape,
+    all_gdn_prefill_shapes,
     all_prefill_shapes,
     all_ragged_shapes,
     capture_layout,
     default_max_rows,
+    gdn_prefill_widths,
     max_ragged_seqs,
     prefill_program_rows,
 )
@@ -72,10 +75,11 @@ class GraphRunner:
         programs need no KV bucket in their key. `state_pool`: a hybrid target's state.
         `max_q`: the most rows one sequence runs in a step (1 + K); `max_seqs`: sequences.
         With the paged kernel programs are ragged (`program_shapes.py`; a hybrid's verify
-        programs run state mode `verify_mode`), and a dense target's steps with prefill chunks
-        of up to `prefill_rows` rows (rounded down to a power of two; 0: none) replay prefill
-        programs. `max_rows` None: as
-        many rows as any step of `max_seqs` sequences can need, so no step is refused."""
+        programs run state mode `verify_mode`), and steps with prefill chunks of up to
+        `prefill_rows` rows (rounded down to a power of two; 0: none) replay prefill programs (a
+        hybrid's keyed by rows per sequence too, in `prefill_widths`, and none wider). `max_rows`
+        None: as many rows as any step of `max_seqs` sequences can need, so no step is
+        refused."""
         self.model, self.page_size, self.device = model, page_size, device
         self.state_pool = state_pool
         self.max_model_len = max_model_len
@@ -85,14 +89,23 @@ class GraphRunner:
         # (shape, state mode) of every program captured at start-up
         shapes = ragged_programs(max_seqs, max_q, verify_mode) if self.ragged else []
         # the largest power of two of rows a prefill program takes (0: steps with prefill
-        # chunks run eagerly), within the rows the user allowed a graphed step; dense only
-        prefill_rows = prefill_program_rows(prefill_rows) if self.ragged and not state_pool else 0
+        # chunks run eagerly), within the rows the user allowed a graphed step
+        prefill_rows = prefill_program_rows(prefill_rows) if self.ragged else 0
         decode_rows = max_rows or default_max_rows(max_seqs, max_q, self.ragged)
         if max_rows is None:
             max_rows = max(decode_rows, prefill_rows)
         self.prefill_rows = prefill_program_rows(min(prefill_rows, max_rows))
-        prefill = all_prefill_shapes(max_seqs, self.prefill_rows, max_q)
-        shapes += [(shape, None) for shape in prefill]
+        prefill: list[PrefillShape | GDNPrefillShape]
+        if state_pool is None:
+            self.prefill_widths: list[int] = []
+            prefill = all_prefill_shapes(max_seqs, self.prefill_rows, max_q)
+        else:
+            # read now: the deterministic mode has set the pool's threshold by then
+            self.prefill_widths = gdn_prefill_widths(self.prefill_rows, state_pool.chunk_min_rows)
+            prefill = all_gdn_prefill_shapes(max_seqs, self.prefill_rows, self.prefill_widths)
+        # a hybrid's prefill programs advance their sequences' state in place (WRITE)
+        prefill_mode = None if state_pool is None else StateMode.WRITE
+        shapes += [(shape, prefill_mode) for shape in prefill]
         self.cache: ProgramCache = ProgramCache(
             self._capture,
             max_rows,
@@ -135,8 +148,8 @@ class GraphRunner:
 
     def _meta(self, table, bucket: int) -> AttentionMetadata:
         rows, seqs = table.rows(), table.num_seqs
-        if isinstance(table, (RaggedShape, PrefillShape)):
-            q = table.max_q
+        if isinstance(table, (RaggedShape, PrefillShape, GDNPrefillShape)):
+            q = table.max_q  # a hybrid's GDN layers view the rows as [seqs, q]
         else:
             q = max(run.k for run in table.runs)
         return AttentionMetadata(
@@ -162,12 +175,17 @@ class GraphRunner:
 
     def _forward_fn(self, table, bucket: int, mode: StateMode | None):
         rows, seqs = table.rows(), table.num_seqs
-        if isinstance(table, PrefillShape):
+        if isinstance(table, (PrefillShape, GDNPrefillShape)):
             samples = table.samples
 
             def prefill():
                 meta = self._meta(table, bucket)
-                hidden = self.model(self.input_ids[:rows], self.positions[:rows], meta)
+                ids, positions = self.input_ids[:rows], self.positions[:rows]
+                if self.state_pool is None:
+                    hidden = self.model(ids, positions, meta)
+                else:  # padding sequences read and write the dummy entry alone
+                    state = self.state_pool.view(self.state_read[:seqs], StateMode.WRITE)
+                    hidden = self.model(ids, positions, meta, state)
                 logits = self.model.compute_logits(
                     hidden, self.sample_rows[:samples], out=self.logits[:samples]
                 )
@@ -200,7 +218,7 @@ class GraphRunner:
         seqs = table.num_seqs
         self.input_ids.zero_()
         self.slots.fill_(DUMMY_PAGE * self.page_size)
-        if isinstance(table, (RaggedShape, PrefillShape)):
+        if isinstance(table, (RaggedShape, PrefillShape, GDNPrefillShape)):
             lens = table.layout()
         else:
             lens = [run.k for run in table.runs for _ in range(run.count)]

@@ -17,14 +17,20 @@ captures inside a run at batch 8 and 64 on the H200), each costing more than man
 Shapes: S sequences of R rows in all are padded to a power of two of sequences, plus a few
 padding sequences that take the padding rows, and R to a multiple of half the sequence bucket;
 every padding row belongs to a padding sequence of at most `max_q` rows on the dummy page, so it
-sees a key (no 0 / 0) and never a real sequence's page. Hybrid targets keep row-table programs:
-their recurrent-state kernels address a [sequences, rows] layout.
+sees a key (no 0 / 0) and never a real sequence's page. A hybrid target's decode programs have
+width 1 and its verify programs 1 + K: its recurrent-state kernels view the rows as [sequences,
+max_q].
 
 Prefill programs (dense targets): steps with prefill chunks of at most `graph_prefill_rows` rows
 in all. The kernel tiles any number of rows per sequence, so a program is keyed by its row bucket
 (a power of two, 16 at least) and its sequence bucket alone, plus one spare sequence that takes
 all the padding rows; it computes logits only for `samples` gathered rows (each sampling
 sequence's last token and drafts), not for every prompt row.
+
+Hybrid prefill programs (`GDNPrefillShape`): the GDN layers' [sequences, width] view makes the
+width (the longest sequence's rows, bucketed by `gdn_prefill_widths`) part of the key, beside the
+row and sequence buckets, and the padding rows go to padding sequences of at most that width on
+the dummy page and the dummy state entry; how many is a function of the key alone.
 """
 
 from __future__ import annotations
@@ -203,3 +209,114 @@ def all_prefill_shapes(max_seqs: int, max_rows: int, sample_rows_per_seq: int) -
                 shapes.add(prefill_shape(num_seqs, rows, sample_rows_per_seq))
             rows *= 2
     return sorted(shapes)
+
+
+@dataclass(frozen=True, order=True)
+class GDNPrefillShape:
+    """A hybrid target's prefill program: `rows_` rows over `num_seqs` sequences of at most
+    `width` rows each, with logits for `samples` gathered rows (one per sampling sequence).
+
+    Its Gated-DeltaNet layers view the rows as a padded [num_seqs, width] block, so unlike a
+    dense prefill program it is keyed by the width too, and its padding rows are spread over
+    padding sequences of at most `width` rows (on the dummy page and the dummy state entry)."""
+
+    rows_: int
+    num_seqs: int
+    width: int
+    samples: int
+
+    def rows(self) -> int:
+        return self.rows_
+
+    @property
+    def max_q(self) -> int:
+        return self.width
+
+    def layout(self) -> list[int]:
+        """Capture-time rows per sequence: full sequences of `width` rows, then the rest."""
+        return fill_rows(self.rows_, self.num_seqs, self.width)
+
+    def __str__(self) -> str:
+        return (
+            f"GDN prefill {self.rows_} rows / {self.num_seqs} seqs of <= {self.width} rows "
+            f"({self.samples} sampled)"
+        )
+
+
+def fill_rows(rows: int, seqs: int, width: int) -> list[int]:
+    """`rows` rows over `seqs` sequences of at most `width` rows each, filling each in turn."""
+    out, left = [], rows
+    for _ in range(seqs):
+        out.append(min(width, left))
+        left -= out[-1]
+    if left:
+        raise ValueError(f"{rows} rows do not fit {seqs} sequences of {width} rows")
+    return out
+
+
+# Rows per sequence of the narrowest hybrid prefill program: narrower steps pad to it. Padding a
+# sequence's rows costs only delta-rule and conv steps over rows that change nothing; narrower
+# buckets would add a fifth more programs to capture (124 -> 148 at 64 sequences, 512 rows).
+GDN_PREFILL_MIN_WIDTH = 8
+
+
+def gdn_prefill_widths(max_rows: int, chunk_min_rows: int) -> list[int]:
+    """The widths (rows per sequence) of a hybrid's prefill programs: powers of two from
+    GDN_PREFILL_MIN_WIDTH up to `max_rows`, plus `chunk_min_rows` itself when in range. The
+    delta rule picks its chunked form when a forward's width passes `chunk_min_rows`; with that
+    number a bucket boundary, a program picks the form an eager forward of the same step picks
+    (in deterministic mode, where it is past any width, always the recurrent one)."""
+    widths = {
+        1 << b for b in range(max_rows.bit_length()) if GDN_PREFILL_MIN_WIDTH <= 1 << b <= max_rows
+    }
+    if 1 <= chunk_min_rows <= max_rows:
+        widths.add(chunk_min_rows)
+    return sorted(widths)
+
+
+def _row_floor(rows: int) -> int:
+    """The fewest real rows a step padded to a `rows` row bucket has."""
+    return rows // 2 + 1 if rows > PREFILL_MIN_ROWS else 1
+
+
+def _gdn_shape(seqs: int, rows: int, width: int) -> GDNPrefillShape:
+    # Enough padding sequences of `width` rows for the most padding rows the row bucket leaves
+    # (the sequence bucket's spare sequences may hold none: it may be full): a function of the
+    # key alone, so one program serves every step of the bucket.
+    extra = -(-(rows - _row_floor(rows)) // width)
+    return GDNPrefillShape(rows, seqs + extra, width, min(rows, seqs))
+
+
+def gdn_prefill_shape(
+    num_seqs: int, num_rows: int, longest: int, widths: list[int]
+) -> GDNPrefillShape:
+    """The padded shape of a hybrid step of `num_seqs` sequences, `num_rows` rows and at most
+    `longest` rows in one sequence (no drafts: a prefill program runs WRITE mode)."""
+    if not 1 <= longest <= num_rows or not num_seqs <= num_rows <= num_seqs * longest:
+        raise ValueError(f"{num_seqs} sequences of 1..{longest} rows cannot hold {num_rows} rows")
+    width = next((w for w in widths if w >= longest), None)
+    if width is None:
+        raise ValueError(f"a sequence of {longest} rows is past the widest program ({widths})")
+    seqs = 1 << (num_seqs - 1).bit_length()
+    return _gdn_shape(seqs, max(PREFILL_MIN_ROWS, 1 << (num_rows - 1).bit_length()), width)
+
+
+def all_gdn_prefill_shapes(max_seqs: int, max_rows: int, widths: list[int]) -> list:
+    """Every hybrid prefill shape of up to `max_seqs` sequences and `max_rows` rows (a power of
+    two) that some step can pad to (captured at start-up): per (sequence, width, row) bucket,
+    whether real steps of that many sequences, longest sequence and rows exist."""
+    shapes = set()
+    seqs = 1
+    while True:
+        n_lo, n_hi = seqs // 2 + 1, min(seqs, max_seqs)  # sequence counts in this bucket
+        for i, width in enumerate(widths):
+            longest_lo = widths[i - 1] + 1 if i else 1
+            rows = PREFILL_MIN_ROWS
+            while rows <= max_rows:
+                lo = max(_row_floor(rows), n_lo - 1 + longest_lo)
+                if width <= rows and lo <= min(rows, n_hi * width):
+                    shapes.add(_gdn_shape(seqs, rows, width))
+                rows *= 2
+        if seqs >= max_seqs:
+            return sorted(shapes)
+        seqs *= 2

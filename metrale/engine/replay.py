@@ -3,8 +3,8 @@ workspace, replay, and return the real rows' outputs. The runner falls back to i
 forward when these return None.
 
 Three kinds of program (`program_shapes.py`): row-table programs (targets without the paged
-kernel), ragged programs (decode and verify steps), and prefill programs (dense steps with prompt
-chunks).
+kernel), ragged programs (decode and verify steps), and prefill programs (steps with prompt
+chunks; a hybrid target's keyed by rows per sequence too).
 """
 
 from __future__ import annotations
@@ -14,7 +14,14 @@ import itertools
 import torch
 
 from metrale.engine.kv_cache import DUMMY_PAGE
-from metrale.engine.program_shapes import decode_bucket, padding_rows, prefill_shape, ragged_shape
+from metrale.engine.program_shapes import (
+    decode_bucket,
+    fill_rows,
+    gdn_prefill_shape,
+    padding_rows,
+    prefill_shape,
+    ragged_shape,
+)
 from metrale.engine.sequence import Batch, ScheduledSeq
 from metrale.engine.staging import to_device_packed
 from metrale.speculative.row_table import RowTable
@@ -93,14 +100,16 @@ def _replay_ragged(runner, batch: Batch):
 
 def replay_prefill(runner, batch: Batch, sample_rows: list[int]):
     """(hidden [T, H] of the batch's rows, logits [len(sample_rows), V], None, entries) of a
-    step with prompt chunks from a prefill program (dense targets), or None when there is no
-    prefill program as wide as the step.
+    step with prompt chunks from a prefill program, or None when there is no prefill program as
+    wide as the step.
     The real rows come first, in batch order; one padding sequence on the dummy page takes the
     padding rows, and the other padding sequences none."""
     graphs = runner.graphs
     num_rows = batch.num_rows
     if num_rows > graphs.prefill_rows:
         return None
+    if runner.states is not None:
+        return _replay_gdn_prefill(runner, batch, sample_rows)
     spans = spans_of(batch)
     shape = prefill_shape(len(spans), num_rows, graphs.max_q)
     pad = shape.rows() - num_rows
@@ -113,6 +122,34 @@ def replay_prefill(runner, batch: Batch, sample_rows: list[int]):
     hidden, logits, _ = ran
     hidden = _kept_hidden(runner, hidden, num_rows)
     return hidden, logits[: len(sample_rows)], None, list(batch.entries)
+
+
+def _replay_gdn_prefill(runner, batch: Batch, sample_rows: list[int]):
+    """`replay_prefill` for a hybrid target (`program_shapes.GDNPrefillShape`): the real rows
+    first, in batch order, then padding sequences of at most the program's width on the dummy
+    page and the dummy state entry, so that the GDN layers' [seqs, width] view holds every
+    sequence. The program advances each real sequence's state entry in place (WRITE), as the
+    eager forward does; entries of fresh sequences are zeroed, and those resuming from a prefix
+    snapshot loaded, before it runs (`StateSlots.addresses`)."""
+    entries: list[ScheduledSeq | None] = list(batch.entries)
+    longest = max(e.num_rows for e in entries)
+    # Drafts (a verify's state mode), or a sequence wider than any program: eagerly.
+    if any(e.drafts for e in entries) or longest > runner.graphs.prefill_widths[-1]:
+        return None
+    spans = spans_of(batch)
+    num_rows, num_seqs = batch.num_rows, len(spans)
+    shape = gdn_prefill_shape(num_seqs, num_rows, longest, runner.graphs.prefill_widths)
+    dummy_table = [DUMMY_PAGE] * -(-shape.width // runner.page_size)
+    pads = fill_rows(shape.rows() - num_rows, shape.num_seqs - num_seqs, shape.width)
+    spans += [(dummy_table, 0, [0] * rows) for rows in pads]
+    entries += [None] * len(pads)
+    state = runner.states.addresses(entries, False, width=shape.width)
+    samples = sample_rows + [0] * (shape.samples - len(sample_rows))
+    ran = run_program(runner, shape, spans, state, samples)
+    if ran is None:
+        return None
+    hidden, logits, _ = ran
+    return _kept_hidden(runner, hidden, num_rows), logits[: len(sample_rows)], None, entries
 
 
 def _kept_hidden(runner, hidden: torch.Tensor, num_rows: int) -> torch.Tensor:
