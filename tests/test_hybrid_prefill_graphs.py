@@ -402,11 +402,17 @@ def test_cuda_hybrid_prefill_programs_equal_cpu(hybrid_dir, gdn_triton, variant,
         ):
             g = llm.engine.runner.graphs
             assert g.prefill_rows == 32
-            before = g.cache.stats()
+            before, replayed, run = g.cache.stats(), [], g.run
+
+            def recording(table, *args, run=run, replayed=replayed):
+                replayed.append(table)
+                return run(table, *args)
+
+            g.run = recording
             assert ids(llm.generate(prompts, params, use_tqdm=False)) == want
             stats = g.cache.stats()
-            assert stats["misses"] == before["misses"]
-            assert any(isinstance(key[0], GDNPrefillShape) for key in g.cache._programs)
-            assert stats["hits"] > before["hits"] and llm.engine.runner.graph_refusals == 0
+            assert stats["misses"] == before["misses"]  # every program captured at start-up
+            assert sum(isinstance(t, GDNPrefillShape) for t in replayed) >= 3
+            assert llm.engine.runner.graph_refusals == 0
     finally:
         knobs.cache_clear()
