@@ -197,7 +197,9 @@ def kernels(monkeypatch):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("norm", [True, False])
-def test_sparse_block_fused_equals_torch(dtype, norm, kernels):
+@pytest.mark.parametrize("router_in_kernel", [False, True], ids=["router_gemm", "router_in_kernel"])
+def test_sparse_block_fused_equals_torch(dtype, norm, router_in_kernel, kernels, monkeypatch):
+    monkeypatch.setattr(qwen3_next_moe, "ROUTER_IN_KERNEL", router_in_kernel)
     block = _block(dtype, norm=norm)
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(9, 64, generator=gen).to(DEVICE, dtype)

@@ -6,12 +6,11 @@ The experts are stacked as HF 5.x keeps them (`experts.gate_up_proj` [E, 2I, H] 
 first, `experts.down_proj` [E, H, I]); the loader fills them from per-expert checkpoint tensors
 (`experts.{e}.gate_proj.weight`, ...) as well.
 
-On CUDA (and on CPU under the forced interpreter, `kernels/dispatch.py`) a block is four launches
-at any batch size: routing + plan with the router product inside (`kernels/moe_routing.py`; the
-router GEMM first, a fifth launch, past 127 experts), and the grouped
-gate/up, down and combine kernels (`kernels/moe.py`) with the shared expert as one more group,
-the combine optionally ending in the next layer's residual add + norm. Equal router logits pick
-the lower expert index in both paths (`moe_routing.route_reference`). Elsewhere (CPU, or the
+On CUDA (and on CPU under the forced interpreter, `kernels/dispatch.py`) a block is five launches
+at any batch size: the router GEMM (cuBLAS), routing + plan (`kernels/moe_routing.py`), and the
+grouped gate/up, down and combine kernels (`kernels/moe.py`) with the shared expert as one more
+group, the combine optionally ending in the next layer's residual add + norm. Equal router logits
+pick the lower expert index in both paths (`moe_routing.route_reference`). Elsewhere (CPU, or the
 kernels off), `torch._grouped_mm` where it runs without a host sync (bf16 on sm90/sm100 GPUs, any
 float dtype on CPU, 16-byte aligned dims); else small batches gather each row's experts and run
 batched matmuls, still sync-free, and larger ones loop over the experts (`_looped`: the
@@ -36,6 +35,12 @@ from metrale.models.layers import SwiGLUMLP
 # per row (sync-free, but each pair copies its expert's weights); above it, the loop reads each
 # expert once but syncs once per expert.
 GATHER_MAX_PAIRS = 64
+
+# The routing kernel can compute the router product itself (`route(..., hidden=, router=)`, one
+# launch fewer per layer), but on the H200 that was slower than cuBLAS + route at every batch size
+# (`scripts/moe_route_timing.py`, 64 experts, H 2048: 24.1 vs 17.3 us at 1 row, 30.1 vs 22.9 at 16,
+# 32.5 vs 26.4 at 64): one program per row block reads the whole router alone. Off by default.
+ROUTER_IN_KERNEL = False
 
 
 @functools.cache
@@ -207,7 +212,7 @@ class Qwen3NextSparseMoeBlock(nn.Module):
             shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
             return self.experts(x, experts, weights) + shared
         gate = self.gate.weight
-        if makes_logits(gate.shape[0]) and gate.dtype == x.dtype:  # the router GEMM inside
+        if ROUTER_IN_KERNEL and makes_logits(gate.shape[0]) and gate.dtype == x.dtype:
             plan = route(
                 None, self.top_k, norm_topk_prob=self.norm_topk_prob, shared=True,
                 block_m=BLOCK_M, hidden=x, router=gate,
