@@ -70,7 +70,10 @@ if triton is not None:
         else:
             tl.store(out_ptr + row * n + cols, (w * _round(x * inv, dt)).to(dt), mask=mask)
 
-    @triton.jit
+    # One binary for both uses (with and without the KV write): the flag is a runtime argument
+    # and the cache pointers are not specialised on alignment, so q and k come out of the same
+    # machine code either way (on the H200 the two constexpr variants differed by one bf16 ulp).
+    @triton.jit(do_not_specialize=["kc_ptr", "vc_ptr", "slots_ptr", "write_kv"])
     def _qk_norm_rope_kernel(
         qkv_ptr,
         qw_ptr,
@@ -83,13 +86,13 @@ if triton is not None:
         kc_ptr,
         vc_ptr,
         slots_ptr,
+        write_kv,
         stride_row,
         stride_cos,
         eps,
         NUM_Q: tl.constexpr,
         NUM_KV: tl.constexpr,
         D: tl.constexpr,
-        WRITE_KV: tl.constexpr,
     ):
         row = tl.program_id(0)
         head = tl.program_id(1)  # q heads first, then k heads
@@ -118,7 +121,7 @@ if triton is not None:
             dst = k_ptr + (row * NUM_KV + head - NUM_Q) * D
         tl.store(dst + half, o1.to(dt))
         tl.store(dst + D // 2 + half, o2.to(dt))
-        if WRITE_KV and head >= NUM_Q:  # this row's k and v head into its cache slot
+        if (write_kv != 0) & (head >= NUM_Q):  # this row's k and v head into its cache slot
             kv_head = head - NUM_Q
             at = tl.load(slots_ptr + row).to(tl.int64) * (NUM_KV * D) + kv_head * D
             cdt = kc_ptr.dtype.element_ty
@@ -215,7 +218,7 @@ def qk_norm_rope(
     dim = q_weight.shape[0]
     q = torch.empty(rows, num_q, dim, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(rows, num_kv, dim, dtype=qkv.dtype, device=qkv.device)
-    kc, vc, slots = kv_cache_halves(kv_cache, slots, q)
+    kc, vc, slots = kv_cache_halves(kv_cache, slots, q, positions)
     if rows:
         _qk_norm_rope_kernel[(rows, num_q + num_kv)](
             qkv,
@@ -229,25 +232,30 @@ def qk_norm_rope(
             kc,
             vc,
             slots,
+            int(kv_cache is not None),
             qkv.stride(0),
             cos.stride(0),
             eps,
             NUM_Q=num_q,
             NUM_KV=num_kv,
             D=dim,
-            WRITE_KV=kv_cache is not None,
             num_warps=1,
         )
     return q, k
 
 
 def kv_cache_halves(
-    kv_cache: torch.Tensor | None, slots: torch.Tensor | None, dummy: torch.Tensor
+    kv_cache: torch.Tensor | None,
+    slots: torch.Tensor | None,
+    dummy: torch.Tensor,
+    index_dummy: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(k cache, v cache, slots) for a glue kernel that writes the KV rows itself, or three
-    unused stand-ins when it does not (`kv_cache` None)."""
+    """(k cache, v cache, slots) for a glue kernel that writes the KV rows itself, or unused
+    stand-ins when it does not (`kv_cache` None): `dummy` of the activation dtype for the cache
+    halves and `index_dummy` (int64) for the slots, so that both uses pass the same argument
+    types and run the same compiled kernel."""
     if kv_cache is None:
-        return dummy, dummy, dummy
+        return dummy, dummy, index_dummy
     if slots is None or not kv_cache.is_contiguous():
         raise ValueError("writing KV in the kernel needs slots and a contiguous cache")
     return kv_cache[0], kv_cache[1], slots

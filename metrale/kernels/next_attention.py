@@ -25,7 +25,10 @@ if triton is not None:
     def _r(x, DT: tl.constexpr):
         return x.to(DT).to(tl.float32)
 
-    @triton.jit
+    # One binary for both uses (with and without the KV write): the flag is a runtime argument
+    # and the cache pointers are not specialised on alignment, so q and k come out of the same
+    # machine code either way (on the H200 the two constexpr variants differed by one bf16 ulp).
+    @triton.jit(do_not_specialize=["kc_ptr", "vc_ptr", "slots_ptr", "write_kv"])
     def _qk_norm_rope_kernel(
         qkv_ptr,
         stride_row,
@@ -40,13 +43,13 @@ if triton is not None:
         kc_ptr,
         vc_ptr,
         slots_ptr,
+        write_kv,
         eps,
         NUM_Q: tl.constexpr,
         NUM_KV: tl.constexpr,
         D: tl.constexpr,
         ROT: tl.constexpr,
         BD: tl.constexpr,
-        WRITE_KV: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)  # q heads first, then k heads
@@ -79,7 +82,7 @@ if triton is not None:
         else:
             dst = k_ptr + (row * NUM_KV + head - NUM_Q) * D
         tl.store(dst + d, out.to(dt), mask=ok)
-        if WRITE_KV and head >= NUM_Q:  # this row's k and v head into its cache slot
+        if (write_kv != 0) & (head >= NUM_Q):  # this row's k and v head into its cache slot
             kv_head = head - NUM_Q
             at = tl.load(slots_ptr + row).to(tl.int64) * (NUM_KV * D) + kv_head * D
             cdt = kc_ptr.dtype.element_ty
@@ -128,12 +131,12 @@ def qk_norm_rope(
     rows, dim = qkv.shape[0], q_weight.shape[0]
     q = torch.empty(rows, num_q, dim, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(rows, num_kv, dim, dtype=qkv.dtype, device=qkv.device)
-    kc, vc, slots = kv_cache_halves(kv_cache, slots, q)
+    kc, vc, slots = kv_cache_halves(kv_cache, slots, q, positions)
     if rows:
         _qk_norm_rope_kernel[(rows, num_q + num_kv)](
             qkv, qkv.stride(0), q_weight, k_weight, cos, sin, cos.stride(0), positions, q, k,
-            kc, vc, slots, eps, NUM_Q=num_q, NUM_KV=num_kv, D=dim, ROT=2 * cos.shape[-1],
-            BD=triton.next_power_of_2(dim), WRITE_KV=kv_cache is not None, num_warps=1,
+            kc, vc, slots, int(kv_cache is not None), eps, NUM_Q=num_q, NUM_KV=num_kv, D=dim,
+            ROT=2 * cos.shape[-1], BD=triton.next_power_of_2(dim), num_warps=1,
         )  # fmt: skip
     return q, k
 
