@@ -160,6 +160,12 @@ class Knobs:
         bool,
         "=1: D-Cut prices verify rows only, not the drafter's measured host work (A/B runs)",
     )
+    no_deferred_text: bool = _knob(
+        "METRALE_NO_DEFERRED_TEXT",
+        _is_one,
+        bool,
+        "=1: detokenize every sequence inside its step, not while the next forward runs (A/B)",
+    )
     canonical_key_min_width: int | None = _knob(
         "METRALE_CANONICAL_KEY_MIN_WIDTH",
         _usize,

@@ -334,6 +334,33 @@ def test_conv_kernel_matches_reference(dtype, mode):
     assert torch.equal(pool[untouched], before[untouched])
 
 
+@pytest.mark.parametrize("width", [1, 5])
+def test_conv_kernel_reads_lengths_from_the_packed_offsets(width):
+    """`conv_in_pool(..., starts=query_start_loc)` (a forward's conv: no lengths tensor made)
+    equals the call with lengths = the offsets' differences, bit for bit: outputs and windows,
+    zero-row sequences included (T = 1: the trailing ones of a padded decode program)."""
+    from metrale.kernels.gdn_conv import conv_in_pool
+
+    torch.manual_seed(11)
+    lens = [1, 1, 0, 0] if width == 1 else [5, 2, 0, 1]
+    b, d = len(lens), 40
+    x = torch.randn(b, width, d, device=DEVICE)
+    weight = torch.randn(d, 4, device=DEVICE)
+    pool = torch.randn(9, d, 3, device=DEVICE)
+    read = torch.tensor([7, 2, 4, 0], device=DEVICE)
+    lengths = torch.tensor(lens, device=DEVICE)
+    starts = torch.tensor([0, *lens], device=DEVICE).cumsum(0)
+    results = []
+    for kw in ({"lengths": lengths}, {"lengths": None, "starts": starts}):
+        store = pool.clone()
+        out = conv_in_pool(x, weight, store, read, final=read, **kw)
+        results.append((out, store))
+    for got, want in zip(results[1], results[0], strict=True):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="lengths or starts"):
+        conv_in_pool(x, weight, pool, read, lengths, starts=starts)
+
+
 @pytest.mark.parametrize("mode", ["final", "rows", "read_only", "commit"])
 def test_delta_rule_kernel_addresses_the_pool_in_place(mode):
     """The kernel on a state pool: sequences read non-adjacent entries; `final` writes the state

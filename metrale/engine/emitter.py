@@ -1,37 +1,134 @@
 """Emitting tokens: record each one (with logprobs), detokenize it, check stop conditions, and
-build the RequestOutputs a step returns."""
+build the RequestOutputs a step returns.
+
+Detokenizing is off the step's critical path where nothing this step decides needs the text: a
+sequence with no stop strings and no logprobs ends on token ids alone (EOS, stop token ids,
+`max_tokens`, the model length, a complete grammar), so its tokens are recorded at once and their
+text is made later, by `drain`, which the engine runs while the next step's forward is on the
+device (`ModelRunner.while_forward_runs`). Its output for step N is then returned by step N+1,
+text and token ids together (as vLLM's asynchronous output processing does); a sequence that
+ends is detokenized at once, so its last output is complete in the step it ends. Sequences with
+stop strings (the text decides when they end) or logprobs are detokenized in the step itself.
+"""
 
 from __future__ import annotations
 
 from metrale.engine.sequence import Sequence
 from metrale.engine.step_output import SampledToken
-from metrale.engine.stop import check_stop
+from metrale.engine.stop import check_stop, token_stop
+from metrale.knobs import knobs
 from metrale.outputs import CompletionOutput, Logprob, RequestOutput
 from metrale.tokenizer import Tokenizer
+
+# A delta: the text and the token ids a sequence emitted since its last output.
+Delta = tuple[str, list[int]]
 
 
 class Emitter:
     def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        # seq_id -> (sequence, token ids recorded but not yet detokenized)
+        self._pending: dict[int, tuple[Sequence, list[int]]] = {}
+        # deltas `drain` made, waiting for the step to return them
+        self._drained: list[tuple[Sequence, Delta]] = []
+        self.defers = not knobs().no_deferred_text
 
-    def emit(self, seq: Sequence, tokens: list[SampledToken]) -> tuple[str, list[int]]:
+    def emit(self, seq: Sequence, tokens: list[SampledToken]) -> Delta | None:
         """Append `tokens` in order until a stop condition ends the sequence (later tokens of a
         verify are then dropped, as plain decoding would never have made them). Sets
-        `seq.finish_reason` when it ends. Returns the (text, token ids) delta."""
-        text, ids = "", []
+        `seq.finish_reason` when it ends. Returns the (text, token ids) delta, or None when the
+        text is deferred to `drain` (the tokens are recorded either way)."""
+        if not self.defers or seq.params.stop or seq.params.logprobs is not None:
+            text, ids = "", []
+            for token in tokens:
+                text += self._append(seq, token)
+                ids.append(token.token_id)
+                if seq.finish_reason is not None:
+                    break
+            return text, ids
+        ids = []
         for token in tokens:
-            text += self._append(seq, token)
+            self._record(seq, token)
             ids.append(token.token_id)
-            if seq.finish_reason is not None:
+            reason = token_stop(seq, self.max_model_len)
+            if reason is not None:
+                seq.finish_reason, seq.stop_reason = reason
                 break
+        entry = self._pending.get(seq.seq_id)
+        if entry is None:
+            self._pending[seq.seq_id] = (seq, ids)
+        else:
+            entry[1].extend(ids)
+        if seq.finish_reason is None:
+            return None
+        # It ended: its text now, the last detokenizer tail included, so its final output
+        # is whole; the delta covers every token its outputs have not shown yet.
+        delta = self._detokenize(*self._pending.pop(seq.seq_id))
+        tail = seq.detokenizer.flush()
+        seq.text += tail
+        return delta[0] + tail, delta[1]
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def drain(self) -> None:
+        """Detokenize every deferred token (the engine calls it while a forward runs); the
+        deltas wait in `take_drained`."""
+        for seq, ids in self._pending.values():
+            self._drained.append((seq, self._detokenize(seq, ids)))
+        self._pending.clear()
+
+    def take_drained(
+        self, changed: dict[str, dict[int, Delta]], request_id: str | None = None
+    ) -> None:
+        """Put the drained deltas (of one request, or all) into `changed` (request id -> seq id
+        -> delta), before whatever delta the step itself gave the sequence: theirs are earlier
+        tokens."""
+        if request_id is None:
+            drained, self._drained = self._drained, []
+        else:
+            drained = [d for d in self._drained if d[0].request_id == request_id]
+            self._drained = [d for d in self._drained if d[0].request_id != request_id]
+        earlier: dict[int, Delta] = {}
+        for seq, (text, ids) in drained:
+            before = earlier.get(seq.seq_id, ("", []))
+            earlier[seq.seq_id] = (before[0] + text, before[1] + ids)
+        for seq, _ in drained:
+            if seq.seq_id not in earlier:
+                continue
+            text, ids = earlier.pop(seq.seq_id)
+            deltas = changed.setdefault(seq.request_id, {})
+            later = deltas.get(seq.seq_id, ("", []))
+            deltas[seq.seq_id] = (text + later[0], ids + later[1])
+
+    def settle(self, seq: Sequence) -> None:
+        """Detokenize `seq`'s deferred tokens now (it ends, fails or is aborted): their delta
+        joins the drained ones, so its output shows them."""
+        entry = self._pending.pop(seq.seq_id, None)
+        if entry is not None:
+            self._drained.append((seq, self._detokenize(*entry)))
+
+    def pending_tokens(self, seq: Sequence) -> int:
+        entry = self._pending.get(seq.seq_id)
+        return 0 if entry is None else len(entry[1])
+
+    @staticmethod
+    def _detokenize(seq: Sequence, ids: list[int]) -> Delta:
+        # One push per token, as the in-step path does: the same text, piece by piece.
+        text = "".join(seq.detokenizer.push([t]) for t in ids)
+        seq.text += text
         return text, ids
 
-    def _append(self, seq: Sequence, token: SampledToken) -> str:
+    def _record(self, seq: Sequence, token: SampledToken) -> None:
         seq.output_token_ids.append(token.token_id)
         if seq.grammar is not None and not seq.grammar.advance([token.token_id]):
             # the step's masks allow only what the grammar does: nothing should get here
             seq.error = f"structured: the grammar refused token {token.token_id}"
+
+    def _append(self, seq: Sequence, token: SampledToken) -> str:
+        self._record(seq, token)
         if token.logprob is not None:
             seq.cumulative_logprob += token.logprob
             entry = {
@@ -53,17 +150,19 @@ class Emitter:
     def _piece(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    @staticmethod
-    def output(request, deltas: dict[int, tuple[str, list[int]]]) -> RequestOutput:
+    def output(self, request, deltas: dict[int, Delta]) -> RequestOutput:
+        """The request's output: each sequence's text and the token ids that text covers (a
+        sequence's deferred tokens show in the output after `drain`)."""
         outputs = []
         for i, seq in enumerate(request.seqs):
             delta_text, delta_ids = deltas.get(seq.seq_id, ("", []))
             wants_logprobs = seq.params.logprobs is not None
+            shown = len(seq.output_token_ids) - self.pending_tokens(seq)
             outputs.append(
                 CompletionOutput(
                     index=i,
                     text=seq.text,
-                    token_ids=list(seq.output_token_ids),
+                    token_ids=seq.output_token_ids[:shown],
                     cumulative_logprob=seq.cumulative_logprob if wants_logprobs else None,
                     logprobs=list(seq.logprobs) if wants_logprobs else None,
                     finish_reason=seq.finish_reason,

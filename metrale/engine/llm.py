@@ -249,7 +249,9 @@ class LLMEngine:
         for seq in live:
             seq.finish_reason = "abort"
         self._finish(live)
-        return Emitter.output(request, {s.seq_id: ("", []) for s in request.seqs})
+        changed = {request_id: {s.seq_id: ("", []) for s in request.seqs}}
+        self.emitter.take_drained(changed, request_id)  # its deferred text
+        return self.emitter.output(request, changed[request_id])
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -279,7 +281,12 @@ class LLMEngine:
                 self._fail(seq, seq.error or "cannot be scheduled")
                 changed.setdefault(seq.request_id, {})[seq.seq_id] = ("", [])
             prompt_rows = batch.num_prompt_rows
+            # The last step's deferred text is made while this step's forward runs.
+            self.runner.while_forward_runs = (
+                self.emitter.drain if self.emitter.has_pending else None
+            )
             out = self._run(batch)
+            self.runner.while_forward_runs = None
             emitted = self._commit(out, changed)
             for entry in batch.entries:
                 if entry.seq.finish_reason == "error":
@@ -290,12 +297,13 @@ class LLMEngine:
                 self.telemetry.record_step(
                     batch.phase.value, prompt_rows, emitted, time.perf_counter() - start
                 )
+        self.emitter.take_drained(changed)
         outputs = []
         for request_id, deltas in changed.items():
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            outputs.append(Emitter.output(request, deltas))
+            outputs.append(self.emitter.output(request, deltas))
             if request.finished:
                 del self.requests[request_id]
         return outputs
@@ -310,6 +318,8 @@ class LLMEngine:
         NOTE: rollback: a sequence that verified k drafts and accepted a of them keeps the KV of
         its rows up to its last token plus the a accepted drafts; the rows of rejected drafts lie
         past `num_computed_tokens` and are overwritten by later steps, never read."""
+        if self.emitter.has_pending:  # not drained during the forward: before this step's tokens
+            self.emitter.drain()
         verdict_of = {id(v.entry): v for v in out.verdicts}
         now, requests = time.perf_counter(), self.telemetry.request
         # A step that drafted nothing, with a drafter that keeps no per-step state, has nothing
@@ -335,12 +345,14 @@ class LLMEngine:
                 seq.num_draft_tokens += len(entry.drafts)
                 seq.num_accepted_tokens += accepted
                 seq.noise_epoch += 1
+                before = len(seq.output_token_ids)
                 delta = self.emitter.emit(seq, v.tokens)
-                tokens = delta[1]
+                tokens = seq.output_token_ids[before:]
                 emitted += len(tokens)
                 if tokens:
                     requests.emitted(seq, len(tokens), now)
-                changed.setdefault(seq.request_id, {})[seq.seq_id] = delta
+                if delta is not None:  # else its text comes with the next step's outputs
+                    changed.setdefault(seq.request_id, {})[seq.seq_id] = delta
                 if seq.finish_reason is not None:
                     finished.append(seq)
             if observing:
@@ -372,6 +384,7 @@ class LLMEngine:
         self.scheduler.finish(seqs)
         now = time.perf_counter()
         for seq in seqs:
+            self.emitter.settle(seq)
             self.telemetry.requests_finished[seq.finish_reason] += 1
             self.telemetry.request.finished(seq, now)
             if seq.grammar is not None:

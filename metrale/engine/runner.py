@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -209,6 +210,9 @@ class ModelRunner:
         # running sequences under a grammar (the engine counts them): 0 skips the masks' work;
         # the matchers' vocabulary size (`GrammarCompiler.vocab_size`, set by the engine)
         self.structured_seqs = 0
+        # Host work the engine hands the step to do while its forward runs on the device (the
+        # last step's detokenizing): called once, before the step's first wait for the device.
+        self.while_forward_runs: Callable[[], None] | None = None
         self.grammar_vocab = 0
         log.info(
             "model on %s (%s): %d KV pages of %d rows",
@@ -327,6 +331,7 @@ class ModelRunner:
             # logits: the sampling rows', in order; state_entries: the sequences of the
             # program's state, graph padding included (None)
             hidden, logits, state, state_entries = replayed
+        self._overlap()
         if not sampling:
             if verify_state:  # unreachable: drafts only come with sampling entries
                 raise RuntimeError("a verify step without sampling entries")
@@ -357,6 +362,11 @@ class ModelRunner:
         if replayed is None and self.taps is not None:  # the drafter reads the taps
             hidden = self.taps.buffer[: hidden.shape[0]].clone()
         return StepOutput(batch.entries, verdicts, hidden, ends)
+
+    def _overlap(self) -> None:
+        work, self.while_forward_runs = self.while_forward_runs, None
+        if work is not None:
+            work()
 
     def _accept(self, entries: list[ScheduledSeq], logits: torch.Tensor):
         """Verdicts through the logits pipeline and `accept` (sampling, penalties, logprobs)."""

@@ -12,7 +12,8 @@ from __future__ import annotations
 from metrale.engine.sequence import Sequence
 
 
-def _token_stop(seq: Sequence, max_model_len: int) -> tuple[str, int | None] | None:
+def token_stop(seq: Sequence, max_model_len: int) -> tuple[str, int | None] | None:
+    """The token-based stop (or None) after `seq` emitted its last token: needs no text."""
     params = seq.params
     if seq.error is not None:
         return "error", None
@@ -49,7 +50,7 @@ def check_stop(
 ) -> tuple[str | None, int | str | None, str]:
     """After `seq` emitted a token whose text is `new_text`: (finish reason or None, stop reason,
     text to release now). Updates `seq.pending_text` (the held-back tail)."""
-    reason = _token_stop(seq, max_model_len)
+    reason = token_stop(seq, max_model_len)
     if reason is not None:
         new_text += seq.detokenizer.flush()
     text = seq.pending_text + new_text

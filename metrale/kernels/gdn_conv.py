@@ -8,7 +8,9 @@ row t < lengths[b]: out = SiLU(w0 x[t-3] + w1 x[t-2] + w2 x[t-1] + w3 x[t]), shi
 stores the window after that row into entry rows[b, t] where asked (per-row-slot verify). At the
 end it stores the window into entry final[b] where asked (`final = read`: prefill chunks, decode,
 write-on-accept commits). Rows past a sequence's length get zeros (padding; the delta rule leaves
-the state alone for them). `gdn.causal_conv1d` is the reference.
+the state alone for them). `gdn.causal_conv1d` is the reference. A forward's conv takes the packed
+offsets (`query_start_loc`) instead of lengths and reads lengths[b] = starts[b+1] - starts[b]
+itself: no launch per step to make them.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ if triton is not None:
         WRITE_FINAL: tl.constexpr,
         WRITE_ROWS: tl.constexpr,
         STORE_OUT: tl.constexpr,
+        LENS_FROM_STARTS: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)  # row offsets of big batches pass 2**31
         d = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -52,7 +55,10 @@ if triton is not None:
             w1 = tl.load(w_ptr + d * 4 + 1, mask=ok, other=0.0).to(tl.float32)
             w2 = tl.load(w_ptr + d * 4 + 2, mask=ok, other=0.0).to(tl.float32)
             w3 = tl.load(w_ptr + d * 4 + 3, mask=ok, other=0.0).to(tl.float32)
-        n = tl.minimum(tl.load(lens_ptr + b).to(tl.int32), T)
+        if LENS_FROM_STARTS:  # lens_ptr: the packed offsets [B+1]; the rows their difference
+            n = tl.minimum((tl.load(lens_ptr + b + 1) - tl.load(lens_ptr + b)).to(tl.int32), T)
+        else:
+            n = tl.minimum(tl.load(lens_ptr + b).to(tl.int32), T)
         for t in range(n):
             x3 = tl.load(x_ptr + b * stride_xb + t * stride_xt + d, mask=ok, other=0.0)
             x3 = x3.to(tl.float32)
@@ -82,15 +88,20 @@ def conv_in_pool(
     weight: torch.Tensor | None,
     pool: torch.Tensor,
     read: torch.Tensor,
-    lengths: torch.Tensor,
+    lengths: torch.Tensor | None,
     *,
     final: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """x [B, T, D] (padded rows; any row strides, unit channel stride); weight [D, 4] (None: only
     advance the windows, no output); pool [S, D, 3]. Sequence b's window comes from entry
-    read[b] and its first lengths[b] rows shift in. Returns SiLU(conv) [B, T, D] in x's dtype, or
-    None without a weight."""
+    read[b] and its first lengths[b] rows shift in; with lengths None, starts [B+1] (the packed
+    offsets, `query_start_loc`) give them as starts[b+1] - starts[b], read in the kernel (no
+    launch to make lengths). Returns SiLU(conv) [B, T, D] in x's dtype, or None without a
+    weight."""
+    if (lengths is None) == (starts is None):
+        raise ValueError("conv_in_pool takes lengths or starts, one of them")
     bsz, seq, dim = x.shape
     if pool.shape[1:] != (dim, 3) or not pool.is_contiguous():
         raise ValueError(f"conv pool of shape {tuple(pool.shape)}: want contiguous [S, {dim}, 3]")
@@ -106,7 +117,7 @@ def conv_in_pool(
         read,
         pool if final is None else final,
         pool if rows is None else rows.contiguous(),
-        lengths,
+        starts if lengths is None else lengths,
         seq,
         dim,
         x.stride(0),
@@ -115,6 +126,7 @@ def conv_in_pool(
         WRITE_FINAL=final is not None,
         WRITE_ROWS=rows is not None,
         STORE_OUT=weight is not None,
+        LENS_FROM_STARTS=lengths is None,
         num_warps=4,
     )
     return out

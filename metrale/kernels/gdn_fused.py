@@ -114,8 +114,8 @@ def prepare(
     ba: torch.Tensor,
     a_log: torch.Tensor,
     dt_bias: torch.Tensor,
-    index: torch.Tensor,
-    lengths: torch.Tensor,
+    index: torch.Tensor | None,
+    lengths: torch.Tensor | None,
     *,
     raw: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -123,13 +123,20 @@ def prepare(
     stride), the layout's index [B, T] and lengths [B] -> (conv input [B, T, C]: a view of mixed
     when T == 1, g [B, T, Hv] float32, beta [B, T, Hv] in ba's dtype). `raw`: (conv input, a, b)
     instead, the gate inputs padded with -inf for the delta-rule kernel to turn into g and beta
-    (`gdn_recurrent.GateInputs`); when T == 1 all three are views and nothing runs."""
-    bsz, t = index.shape
+    (`gdn_recurrent.GateInputs`); when T == 1 all three are views and nothing runs, and index
+    and lengths may be None (one row per sequence: a decode step's layout need not make them)."""
     hv = a_log.shape[0]
+    if index is None or lengths is None:
+        if not raw:
+            raise ValueError("prepare without index and lengths: only the raw gates at T == 1")
+        bsz, t = mixed.shape[0], 1
+    else:
+        bsz, t = index.shape
     channels = mixed.shape[1]
     pad = t > 1
     if raw and not pad:  # decode: one row per sequence, nothing to pad
         return mixed.unsqueeze(1), ba[:, hv:].unsqueeze(1), ba[:, :hv].unsqueeze(1)
+    assert index is not None and lengths is not None
     g = torch.empty(bsz, t, hv, dtype=ba.dtype if raw else torch.float32, device=ba.device)
     beta = torch.empty(bsz, t, hv, dtype=ba.dtype, device=ba.device)
     conv = torch.empty(bsz, t, channels, dtype=mixed.dtype, device=mixed.device) if pad else None
@@ -148,16 +155,21 @@ def gated_norm(
     z: torch.Tensor,
     weight: torch.Tensor,
     eps: float,
-    row_seq: torch.Tensor,
-    row_offset: torch.Tensor,
+    row_seq: torch.Tensor | None,
+    row_offset: torch.Tensor | None,
 ) -> torch.Tensor:
     """out [B, T, Hv, dv] (the delta rule's padded output, contiguous), z [N, Hv * dv] (unit
     column stride), the layout's row_seq and row_offset [N] -> weight * norm(out) * silu(z) of the
-    N packed rows, [N, Hv * dv]."""
+    N packed rows, [N, Hv * dv]. When T == 1 (row r is sequence r's) the kernel reads neither:
+    they may be None."""
     bsz, t, hv, dv = out.shape
     rows = z.shape[0]
     res = torch.empty(rows, hv * dv, dtype=out.dtype, device=out.device)
+    if t > 1 and (row_seq is None or row_offset is None):
+        raise ValueError("gated_norm over more than one row per sequence needs row_seq, row_offset")
     if rows:
+        if row_seq is None or row_offset is None:  # unread (T == 1): any pointer
+            row_seq = row_offset = res
         _gated_norm_kernel[(rows, hv)](
             out.contiguous(), z, z.stride(0), weight, row_seq, row_offset, res, t, eps,
             HV=hv, DV=dv, BD=triton.next_power_of_2(dv), num_warps=1,

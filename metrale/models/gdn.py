@@ -17,6 +17,7 @@ GPU kernels are tested against; `gdn_state.GDNState` holds the state between ste
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -240,34 +241,64 @@ class GatedRMSNorm(nn.Module):
         return gated_rms_norm(x, gate, self.weight, self.eps)
 
 
-class RowLayout(NamedTuple):
+class RowLayout:
     """Packed rows (sequence b owns rows query_start_loc[b]:query_start_loc[b+1]) <-> a padded
-    [B, T] view, T = the longest sequence's rows. Built once per forward."""
+    [B, T] view, T = the longest sequence's rows. Built once per forward.
 
-    index: torch.Tensor  # [B, T] packed row of each padded position (0 for padding)
-    valid: torch.Tensor  # [B, T] bool
-    lengths: torch.Tensor  # [B] rows per sequence
-    row_seq: torch.Tensor  # [N] sequence of each packed row
-    row_offset: torch.Tensor  # [N] position of each packed row within its sequence
+    The index tensors are derived on first use and kept for the forward (a layout lives for one
+    forward: a CUDA-graph capture builds its own, so whatever it derives is captured): a decode
+    step's fused path (T = 1) reads none of them (the conv kernel reads each sequence's rows
+    from `query_start_loc` itself), so it launches nothing for the layout, where deriving them
+    all took about 15 small kernels per step on CUDA. One arange serves every index range."""
+
+    def __init__(self, query_start_loc: torch.Tensor, max_query_len: int, num_rows: int) -> None:
+        self.query_start_loc = query_start_loc  # [B+1]
+        self.width = max(max_query_len, 1)  # T
+        self.num_rows = num_rows  # N
+        self.num_seqs = query_start_loc.shape[0] - 1  # B
 
     @classmethod
     def build(cls, query_start_loc: torch.Tensor, max_query_len: int, num_rows: int) -> RowLayout:
-        device = query_start_loc.device
-        starts = query_start_loc[:-1]
-        lengths = query_start_loc[1:] - starts
-        offs = torch.arange(max(max_query_len, 1), device=device)
-        valid = offs[None, :] < lengths[:, None]
-        index = torch.where(valid, starts[:, None] + offs[None, :], 0)
+        return cls(query_start_loc, max_query_len, num_rows)
+
+    @functools.cached_property
+    def _arange(self) -> torch.Tensor:
+        """0 .. max(T, B, N) - 1: every range below is a slice of it."""
+        size = max(self.width, self.num_seqs, self.num_rows)
+        return torch.arange(size, device=self.query_start_loc.device)
+
+    @functools.cached_property
+    def lengths(self) -> torch.Tensor:
+        """[B] rows per sequence."""
+        return self.query_start_loc[1:] - self.query_start_loc[:-1]
+
+    @functools.cached_property
+    def valid(self) -> torch.Tensor:
+        """[B, T] bool: a real row (not padding)."""
+        return self._arange[: self.width][None, :] < self.lengths[:, None]
+
+    @functools.cached_property
+    def index(self) -> torch.Tensor:
+        """[B, T] packed row of each padded position (0 for padding)."""
+        offs = self._arange[: self.width]
+        return torch.where(self.valid, self.query_start_loc[:-1, None] + offs[None, :], 0)
+
+    @functools.cached_property
+    def row_seq(self) -> torch.Tensor:
+        """[N] sequence of each packed row."""
         # output_size: no host sync
-        row_seq = torch.repeat_interleave(
-            torch.arange(lengths.shape[0], device=device), lengths, output_size=num_rows
+        return torch.repeat_interleave(
+            self._arange[: self.num_seqs], self.lengths, output_size=self.num_rows
         )
-        row_offset = torch.arange(num_rows, device=device) - starts[row_seq]
-        return cls(index, valid, lengths, row_seq, row_offset)
+
+    @functools.cached_property
+    def row_offset(self) -> torch.Tensor:
+        """[N] position of each packed row within its sequence."""
+        return self._arange[: self.num_rows] - self.query_start_loc[:-1][self.row_seq]
 
     def pad(self, rows: torch.Tensor) -> torch.Tensor:
         """[N, ...] packed -> [B, T, ...] padded with zeros."""
-        if self.valid.shape[1] == 1:  # one row per sequence (decode): a view, no kernel
+        if self.width == 1:  # one row per sequence (decode): a view, no kernel
             return rows.unsqueeze(1)
         valid = self.valid.view(*self.valid.shape, *([1] * (rows.dim() - 1)))
         return torch.where(valid, rows[self.index], 0)

@@ -37,6 +37,7 @@ from metrale.kernels.gdn_chunk import chunk_delta_rule_in_pool
 from metrale.kernels.gdn_conv import conv_in_pool
 from metrale.kernels.gdn_recurrent import GateInputs, delta_rule_in_pool, triton_gdn_enabled
 from metrale.models.gdn import (
+    RowLayout,
     causal_conv1d,
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
@@ -184,26 +185,35 @@ class GDNState:
         return res.out
 
     def causal_conv(
-        self, layer: int, conv_in: torch.Tensor, weight: torch.Tensor, lengths: torch.Tensor
+        self,
+        layer: int,
+        conv_in: torch.Tensor,
+        weight: torch.Tensor,
+        lengths: torch.Tensor | RowLayout,
     ) -> torch.Tensor:
         """The layer's causal conv (+ SiLU) over padded rows conv_in [B, T, conv_dim] (lengths
-        [B] real rows each), continuing each sequence's window and storing the windows as `mode`
-        says -> [B, T, conv_dim]."""
+        [B] real rows each, or the forward's `RowLayout`: the conv kernel then reads them from
+        its `query_start_loc`, and the layout makes no lengths tensor for it), continuing each
+        sequence's window and storing the windows as `mode` says -> [B, T, conv_dim]."""
         bsz = conv_in.shape[0]
         store = self.conv[layer]
         read = self._read(bsz, store.device)
         if self.mode is StateMode.DEFER:
             self.pending_conv[layer] = conv_in
         if _conv_kernel_runs(conv_in, store):
+            layout = lengths if isinstance(lengths, RowLayout) else None
             return conv_in_pool(
                 conv_in,
                 weight,
                 store,
                 read,
-                lengths,
+                None if layout is not None else lengths,
                 final=read if self.mode is StateMode.WRITE else None,
                 rows=self.rows if self.mode is StateMode.ROWS else None,
+                starts=None if layout is None else layout.query_start_loc,
             )
+        if isinstance(lengths, RowLayout):
+            lengths = lengths.lengths
         conv = causal_conv1d(
             conv_in,
             weight,

@@ -136,13 +136,16 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         # `prepare` then only pads (-inf on padding rows), and at decode launches nothing. The
         # torch delta rule gets g and beta from `prepare` (one launch, not its half-dozen ops).
         raw = state.fuses_gates(hidden)
+        # A decode step (one row per sequence) with the raw gates pads nothing: `prepare` makes
+        # views and needs no index or lengths, nor does anything below: the layout derives none
+        decode = layout.width == 1
+        index, lengths = (None, None) if raw and decode else (layout.index, layout.lengths)
         conv_in, g, beta = gdn_fused.prepare(
-            mixed, ba, self.A_log, self.dt_bias, layout.index, layout.lengths, raw=raw
+            mixed, ba, self.A_log, self.dt_bias, index, lengths, raw=raw
         )  # raw: g, beta hold the (padded) gate inputs a, b
         bsz, t = conv_in.shape[:2]
-        conv = state.causal_conv(
-            self.state_index, conv_in, self.conv1d.weight[:, 0], layout.lengths
-        )
+        # the layout itself: the conv kernel reads the rows per sequence from its offsets
+        conv = state.causal_conv(self.state_index, conv_in, self.conv1d.weight[:, 0], layout)
         q, k, v = self._heads(conv, bsz, t)
         if raw:
             gates = GateInputs(g, beta, self.A_log, self.dt_bias)
@@ -150,5 +153,7 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         else:
             out = state.delta_rule(self.state_index, q, k, v, g, beta)
         norm = self.norm
-        out = gdn_fused.gated_norm(out, z, norm.weight, norm.eps, layout.row_seq, layout.row_offset)
+        # one row per sequence: the kernel reads no row_seq, row_offset
+        seq, offset = (None, None) if decode else (layout.row_seq, layout.row_offset)
+        out = gdn_fused.gated_norm(out, z, norm.weight, norm.eps, seq, offset)
         return self.out_proj(out)
