@@ -258,3 +258,34 @@ def test_a_plan_stands_for_replan_every_steps_while_the_batch_is_the_same(
         same = [(a, b) for a, b in zip(planned_at, planned_at[1:]) if a[1] == b[1]]
         assert same and all(b[0] - a[0] >= replan_every for a, b in same if b[0] != a[0])
         assert len(set(steps)) < (max(steps) - min(steps)) / 2
+
+
+def test_a_depth_zero_plan_outlives_arrivals_until_the_next_probe(tiny_model_dir, monkeypatch):
+    """Once D-Cut plans depth 0 everywhere, sequences arriving and leaving do not make it plan
+    again: only probe steps (and the step after one) plan, until no planned sequence is left.
+    The output is plain decoding's."""
+    prompts = [[(5 * i + 2 * j) % 200 + 3 for j in range(6 + i)] for i in range(8)]
+    params = [greedy(10 + 3 * i) for i in range(8)]  # staggered ends: one slot frees at a time
+    ref = [
+        o.outputs[0].token_ids
+        for o in LLM(tiny_model_dir, device="cpu").generate(prompts, params, use_tqdm=False)
+    ]
+    drafter = ReplayDrafter(dict(zip(map(tuple, prompts), ref, strict=True)), 0.9, 200)
+    spec = {"num_drafts": 3, "dcut_probe_every": PROBE_EVERY * 2}
+    llm = LLM(tiny_model_dir, device="cpu", drafter=drafter, spec=spec, max_num_seqs=4)
+    # verifying costs far more than it could buy: every plan is depth 0 everywhere
+    llm.engine.spec.cost = VerifyCostModel.from_points({(1, 4.0): 40.0, (4, 4.0): 40.0})
+    dec, real_plan, planned_at = llm.engine.spec, controller.plan, []
+
+    def plan(inputs, cost, cap, **kw):
+        planned_at.append(dec._steps)
+        return real_plan(inputs, cost, cap, **kw)
+
+    monkeypatch.setattr(controller, "plan", plan)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    steps = sorted(set(planned_at))
+    every = PROBE_EVERY * 2
+    off_probe = [s for s in steps[1:] if s % every not in (0, 1)]
+    assert steps and not off_probe, (steps, off_probe)
+    assert max(dec._steps, 0) > 3 * every  # long enough to see several arrivals between probes
