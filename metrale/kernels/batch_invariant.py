@@ -33,8 +33,12 @@ except ImportError:  # CPU machines without Triton: F.linear serves
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 if triton is not None:
-
-    @triton.jit
+    # Not specialised on M (the step's rows): Triton would compile one variant for M == 1, one
+    # for M a multiple of 16 and one for any other M, so the first eager step with a row count
+    # of a new kind compiled the kernel again inside a running step (seconds). One binary per
+    # tile configuration serves every M (M only masks rows), and the programs captured at
+    # start-up compile every configuration a step meets.
+    @triton.jit(do_not_specialize=["M"])
     def _invariant_matmul_kernel(
         a_ptr,
         w_ptr,

@@ -50,6 +50,15 @@ SPLIT_TOKENS = 128
 # of positions alone.
 GROUPS = 16
 
+# Arguments that change from step to step, on which the kernels are not specialised: the block
+# table's row stride (its width in pages, a multiple of 16 or not) and the addresses of the
+# step's metadata (an eager step's are views into one packed buffer, `staging.to_device_packed`,
+# 16-byte aligned or not with the step's row and sequence counts). Specialised, every new
+# combination compiled the three kernels again inside a running step, seconds each, and a
+# prefix-cached serving load met new ones for minutes (its first turns waited on them). They
+# are read one scalar at a time, so the specialisation bought nothing.
+_STEP_ARGS = ["tables_ptr", "starts_ptr", "lens_ptr", "stride_bt"]
+
 if triton is not None:
 
     @triton.jit
@@ -159,7 +168,7 @@ if triton is not None:
         prow = (start + row) if ROW_BY_START else (seq * BLOCK_Q + row)
         return ((prow.to(tl.int64) * NUM_HEADS + head) * GROUPS + group) * (D + 2)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=_STEP_ARGS)
     def _decode_group_kernel(
         q_ptr, k_ptr, v_ptr, part_ptr, tables_ptr, starts_ptr, lens_ptr, scale,
         stride_qt, stride_qh, stride_cp, stride_co, stride_ch, stride_bt,
@@ -190,7 +199,7 @@ if triton is not None:
             tl.store(part_ptr + part + D, m, mask=row_ok)
             tl.store(part_ptr + part + D + 1, l_run, mask=row_ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["starts_ptr", "lens_ptr"])
     def _combine_kernel(
         part_ptr, out_ptr, starts_ptr, lens_ptr, stride_ot, stride_oh,
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
@@ -228,7 +237,7 @@ if triton is not None:
                 mask=row_ok[:, None],
             )
 
-    @triton.jit
+    @triton.jit(do_not_specialize=_STEP_ARGS)
     def _prompt_tile_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, lens_ptr, scale,
         stride_qt, stride_qh, stride_cp, stride_co, stride_ch, stride_bt, stride_ot, stride_oh,

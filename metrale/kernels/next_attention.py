@@ -28,7 +28,9 @@ if triton is not None:
     # One binary for both uses (with and without the KV write): the flag is a runtime argument
     # and the cache pointers are not specialised on alignment, so q and k come out of the same
     # machine code either way (on the H200 the two constexpr variants differed by one bf16 ulp).
-    @triton.jit(do_not_specialize=["kc_ptr", "vc_ptr", "slots_ptr", "write_kv"])
+    # Nor the positions (a view into the step's packed metadata, aligned or not): a new
+    # alignment would compile the kernel again inside a running step.
+    @triton.jit(do_not_specialize=["pos_ptr", "kc_ptr", "vc_ptr", "slots_ptr", "write_kv"])
     def _qk_norm_rope_kernel(
         qkv_ptr,
         stride_row,

@@ -42,8 +42,12 @@ MAX_KERNEL_ROWS = 16
 PREFILL_TILE_ROWS = 64
 
 if triton is not None:
-
-    @triton.jit
+    # Not specialised on the step's metadata (the block table's width, and the addresses of
+    # views into one packed buffer, 16-byte aligned or not with the step's row and sequence
+    # counts): specialised, an eager step of a new kind compiled the kernel again inside a
+    # running step, which a prefix-cached serving load kept meeting. They are
+    # read one scalar at a time, so the specialisation bought nothing.
+    @triton.jit(do_not_specialize=["tables_ptr", "starts_ptr", "lens_ptr", "stride_bt"])
     def _paged_attention_kernel(
         q_ptr,
         k_ptr,

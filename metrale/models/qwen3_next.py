@@ -103,10 +103,11 @@ class Qwen3NextAttention(nn.Module):
         rows = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         rotary = self._rotary[0]
+        # k and v are written into the cache too (kv_written below)
         q, k = next_attention.qk_norm_rope(
             qkv, self.q_norm.weight, self.k_norm.weight, rotary.cos, rotary.sin, positions,
             self.num_heads, self.num_kv_heads, self.q_norm.eps, self.kv_cache, meta.slot_mapping,
-        )  # fmt: skip (k and v written into the cache too)
+        )  # fmt: skip
         v = qkv[:, self.q_size + self.kv_size :].view(rows, self.num_kv_heads, self.head_dim)
         out = self._backend.forward(q, k, v, self.kv_cache, meta, self.scale, kv_written=True)
         return self.o_proj(next_attention.output_gate(out, qkv, self.num_heads))
