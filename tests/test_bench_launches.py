@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from metrale.api import LLM
 from metrale.bench.profile_step import step_launches
@@ -48,3 +49,45 @@ def test_step_launches_fall_with_the_fused_paths(tiny_next, monkeypatch):
         knobs.cache_clear()
     assert fused["by_name"].get("triton._route_plan_kernel", 0) > 0
     assert fused["kernels"] < plain["kernels"]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the interpreter")
+def test_decode_step_launches_nothing_for_its_metadata(tiny_next, monkeypatch):
+    """With every fused path of the GPU (the attention kernel, the norms too) under the
+    interpreter, a batch-1 decode step launches the embedding, the GEMMs, the logits' float copy
+    and the per-layer kernels, and nothing else: no index derivation (aranges, repeat_interleave,
+    the row layout's gathers) once per step. Per layer: 5 MoE launches (router GEMM, route, gate/up,
+    down, combine with the next norm), 5 per GDN layer, 6 per attention layer."""
+    from metrale.kernels import fused
+    from metrale.kernels.dispatch import interpreter_forced
+    from metrale.kernels.paged_attention import TritonPagedAttention
+
+    runner = tiny_next.engine.runner
+    model = runner.model
+    backend = TritonPagedAttention()
+    monkeypatch.setattr(runner, "backend", backend)
+    monkeypatch.setattr(model, "backend", backend)
+    for layer in model.attention_layers:
+        monkeypatch.setattr(layer, "_backend", backend)
+    monkeypatch.setattr(fused, "fused_enabled", lambda x: x.is_cuda or interpreter_forced(x))
+    monkeypatch.setenv("METRALE_FORCE_FUSED_KERNELS", "1")
+    knobs.cache_clear()
+    try:
+        got = step_launches(tiny_next, 1, context=16)["by_name"]
+    finally:
+        monkeypatch.undo()
+        knobs.cache_clear()
+    aten = {name: n for name, n in got.items() if name.startswith("aten.")}
+    gdn, attn = len(model.gdn_layers), len(model.attention_layers)
+    layers = gdn + attn
+    # GEMMs: 2 per GDN layer (in, out), 2 per attention layer (qkv, o), the routers, the head;
+    # the logits' float copy (none here: the model runs in float32)
+    want = {"aten.embedding": 1, "aten.linear": 3 * layers + 1}
+    if model.model.embed_tokens.weight.dtype != torch.float32:
+        want["aten.to"] = 1
+    assert aten == want
+    assert got["triton._add_rmsnorm_kernel"] == layers + 1  # the first input norm, each post
+    assert got["triton._conv_kernel"] == got["triton._gated_norm_kernel"] == gdn
+    assert got["triton._combine_kernel"] == got["triton._route_plan_kernel"] == layers
+    per_layer = 4 * layers + 3 * gdn + 3 * attn + got.get("triton._combine_splits_kernel", 0)
+    assert sum(got.values()) == sum(want.values()) + layers + 1 + per_layer

@@ -34,6 +34,74 @@ def _layout(lengths: list[int]) -> RowLayout:
     return RowLayout.build(starts, max(lengths), sum(lengths))
 
 
+def _eager_layout(starts: torch.Tensor, max_q: int, num_rows: int) -> dict[str, torch.Tensor]:
+    """Every index of a layout, derived at once as `RowLayout.build` did before it derived
+    them on use: the reference."""
+    device = starts.device
+    lengths = starts[1:] - starts[:-1]
+    offs = torch.arange(max(max_q, 1), device=device)
+    valid = offs[None, :] < lengths[:, None]
+    index = torch.where(valid, starts[:-1, None] + offs[None, :], 0)
+    row_seq = torch.repeat_interleave(
+        torch.arange(lengths.shape[0], device=device), lengths, output_size=num_rows
+    )
+    row_offset = torch.arange(num_rows, device=device) - starts[:-1][row_seq]
+    return dict(index=index, valid=valid, lengths=lengths, row_seq=row_seq, row_offset=row_offset)
+
+
+@pytest.mark.parametrize(
+    "lengths", [*LAYOUTS.values(), [1, 1, 0, 0], [2, 0, 3, 0]], ids=str
+)  # the last two: padding sequences of no rows, as a graph program has them
+def test_row_layout_derives_each_index_on_use(lengths):
+    """Building a layout launches nothing; each index, derived on first use (and kept), equals
+    the eager derivation; `pad` and `unpad` round-trip."""
+    from metrale.bench.profile_step import count_launches
+
+    starts = torch.tensor([0, *lengths], device=DEVICE).cumsum(0)
+    n, max_q = sum(lengths), max(lengths)
+    built = []
+    assert not sum(count_launches(lambda: built.append(RowLayout.build(starts, max_q, n))).values())
+    layout = built[0]
+    assert (layout.num_seqs, layout.width, layout.num_rows) == (len(lengths), max_q, n)
+    for name, want in _eager_layout(starts, max_q, n).items():
+        got = getattr(layout, name)
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+        assert getattr(layout, name) is got  # derived once
+    rows = torch.randn(n, 3, device=DEVICE)
+    padded = layout.pad(rows)  # [B, T, 3]; one row per sequence: the rows as they are
+    assert padded.shape[:2] == ((len(lengths), max_q) if max_q > 1 else (n, 1))
+    assert torch.equal(layout.unpad(padded), rows)
+
+
+def test_fused_decode_layer_derives_no_layout_index(monkeypatch):
+    """A fused decode forward (one row per sequence, the gates made in the delta-rule kernel)
+    reads no index of its layout, so a decode step launches nothing for the layout: the conv
+    kernel reads the rows per sequence from query_start_loc. Equal to the torch path."""
+    monkeypatch.setattr(gdn_state, "triton_gdn_enabled", lambda x: True)
+    hidden = torch.randn(3, 48, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    layer = _gdn_layer()
+    results = []
+    for fused in (False, True):
+        monkeypatch.setattr(qwen3_next_gdn, "hybrid_kernels_enabled", lambda x, f=fused: f)
+        layout = _layout(LAYOUTS["decode"])
+        state = _state(StateMode.WRITE, 3, 1, seed=6)
+        with torch.no_grad():
+            out = layer(hidden, layout, state)
+        results.append((out, state.conv[0].clone(), state.ssm[0].clone()))
+    derived = {"_arange", "lengths", "valid", "index", "row_seq", "row_offset"}
+    assert not derived & set(vars(layout)), vars(layout).keys()
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # the glue's entry points without the layout's indices: only where they read none
+    mixed, ba = torch.randn(3, 40, device=DEVICE), torch.randn(3, 8, device=DEVICE)
+    a_log, dt_bias = torch.randn(4, device=DEVICE), torch.randn(4, device=DEVICE)
+    with pytest.raises(ValueError, match="raw gates"):
+        gdn_fused.prepare(mixed, ba, a_log, dt_bias, None, None)
+    out, z = torch.randn(1, 3, 4, 12, device=DEVICE), torch.randn(3, 48, device=DEVICE)
+    with pytest.raises(ValueError, match="row_seq"):
+        gdn_fused.gated_norm(out, z, torch.ones(12, device=DEVICE), 1e-6, None, None)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", sorted(LAYOUTS))
 def test_prepare_equals_the_torch_gates_and_padding(shape, dtype):
