@@ -75,17 +75,24 @@ class Emitter:
 
     def drain(self) -> None:
         """Detokenize every deferred token (the engine calls it while a forward runs); the
-        deltas wait in `take_drained`."""
-        for seq, ids in self._pending.values():
-            self._drained.append((seq, self._detokenize(seq, ids)))
-        self._pending.clear()
+        deltas wait in `take_drained`. Each sequence leaves the pending set before its text is
+        made, so a failure part-way never makes a text twice."""
+        while self._pending:
+            _, (seq, ids) = self._pending.popitem()
+            try:
+                self._drained.append((seq, self._detokenize(seq, ids)))
+            except Exception as e:  # noqa: BLE001 (its sequence ends; the others go on)
+                # Its detokenizer's state is unknown now: the sequence ends with an error at
+                # its next token (`token_stop`), its tokens shown without their text.
+                seq.error = f"detokenizer: {type(e).__name__}: {e}"
+                self._drained.append((seq, ("", ids)))
 
     def take_drained(
         self, changed: dict[str, dict[int, Delta]], request_id: str | None = None
-    ) -> None:
+    ) -> list[tuple[Sequence, int]]:
         """Put the drained deltas (of one request, or all) into `changed` (request id -> seq id
         -> delta), before whatever delta the step itself gave the sequence: theirs are earlier
-        tokens."""
+        tokens. Returns (sequence, tokens) of each delta: what its outputs now show."""
         if request_id is None:
             drained, self._drained = self._drained, []
         else:
@@ -95,6 +102,7 @@ class Emitter:
         for seq, (text, ids) in drained:
             before = earlier.get(seq.seq_id, ("", []))
             earlier[seq.seq_id] = (before[0] + text, before[1] + ids)
+        shown: list[tuple[Sequence, int]] = []
         for seq, _ in drained:
             if seq.seq_id not in earlier:
                 continue
@@ -102,6 +110,8 @@ class Emitter:
             deltas = changed.setdefault(seq.request_id, {})
             later = deltas.get(seq.seq_id, ("", []))
             deltas[seq.seq_id] = (text + later[0], ids + later[1])
+            shown.append((seq, len(ids)))
+        return shown
 
     def settle(self, seq: Sequence) -> None:
         """Detokenize `seq`'s deferred tokens now (it ends, fails or is aborted): their delta

@@ -297,7 +297,11 @@ class LLMEngine:
                 self.telemetry.record_step(
                     batch.phase.value, prompt_rows, emitted, time.perf_counter() - start
                 )
-        self.emitter.take_drained(changed)
+        now = time.perf_counter()
+        for seq, count in self.emitter.take_drained(changed):
+            # their tokens reach the caller now: time to first token and between tokens as
+            # the client sees them
+            self.telemetry.request.emitted(seq, count, now)
         outputs = []
         for request_id, deltas in changed.items():
             request = self.requests.get(request_id)
@@ -349,9 +353,9 @@ class LLMEngine:
                 delta = self.emitter.emit(seq, v.tokens)
                 tokens = seq.output_token_ids[before:]
                 emitted += len(tokens)
-                if tokens:
-                    requests.emitted(seq, len(tokens), now)
-                if delta is not None:  # else its text comes with the next step's outputs
+                if delta is not None:  # else its tokens and text come with the next step's
+                    if tokens:
+                        requests.emitted(seq, len(tokens), now)
                     changed.setdefault(seq.request_id, {})[seq.seq_id] = delta
                 if seq.finish_reason is not None:
                     finished.append(seq)

@@ -365,8 +365,14 @@ class ModelRunner:
 
     def _overlap(self) -> None:
         work, self.while_forward_runs = self.while_forward_runs, None
-        if work is not None:
+        if work is None:
+            return
+        try:
             work()
+        except Exception:  # noqa: BLE001 (not the forward's failure: never isolate for it)
+            # What it left undone the engine does in the step's commit, where a failure is
+            # the step's own, as it was before this work moved here.
+            log.exception("host work overlapped with the forward failed")
 
     def _accept(self, entries: list[ScheduledSeq], logits: torch.Tensor):
         """Verdicts through the logits pipeline and `accept` (sampling, penalties, logprobs)."""

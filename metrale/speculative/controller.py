@@ -195,10 +195,11 @@ class SpeculativeDecoder:
         chose (D-Cut on).
 
         A step planned at depth 0 everywhere is remembered: until an estimate changes, the next
-        probe step comes, or none of the sequences it planned still runs, the next steps skip
-        planning (a plain step does no D-Cut work). Arrivals and departures alone do not end it:
-        at 64 slots the batch changes nearly every step, and re-planning each time put D-Cut's
-        planning (about 0.3 ms a step at batch 64 on CPU) back into steps that draft nothing.
+        probe step comes, none of the sequences it planned still runs, or the batch is half as
+        wide (drafting pays more in a narrower batch), the next steps skip planning (a plain
+        step does no D-Cut work). Arrivals and departures alone do not end it: at 64 slots
+        the batch changes nearly every step, and re-planning each time put D-Cut's planning
+        (about 0.3 ms a step at batch 64 on CPU) back into steps that draft nothing.
         Any other plan stands for `dcut_replan_every` steps while the running set is the same.
         Every `dcut_probe_every` steps a few sequences, in turn, draft anyway, unless drafting
         cannot pay even with every draft accepted (then their acceptance does not matter)."""
@@ -212,7 +213,9 @@ class SpeculativeDecoder:
             picked = sorted(chosen | probed)
             return [seqs[i] for i in picked], [caps[i] for i in picked], False
         running = tuple(s.seq_id for s in seqs)
-        if self._quiet is not None and not self._quiet.isdisjoint(running):
+        quiet = self._quiet
+        # In a batch half as wide drafting may pay where it did not: plan again then too.
+        if quiet is not None and 2 * len(running) > len(quiet) and not quiet.isdisjoint(running):
             return [], [], False
         last = self._last_plan
         fresh = last is not None and self._steps - last[2] < self.cfg.dcut_replan_every

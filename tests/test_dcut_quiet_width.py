@@ -1,0 +1,59 @@
+"""D-Cut's depth-0 "quiet" plan (controller._planned) ends when the batch becomes half as wide:
+drafting may pay in the narrower batch, so the sequences left are planned again at once instead
+of waiting for the next probe step."""
+
+from __future__ import annotations
+
+from metrale import LLM, SamplingParams
+from metrale.engine.sequence import Sequence
+from metrale.speculative.dcut import VerifyCostModel
+from metrale.speculative.replay import ReplayDrafter
+
+
+def _seq(i: int) -> Sequence:
+    s = Sequence(
+        seq_id=i,
+        request_id=f"r{i}",
+        prompt_token_ids=[1, 2, 3],
+        params=SamplingParams(max_tokens=100),
+        seed=0,
+        eos_token_ids=(),
+        arrival=i,
+        arrival_time=0.0,
+    )
+    s.slot = i
+    return s
+
+
+def test_a_quiet_plan_ends_when_the_batch_halves(tiny_model_dir):
+    probe_every = 50
+    llm = LLM(
+        tiny_model_dir,
+        device="cpu",
+        drafter=ReplayDrafter({}, 0.9, 200),
+        spec={"num_drafts": 3, "dcut_probe_every": probe_every, "dcut_prior": 0.9},
+    )
+    dec = llm.engine.spec
+    # verifying 4 rows a sequence: ruinous at batch 8, free at batch 1
+    dec.cost = VerifyCostModel.from_points({(1, 4.0): 1.0, (8, 4.0): 40.0})
+    seqs = [_seq(i) for i in range(8)]
+    dec._steps = 1  # not a probe step
+    picked, _, _ = dec._planned(seqs, [3] * 8)
+    assert picked == []  # depth 0 everywhere at batch 8: the quiet plan
+    # alone, the same sequence (same estimate) would draft:
+    fresh = LLM(
+        tiny_model_dir,
+        device="cpu",
+        drafter=ReplayDrafter({}, 0.9, 200),
+        spec={"num_drafts": 3, "dcut_probe_every": probe_every, "dcut_prior": 0.9},
+    ).engine.spec
+    fresh.cost = dec.cost
+    fresh._steps = 1
+    assert [s.seq_id for s in fresh._planned(seqs[:1], [3])[0]] == [0]
+    # seven sequences leave; the one left runs alone for the steps up to the next probe
+    starved = 0
+    for step in range(2, probe_every):
+        dec._steps = step
+        picked, _, _ = dec._planned(seqs[:1], [3])
+        starved += not picked
+    assert starved == 0, f"sequence 0 was not drafted for {starved} steps while alone"
