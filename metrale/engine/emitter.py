@@ -98,15 +98,13 @@ class Emitter:
         else:
             drained = [d for d in self._drained if d[0].request_id == request_id]
             self._drained = [d for d in self._drained if d[0].request_id != request_id]
-        earlier: dict[int, Delta] = {}
+        # one delta a sequence, its drained pieces in order (insertion order: the first seen)
+        earlier: dict[int, tuple[Sequence, str, list[int]]] = {}
         for seq, (text, ids) in drained:
-            before = earlier.get(seq.seq_id, ("", []))
-            earlier[seq.seq_id] = (before[0] + text, before[1] + ids)
+            _, text0, ids0 = earlier.get(seq.seq_id, (seq, "", []))
+            earlier[seq.seq_id] = (seq, text0 + text, ids0 + ids)
         shown: list[tuple[Sequence, int]] = []
-        for seq, _ in drained:
-            if seq.seq_id not in earlier:
-                continue
-            text, ids = earlier.pop(seq.seq_id)
+        for seq, text, ids in earlier.values():
             deltas = changed.setdefault(seq.request_id, {})
             later = deltas.get(seq.seq_id, ("", []))
             deltas[seq.seq_id] = (text + later[0], ids + later[1])
