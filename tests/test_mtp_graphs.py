@@ -7,12 +7,11 @@ real graphs on CUDA."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from metrale import LLM, SamplingParams
+from metrale.engine import graphs
 from metrale.speculative import mtp_graphs
 
 PROMPTS = [
@@ -37,7 +36,7 @@ class RerunGraph:
             out.copy_(new)
 
 
-def drafts_of(llm: LLM, params) -> tuple[list, list]:
+def drafts_of(llm: LLM, params, prompts=PROMPTS) -> tuple[list, list]:
     """(outputs, every propose call's drafts) of one generation."""
     drafter, proposed = llm.engine.spec.drafter, []
     propose = drafter.propose
@@ -48,7 +47,7 @@ def drafts_of(llm: LLM, params) -> tuple[list, list]:
         return drafts
 
     drafter.propose = recorded
-    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], proposed
 
 
@@ -72,9 +71,21 @@ def test_graphed_chain_and_catch_up_draft_what_the_eager_drafter_drafts(
         return graph, graph.outputs
 
     monkeypatch.setattr(mtp_graphs, "capture", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     llm = LLM(**kwargs)
     runner, drafter = llm.engine.runner, llm.engine.spec.drafter
-    runner.graphs = SimpleNamespace(pool=None, max_q=num_drafts + 1)
+    # the workspace the catch-up programs read (the target's programs are not captured)
+    runner.graphs = graphs.GraphRunner(
+        runner.model,
+        None,
+        llm.engine.max_model_len + llm.engine.lookahead,
+        runner.page_size,
+        runner.device,
+        paged_kernel=True,
+        max_q=num_drafts + 1,
+        max_seqs=8,
+        keep_hidden=True,
+    )
     try:
         drafter.chain_graphs = mtp_graphs.DraftChainGraphs(
             runner,

@@ -70,6 +70,7 @@ class GraphRunner:
         max_seqs: int = 1,
         prefill_rows: int = 0,
         verify_mode: StateMode | None = None,
+        keep_hidden: bool = False,
     ) -> None:
         """`paged_kernel`: the attention reads pages itself (no gather to a fixed length), so
         programs need no KV bucket in their key. `state_pool`: a hybrid target's state.
@@ -79,7 +80,8 @@ class GraphRunner:
         `prefill_rows` rows (rounded down to a power of two; 0: none) replay prefill programs (a
         hybrid's keyed by rows per sequence too, in `prefill_widths`, and none wider). `max_rows`
         None: as many rows as any step of `max_seqs` sequences can need, so no step is
-        refused."""
+        refused. `keep_hidden`: ragged programs also leave their hidden states in the workspace
+        (`hidden`), where a drafter's programs read them (the MTP catch-up)."""
         self.model, self.page_size, self.device = model, page_size, device
         self.state_pool = state_pool
         self.max_model_len = max_model_len
@@ -134,6 +136,10 @@ class GraphRunner:
         vocab = model.head_weight.shape[0]
         logit_rows = max([decode_rows] + [shape.samples for shape in prefill])
         self.logits = zeros(min(ws.rows, logit_rows), vocab, dtype=torch.float32)
+        self.hidden = None
+        if keep_hidden:
+            hidden_size = model.config.hidden_size
+            self.hidden = zeros(ws.rows, hidden_size, dtype=model.head_weight.dtype)
         # a prefill program's rows whose logits it computes (padding: row 0)
         self.sample_rows = zeros(ws.rows)
         # a hybrid target's state entries: where each sequence starts, where each row's state
@@ -168,7 +174,7 @@ class GraphRunner:
         state's pending rows) live in the graph's pool and are rewritten by every replay."""
         # a rebuilt program has new pending rows: a commit captured for the old one must go
         self._commits.pop((table, extra), None)
-        self._fill_dummy(table)
+        self.fill_dummy(table)
         fn = self._forward_fn(table, *extra)
         graph, (hidden, logits, state) = capture(fn, self.pool, self.device)
         return graph, hidden, logits, state
@@ -207,11 +213,13 @@ class GraphRunner:
                     self.state_read[:seqs], mode, state_rows if mode is StateMode.ROWS else None
                 )
                 hidden = self.model(ids, positions, meta, state)
+            if self.hidden is not None:
+                self.hidden[:rows].copy_(hidden)
             return hidden, self.model.compute_logits(hidden, out=self.logits[:rows]), state
 
         return run
 
-    def _fill_dummy(self, table: RowTable) -> None:
+    def fill_dummy(self, table: RowTable) -> None:
         """Capture-time inputs: every sequence on the dummy page, its k rows at positions
         0..k-1 (the capture's warm-up really runs: every row must see a key, or its output
         would be 0 / 0 and its K/V would poison the dummy page)."""
@@ -261,14 +269,8 @@ class GraphRunner:
         mode = None if state is None else state[0]
         self._last_key = (table, (bucket, mode))
         graph, hidden, logits, state_view = self.cache.get(table, (bucket, mode))
-        rows, seqs = input_ids.shape[0], seq_lens.shape[0]
-        self.input_ids[:rows].copy_(input_ids, non_blocking=True)
-        self.positions[:rows].copy_(positions, non_blocking=True)
-        self.slots[:rows].copy_(slots, non_blocking=True)
-        self.query_start_loc[: seqs + 1].copy_(starts, non_blocking=True)
-        self.seq_lens[:seqs].copy_(seq_lens, non_blocking=True)
-        self.block_tables[:seqs].fill_(DUMMY_PAGE)
-        self.block_tables[:seqs, : tables.shape[1]].copy_(tables, non_blocking=True)
+        self.load(input_ids, positions, slots, starts, seq_lens, tables)
+        seqs = seq_lens.shape[0]
         if state is not None:
             _, read, rows = state
             self.state_read[:seqs].copy_(read, non_blocking=True)
@@ -278,6 +280,17 @@ class GraphRunner:
             self.sample_rows[: sample_rows.shape[0]].copy_(sample_rows, non_blocking=True)
         graph.replay()
         return hidden, logits, state_view
+
+    def load(self, input_ids, positions, slots, starts, seq_lens, tables) -> None:
+        """Copy a step's rows and sequences (padding included) into the workspace."""
+        rows, seqs = input_ids.shape[0], seq_lens.shape[0]
+        self.input_ids[:rows].copy_(input_ids, non_blocking=True)
+        self.positions[:rows].copy_(positions, non_blocking=True)
+        self.slots[:rows].copy_(slots, non_blocking=True)
+        self.query_start_loc[: seqs + 1].copy_(starts, non_blocking=True)
+        self.seq_lens[:seqs].copy_(seq_lens, non_blocking=True)
+        self.block_tables[:seqs].fill_(DUMMY_PAGE)
+        self.block_tables[:seqs, : tables.shape[1]].copy_(tables, non_blocking=True)
 
     @torch.inference_mode()
     def capture_ragged(self) -> tuple[int, float]:

@@ -94,6 +94,7 @@ def _replay_ragged(runner, batch: Batch):
     ran = run_program(runner, shape, spans, state)
     if ran is None:
         return None
+    runner.replayed_shape = shape  # the workspace holds this program's layout now
     hidden, logits, state_view = ran
     return _kept_hidden(runner, hidden, num_rows), logits[:num_rows], state_view, entries
 

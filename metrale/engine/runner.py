@@ -24,7 +24,7 @@ from metrale.engine.sampler import SamplingBatch, SamplingRow
 from metrale.engine.sequence import Batch, Phase, ScheduledSeq
 from metrale.engine.staging import to_device_packed
 from metrale.engine.state_cache import StateSlots
-from metrale.engine.step_output import StepOutput, greedy_verdicts, verdicts_of
+from metrale.engine.step_output import StepOutput, greedy_verdicts, to_host, verdicts_of
 from metrale.kernels.batch_invariant import check_invariant_support, make_batch_invariant
 from metrale.kernels.paged_attention import TritonPagedAttention, triton_available
 from metrale.models.attention import AttentionMetadata, TorchPagedAttention
@@ -190,6 +190,7 @@ class ModelRunner:
                 max_seqs=cfg.max_num_seqs,
                 prefill_rows=self.prefill_limit,
                 verify_mode=None if self.states is None else self.states.verify_mode,
+                keep_hidden=self.mtp is not None,  # the MTP catch-up reads them
             )
         self.taps = None
         if self.dflash is not None:  # before any capture: the programs write the taps too
@@ -214,6 +215,11 @@ class ModelRunner:
         # last step's detokenizing): called once, before the step's first wait for the device.
         self.while_forward_runs: Callable[[], None] | None = None
         self.grammar_vocab = 0
+        # A drafter's work that follows a ragged decode or verify program on the device, queued
+        # before the host waits for the verdicts: called with (entries, program shape, the
+        # target's token at every row [R]) (the MTP catch-up, `MTPDrafter._catch_up_verified`).
+        self.after_verify: Callable | None = None
+        self.replayed_shape = None  # the ragged program the step replayed, if any
         log.info(
             "model on %s (%s): %d KV pages of %d rows",
             self.device,
@@ -318,7 +324,7 @@ class ModelRunner:
         sampling = [(e, end) for e, end in zip(batch.entries, ends, strict=True) if e.samples]
         # The last 1 + k rows of each sampling sequence: its last token, then its k drafts.
         rows = [r for e, end in sampling for r in range(end - 1 - len(e.drafts), end)]
-        replayed = None
+        replayed = self.replayed_shape = None
         if graphed:
             replayed = replay_decode(self, batch)
         elif self.graphs is not None:  # a step with prompt chunks (dense targets)
@@ -344,12 +350,16 @@ class ModelRunner:
         if self.structured_seqs:
             # Filled on the host while the forward runs (nothing above waited for it).
             apply_grammar_masks(entries, logits, self.grammar_vocab)
+        # the drafter's work on the verified rows, queued before the verdicts' host sync
+        follow = self._follow(batch, entries)
         if all(is_plain_greedy(e.seq.params, len(e.seq.output_token_ids)) for e in entries):
             # The common case needs only each row's argmax: no sampling tensors, no kernels
             # beyond the argmax, the same one host sync.
-            verdicts = greedy_verdicts(entries, logits.argmax(dim=-1), self.forced_acceptance)
+            picks = logits.argmax(dim=-1)
+            table = to_host(picks, follow, picks)
+            verdicts = greedy_verdicts(entries, table, self.forced_acceptance)
         else:
-            verdicts = self._accept(entries, logits)
+            verdicts = self._accept(entries, logits, follow)
         if verify_state:
             # Each sequence's committed state: the one after its last token + accepted drafts.
             accepted = {id(v.entry): v.num_accepted for v in verdicts}
@@ -374,8 +384,26 @@ class ModelRunner:
             # the step's own, as it was before this work moved here.
             log.exception("host work overlapped with the forward failed")
 
-    def _accept(self, entries: list[ScheduledSeq], logits: torch.Tensor):
-        """Verdicts through the logits pipeline and `accept` (sampling, penalties, logprobs)."""
+    def _follow(self, batch: Batch, entries: list[ScheduledSeq]):
+        """`after_verify` bound to this step, given the target's tokens [R], when it applies:
+        a ragged program ran every entry's rows, each samples, and what the verdicts accept
+        follows from those tokens alone (not the bench's forced acceptance, not raw-argmax
+        judging)."""
+        shape = self.replayed_shape
+        if (
+            self.after_verify is None
+            or shape is None
+            or len(entries) != len(batch.entries)
+            or self.forced_acceptance is not None
+            or self.verify_raw_argmax
+        ):
+            return None
+        hook = self.after_verify
+        return lambda tokens: hook(batch.entries, shape, tokens)
+
+    def _accept(self, entries: list[ScheduledSeq], logits: torch.Tensor, follow=None):
+        """Verdicts through the logits pipeline and `accept` (sampling, penalties, logprobs);
+        `follow` (`_follow`) is given the emitted token of every row."""
         sb = SamplingBatch.build(
             [
                 SamplingRow(
@@ -400,7 +428,9 @@ class ModelRunner:
         acc = accept(logits, sb, layout, q, raw_argmax=self.verify_raw_argmax, q_rows=q_rows)
         if self.forced_acceptance is not None:  # `metrale bench --forced-acceptance` only
             acc = self.forced_acceptance(acc, layout)
-        return verdicts_of(entries, acc)
+        if q is not None:  # the drafts' own distributions: matches are not equal tokens
+            follow = None
+        return verdicts_of(entries, acc, lambda table: to_host(table, follow, acc.emitted))
 
     def _draft_probs(self, entries: list[ScheduledSeq], logits: torch.Tensor):
         """([R, V] draft distributions, zeros elsewhere; [R] bool, the rows that have one), or

@@ -62,8 +62,27 @@ class StepOutput:
         )
 
 
-def verdicts_of(entries: list[ScheduledSeq], acc) -> list[SeqVerdict]:
-    """The step's one host sync: every row's match, emitted token and logprob data together."""
+def to_host(tensor: torch.Tensor, follow=None, tokens: torch.Tensor | None = None) -> list:
+    """`tensor.tolist()`, with `follow(tokens)` queued on the device after the copy (a
+    drafter's work on the step's tokens, see `ModelRunner.after_verify`). On CUDA the copy goes
+    to pinned memory and the host waits on an event for it alone, not for `follow`'s work."""
+    if follow is None:
+        return tensor.tolist()
+    if tensor.device.type != "cuda":
+        follow(tokens)
+        return tensor.tolist()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    follow(tokens)
+    copied.synchronize()
+    return host.tolist()
+
+
+def verdicts_of(entries: list[ScheduledSeq], acc, read=None) -> list[SeqVerdict]:
+    """The step's one host sync: every row's match, emitted token and logprob data together
+    (`read` turns the table into host lists: `to_host` with the step's drafter work)."""
     cols = [acc.matches[:, None].double(), acc.emitted[:, None].double()]
     k = 0
     if acc.logprobs is not None:
@@ -74,7 +93,8 @@ def verdicts_of(entries: list[ScheduledSeq], acc) -> list[SeqVerdict]:
             acc.top_token_ids.double(),
             acc.top_logprobs.double(),
         ]
-    table = torch.cat(cols, dim=1).tolist()  # [R, 2 (+ 2 + 2k)]
+    table = torch.cat(cols, dim=1)  # [R, 2 (+ 2 + 2k)]
+    table = table.tolist() if read is None else read(table)
     result, row = [], 0
     for e in entries:
         rows = table[row : row + len(e.drafts) + 1]
@@ -94,13 +114,13 @@ def verdicts_of(entries: list[ScheduledSeq], acc) -> list[SeqVerdict]:
 
 
 def greedy_verdicts(
-    entries: list[ScheduledSeq], picks: torch.Tensor, forced=None
+    entries: list[ScheduledSeq], picks: torch.Tensor | list[int], forced=None
 ) -> list[SeqVerdict]:
     """`verdicts_of(entries, accept(...))` for plain greedy rows (`is_plain_greedy`), from the
     argmax of every row alone: a draft matches iff it is its row's argmax, and every row emits
-    its argmax. One host sync, no sampling tensors, no acceptance kernels. `forced` (the
-    bench's `ForcedAcceptance`) draws the matches instead."""
-    table = picks.tolist()  # [R]
+    its argmax. One host sync, no sampling tensors, no acceptance kernels (`picks` [R], or
+    already on the host). `forced` (the bench's `ForcedAcceptance`) draws the matches instead."""
+    table = picks.tolist() if isinstance(picks, torch.Tensor) else picks  # [R]
     result, row = [], 0
     for e in entries:
         k = len(e.drafts)

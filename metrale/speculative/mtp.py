@@ -71,10 +71,13 @@ class MTPDrafter:
             num_slots + 1, hidden_size, dtype=runner.dtype, device=runner.device
         )
         self._first = torch.zeros(num_slots + 1, dtype=torch.long, device=runner.device)
-        # The next step's drafts, chained ahead by `observe` (see `_draft_ahead`): rows [S, K]
-        # on the device, and seq_id -> (its row, the position the row starts from).
-        self._ahead_table: torch.Tensor | None = None
-        self._ahead_rows: dict[int, tuple[int, int]] = {}
+        # The next step's drafts, chained ahead by a catch-up program: seq_id -> (its table
+        # [S, K] on the device, the table's replay stamp, its row, the position it starts from).
+        self._ahead_rows: dict[int, tuple] = {}
+        # Catch-ups the last step's program ran before the host knew its verdicts
+        # (`_catch_up_verified`): seq_id -> (first position of its rows, (table, stamp, row) of
+        # its drafts chained ahead, or None).
+        self._verified: dict[int, tuple[int, tuple | None]] = {}
         self.drafted_ahead = 0  # sequence-drafts served from rows chained ahead
         graphs = runner.graphs
         self.chain_graphs = (
@@ -89,6 +92,8 @@ class MTPDrafter:
             if graphs is not None and graphs.paged_kernel and not k.no_mtp_chain_graphs
             else None
         )
+        if self.chain_graphs is not None and not (self.refeed_shift or self.refeed_debug):
+            runner.after_verify = self._catch_up_verified
 
     def _forward(self, step: int, spans, hidden: torch.Tensor):
         """One MTP module over spans (block table, first position, tokens at p + 1)."""
@@ -100,18 +105,63 @@ class MTPDrafter:
         return logits_in, next_hidden, meta
 
     @torch.inference_mode()
+    def _catch_up_verified(self, entries, shape, tokens: torch.Tensor):
+        """The catch-up of a decode or verify step that replayed the target's ragged program
+        `shape`, queued on the device before the host reads the verdicts (`ModelRunner.
+        after_verify`) and run from what that program left in the workspace: it works out the
+        accepted drafts from `tokens` (the target's picks at every row) and feeds the committed
+        rows, so the host only keeps the books in `observe`. Sequences that do not draft with
+        MTP write a scratch entry."""
+        graphs, scratch = self.chain_graphs, self._first.shape[0] - 1
+        if len(entries) > graphs.catch_up_seqs or shape.max_q != graphs.max_q:
+            return  # `observe` catches them up from the verdicts
+        owners, keeps, eligible, drafted = [], [], 0, 0
+        for e in entries:
+            seq = e.seq
+            if seq.slot < 0 or not seq.params.speculative or seq.params.num_drafts == 0:
+                owners.append(scratch)
+                keeps.append(0)
+                continue
+            eligible += 1
+            drafted += bool(e.drafts)
+            owners.append(seq.slot)
+            keeps.append(self._chain_kept(seq.seq_id, e.drafts, seq.num_computed_tokens))
+        if not eligible:
+            return
+        ahead = 2 * drafted >= eligible and graphs.max_q > 2
+        done = graphs.catch_up_verified(shape, tokens, owners, keeps, ahead)
+        if done is None:
+            return
+        table, stamp = done
+        for row, (e, owner) in enumerate(zip(entries, owners, strict=True)):
+            if owner != scratch:
+                chained = (table, stamp, row) if ahead else None
+                self._verified[e.seq.seq_id] = (e.seq.num_computed_tokens, chained)
+
+    @torch.inference_mode()
     def observe(self, verdicts: list[Verdict]) -> None:
         spans, hiddens, owners = [], [], []
-        # Decode and verify rows (at most 1 + K per sequence) catch up in a captured program;
-        # prefill chunks beside it, eagerly, so an arrival does not make every sequence's
-        # catch-up eager. Without graphs every span is eager.
+        # Every committed row catches up in one captured program: decode and verify rows (at
+        # most 1 + K per sequence) in a ragged one, with prompt chunks in a prefill-shaped one.
+        # Past those, the short spans in a program and prompt chunks beside it, eagerly, so an
+        # arrival does not make every sequence's catch-up eager. Without graphs all eagerly.
         max_q = 0 if self.chain_graphs is None else self.chain_graphs.max_q
         short, eager = [], []  # indices into spans
+        verified, self._verified = self._verified, {}
+        ahead_rows: dict[int, tuple] = {}
         for v in verdicts:
             seq, rows = v.seq, 0 if v.hidden is None else v.hidden.shape[0]
             if rows == 0 or not seq.params.speculative or seq.params.num_drafts == 0:
                 continue
             if seq.slot < 0:
+                continue
+            done = verified.get(seq.seq_id)
+            if done is not None and done[0] == v.first_position:
+                # caught up by the step's own program: its newest row is the last committed
+                newest = v.first_position + rows - 1
+                self._pos[seq.seq_id] = [newest, 0]
+                if done[1] is not None:
+                    ahead_rows[seq.seq_id] = (*done[1], newest)
                 continue
             hidden, first = self._rows_to_feed(v)
             # the committed token after each row's position: prompt, accepted drafts, bonus
@@ -121,11 +171,17 @@ class MTPDrafter:
             hiddens.append(hidden)
             owners.append(seq)
             self._pos[seq.seq_id] = [first + len(tokens) - 1, 0]
+        if ahead_rows or spans:
+            self._ahead_rows = ahead_rows
         if not spans:
             return
-        self._ahead_rows = {}
-        if short and not self._catch_up_graphed(verdicts, short, spans, hiddens, owners):
-            eager = list(range(len(spans)))  # no program takes them: all eagerly, in order
+        # a catch-up of the step's own program chained ahead: these must not replay over it
+        chain = not ahead_rows and not eager
+        every = list(range(len(spans)))
+        if max_q and self._catch_up_graphed(verdicts, every, spans, hiddens, owners, chain):
+            return  # one program (prompt chunks too, in a prefill-shaped one)
+        if short and not self._catch_up_graphed(verdicts, short, spans, hiddens, owners, False):
+            eager = every  # no program takes them: all eagerly, in order
         if eager:
             self._catch_up_eager(
                 [spans[i] for i in eager],
@@ -133,28 +189,27 @@ class MTPDrafter:
                 [owners[i].slot for i in eager],
             )
 
-    def _catch_up_graphed(self, verdicts, short, spans, hiddens, owners) -> bool:
+    def _catch_up_graphed(self, verdicts, short, spans, hiddens, owners, chain: bool) -> bool:
         """The catch-up of the `short` spans as one replay; False when no program takes it.
         Drafts ahead when most of these sequences verified drafts (in steady state the ones
-        D-Cut drafts again): the chain then runs in the catch-up's own program, while the host
-        emits and schedules, and `propose` only reads it back. Otherwise (D-Cut leaves most at
-        depth 0) `propose` chains the few it drafts."""
+        D-Cut drafts again) and `chain` allows: the chain then runs in the catch-up's own
+        program, while the host emits and schedules, and `propose` only reads it back.
+        Otherwise (D-Cut leaves most at depth 0) `propose` chains the few it drafts."""
         drafted = sum(1 for v in verdicts if v.drafts)
-        ahead = 2 * drafted >= len(short) and self.chain_graphs.max_q > 2
-        table = self.chain_graphs.catch_up(
+        ahead = chain and 2 * drafted >= len(short) and self.chain_graphs.max_q > 2
+        done = self.chain_graphs.catch_up(
             [spans[i] for i in short],
             torch.cat([hiddens[i] for i in short]),
             [owners[i].slot for i in short],
             ahead,
         )
-        if table is None:
+        if done is None:
             return False
         if ahead:
-            self._ahead_table = table
-            self._ahead_rows = {
-                owners[i].seq_id: (row, self._pos[owners[i].seq_id][0])
-                for row, i in enumerate(short)
-            }
+            table, stamp = done
+            for row, i in enumerate(short):
+                seq_id = owners[i].seq_id
+                self._ahead_rows[seq_id] = (table, stamp, row, self._pos[seq_id][0])
         return True
 
     def _catch_up_eager(self, spans, hidden: torch.Tensor, slots: list[int]) -> None:
@@ -170,9 +225,8 @@ class MTPDrafter:
     def _rows_to_feed(self, v: Verdict) -> tuple[torch.Tensor, int]:
         """The committed rows to run through the MTP layer: (target hiddens, first position)."""
         state = self._pos.get(v.seq.seq_id)
-        if not v.drafts or state is None or state[0] + 1 != v.first_position:
-            return v.hidden, v.first_position
-        if self.refeed:
+        current = v.drafts and state is not None and state[0] + 1 == v.first_position
+        if current and (self.refeed_shift or self.refeed_debug):
             hidden = v.hidden
             if self.refeed_shift:
                 rows = torch.arange(hidden.shape[0], device=hidden.device)
@@ -183,13 +237,23 @@ class MTPDrafter:
                         "MTP_REFEED pos=%d fp=%016x", v.first_position + t, hidden_fingerprint(h)
                     )
             return hidden, v.first_position
+        keep = min(v.num_accepted, self._chain_kept(v.seq.seq_id, v.drafts, v.first_position))
+        return v.hidden[keep:], v.first_position + keep
+
+    def _chain_kept(self, seq_id: int, drafts: list[int], first: int) -> int:
+        """How many leading rows of a verify from position `first` the chain already wrote
+        with the verified drafts (of them, the accepted ones are kept, not fed again): 0 when
+        the chain did not start right before `first`, or when accepted rows are re-fed."""
+        state = self._pos.get(seq_id)
+        if not drafts or state is None or state[0] + 1 != first or self.refeed:
+            return 0
         # The chain's rows for accepted drafts hold the right tokens; keep them, as far as
         # the verified drafts are the chain's own (the controller may have replaced them: a
         # grammar's forced tokens).
         keep, chain = 0, state[2] if len(state) > 2 else ()
-        while keep < min(v.num_accepted, state[1]) and v.drafts[keep] == chain[keep]:
+        while keep < min(len(drafts), state[1]) and drafts[keep] == chain[keep]:
             keep += 1
-        return v.hidden[keep:], v.first_position + keep
+        return keep
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> list[Draft]:
@@ -208,18 +272,19 @@ class MTPDrafter:
         drafts: list[Draft] = [Draft([]) for _ in seqs]
         if not live:
             return drafts
-        # rows chained ahead by the last observe, for sequences still at that position
+        # rows chained ahead by the last catch-up, for sequences still at that position whose
+        # program was not replayed since
         ahead, self._ahead_rows = self._ahead_rows, {}
-        covered = [
-            (seq.seq_id, ahead[seq.seq_id][0])
-            for _, seq, _, state in live
-            if ahead.get(seq.seq_id, (0, -1))[1] == state[0]
-        ]
-        rows = {}
-        if covered:
-            host = self._ahead_table.tolist()  # the one host sync, usually long done
-            rows = {seq_id: host[row] for seq_id, row in covered}
-            self.drafted_ahead += len(covered)
+        graphs, rows, tables = self.chain_graphs, {}, {}
+        for _, seq, _, state in live:
+            got = ahead.get(seq.seq_id)
+            if got is None or got[3] != state[0] or not graphs.current(got[1]):
+                continue
+            table, _, row, _ = got
+            if id(table) not in tables:  # the one host sync, usually long done
+                tables[id(table)] = table.tolist()
+            rows[seq.seq_id] = tables[id(table)][row]
+            self.drafted_ahead += 1
         rest = [entry for entry in live if entry[1].seq_id not in rows]
         if rest:
             for (_, seq, _, _), row in zip(rest, self._chain_now(rest), strict=True):

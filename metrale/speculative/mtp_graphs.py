@@ -27,11 +27,13 @@ import torch
 from metrale.engine.graphs import capture
 from metrale.engine.kv_cache import DUMMY_PAGE
 from metrale.engine.program_shapes import (
+    PrefillShape,
     RaggedShape,
+    all_prefill_shapes,
     all_ragged_shapes,
-    capture_layout,
     decode_bucket,
     padding_rows,
+    prefill_shape,
     ragged_shape,
 )
 from metrale.engine.staging import to_device_packed
@@ -164,84 +166,123 @@ class DraftChainGraphs:
     # ---- the catch-up ---------------------------------------------------------------------
 
     def _catch_up_setup(self, num_slots: int, max_q: int, pages: int) -> None:
+        """The catch-up programs read the target's workspace (`GraphRunner`): its rows,
+        positions, slots, sequences, tables and hiddens, as the target's own ragged program
+        left them, or as `catch_up` loads them; their own inputs are the tokens and three
+        numbers per sequence."""
         self.max_q, self.catch_up_seqs = max_q, num_slots
+        self.target = self.runner.graphs
+        if self.target.hidden is None:
+            raise ValueError("the MTP catch-up programs need a GraphRunner with keep_hidden")
         shapes = all_ragged_shapes(num_slots, max_q)
-        rows, seqs = max(s.rows() for s in shapes), max(s.num_seqs for s in shapes)
-        device, dtype = self.runner.device, self.runner.dtype
-
-        def zeros(*shape, dtype=torch.long):
-            return torch.zeros(*shape, dtype=dtype, device=device)
-
-        self.c_tokens, self.c_positions, self.c_slots = zeros(rows), zeros(rows), zeros(rows)
-        self.c_hidden = zeros(rows, self.runner.model.config.hidden_size, dtype=dtype)
-        self.c_starts, self.c_lens = zeros(seqs + 1), zeros(seqs)
-        self.c_tables = zeros(seqs, pages)
-        self.c_owners = zeros(seqs)  # each sequence's slot in `slot_state`
+        # Steps with prompt chunks catch up in programs of the target's prefill shapes (the
+        # target's own steps of up to `prefill_rows` rows replay them), chaining nothing ahead.
+        self.prefill_rows = self.target.prefill_rows
+        t = self.target  # (a hybrid's workspace is sized for its own prefill shapes)
+        prefill = [
+            shape
+            for shape in all_prefill_shapes(num_slots, self.prefill_rows, max_q)
+            if shape.num_seqs <= t.seq_lens.shape[0] and shape.rows() <= t.input_ids.shape[0]
+        ]
+        every = shapes + prefill
+        rows, seqs = max(s.rows() for s in every), max(s.num_seqs for s in every)
+        device = self.runner.device
+        # the committed token after each row: the target's pick there
+        self.c_tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        # per sequence: its entry in `slot_state`; how many of its leading rows the chain
+        # already wrote (those accepted are not written again); 1 when every row is committed
+        # (a catch-up from the verdicts) rather than up to the first rejected draft
+        self.c_books = torch.zeros(3, seqs, dtype=torch.long, device=device)
+        self.row_index = torch.arange(rows, device=device)
         if seqs >= self.starts.shape[0]:  # the chain ahead runs one row per catch-up sequence
             self.starts = torch.arange(seqs + 1, device=device)
         self._catch_ups: dict[tuple[RaggedShape, int], tuple] = {}
         self.catch_up_replays = 0
+        self.verified_replays = 0  # of them, catch-ups that followed the target's own program
+        self._stamps: dict[tuple[RaggedShape, bool], int] = {}  # each program's last replay
         with torch.inference_mode():
             for shape in shapes:
                 for steps in {0, max_q - 2}:  # without and with the chain ahead
                     self._catch_up_program(shape, steps)
+            for shape in prefill:
+                self._catch_up_program(shape, 0)
 
-    def _catch_up_fn(self, shape: RaggedShape, steps: int):
-        rows, seqs = shape.rows(), shape.num_seqs
-        module, vocab = self.heads.for_step(0), self.runner.vocab
+    def _accepted(self, starts, rows: int, q: int) -> torch.Tensor:
+        """[S] each sequence's committed rows past its first: up to its first draft that is
+        not the target's pick at the row before it (row r verified the token fed as row
+        r + 1), or all of them where `c_books[2]` says so."""
+        t, seqs = self.target, starts.shape[0] - 1
+        first_row = starts[:-1]
+        num_rows = starts[1:] - first_row  # [S] (padding sequences: 0 or more)
+        grid = (first_row[:, None] + self.row_index[:q]).clamp_(max=rows - 1)  # [S, q]
+        verifies = self.row_index[:q] < (num_rows - 1)[:, None]
+        drafts = t.input_ids[(grid + 1).clamp_(max=t.input_ids.shape[0] - 1)]
+        matches = (self.c_tokens[:rows][grid] == drafts) & verifies
+        accepted = matches[:, : q - 1].long().cumprod(dim=1).sum(dim=1)
+        every = (num_rows - 1).clamp_(min=0)
+        return torch.where(self.c_books[2, :seqs] > 0, every, accepted)
+
+    def _catch_up_fn(self, shape: RaggedShape | PrefillShape, steps: int):
+        rows, seqs, q = shape.rows(), shape.num_seqs, shape.max_q
+        module, vocab, page = self.heads.for_step(0), self.runner.vocab, self.page_size
+        t = self.target
 
         def run():
-            starts = self.c_starts[: seqs + 1]
+            starts = t.query_start_loc[: seqs + 1]
+            first_row = starts[:-1]
+            accepted = self._accepted(starts, rows, q)
+            keep = torch.minimum(accepted, self.c_books[1, :seqs])
+            # each row's sequence and place in it; rows outside keep..accepted write no K/V
+            row = self.row_index[:rows]
+            owner = torch.searchsorted(starts[1:], row, right=True).clamp_(max=seqs - 1)
+            j = row - first_row[owner]
+            fed = (j >= keep[owner]) & (j <= accepted[owner])
+            positions = t.positions[:rows]
+            slots = torch.where(fed, t.slots[:rows], DUMMY_PAGE * page + positions % page)
+            tables = t.block_tables[:seqs]
             meta = AttentionMetadata(
-                slot_mapping=self.c_slots[:rows],
-                positions=self.c_positions[:rows],
+                slot_mapping=slots,
+                positions=positions,
                 query_start_loc=starts,
-                seq_lens=self.c_lens[:seqs],
-                block_tables=self.c_tables[:seqs],
-                max_query_len=shape.max_q,
+                seq_lens=t.seq_lens[:seqs],
+                block_tables=tables,
+                max_query_len=q,
                 max_seq_len=self.max_model_len,
-                page_size=self.page_size,
+                page_size=page,
             )
+            tokens = self.c_tokens[:rows]
             logits_in, next_hidden = module(
-                self.c_tokens[:rows],
-                self.c_positions[:rows],
-                self.c_hidden[:rows],
-                meta,
-                vocab.embed_tokens,
+                tokens, positions, t.hidden[:rows], meta, vocab.embed_tokens
             )
-            # each sequence's newest row (padding sequences without rows read a real row)
-            last = (starts[1:] - 1).clamp_(min=0)
+            # each sequence's newest committed row (padding sequences without rows: a real one)
+            last = (first_row + accepted).clamp_(max=rows - 1)
             firsts = vocab.compute_logits(logits_in, last).argmax(dim=-1)
             hidden = next_hidden.index_select(0, last)
-            owners = self.c_owners[:seqs]
+            owners = self.c_books[0, :seqs]
             self.slot_state[0].index_copy_(0, owners, firsts)
             self.slot_state[1].index_copy_(0, owners, hidden)
             if not steps:
                 return firsts[:, None]
             # NOTE: padding sequences chain from a real row's position on dummy-page tables.
-            base = self.c_positions[:rows].index_select(0, last)
-            columns = self._chain(firsts, hidden, base, self.c_tables[:seqs], steps)
+            base = positions.index_select(0, last)
+            columns = self._chain(firsts, hidden, base, tables, steps)
             return torch.cat([firsts[:, None], columns], dim=1)
 
         return run
 
-    def _catch_up_program(self, shape: RaggedShape, steps: int):
+    def _catch_up_program(self, shape: RaggedShape | PrefillShape, steps: int):
         program = self._catch_ups.get((shape, steps))
         if program is None:
             # Capture-time inputs: every sequence on the dummy page, its rows at 0..k-1.
-            layout = shape.layout()
+            # NOTE: this rewrites the target's workspace: never between a target program and
+            # a catch-up that reads what it left (`catch_up_verified` captures nothing).
+            self.target.fill_dummy(shape)
+            self.target.hidden.zero_()
             self.c_tokens.zero_()
-            self.c_hidden.zero_()
-            self.c_tables.fill_(DUMMY_PAGE)
-            starts, positions = capture_layout(layout)
-            device = self.runner.device
-            self.c_starts[: len(starts)] = torch.tensor(starts, device=device)
-            self.c_lens[: len(layout)] = torch.tensor(layout, device=device)
-            self.c_positions[: len(positions)] = torch.tensor(positions, device=device)
-            self.c_slots.fill_(DUMMY_PAGE * self.page_size)
-            self.c_slots[: len(positions)] += self.c_positions[: len(positions)] % self.page_size
-            self.c_owners.fill_(self.slot_state[0].shape[0] - 1)
-            program = capture(self._catch_up_fn(shape, steps), self.pool, device)
+            self.c_books.zero_()
+            self.c_books[0].fill_(self.slot_state[0].shape[0] - 1)
+            self.c_books[2].fill_(1)
+            program = capture(self._catch_up_fn(shape, steps), self.pool, self.runner.device)
             self._catch_ups[(shape, steps)] = program
         return program
 
@@ -251,35 +292,92 @@ class DraftChainGraphs:
         hidden: torch.Tensor,
         slots: list[int],
         ahead: bool,
-    ) -> torch.Tensor | None:
+    ) -> tuple | None:
         """Run the first module over the spans' rows (`hidden` [R, H], the target's) and write
         each span's first draft and next hidden at its newest row into `slot_state[slots]`. With
         `ahead`, chain the next step's drafts from there too, in the same program, and return
-        them [S, K] (draft 1, then the chain), a view the next catch-up rewrites; else [S, 1].
-        None when a span is longer than 1 + K rows or there are more spans than slots (the
-        caller then runs eagerly)."""
+        them [S, K] (draft 1, then the chain), a view the next catch-up rewrites; else [S, 1];
+        with the replay's stamp (`current`). Spans longer than 1 + K rows (prompt chunks) take
+        a prefill-shaped program, which chains nothing ahead. None when they are too long for
+        any or there are more spans than slots (the caller then runs eagerly). The spans are
+        loaded into the target's workspace, which its step no longer needs."""
         count, rows = len(spans), hidden.shape[0]
-        if count > self.catch_up_seqs or any(len(t) > self.max_q for _, _, t in spans):
+        if count > self.catch_up_seqs:
             return None
-        shape = ragged_shape(count, rows, self.max_q)
+        if all(len(t) <= self.max_q for _, _, t in spans):
+            shape = ragged_shape(count, rows, self.max_q)
+            dummy = [DUMMY_PAGE] * -(-self.max_q // self.page_size)
+            padded = spans + [(dummy, 0, [0] * n) for n in padding_rows(shape, count, rows)]
+        elif rows <= self.prefill_rows and not ahead:
+            # real rows first; the first padding sequence takes every padding row
+            shape = prefill_shape(count, rows, self.max_q)
+            pad = shape.rows() - rows
+            dummy = [DUMMY_PAGE] * max(-(-pad // self.page_size), 1)
+            padded = spans + [(dummy, 0, [0] * pad)]
+            padded += [([DUMMY_PAGE], 0, [])] * (shape.num_seqs - len(padded))
+        else:
+            return None
+        if isinstance(shape, PrefillShape) and (shape, 0) not in self._catch_ups:
+            return None
         graph, table = self._catch_up_program(shape, self.max_q - 2 if ahead else 0)
-        dummy = [DUMMY_PAGE] * -(-self.max_q // self.page_size)
-        padded = spans + [(dummy, 0, [0] * n) for n in padding_rows(shape, count, rows)]
         ids, positions, meta = self.runner.span_metadata(padded)
         n, total = shape.num_seqs, shape.rows()
-        scratch = self.slot_state[0].shape[0] - 1
-        (owners,) = to_device_packed([slots + [scratch] * (n - count)], self.runner.device)
+        t, scratch = self.target, self.slot_state[0].shape[0] - 1
+        t.load(
+            ids,
+            positions,
+            meta.slot_mapping,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+        )
+        t.hidden[:rows].copy_(hidden, non_blocking=True)
+        t.hidden[rows:total].zero_()
         self.c_tokens[:total].copy_(ids, non_blocking=True)
-        self.c_positions[:total].copy_(positions, non_blocking=True)
-        self.c_slots[:total].copy_(meta.slot_mapping, non_blocking=True)
-        self.c_hidden[:rows].copy_(hidden, non_blocking=True)
-        self.c_hidden[rows:total].zero_()
-        self.c_starts[: n + 1].copy_(meta.query_start_loc, non_blocking=True)
-        self.c_lens[:n].copy_(meta.seq_lens, non_blocking=True)
-        self.c_owners[:n].copy_(owners, non_blocking=True)
-        self.c_tables[:n].fill_(DUMMY_PAGE)
-        width = meta.block_tables.shape[1]
-        self.c_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
+        self._load_books(slots + [scratch] * (n - count), [0] * n, 1)
+        return self._replay(graph, table, count, (shape, ahead))
+
+    def catch_up_verified(
+        self,
+        shape: RaggedShape,
+        tokens: torch.Tensor,
+        owners: list[int],
+        keeps: list[int],
+        ahead: bool,
+    ) -> tuple | None:
+        """The catch-up of a decode or verify step the target just replayed as ragged program
+        `shape`, before the host knows what was accepted: the program reads the step's rows,
+        tables and hiddens where the target's program left them, and `tokens` [R] (the
+        target's picks at its rows, on the device); it works out each sequence's accepted
+        drafts itself and feeds its rows from `keeps[i]` (the chain's rows it keeps) to its
+        newest committed one. `owners`: each sequence's entry in `slot_state`. Returns what
+        `catch_up` returns, for every sequence of the step; None when no program was captured
+        for the shape (capturing now would overwrite the workspace)."""
+        program = self._catch_ups.get((shape, self.max_q - 2 if ahead else 0))
+        if program is None:
+            return None
+        graph, table = program
+        count, pad = len(owners), shape.num_seqs - len(owners)
+        scratch = self.slot_state[0].shape[0] - 1
+        self.c_tokens[: tokens.shape[0]].copy_(tokens, non_blocking=True)
+        self._load_books(owners + [scratch] * pad, keeps + [0] * pad, 0)
+        self.verified_replays += 1
+        return self._replay(graph, table, count, (shape, ahead))
+
+    def _load_books(self, owners: list[int], keeps: list[int], every: int) -> None:
+        n = len(owners)
+        (books,) = to_device_packed([owners + keeps + [every] * n], self.runner.device)
+        self.c_books[:, :n].copy_(books.view(3, n), non_blocking=True)
+
+    def _replay(self, graph, table: torch.Tensor, count: int, key) -> tuple:
+        """Replay a catch-up program: (its table's first `count` rows, a stamp that
+        `current` tells apart from a later replay of the same program, which rewrites them)."""
         graph.replay()
         self.catch_up_replays += 1
-        return table[:count]
+        self._stamps[key] = self.catch_up_replays
+        return table[:count], (key, self.catch_up_replays)
+
+    def current(self, stamp) -> bool:
+        """Whether a table `catch_up` returned with `stamp` still holds its drafts."""
+        key, replay = stamp
+        return self._stamps.get(key) == replay
