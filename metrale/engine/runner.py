@@ -20,11 +20,10 @@ from metrale.engine.kv_cache import DUMMY_PAGE, allocate_kv_cache, slots_of
 from metrale.engine.logits_pipeline import is_plain_greedy
 from metrale.engine.model_setup import default_dtype, dummy_weights, num_pages_for
 from metrale.engine.replay import replay_decode, replay_prefill, spans_of
-from metrale.engine.sampler import SamplingBatch, SamplingRow
 from metrale.engine.sequence import Batch, Phase, ScheduledSeq
 from metrale.engine.staging import to_device_packed
 from metrale.engine.state_cache import StateSlots
-from metrale.engine.step_output import StepOutput, greedy_verdicts, to_host, verdicts_of
+from metrale.engine.step_output import StepOutput, greedy_verdicts, sampled_verdicts, to_host
 from metrale.kernels.batch_invariant import check_invariant_support, make_batch_invariant
 from metrale.kernels.paged_attention import TritonPagedAttention, triton_available
 from metrale.models.attention import AttentionMetadata, TorchPagedAttention
@@ -34,7 +33,6 @@ from metrale.models.loader import load_weights
 from metrale.models.mtp import load_mtp
 from metrale.models.qwen3 import Qwen3ForCausalLM
 from metrale.models.qwen3_next import Qwen3NextForCausalLM
-from metrale.speculative.verify import accept, build_layout
 from metrale.structured.masks import apply_grammar_masks
 
 log = logging.getLogger(__name__)
@@ -359,7 +357,8 @@ class ModelRunner:
             table = to_host(picks, follow, picks)
             verdicts = greedy_verdicts(entries, table, self.forced_acceptance)
         else:
-            verdicts = self._accept(entries, logits, follow)
+            forced, raw = self.forced_acceptance, self.verify_raw_argmax
+            verdicts = sampled_verdicts(entries, logits, raw, forced, follow)
         if verify_state:
             # Each sequence's committed state: the one after its last token + accepted drafts.
             accepted = {id(v.entry): v.num_accepted for v in verdicts}
@@ -400,50 +399,3 @@ class ModelRunner:
             return None
         hook = self.after_verify
         return lambda tokens: hook(batch.entries, shape, tokens)
-
-    def _accept(self, entries: list[ScheduledSeq], logits: torch.Tensor, follow=None):
-        """Verdicts through the logits pipeline and `accept` (sampling, penalties, logprobs);
-        `follow` (`_follow`) is given the emitted token of every row."""
-        sb = SamplingBatch.build(
-            [
-                SamplingRow(
-                    params=e.seq.params,
-                    seed=e.seq.seed,
-                    prompt_token_ids=e.seq.prompt_token_ids,
-                    output_token_ids=e.seq.output_token_ids,
-                    eos_token_ids=e.seq.eos_token_ids,
-                    drafts=e.drafts,  # its rows: the last token's, then one per draft
-                    epoch=e.seq.noise_epoch,
-                    fresh_noise=e.seq.fresh_noise,
-                )
-                for e in entries
-            ],
-            vocab_size=logits.shape[-1],
-            device=self.device,
-        )
-        layout = build_layout(
-            [len(e.drafts) for e in entries], [e.drafts for e in entries], self.device
-        )
-        q, q_rows = self._draft_probs(entries, logits)
-        acc = accept(logits, sb, layout, q, raw_argmax=self.verify_raw_argmax, q_rows=q_rows)
-        if self.forced_acceptance is not None:  # `metrale bench --forced-acceptance` only
-            acc = self.forced_acceptance(acc, layout)
-        if q is not None:  # the drafts' own distributions: matches are not equal tokens
-            follow = None
-        return verdicts_of(entries, acc, lambda table: to_host(table, follow, acc.emitted))
-
-    def _draft_probs(self, entries: list[ScheduledSeq], logits: torch.Tensor):
-        """([R, V] draft distributions, zeros elsewhere; [R] bool, the rows that have one), or
-        (None, None) when every draft is one-hot (judged against the target's own sample)."""
-        if not any(e.draft_probs is not None for e in entries):
-            return None, None
-        parts, flags = [], []
-        for e in entries:
-            k = len(e.drafts)
-            q = torch.zeros(k + 1, logits.shape[-1], device=self.device)
-            given = k > 0 and e.draft_probs is not None
-            if given:
-                q[:k] = e.draft_probs.to(self.device, torch.float32)
-            parts.append(q)
-            flags += [given] * k + [False]
-        return torch.cat(parts), torch.tensor(flags, device=self.device)

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
+from metrale.engine.sampler import SamplingBatch, SamplingRow
 from metrale.engine.sequence import ScheduledSeq, Sequence
+from metrale.speculative.verify import accept, build_layout
 
 
 @dataclass
@@ -134,3 +136,55 @@ def greedy_verdicts(
         tokens = [SampledToken(e.seq, t) for t in rows[: accepted + 1]]
         result.append(SeqVerdict(e, accepted, matches, tokens, rows))
     return result
+
+
+def sampled_verdicts(
+    entries: list[ScheduledSeq], logits: torch.Tensor, raw_argmax: bool, forced=None, follow=None
+) -> list[SeqVerdict]:
+    """Verdicts through the logits pipeline and `accept` (sampling, penalties, logprobs).
+    `forced`: the bench's `ForcedAcceptance`; `follow` (`ModelRunner.after_verify` bound to the
+    step) is given the emitted token of every row, queued before the host sync, when the drafts
+    are one-hot (a match is then an equal token)."""
+    device = logits.device
+    sb = SamplingBatch.build(
+        [
+            SamplingRow(
+                params=e.seq.params,
+                seed=e.seq.seed,
+                prompt_token_ids=e.seq.prompt_token_ids,
+                output_token_ids=e.seq.output_token_ids,
+                eos_token_ids=e.seq.eos_token_ids,
+                drafts=e.drafts,  # its rows: the last token's, then one per draft
+                epoch=e.seq.noise_epoch,
+                fresh_noise=e.seq.fresh_noise,
+            )
+            for e in entries
+        ],
+        vocab_size=logits.shape[-1],
+        device=device,
+    )
+    layout = build_layout([len(e.drafts) for e in entries], [e.drafts for e in entries], device)
+    q, q_rows = _draft_probs(entries, logits)
+    acc = accept(logits, sb, layout, q, raw_argmax=raw_argmax, q_rows=q_rows)
+    if forced is not None:  # `metrale bench --forced-acceptance` only
+        acc = forced(acc, layout)
+    if q is not None:  # the drafts' own distributions: matches are not equal tokens
+        follow = None
+    return verdicts_of(entries, acc, lambda table: to_host(table, follow, acc.emitted))
+
+
+def _draft_probs(entries: list[ScheduledSeq], logits: torch.Tensor):
+    """([R, V] draft distributions, zeros elsewhere; [R] bool, the rows that have one), or
+    (None, None) when every draft is one-hot (judged against the target's own sample)."""
+    if not any(e.draft_probs is not None for e in entries):
+        return None, None
+    device, parts, flags = logits.device, [], []
+    for e in entries:
+        k = len(e.drafts)
+        q = torch.zeros(k + 1, logits.shape[-1], device=device)
+        given = k > 0 and e.draft_probs is not None
+        if given:
+            q[:k] = e.draft_probs.to(device, torch.float32)
+        parts.append(q)
+        flags += [given] * k + [False]
+    return torch.cat(parts), torch.tensor(flags, device=device)
