@@ -34,6 +34,7 @@ class PhaseTimer:
 
     def __init__(self, llm: LLM) -> None:
         import metrale.engine.runner as runner_mod
+        import metrale.engine.step_output as verdicts_mod
         from metrale.engine.sampler import SamplingBatch
 
         engine = llm.engine
@@ -45,11 +46,12 @@ class PhaseTimer:
             (runner_mod, "replay_prefill"),
             (engine.runner, "_metadata"),
             (engine.runner, "_forward"),
-            (runner_mod, "accept"),
-            (runner_mod, "build_layout"),
+            (verdicts_mod, "accept"),
+            (verdicts_mod, "build_layout"),
             (SamplingBatch, "build"),
-            (runner_mod, "verdicts_of"),
+            (verdicts_mod, "verdicts_of"),
             (runner_mod, "greedy_verdicts"),
+            (runner_mod, "sampled_verdicts"),
             (engine, "_commit"),
             (engine.emitter, "emit"),
         ]
@@ -69,7 +71,8 @@ class PhaseTimer:
     def _wrap(self, obj, name: str):
         fn = getattr(obj, name)
         owner = obj.__name__ if isinstance(obj, type) else type(obj).__name__
-        label = f"{'runner' if hasattr(obj, '__file__') else owner}.{name}"
+        module = obj.__name__.rsplit(".", 1)[-1] if hasattr(obj, "__file__") else None
+        label = f"{module or owner}.{name}"
 
         def timed(*a, **kw):
             start = time.perf_counter()
