@@ -111,7 +111,11 @@ def test_catch_up_in_the_verify_program_drafts_what_the_eager_drafter_drafts(
     assert got_drafts == want_drafts
     assert seen[0] > 10  # most steps caught up in the step's own program
     assert not eager
-    assert drafter.chain_graphs.verified_replays > 10
+    chain = drafter.chain_graphs
+    assert chain.verified_replays > 10
+    # every step replayed a target program, and every catch-up followed it on the device
+    # (prompt chunks too, in the prefill programs' steps): none waited for the verdicts
+    assert chain.catch_up_replays == chain.verified_replays
     assert drafter.drafted_ahead > sum(1 for step in got_drafts for _, d in step if d) // 2
     assert llm.engine.telemetry.spec.num_accepted_tokens > 20
     assert (llm.engine.telemetry.preemptions > 0) == bool(pool)

@@ -163,3 +163,48 @@ def test_plain_greedy_covers_every_pipeline_stage_that_touches_greedy_rows():
     ):
         assert not is_plain_greedy(SamplingParams(**{"temperature": 0.0, **changed}), 1), changed
     assert is_plain_greedy(SamplingParams(temperature=0.0, min_tokens=2), 2)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_device_acceptance_from_tokens_equals_accept(temperature):
+    """`accepted_from_tokens` (what the MTP catch-up program computes on the device, from the
+    emitted tokens and the step's input ids alone) gives `accept`'s accepted counts on random
+    steps: greedy rows with ties, seeded sampled rows with one-hot drafts, sequences of 0..K
+    drafts, and trailing padding sequences with and without rows."""
+    from metrale.speculative.verify import accepted_from_tokens
+
+    gen = torch.Generator().manual_seed(1)
+    vocab, k_max, accepted = 9, 4, 0
+    for trial in range(30):
+        depths = [int(d) for d in torch.randint(0, k_max + 1, (7,), generator=gen)]
+        rows = sum(depths) + len(depths)
+        logits = torch.randint(0, 3, (rows, vocab), generator=gen).float()
+        picks = logits.argmax(dim=-1).tolist()
+        drafts, inputs, starts = [], [], [0]
+        for k in depths:
+            start = starts[-1]
+            cut = int(torch.randint(0, k + 1, (1,), generator=gen))
+            own = picks[start : start + cut]
+            rest = [int(t) for t in torch.randint(0, vocab, (k - cut,), generator=gen)]
+            drafts.append(own + rest)
+            inputs += [int(torch.randint(0, vocab, (1,), generator=gen))] + own + rest
+            starts.append(start + k + 1)
+        params = [
+            SamplingParams(temperature=temperature, seed=trial * 10 + s, max_tokens=64)
+            for s in range(len(depths))
+        ]
+        sb = SamplingBatch.build(
+            [SamplingRow(p, p.seed or 0, [1, 2], [], drafts=d) for p, d in zip(params, drafts)],
+            vocab,
+            torch.device("cpu"),
+        )
+        acc = accept(logits, sb, build_layout(depths, drafts, torch.device("cpu")))
+        # a padding sequence of 2 rows and one of none, as the programs lay them out
+        padded_starts = torch.tensor(starts + [rows + 2, rows + 2])
+        tokens = torch.cat([acc.emitted, torch.zeros(2, dtype=torch.long)])
+        padded_inputs = torch.tensor(inputs + [0, 0])
+        got = accepted_from_tokens(padded_starts, tokens, padded_inputs, k_max + 1)
+        assert got[: len(depths)].tolist() == acc.num_accepted.tolist(), trial
+        assert got[len(depths) :].tolist() == [1, 0]  # padding rows of equal tokens "match"
+        accepted += sum(acc.num_accepted.tolist())
+    assert accepted > 20  # drafts were accepted, in part

@@ -80,7 +80,7 @@ class GraphRunner:
         `prefill_rows` rows (rounded down to a power of two; 0: none) replay prefill programs (a
         hybrid's keyed by rows per sequence too, in `prefill_widths`, and none wider). `max_rows`
         None: as many rows as any step of `max_seqs` sequences can need, so no step is
-        refused. `keep_hidden`: ragged programs also leave their hidden states in the workspace
+        refused. `keep_hidden`: programs also leave their hidden states in the workspace
         (`hidden`), where a drafter's programs read them (the MTP catch-up)."""
         self.model, self.page_size, self.device = model, page_size, device
         self.state_pool = state_pool
@@ -192,6 +192,8 @@ class GraphRunner:
                 else:  # padding sequences read and write the dummy entry alone
                     state = self.state_pool.view(self.state_read[:seqs], StateMode.WRITE)
                     hidden = self.model(ids, positions, meta, state)
+                if self.hidden is not None:
+                    self.hidden[:rows].copy_(hidden)
                 logits = self.model.compute_logits(
                     hidden, self.sample_rows[:samples], out=self.logits[:samples]
                 )

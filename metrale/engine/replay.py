@@ -94,7 +94,7 @@ def _replay_ragged(runner, batch: Batch):
     ran = run_program(runner, shape, spans, state)
     if ran is None:
         return None
-    runner.replayed_shape = shape  # the workspace holds this program's layout now
+    runner.replayed_shape = shape  # the workspace holds this program's rows now
     hidden, logits, state_view = ran
     return _kept_hidden(runner, hidden, num_rows), logits[:num_rows], state_view, entries
 
@@ -120,6 +120,7 @@ def replay_prefill(runner, batch: Batch, sample_rows: list[int]):
     ran = run_program(runner, shape, spans, sample_rows=samples)
     if ran is None:
         return None
+    runner.replayed_shape = shape
     hidden, logits, _ = ran
     hidden = _kept_hidden(runner, hidden, num_rows)
     return hidden, logits[: len(sample_rows)], None, list(batch.entries)

@@ -19,6 +19,7 @@ from metrale.engine.graphs import GraphRunner
 from metrale.engine.kv_cache import DUMMY_PAGE, allocate_kv_cache, slots_of
 from metrale.engine.logits_pipeline import is_plain_greedy
 from metrale.engine.model_setup import default_dtype, dummy_weights, num_pages_for
+from metrale.engine.program_shapes import RaggedShape
 from metrale.engine.replay import replay_decode, replay_prefill, spans_of
 from metrale.engine.sequence import Batch, Phase, ScheduledSeq
 from metrale.engine.staging import to_device_packed
@@ -213,11 +214,11 @@ class ModelRunner:
         # last step's detokenizing): called once, before the step's first wait for the device.
         self.while_forward_runs: Callable[[], None] | None = None
         self.grammar_vocab = 0
-        # A drafter's work that follows a ragged decode or verify program on the device, queued
-        # before the host waits for the verdicts: called with (entries, program shape, the
-        # target's token at every row [R]) (the MTP catch-up, `MTPDrafter._catch_up_verified`).
+        # A drafter's work that follows a target program on the device, queued before the host
+        # waits for the verdicts: called with (entries, the program's shape, the target's token
+        # at each sampling row, in row order) (the MTP catch-up, `MTPDrafter._catch_up_verified`).
         self.after_verify: Callable | None = None
-        self.replayed_shape = None  # the ragged program the step replayed, if any
+        self.replayed_shape = None  # the program the step replayed, if any
         log.info(
             "model on %s (%s): %d KV pages of %d rows",
             self.device,
@@ -336,20 +337,21 @@ class ModelRunner:
             # program's state, graph padding included (None)
             hidden, logits, state, state_entries = replayed
         self._overlap()
+        # the drafter's work on the step's rows, queued before the verdicts' host sync
+        follow = self._follow(batch, entries := [e for e, _ in sampling])
         if not sampling:
             if verify_state:  # unreachable: drafts only come with sampling entries
                 raise RuntimeError("a verify step without sampling entries")
+            if follow is not None:
+                follow(torch.empty(0, dtype=torch.long, device=self.device))
             if replayed is None and self.taps is not None:  # the drafter reads the taps
                 hidden = self.taps.buffer[: hidden.shape[0]].clone()
             return StepOutput(batch.entries, [], hidden, ends)
         if logits is None:  # eager: the sampling rows' logits alone
             logits = self.model.compute_logits(hidden, torch.tensor(rows, device=self.device))
-        entries = [e for e, _ in sampling]
         if self.structured_seqs:
             # Filled on the host while the forward runs (nothing above waited for it).
             apply_grammar_masks(entries, logits, self.grammar_vocab)
-        # the drafter's work on the verified rows, queued before the verdicts' host sync
-        follow = self._follow(batch, entries)
         if all(is_plain_greedy(e.seq.params, len(e.seq.output_token_ids)) for e in entries):
             # The common case needs only each row's argmax: no sampling tensors, no kernels
             # beyond the argmax, the same one host sync.
@@ -384,15 +386,15 @@ class ModelRunner:
             log.exception("host work overlapped with the forward failed")
 
     def _follow(self, batch: Batch, entries: list[ScheduledSeq]):
-        """`after_verify` bound to this step, given the target's tokens [R], when it applies:
-        a ragged program ran every entry's rows, each samples, and what the verdicts accept
-        follows from those tokens alone (not the bench's forced acceptance, not raw-argmax
-        judging)."""
+        """`after_verify` bound to this step, given the target's token at each sampling row,
+        when it applies: a program ran the step (a ragged one, where every entry samples, or a
+        prefill one), and what the verdicts accept follows from those tokens alone (not the
+        bench's forced acceptance, not raw-argmax judging)."""
         shape = self.replayed_shape
         if (
             self.after_verify is None
             or shape is None
-            or len(entries) != len(batch.entries)
+            or (isinstance(shape, RaggedShape) and len(entries) != len(batch.entries))
             or self.forced_acceptance is not None
             or self.verify_raw_argmax
         ):

@@ -29,6 +29,7 @@ import logging
 
 import torch
 
+from metrale.engine.program_shapes import PrefillShape
 from metrale.engine.sequence import Sequence
 from metrale.engine.staging import to_device_packed
 from metrale.knobs import (
@@ -106,30 +107,38 @@ class MTPDrafter:
 
     @torch.inference_mode()
     def _catch_up_verified(self, entries, shape, tokens: torch.Tensor):
-        """The catch-up of a decode or verify step that replayed the target's ragged program
-        `shape`, queued on the device before the host reads the verdicts (`ModelRunner.
-        after_verify`) and run from what that program left in the workspace: it works out the
-        accepted drafts from `tokens` (the target's picks at every row) and feeds the committed
-        rows, so the host only keeps the books in `observe`. Sequences that do not draft with
-        MTP write a scratch entry."""
+        """The catch-up of a step that replayed one of the target's programs (`shape`: ragged
+        for decode and verify steps, prefill-shaped for steps with prompt chunks), queued on
+        the device before the host reads the verdicts (`ModelRunner.after_verify`) and run from
+        what that program left in the workspace: it works out the accepted drafts from
+        `tokens` (the target's pick at each sampling row) and feeds the committed rows, so the
+        host only keeps the books in `observe`. Sequences that do not draft with MTP write a
+        scratch entry."""
         graphs, scratch = self.chain_graphs, self._first.shape[0] - 1
-        if len(entries) > graphs.catch_up_seqs or shape.max_q != graphs.max_q:
+        prefill = isinstance(shape, PrefillShape)
+        if len(entries) > graphs.catch_up_seqs or not (prefill or shape.max_q == graphs.max_q):
             return  # `observe` catches them up from the verdicts
-        owners, keeps, eligible, drafted = [], [], 0, 0
+        owners, keeps, every, eligible, drafted = [], [], [], 0, 0
+        ends, row = [], 0  # (last row, the next prompt token) of chunks the prompt goes on after
         for e in entries:
-            seq = e.seq
+            seq, first = e.seq, e.seq.num_computed_tokens
+            row += e.num_rows
+            if not e.samples:
+                ends.append((row - 1, seq.tokens(first + e.num_rows, first + e.num_rows + 1)[0]))
             if seq.slot < 0 or not seq.params.speculative or seq.params.num_drafts == 0:
                 owners.append(scratch)
                 keeps.append(0)
+                every.append(1)
                 continue
             eligible += 1
             drafted += bool(e.drafts)
             owners.append(seq.slot)
-            keeps.append(self._chain_kept(seq.seq_id, e.drafts, seq.num_computed_tokens))
+            keeps.append(self._chain_kept(seq.seq_id, e.drafts, first))
+            every.append(0 if e.drafts else 1)  # without drafts every row is committed
         if not eligible:
             return
-        ahead = 2 * drafted >= eligible and graphs.max_q > 2
-        done = graphs.catch_up_verified(shape, tokens, owners, keeps, ahead)
+        ahead = not prefill and 2 * drafted >= eligible and graphs.max_q > 2
+        done = graphs.catch_up_verified(shape, tokens, owners, keeps, every, ends, ahead)
         if done is None:
             return
         table, stamp = done

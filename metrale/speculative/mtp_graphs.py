@@ -38,6 +38,7 @@ from metrale.engine.program_shapes import (
 )
 from metrale.engine.staging import to_device_packed
 from metrale.models.attention import AttentionMetadata
+from metrale.speculative.verify import accepted_from_tokens
 
 
 class DraftChainGraphs:
@@ -174,17 +175,17 @@ class DraftChainGraphs:
         self.target = self.runner.graphs
         if self.target.hidden is None:
             raise ValueError("the MTP catch-up programs need a GraphRunner with keep_hidden")
-        shapes = all_ragged_shapes(num_slots, max_q)
+        t = self.target
+
+        def fits(shape) -> bool:  # the workspace may be smaller (`graph_max_rows`, a hybrid's)
+            return shape.num_seqs <= t.seq_lens.shape[0] and shape.rows() <= t.input_ids.shape[0]
+
+        shapes = [shape for shape in all_ragged_shapes(num_slots, max_q) if fits(shape)]
         # Steps with prompt chunks catch up in programs of the target's prefill shapes (the
         # target's own steps of up to `prefill_rows` rows replay them), chaining nothing ahead.
-        self.prefill_rows = self.target.prefill_rows
-        t = self.target  # (a hybrid's workspace is sized for its own prefill shapes)
-        prefill = [
-            shape
-            for shape in all_prefill_shapes(num_slots, self.prefill_rows, max_q)
-            if shape.num_seqs <= t.seq_lens.shape[0] and shape.rows() <= t.input_ids.shape[0]
-        ]
-        every = shapes + prefill
+        self.prefill_rows = t.prefill_rows
+        prefill = [s for s in all_prefill_shapes(num_slots, self.prefill_rows, max_q) if fits(s)]
+        every = shapes + prefill or [RaggedShape(1, 1, 1)]
         rows, seqs = max(s.rows() for s in every), max(s.num_seqs for s in every)
         device = self.runner.device
         # the committed token after each row: the target's pick there
@@ -209,17 +210,10 @@ class DraftChainGraphs:
 
     def _accepted(self, starts, rows: int, q: int) -> torch.Tensor:
         """[S] each sequence's committed rows past its first: up to its first draft that is
-        not the target's pick at the row before it (row r verified the token fed as row
-        r + 1), or all of them where `c_books[2]` says so."""
-        t, seqs = self.target, starts.shape[0] - 1
-        first_row = starts[:-1]
-        num_rows = starts[1:] - first_row  # [S] (padding sequences: 0 or more)
-        grid = (first_row[:, None] + self.row_index[:q]).clamp_(max=rows - 1)  # [S, q]
-        verifies = self.row_index[:q] < (num_rows - 1)[:, None]
-        drafts = t.input_ids[(grid + 1).clamp_(max=t.input_ids.shape[0] - 1)]
-        matches = (self.c_tokens[:rows][grid] == drafts) & verifies
-        accepted = matches[:, : q - 1].long().cumprod(dim=1).sum(dim=1)
-        every = (num_rows - 1).clamp_(min=0)
+        not the target's pick at the row before it, or all of them where `c_books[2]` says so."""
+        seqs, tokens = starts.shape[0] - 1, self.c_tokens[:rows]
+        accepted = accepted_from_tokens(starts, tokens, self.target.input_ids, q)
+        every = (starts[1:] - starts[:-1] - 1).clamp_(min=0)
         return torch.where(self.c_books[2, :seqs] > 0, every, accepted)
 
     def _catch_up_fn(self, shape: RaggedShape | PrefillShape, steps: int):
@@ -317,9 +311,10 @@ class DraftChainGraphs:
             padded += [([DUMMY_PAGE], 0, [])] * (shape.num_seqs - len(padded))
         else:
             return None
-        if isinstance(shape, PrefillShape) and (shape, 0) not in self._catch_ups:
+        program = self._catch_ups.get((shape, self.max_q - 2 if ahead else 0))
+        if program is None:  # past the workspace: capturing it would not help
             return None
-        graph, table = self._catch_up_program(shape, self.max_q - 2 if ahead else 0)
+        graph, table = program
         ids, positions, meta = self.runner.span_metadata(padded)
         n, total = shape.num_seqs, shape.rows()
         t, scratch = self.target, self.slot_state[0].shape[0] - 1
@@ -334,40 +329,56 @@ class DraftChainGraphs:
         t.hidden[:rows].copy_(hidden, non_blocking=True)
         t.hidden[rows:total].zero_()
         self.c_tokens[:total].copy_(ids, non_blocking=True)
-        self._load_books(slots + [scratch] * (n - count), [0] * n, 1)
+        self._load_books([slots + [scratch] * (n - count), [0] * n, [1] * n])
         return self._replay(graph, table, count, (shape, ahead))
 
     def catch_up_verified(
         self,
-        shape: RaggedShape,
+        shape: RaggedShape | PrefillShape,
         tokens: torch.Tensor,
         owners: list[int],
         keeps: list[int],
+        every: list[int],
+        ends: list[tuple[int, int]],
         ahead: bool,
     ) -> tuple | None:
-        """The catch-up of a decode or verify step the target just replayed as ragged program
-        `shape`, before the host knows what was accepted: the program reads the step's rows,
-        tables and hiddens where the target's program left them, and `tokens` [R] (the
-        target's picks at its rows, on the device); it works out each sequence's accepted
-        drafts itself and feeds its rows from `keeps[i]` (the chain's rows it keeps) to its
-        newest committed one. `owners`: each sequence's entry in `slot_state`. Returns what
-        `catch_up` returns, for every sequence of the step; None when no program was captured
-        for the shape (capturing now would overwrite the workspace)."""
+        """The catch-up of a step the target just replayed as program `shape` (ragged, or
+        prefill-shaped: with prompt chunks), before the host knows what was accepted: the
+        program reads the step's rows, tables and hiddens where the target's program left them.
+        `tokens`: the target's pick at each sampling row, on the device (every row of a ragged
+        program samples; a prefill program's sampling rows are in the workspace's
+        `sample_rows`). A row that does not sample is followed by the next row's token, or at
+        the end of a chunk the prompt goes on after, by the token `ends` gives ((row, token)).
+        Per sequence: its entry in `slot_state` (`owners`), the chain's rows it keeps (`keeps`),
+        and whether every row is committed (`every`: 1) or the program works out the accepted
+        drafts (0). Returns what `catch_up` returns, for every sequence of the step; None when
+        no program was captured for the shape (capturing now would overwrite the workspace)."""
         program = self._catch_ups.get((shape, self.max_q - 2 if ahead else 0))
         if program is None:
             return None
         graph, table = program
         count, pad = len(owners), shape.num_seqs - len(owners)
         scratch = self.slot_state[0].shape[0] - 1
-        self.c_tokens[: tokens.shape[0]].copy_(tokens, non_blocking=True)
-        self._load_books(owners + [scratch] * pad, keeps + [0] * pad, 0)
+        books = [owners + [scratch] * pad, keeps + [0] * pad, every + [1] * pad]
+        if isinstance(shape, RaggedShape):
+            self.c_tokens[: tokens.shape[0]].copy_(tokens, non_blocking=True)
+            self._load_books(books)
+        else:
+            t, total = self.target, shape.rows()
+            self.c_tokens[: total - 1].copy_(t.input_ids[1:total], non_blocking=True)
+            at, end_tokens = self._load_books(books, [[r for r, _ in ends], [k for _, k in ends]])
+            self.c_tokens.index_copy_(0, at, end_tokens)
+            self.c_tokens.index_copy_(0, t.sample_rows[: tokens.shape[0]], tokens)
         self.verified_replays += 1
         return self._replay(graph, table, count, (shape, ahead))
 
-    def _load_books(self, owners: list[int], keeps: list[int], every: int) -> None:
-        n = len(owners)
-        (books,) = to_device_packed([owners + keeps + [every] * n], self.runner.device)
-        self.c_books[:, :n].copy_(books.view(3, n), non_blocking=True)
+    def _load_books(self, books: list[list[int]], extra: list[list[int]] = ()) -> list:
+        """Upload the three per-sequence numbers (and `extra` lists, returned on the device)."""
+        n = len(books[0])
+        device = self.runner.device
+        packed, *rest = to_device_packed([[v for b in books for v in b], *extra], device)
+        self.c_books[:, :n].copy_(packed.view(3, n), non_blocking=True)
+        return rest
 
     def _replay(self, graph, table: torch.Tensor, count: int, key) -> tuple:
         """Replay a catch-up program: (its table's first `count` rows, a stamp that

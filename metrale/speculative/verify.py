@@ -93,6 +93,24 @@ def accepted_prefix(matches: Tensor, layout: RowLayout) -> Tensor:
     return padded[:, :-1].long().cumprod(dim=1).sum(dim=1)
 
 
+def accepted_from_tokens(starts: Tensor, tokens: Tensor, inputs: Tensor, max_q: int) -> Tensor:
+    """[S] accepted drafts of each sequence of a packed verify step, computed on the device
+    from the target's token at every row (`tokens` [R], `Acceptance.emitted`) and the step's
+    input ids (`inputs`, at least R + 1 long where row r + 1's input is the draft row r
+    verified): the rows before a sequence's first token that differs from the next row's
+    input. Sequence s owns rows starts[s] .. starts[s + 1] - 1 (at most `max_q`; none for a
+    padding sequence). For one-hot drafts a draft is accepted exactly when it equals the token
+    its row emits, so this is `accept`'s `num_accepted`, with no host layout (capturable)."""
+    rows = tokens.shape[0]
+    first = starts[:-1]
+    offsets = torch.arange(max_q, device=tokens.device)
+    grid = (first[:, None] + offsets).clamp_(max=rows - 1)  # [S, q]
+    verifies = offsets < (starts[1:] - first - 1)[:, None]  # a row that another row follows
+    following = inputs[(grid + 1).clamp_(max=inputs.shape[0] - 1)]
+    matches = (tokens[grid] == following) & verifies
+    return matches[:, : max_q - 1].long().cumprod(dim=1).sum(dim=1)
+
+
 def _race(probs: Tensor, batch: SamplingBatch, stream: int) -> Tensor:
     """Exponential race: argmax(p / E), E ~ Exp(1) seeded per (request, position, stream)."""
     u = seeded_uniform(batch.seed, batch.step, probs.shape[-1], stream)  # [R, V]
