@@ -36,23 +36,23 @@ def rerun_graphs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
 
 
-def graphed_mtp(kwargs: dict) -> LLM:
+def graphed_mtp(kwargs: dict, max_rows: int | None = None) -> LLM:
     """An engine whose target steps replay ragged programs and whose MTP drafter runs its
-    programs, as on the GPU."""
+    programs, as on the GPU (`max_rows`: `graph_max_rows`)."""
     llm = LLM(**kwargs)
     engine = llm.engine
     runner, drafter = engine.runner, engine.spec.drafter
     max_seqs = engine.config.max_num_seqs
-    runner.graphs = graphs.GraphRunner(
+    runner.graphs = graphs.GraphRunner(  # as the runner builds it on CUDA
         runner.model,
-        None,
-        engine.max_model_len + engine.lookahead,
+        max_rows,
+        max(engine.max_model_len + engine.lookahead, runner.prefill_limit),
         runner.page_size,
         runner.device,
         paged_kernel=True,
         max_q=engine.config.spec.num_drafts + 1,
         max_seqs=max_seqs,
-        prefill_rows=64,
+        prefill_rows=runner.prefill_limit,
         keep_hidden=True,
     )
     drafter.chain_graphs = mtp_graphs.DraftChainGraphs(
@@ -166,3 +166,60 @@ def test_hybrid_target_catch_up_in_its_verify_program(
     assert got == want
     assert got_drafts == want_drafts
     assert drafter.chain_graphs.verified_replays > 3
+
+
+@pytest.mark.parametrize("max_model_len", [38, 39])
+def test_chain_ahead_near_the_model_length_stays_in_the_rotary_table(rerun_graphs, max_model_len):
+    """A request that runs to `max_model_len`: the catch-up chains the next drafts ahead past
+    the positions the rotary table holds (it chains K - 1 deep whatever the caps); those rows
+    go to the dummy page and the request ends by length, as plain decoding's does (found by a
+    review: an IndexError on CPU, an out-of-bounds gather on CUDA)."""
+    kwargs = dict(
+        device="cpu",
+        dtype="float32",
+        max_num_seqs=1,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=16,
+        spec={"method": "mtp", "num_drafts": 3, "dcut": False},
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    want = LLM(**kwargs).generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+    got = graphed_mtp(kwargs).generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+    assert want.finish_reason == "length"
+    assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason)
+
+
+def test_sequences_that_do_not_draft_leave_their_pages_alone(rerun_graphs):
+    """A request with `speculative=False` batched with one that speculates: the step's catch-up
+    program writes no MTP K/V into its pages (the eager drafter never does), so a speculative
+    request that reuses them through the prefix cache drafts what the eager drafter drafts
+    (found by a review)."""
+    kwargs = dict(
+        device="cpu",
+        dtype="float32",
+        max_num_seqs=4,
+        page_size=4,
+        spec={"method": "mtp", "num_drafts": 3, "dcut": False},
+    )
+
+    def run(llm: LLM):
+        plain = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, speculative=False)
+        spec = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        first = llm.generate(PROMPTS[:2], [plain, spec], use_tqdm=False)[0]
+        ids = list(first.prompt_token_ids) + list(first.outputs[0].token_ids)
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        return drafts_of(llm, params, [ids])
+
+    assert run(graphed_mtp(kwargs)) == run(LLM(**kwargs))
+
+
+def test_a_workspace_narrower_than_the_catch_up_shapes(rerun_graphs):
+    """`graph_max_rows` below the widest step: catch-up programs are captured only for the
+    shapes the target's workspace holds; wider steps catch up eagerly (found by a review: the
+    engine failed to start)."""
+    kwargs = dict(device="cpu", dtype="float32", max_num_seqs=8, spec={"method": "mtp"})
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(**kwargs).generate(PROMPTS, params)]
+    llm = graphed_mtp(kwargs, max_rows=16)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == want
+    assert llm.engine.spec.drafter.chain_graphs.catch_up_replays > 0

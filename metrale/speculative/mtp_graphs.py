@@ -61,6 +61,7 @@ class DraftChainGraphs:
         self.runner, self.heads = runner, heads
         self.page_size = runner.page_size
         self.max_model_len = max_model_len
+        self.max_positions = runner.model.model.rotary.cos.shape[0]  # the rotary table
         self.max_seqs = decode_bucket(max_seqs)
         device, n = runner.device, self.max_seqs
         pages = -(-max_model_len // self.page_size) + 1
@@ -81,19 +82,24 @@ class DraftChainGraphs:
         )
         self._catch_up_setup(num_slots or max_seqs, runner.graphs.max_q, pages)
 
-    def _chain(self, tokens, hidden, base, tables, steps: int) -> torch.Tensor:
+    def _chain(self, tokens, hidden, base, tables, steps: int, live=None) -> torch.Tensor:
         """Draft steps 1..`steps` of one-row sequences at positions base + j, whose slots and
-        lengths are computed here, on the device, from the block tables: [n, steps]."""
+        lengths are computed here, on the device, from the block tables: [n, steps]. `live`
+        [n] bool: the sequences whose rows are written (the others write to the dummy page)."""
         vocab, page = self.runner.vocab, self.page_size
         width, n = tables.shape[1], tables.shape[0]
         columns = []
         for j in range(1, steps + 1):
-            positions = base + j
+            # NOTE: a sequence chains to the longest depth of the batch (a chain ahead, to K - 1
+            # whatever its caps); rows past its own pages (its table is padded with the dummy
+            # page, and past the table's width nothing is read) or past the positions the
+            # rotary table holds (the model length) write their K/V to the dummy page, at a
+            # clamped position, and their drafts are never proposed.
+            positions = (base + j).clamp(max=self.max_positions - 1)
             column = positions // page
-            # NOTE: a sequence chains to the longest depth of the batch; rows past its own pages
-            # (its table is padded with the dummy page, and past the table's width nothing is
-            # read) write their K/V to the dummy page, and are discarded.
-            inside = column < width
+            inside = (column < width) & (base + j < self.max_positions)
+            if live is not None:
+                inside &= live
             pages = tables.gather(1, column.clamp(max=width - 1)[:, None]).squeeze(1)
             pages = torch.where(inside, pages, DUMMY_PAGE)
             meta = AttentionMetadata(
@@ -200,7 +206,9 @@ class DraftChainGraphs:
         self._catch_ups: dict[tuple[RaggedShape, int], tuple] = {}
         self.catch_up_replays = 0
         self.verified_replays = 0  # of them, catch-ups that followed the target's own program
-        self._stamps: dict[tuple[RaggedShape, bool], int] = {}  # each program's last replay
+        # the drafts the last catch-up chained ahead, and how many such catch-ups ran
+        self.ahead = torch.zeros(seqs, max(max_q - 1, 1), dtype=torch.long, device=device)
+        self.ahead_replays = 0
         with torch.inference_mode():
             for shape in shapes:
                 for steps in {0, max_q - 2}:  # without and with the chain ahead
@@ -230,7 +238,11 @@ class DraftChainGraphs:
             row = self.row_index[:rows]
             owner = torch.searchsorted(starts[1:], row, right=True).clamp_(max=seqs - 1)
             j = row - first_row[owner]
-            fed = (j >= keep[owner]) & (j <= accepted[owner])
+            # a sequence that does not draft with MTP (its entry is the scratch one) writes
+            # nothing to its pages, as the eager drafter never would
+            owners = self.c_books[0, :seqs]
+            live = owners != self.slot_state[0].shape[0] - 1
+            fed = (j >= keep[owner]) & (j <= accepted[owner]) & live[owner]
             positions = t.positions[:rows]
             slots = torch.where(fed, t.slots[:rows], DUMMY_PAGE * page + positions % page)
             tables = t.block_tables[:seqs]
@@ -252,15 +264,17 @@ class DraftChainGraphs:
             last = (first_row + accepted).clamp_(max=rows - 1)
             firsts = vocab.compute_logits(logits_in, last).argmax(dim=-1)
             hidden = next_hidden.index_select(0, last)
-            owners = self.c_books[0, :seqs]
             self.slot_state[0].index_copy_(0, owners, firsts)
             self.slot_state[1].index_copy_(0, owners, hidden)
             if not steps:
                 return firsts[:, None]
             # NOTE: padding sequences chain from a real row's position on dummy-page tables.
             base = positions.index_select(0, last)
-            columns = self._chain(firsts, hidden, base, tables, steps)
-            return torch.cat([firsts[:, None], columns], dim=1)
+            columns = self._chain(firsts, hidden, base, tables, steps, live)
+            # out of the graph pool: no other program's replay (a second catch-up, a hybrid's
+            # commit) can rewrite it before `propose` reads it
+            self.ahead[:seqs].copy_(torch.cat([firsts[:, None], columns], dim=1))
+            return self.ahead[:seqs]
 
         return run
 
@@ -314,7 +328,7 @@ class DraftChainGraphs:
         program = self._catch_ups.get((shape, self.max_q - 2 if ahead else 0))
         if program is None:  # past the workspace: capturing it would not help
             return None
-        graph, table = program
+        graph, _ = program
         ids, positions, meta = self.runner.span_metadata(padded)
         n, total = shape.num_seqs, shape.rows()
         t, scratch = self.target, self.slot_state[0].shape[0] - 1
@@ -330,7 +344,7 @@ class DraftChainGraphs:
         t.hidden[rows:total].zero_()
         self.c_tokens[:total].copy_(ids, non_blocking=True)
         self._load_books([slots + [scratch] * (n - count), [0] * n, [1] * n])
-        return self._replay(graph, table, count, (shape, ahead))
+        return self._replay(graph, count, ahead)
 
     def catch_up_verified(
         self,
@@ -356,7 +370,7 @@ class DraftChainGraphs:
         program = self._catch_ups.get((shape, self.max_q - 2 if ahead else 0))
         if program is None:
             return None
-        graph, table = program
+        graph, _ = program
         count, pad = len(owners), shape.num_seqs - len(owners)
         scratch = self.slot_state[0].shape[0] - 1
         books = [owners + [scratch] * pad, keeps + [0] * pad, every + [1] * pad]
@@ -370,7 +384,7 @@ class DraftChainGraphs:
             self.c_tokens.index_copy_(0, at, end_tokens)
             self.c_tokens.index_copy_(0, t.sample_rows[: tokens.shape[0]], tokens)
         self.verified_replays += 1
-        return self._replay(graph, table, count, (shape, ahead))
+        return self._replay(graph, count, ahead)
 
     def _load_books(self, books: list[list[int]], extra: list[list[int]] = ()) -> list:
         """Upload the three per-sequence numbers (and `extra` lists, returned on the device)."""
@@ -380,15 +394,14 @@ class DraftChainGraphs:
         self.c_books[:, :n].copy_(packed.view(3, n), non_blocking=True)
         return rest
 
-    def _replay(self, graph, table: torch.Tensor, count: int, key) -> tuple:
-        """Replay a catch-up program: (its table's first `count` rows, a stamp that
-        `current` tells apart from a later replay of the same program, which rewrites them)."""
+    def _replay(self, graph, count: int, ahead: bool) -> tuple:
+        """Replay a catch-up program: (the first `count` rows of the drafts it chained ahead, a
+        stamp `current` tells apart from a later chaining catch-up, which rewrites them)."""
         graph.replay()
         self.catch_up_replays += 1
-        self._stamps[key] = self.catch_up_replays
-        return table[:count], (key, self.catch_up_replays)
+        self.ahead_replays += ahead
+        return self.ahead[:count], self.ahead_replays
 
     def current(self, stamp) -> bool:
-        """Whether a table `catch_up` returned with `stamp` still holds its drafts."""
-        key, replay = stamp
-        return self._stamps.get(key) == replay
+        """Whether drafts `catch_up` chained ahead with `stamp` are still in `ahead`."""
+        return stamp == self.ahead_replays
