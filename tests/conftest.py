@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import os
 
-import torch
+# The Triton interpreter computes `tl.dot` with numpy's OpenBLAS. Its AVX2/FMA kernels (picked on
+# Haswell and later, Zen included) sum a row of a small product differently depending on the
+# rows beside it, so a kernel whose own reduction order is batch-invariant would look otherwise
+# under the interpreter (tests/test_deterministic*.py). Its AVX kernels keep each row's order.
+# Set before numpy's OpenBLAS loads (torch imports numpy); the GPU tests never go through it.
+os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
+
+import torch  # noqa: E402
 
 # Without CUDA, Triton kernels run under its interpreter on CPU tensors (tests/test_kernels.py);
 # this must be set before anything imports the kernels.
