@@ -72,12 +72,12 @@ class MTPDrafter:
             num_slots + 1, hidden_size, dtype=runner.dtype, device=runner.device
         )
         self._first = torch.zeros(num_slots + 1, dtype=torch.long, device=runner.device)
-        # The next step's drafts, chained ahead by a catch-up program: seq_id -> (its table
-        # [S, K] on the device, the table's replay stamp, its row, the position it starts from).
+        # The next step's drafts, chained ahead by a catch-up program into `chain_graphs.ahead`:
+        # seq_id -> (the replay's stamp, its row there, the position it starts from).
         self._ahead_rows: dict[int, tuple] = {}
         # Catch-ups the last step's program ran before the host knew its verdicts
-        # (`_catch_up_verified`): seq_id -> (first position of its rows, (table, stamp, row) of
-        # its drafts chained ahead, or None).
+        # (`_catch_up_verified`): seq_id -> (first position of its rows, (stamp, row) of its
+        # drafts chained ahead, or None).
         self._verified: dict[int, tuple[int, tuple | None]] = {}
         self.drafted_ahead = 0  # sequence-drafts served from rows chained ahead
         graphs = runner.graphs
@@ -138,13 +138,12 @@ class MTPDrafter:
         if not eligible:
             return
         ahead = not prefill and 2 * drafted >= eligible and graphs.max_q > 2
-        done = graphs.catch_up_verified(shape, tokens, owners, keeps, every, ends, ahead)
-        if done is None:
+        stamp = graphs.catch_up_verified(shape, tokens, owners, keeps, every, ends, ahead)
+        if stamp is None:
             return
-        table, stamp = done
         for row, (e, owner) in enumerate(zip(entries, owners, strict=True)):
             if owner != scratch:
-                chained = (table, stamp, row) if ahead else None
+                chained = (stamp, row) if ahead else None
                 self._verified[e.seq.seq_id] = (e.seq.num_computed_tokens, chained)
 
     @torch.inference_mode()
@@ -206,19 +205,18 @@ class MTPDrafter:
         Otherwise (D-Cut leaves most at depth 0) `propose` chains the few it drafts."""
         drafted = sum(1 for v in verdicts if v.drafts)
         ahead = chain and 2 * drafted >= len(short) and self.chain_graphs.max_q > 2
-        done = self.chain_graphs.catch_up(
+        stamp = self.chain_graphs.catch_up(
             [spans[i] for i in short],
             torch.cat([hiddens[i] for i in short]),
             [owners[i].slot for i in short],
             ahead,
         )
-        if done is None:
+        if stamp is None:
             return False
         if ahead:
-            table, stamp = done
             for row, i in enumerate(short):
                 seq_id = owners[i].seq_id
-                self._ahead_rows[seq_id] = (table, stamp, row, self._pos[seq_id][0])
+                self._ahead_rows[seq_id] = (stamp, row, self._pos[seq_id][0])
         return True
 
     def _catch_up_eager(self, spans, hidden: torch.Tensor, slots: list[int]) -> None:
@@ -284,15 +282,14 @@ class MTPDrafter:
         # rows chained ahead by the last catch-up, for sequences still at that position whose
         # program was not replayed since
         ahead, self._ahead_rows = self._ahead_rows, {}
-        graphs, rows, tables = self.chain_graphs, {}, {}
+        graphs, rows, table = self.chain_graphs, {}, None
         for _, seq, _, state in live:
             got = ahead.get(seq.seq_id)
-            if got is None or got[3] != state[0] or not graphs.current(got[1]):
+            if got is None or got[2] != state[0] or not graphs.current(got[0]):
                 continue
-            table, _, row, _ = got
-            if id(table) not in tables:  # the one host sync, usually long done
-                tables[id(table)] = table.tolist()
-            rows[seq.seq_id] = tables[id(table)][row]
+            if table is None:  # the one host sync, usually long done
+                table = graphs.ahead.tolist()
+            rows[seq.seq_id] = table[got[1]]
             self.drafted_ahead += 1
         rest = [entry for entry in live if entry[1].seq_id not in rows]
         if rest:

@@ -300,12 +300,12 @@ class DraftChainGraphs:
         hidden: torch.Tensor,
         slots: list[int],
         ahead: bool,
-    ) -> tuple | None:
+    ) -> int | None:
         """Run the first module over the spans' rows (`hidden` [R, H], the target's) and write
         each span's first draft and next hidden at its newest row into `slot_state[slots]`. With
-        `ahead`, chain the next step's drafts from there too, in the same program, and return
-        them [S, K] (draft 1, then the chain), a view the next catch-up rewrites; else [S, 1];
-        with the replay's stamp (`current`). Spans longer than 1 + K rows (prompt chunks) take
+        `ahead`, chain the next step's drafts from there too, in the same program, into
+        `ahead` [S, K] (draft 1, then the chain; the next chaining catch-up rewrites it).
+        Returns the replay's stamp (`current`). Spans longer than 1 + K rows (prompt chunks) take
         a prefill-shaped program, which chains nothing ahead. None when they are too long for
         any or there are more spans than slots (the caller then runs eagerly). The spans are
         loaded into the target's workspace, which its step no longer needs."""
@@ -344,7 +344,7 @@ class DraftChainGraphs:
         t.hidden[rows:total].zero_()
         self.c_tokens[:total].copy_(ids, non_blocking=True)
         self._load_books([slots + [scratch] * (n - count), [0] * n, [1] * n])
-        return self._replay(graph, count, ahead)
+        return self._replay(graph, ahead)
 
     def catch_up_verified(
         self,
@@ -355,7 +355,7 @@ class DraftChainGraphs:
         every: list[int],
         ends: list[tuple[int, int]],
         ahead: bool,
-    ) -> tuple | None:
+    ) -> int | None:
         """The catch-up of a step the target just replayed as program `shape` (ragged, or
         prefill-shaped: with prompt chunks), before the host knows what was accepted: the
         program reads the step's rows, tables and hiddens where the target's program left them.
@@ -371,7 +371,7 @@ class DraftChainGraphs:
         if program is None:
             return None
         graph, _ = program
-        count, pad = len(owners), shape.num_seqs - len(owners)
+        pad = shape.num_seqs - len(owners)
         scratch = self.slot_state[0].shape[0] - 1
         books = [owners + [scratch] * pad, keeps + [0] * pad, every + [1] * pad]
         if isinstance(shape, RaggedShape):
@@ -384,7 +384,7 @@ class DraftChainGraphs:
             self.c_tokens.index_copy_(0, at, end_tokens)
             self.c_tokens.index_copy_(0, t.sample_rows[: tokens.shape[0]], tokens)
         self.verified_replays += 1
-        return self._replay(graph, count, ahead)
+        return self._replay(graph, ahead)
 
     def _load_books(self, books: list[list[int]], extra: list[list[int]] = ()) -> list:
         """Upload the three per-sequence numbers (and `extra` lists, returned on the device)."""
@@ -394,13 +394,13 @@ class DraftChainGraphs:
         self.c_books[:, :n].copy_(packed.view(3, n), non_blocking=True)
         return rest
 
-    def _replay(self, graph, count: int, ahead: bool) -> tuple:
-        """Replay a catch-up program: (the first `count` rows of the drafts it chained ahead, a
-        stamp `current` tells apart from a later chaining catch-up, which rewrites them)."""
+    def _replay(self, graph, ahead: bool) -> int:
+        """Replay a catch-up program; returns the stamp of the drafts in `ahead` (which
+        `current` tells apart from a later chaining catch-up's, which rewrites them)."""
         graph.replay()
         self.catch_up_replays += 1
         self.ahead_replays += ahead
-        return self.ahead[:count], self.ahead_replays
+        return self.ahead_replays
 
     def current(self, stamp) -> bool:
         """Whether drafts `catch_up` chained ahead with `stamp` are still in `ahead`."""
