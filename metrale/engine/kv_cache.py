@@ -35,6 +35,8 @@ class PageAllocator:
         self.cache = cache
         self._free: deque[int] = deque(range(1, num_pages))
         self._refs = [0] * num_pages  # block tables holding each page
+        if cache is not None:
+            cache.on_orphan = self._free.append
 
     @property
     def num_free(self) -> int:

@@ -122,6 +122,9 @@ class LLMEngine:
         self.spec = speculative_decoder(
             self.config, self.runner, drafter, self.telemetry.spec, self.max_model_len
         )
+        if cache is not None and self.spec is not None:
+            # a drafter whose K/V rows live in the pages reads them on a prefix hit too
+            cache.draft_kv = getattr(self.spec.drafter, "page_kv", None)
         if self.spec is not None and self.spec.cfg.dcut and self.runner.graphs is not None:
             self._calibrate_dcut()
 

@@ -22,6 +22,14 @@ releases its pages last page first, so a prefix's tail is reclaimed before its h
 A hit. The longest run of cached pages the sequence's tokens name, short of its last token (a
 row must run to sample from) is mapped into its block table and its prefill starts after it.
 
+Drafter K/V. A drafter that keeps K/V rows in the target's pages (MTP's layer, DFlash's context)
+reads them on a hit too, and a page holds them only if its writer drafted with that drafter: a
+non-speculative request leaves them unwritten. So a page is cached with a mark saying its drafter
+rows are whole (`DraftKV.writes` its writer), and a sequence that drafts takes a hit only as far
+as the marked pages go. MTP's row at a position is fed the next token too, so its mark is the
+token that followed the page in its writer, and the page serves only sequences where the same
+token follows. A marked page computed later under an unmarked page's name takes the name over.
+
 Hybrid targets. A GDN layer's state after a prefix is one tensor per sequence, so a hit must
 also resume the recurrent state: `SnapshotIndex` keeps copies of it (`StateSlots` snapshots), by
 page name, in a pool of `2 * max_num_seqs` entries, least recently used first out. A hit is then
@@ -38,6 +46,7 @@ import hashlib
 import logging
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import NamedTuple
 
 from metrale.engine.sequence import Sequence
@@ -55,6 +64,14 @@ def page_hash(parent: bytes, tokens: list[int], extra: bytes = b"") -> bytes:
     if extra:
         h.update(extra)
     return h.digest()
+
+
+class DraftKV(NamedTuple):
+    """A drafter's K/V rows in the target's pages (see the module docstring): which sequences
+    it writes them for, every committed row; whether a row depends on the token after it."""
+
+    writes: Callable[[Sequence], bool]
+    next_token: bool
 
 
 class Hit(NamedTuple):
@@ -151,6 +168,12 @@ class PrefixCache:
         self._page_of: dict[bytes, int] = {}
         self._name_of: dict[int, bytes] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()  # least recently used first
+        # Set by the engine when its drafter keeps K/V in the pages; then, per cached page whose
+        # drafter rows are whole, the token after it in its writer (-1: not needed).
+        self.draft_kv: DraftKV | None = None
+        self._draft_mark: dict[int, int] = {}
+        # takes back an idle page whose name went to a better copy (the allocator's free list)
+        self.on_orphan: Callable[[int], None] | None = None
 
     # ---- names ----------------------------------------------------------------------------
 
@@ -177,6 +200,8 @@ class PrefixCache:
             if page is None:
                 break
             pages.append(page)
+        if self.draft_kv is not None and self.draft_kv.writes(seq):
+            pages = pages[: self._drafter_whole(seq, pages)]
         snapshot, branch = -1, 0
         if self.snapshots is not None:
             # the state must resume too: only as far as the last snapshot along the pages
@@ -188,6 +213,29 @@ class PrefixCache:
             pages = pages[:found]
         idle = sum(1 for page in pages if page in self._idle)
         return Hit(pages, len(pages) * size, idle, snapshot if pages else -1, branch)
+
+    def _drafter_whole(self, seq: Sequence, pages: list[int]) -> int:
+        """How many of the leading `pages` hold drafter K/V rows that `seq` can read."""
+        size = self.page_size
+        for i, page in enumerate(pages):
+            mark = self._draft_mark.get(page)
+            if mark is None:
+                return i
+            end = (i + 1) * size
+            if self.draft_kv.next_token and mark != seq.tokens(end, end + 1)[0]:
+                return i
+        return len(pages)
+
+    def _mark(self, seq: Sequence, index: int) -> int | None:
+        """Page `index` of `seq`'s mark (None: its drafter rows are not known whole)."""
+        # a sequence's last step is not shown to its drafter (it has nothing left to draft)
+        if self.draft_kv is None or seq.finish_reason is not None or not self.draft_kv.writes(seq):
+            return None
+        if not self.draft_kv.next_token:
+            return -1
+        end = (index + 1) * self.page_size
+        # past its last token (a stop inside a verify) its row was fed a dropped draft
+        return seq.tokens(end, end + 1)[0] if end < seq.num_tokens else None
 
     def admit(self, seq: Sequence, hit: Hit) -> None:
         """`seq` was admitted with `hit.pages` mapped (`PageAllocator.share`): it starts after
@@ -238,10 +286,19 @@ class PrefixCache:
         names = self.hashes(seq, full)
         for i in range(seq.num_registered_pages, full):
             page, name = seq.block_table[i], names[i]
-            if page in self._name_of or name in self._page_of:
-                continue  # already cached, or the same prefix cached from another sequence
+            if page in self._name_of:
+                continue  # already cached
+            mark, old = self._mark(seq, i), self._page_of.get(name)
+            if old is not None:
+                # the same prefix cached from another sequence: this copy takes the name
+                # only if its drafter rows are whole and the cached one's are not
+                if mark is None or old in self._draft_mark:
+                    continue
+                self._forget(old)
             self._page_of[name] = page
             self._name_of[page] = name
+            if mark is not None:
+                self._draft_mark[page] = mark
         seq.num_registered_pages = full
         while seq.snapshot_at and seq.snapshot_at[0] <= done:
             if seq.snapshot_at.pop(0) == done and self.snapshots is not None:
@@ -275,12 +332,22 @@ class PrefixCache:
     def unpark(self, page: int) -> None:
         del self._idle[page]
 
+    def _forget(self, page: int) -> None:
+        """`page` loses its name (to another copy): private to the block tables holding it,
+        or, idle, back to the allocator's free list."""
+        del self._name_of[page]
+        self._draft_mark.pop(page, None)
+        if page in self._idle:
+            del self._idle[page]
+            self.on_orphan(page)
+
     def evict(self) -> int:
         """Reclaim the least recently used idle page: it leaves the cache (and so does the
         snapshot after it)."""
         page, _ = self._idle.popitem(last=False)
         name = self._name_of.pop(page)
         del self._page_of[name]
+        self._draft_mark.pop(page, None)
         if self.snapshots is not None:
             self.snapshots.drop(name)
         self.stats.evicted_pages += 1

@@ -24,6 +24,7 @@ import torch
 
 from metrale.engine.graphs import capture
 from metrale.engine.kv_cache import DUMMY_PAGE, slots_of
+from metrale.engine.prefix_cache import DraftKV
 from metrale.engine.program_shapes import decode_bucket
 from metrale.engine.sequence import Sequence
 from metrale.engine.staging import to_device_packed
@@ -45,10 +46,17 @@ class DFlashDrafter:
         self.cfg = self.model.config
         self.kv = runner.dflash_kv  # [layers, 2, pages, page_size, Hkv, D]
         self._context: dict[int, int] = {}  # seq_id -> context rows written (positions 0..n-1)
+        # its context rows live in the target's pages: a prefix-cache hit maps only pages
+        # whose writer wrote them
+        self.page_kv = DraftKV(self._writes_kv, next_token=False)
         graphs = runner.graphs
         self.graphs = None
         if graphs is not None and not knobs().no_dflash_graphs:
             self.graphs = DraftGraphs(self, max_seqs, graphs.max_model_len, graphs.pool)
+
+    def _writes_kv(self, seq: Sequence) -> bool:
+        """Whether its context rows are written for every committed row of `seq`."""
+        return seq.params.speculative and self._context.get(seq.seq_id, 0) >= 0
 
     @torch.inference_mode()
     def observe(self, verdicts: list[Verdict]) -> None:

@@ -62,6 +62,9 @@ class Drafter(Protocol):
     # Optional (default False): a drafter that learns nothing from `observe` may say so with
     # `stateless = True`; the engine then skips `observe` on steps where nothing was drafted, so
     # those steps are plain decode steps. Any other drafter sees every step's verdicts.
+    # Optional (default None): a drafter that keeps K/V rows in the target's pages says which
+    # sequences it writes them for with `page_kv` (`prefix_cache.DraftKV`), so a prefix-cache
+    # hit maps only pages whose drafter rows it can read.
 
     def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> list[Draft]:
         """One Draft per sequence, each with at most `max_drafts[i]` tokens (0 is allowed)."""
