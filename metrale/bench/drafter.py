@@ -2,8 +2,9 @@
 
 The replay drafter of `bench.py` fixes the acceptance to measure the engine; this measures the
 model: held-out prompts (`acceptance.heldout_prompts`), greedy, one engine with the drafter, each
-batch size run with `SamplingParams(speculative=False)` and then with speculation, each timed as
-the median of three runs after a warm-up run (graphs captured, caches warm). Reports tokens/s
+batch size run with `SamplingParams(speculative=False)` and with speculation, each timed as the
+median of three runs, interleaved with the other mode's, after a warm-up run of each (graphs
+captured, caches warm). Reports tokens/s
 both ways, the speedup (end to end, and of the decode phase alone: time per output token with the
 prefill subtracted), the mean acceptance length, and how many outputs equal the non-speculative
 ones (bf16 verify rows round differently from decode rows, so near-ties may flip; float32 never
@@ -20,14 +21,17 @@ output lengths that vary from request to request.
 from __future__ import annotations
 
 import random
+import statistics
 import sysconfig
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
 from metrale.api import LLM
 from metrale.bench.acceptance import heldout_prompts
-from metrale.bench.e2e import prefill_seconds, timed_generate
+from metrale.bench.e2e import REPEATS, prefill_seconds
 from metrale.config import SamplingParams
+from metrale.engine.calibrate import sync
 from metrale.engine.heap import freeze_startup_heap
 
 
@@ -44,32 +48,49 @@ def concurrency(llm: LLM, slots: int):
 
 def timed_pair(llm: LLM, prompts, plain_params, spec_params, width: int | None = None):
     """(plain outputs, seconds, speculative outputs, seconds, speculation figures) of the same
-    prompts without and with speculation, each the median of identical runs. The figures: the
-    mean acceptance length, the share of the speculative runs' steps that verified drafts (D-Cut
+    prompts without and with speculation, each the median of `REPEATS` runs, the two modes'
+    runs interleaved after a warm-up run of each: the host's speed drifts by tens of percent
+    over seconds, and interleaving gives both modes the same drift. The figures: the mean
+    acceptance length, the share of the speculative runs' steps that verified drafts (D-Cut
     runs the others as plain steps) and D-Cut's measured host cost of drafting `width` sequences
     (default: every prompt)."""
     engine = llm.engine
     tel = engine.telemetry.spec
-    plain, t_plain = timed_generate(llm, prompts, plain_params)
-    before = (
-        tel.num_drafts,
-        tel.num_accepted_tokens,
-        tel.verify_steps,
-        engine.telemetry.steps,
-        tel.host_gated_plans,
-    )
-    spec, t_spec = timed_generate(llm, prompts, spec_params)
-    # The counters cover every run of the timed helper, which are identical.
-    drafts, accepted = tel.num_drafts - before[0], tel.num_accepted_tokens - before[1]
+    device = engine.runner.device
+    llm.generate(prompts, plain_params, use_tqdm=False)  # warm-ups: graphs, caches
+    llm.generate(prompts, spec_params, use_tqdm=False)
+
+    def counters() -> list:
+        return [
+            tel.num_drafts,
+            tel.num_accepted_tokens,
+            tel.verify_steps,
+            engine.telemetry.steps,
+            tel.host_gated_plans,
+        ]
+
+    times: dict[bool, list[float]] = {False: [], True: []}
+    outs, spec_counts = {}, [0] * 5
+    for _ in range(REPEATS):
+        for speculative, params in ((False, plain_params), (True, spec_params)):
+            before = counters()
+            sync(device)
+            start = time.perf_counter()
+            outs[speculative] = llm.generate(prompts, params, use_tqdm=False)
+            sync(device)
+            times[speculative].append(time.perf_counter() - start)
+            if speculative:  # the counters of the speculative runs alone
+                spec_counts = [c + a - b for c, a, b in zip(spec_counts, counters(), before)]
+    drafts, accepted, verify_steps, steps, gated = spec_counts
     host = engine.spec.host.seconds(width or len(prompts)) if engine.spec is not None else None
     figures = {
         "mean_acceptance_length": 1 + accepted / max(drafts, 1),
-        "verify_step_share": (tel.verify_steps - before[2])
-        / max(engine.telemetry.steps - before[3], 1),
+        "verify_step_share": verify_steps / max(steps, 1),
         "host_ms_drafting_batch": None if host is None else host * 1e3,
-        "host_gated_plans": tel.host_gated_plans - before[4],
+        "host_gated_plans": gated,
     }
-    return plain, t_plain, spec, t_spec, figures
+    t_plain, t_spec = (statistics.median(times[m]) for m in (False, True))
+    return outs[False], t_plain, outs[True], t_spec, figures
 
 
 def steady_state(llm: LLM, prompts: list[list[int]], slots: int, max_tokens: int) -> dict:
