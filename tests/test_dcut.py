@@ -289,6 +289,18 @@ def test_estimator_learns_each_position():
     assert a[2] == pytest.approx(0.0, abs=1e-6)
 
 
+def test_estimator_estimates_acceptance_given_the_drafts_before():
+    """Drafts that match in runs: every position matches half the time, but a draft after a
+    match always matches. The planner multiplies a_j along the drafts, so a_j must be the rate
+    given the drafts before it matched (1.0 here), not the marginal rate (0.5)."""
+    est = AcceptanceEstimator(max_positions=3, rate=0.1)
+    for i in range(400):
+        est.observe(0, [i % 2 == 0] * 3)  # all three match, or none does
+    a = est.estimate(0, 3)
+    assert 0.4 < a[0] < 0.6
+    assert a[1] == pytest.approx(1.0) and a[2] == pytest.approx(1.0)
+
+
 def test_estimator_is_bounded():
     est = AcceptanceEstimator(max_positions=2, max_sequences=3)
     est.observe("s", [True, True, False, False])  # positions past max_positions are not kept
@@ -307,7 +319,7 @@ def test_estimator_is_bounded():
 
 def test_estimator_takes_draft_confidences():
     est = AcceptanceEstimator(max_positions=4, prior=0.5)
-    est.observe(1, [False, False, False])
+    est.observe(1, [True, True, False])
     assert est.estimate(1, 3, probs=[0.9, math.nan]) == pytest.approx([0.9, 0.0, 0.25])
     assert est.estimate(1, 2, probs=[1.5, -1.0]) == [1.0, 0.0]
 

@@ -15,10 +15,13 @@ def _prob(a: float) -> float:
 
 
 class AcceptanceEstimator:
-    """Per sequence, per draft position j: an EMA of whether draft j matched the target.
+    """Per sequence, per draft position j: an EMA of whether draft j matched the target, given
+    that drafts 1..j-1 did (the planner's a_{i,j}, which it multiplies along the drafts).
 
-    The engine records the match of every verified position, even past the first miss, so
-    position j's estimate is the frequency of draft j matching; the planner uses it as a_{i,j}.
+    The engine records the match of every verified position, even past the first miss (its
+    telemetry does), but a position past the first miss is not an observation of a_j: drafts
+    that match in runs (an n-gram's continuation holds or it does not) have marginal rates well
+    below their conditional ones, and their product underestimated the tokens a draft buys.
     A sequence never observed reads `prior`; one observed but never verified as deep as position
     j reads position j - 1's estimate there. Early on the prior counts as one observation and the
     estimate is a plain mean (weight 1/(n+1) for the n-th), until that weight falls to `rate`, so a
@@ -59,7 +62,11 @@ class AcceptanceEstimator:
         return len(self._seqs)
 
     def observe(self, seq_id: Hashable, matches: Sequence[bool]) -> None:
-        """Record one verify of `seq_id`: `matches[j]` is whether draft j + 1 matched."""
+        """Record one verify of `seq_id`: `matches[j]` is whether draft j + 1 matched (the
+        positions after the first miss are not observations of a_j)."""
+        matches = list(matches)
+        if False in matches:
+            matches = matches[: matches.index(False) + 1]
         stats = self._seqs.pop(seq_id, None)
         if stats is None:
             start = [self.prior] * self.max_positions
