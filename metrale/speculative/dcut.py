@@ -175,6 +175,19 @@ class VerifyCostModel:
             cached = self._memo[key] = self._step_time(rows, width)
         return cached
 
+    def step_times(self, width: int, count: int) -> np.ndarray:
+        """[count] relative times of verifies of `width` sequences and width + r rows, r = 0 ..
+        count - 1 (the planner prices every r of a batch at once; kept per width and count)."""
+        key = (-width, count)  # beside the (rows, width) points, never equal to one
+        table = self._memo.get(key)
+        if table is None:
+            if len(self._memo) >= MEMO_POINTS:
+                self._memo.clear()
+            table = self._memo[key] = np.array(
+                [self.step_time(width + r, width) for r in range(count)]
+            )
+        return table
+
     def _step_time(self, rows: int, width: int) -> float:
         if width < 1 or rows < width:
             raise ValueError(
@@ -240,12 +253,9 @@ def expected_tokens(inp: PlanInput, depth: int) -> float:
 def _best_extra_rows(extra_tokens: Sequence[float], n: int, cost: VerifyCostModel) -> int:
     """The r maximising (n + extra_tokens[r]) / T(n + r), the fewest rows on a tie; r = 0 is
     all plain decode and always a candidate. -inf marks an r no plan reaches."""
-    best_r, best_value = 0, n / cost.step_time(n, n)
-    for r in range(1, len(extra_tokens)):
-        value = (n + extra_tokens[r]) / cost.step_time(n + r, n)
-        if value > best_value * (1.0 + _TIE):
-            best_r, best_value = r, value
-    return best_r
+    value = (n + np.asarray(extra_tokens, dtype=float)) / cost.step_times(n, len(extra_tokens))
+    # the first r within float noise of the best: noise in a sum must not buy a row
+    return int(np.argmax(value * (1.0 + _TIE) >= value.max()))
 
 
 def _free_depths(gains: list[list[float]], cost: VerifyCostModel, spare: int) -> list[int]:
@@ -269,36 +279,42 @@ def _monotone_depths(
     """The best depths that never rise along `order` (ascending slots, the canonical dispatch),
     so that the canonical deal hands every sequence the depth planned for it.
 
-    Exact, by dynamic programming over the sequences in that order: best[d, r] is the most
-    tokens the sequences so far can add with r draft rows, the last one at depth d; the next
-    one takes any depth <= d. A sequence may be planned deeper than its own drafts (padding, no
-    tokens) when that opens the way for deeper sequences after it.
+    Such depths are fixed by how many sequences reach each level d (the first n_d in order, with
+    n_1 >= n_2 >= ... >= n_k): level d adds the d-th gains of those n_d, and n_d rows. Exact, by
+    dynamic programming over the levels (k of them, a few numpy operations each, rather than
+    some per sequence): best[m, r] is the most tokens levels 1..d can add with r draft rows, the
+    first m in order reaching level d; level d + 1 takes any m' <= m. A sequence may be planned
+    deeper than its own drafts (padding, no tokens) when that opens the way for deeper
+    sequences after it.
     """
     n, k = len(gains), max(len(g) for g in gains)
-    cum = np.zeros((n, k + 1))  # cum[p, d]: tokens the p-th in order adds at depth d
-    for p, i in enumerate(order):
-        c = np.cumsum([0.0, *gains[i]])
-        cum[p, : len(c)], cum[p, len(c) :] = c, c[-1]
-    best = np.full((k + 1, spare + 1), -np.inf)
-    for d in range(min(k, spare) + 1):
-        best[d, d] = cum[0, d]
-    layers = []  # best after each sequence, to walk the choices back
-    for p in range(1, n):
-        layers.append(best)
-        # The best predecessor at any depth >= d: a running max from the deepest down.
-        prev = best.copy()
-        for d in range(k - 1, -1, -1):
-            np.maximum(prev[d], prev[d + 1], out=prev[d])
-        best = np.full_like(best, -np.inf)
-        for d in range(min(k, spare) + 1):
-            best[d, d:] = prev[d, : spare + 1 - d] + cum[p, d]
+    # g[p, d]: what the p-th in order adds at level d + 1 (0: padding)
+    g = np.array([gains[i] + [0.0] * (k - len(gains[i])) for i in order]).reshape(n, k)
+    # tokens[d, m]: level d + 1's tokens when the first m in order reach it
+    tokens = np.zeros((k, n + 1))
+    tokens[:, 1:] = np.cumsum(g, axis=0).T
+    m = np.arange(n + 1)[:, None]
+    rest = np.arange(spare + 1)[None, :] - m  # rows left to the levels before, r - m
+    valid = rest >= 0
+    rest = np.where(valid, rest, 0)
+    best = np.where(rest == 0, tokens[0][:, None], -np.inf)
+    best[~valid] = -np.inf
+    levels = [best]
+    for d in range(1, k):
+        # the best of the levels before with at least m reaching the last one: a running max
+        # from the most down
+        reach = np.maximum.accumulate(best[::-1], axis=0)[::-1]
+        best = np.where(valid, reach[m, rest] + tokens[d][:, None], -np.inf)
+        levels.append(best)
+    # the most tokens at r rows (the deepest level's m = 0 holds the plans that stop earlier)
     r = _best_extra_rows(best.max(axis=0).tolist(), n, cost)
-    depths, d = [0] * n, int(best[:, r].argmax())
-    for p in range(n - 1, 0, -1):
-        depths[order[p]] = d
-        r -= d
-        d += int(layers[p - 1][d:, r].argmax())
-    depths[order[0]] = d
+    counts, low = [0] * k, 0  # n_d of the plan, walked back from the deepest level
+    for d in range(k - 1, -1, -1):
+        counts[d] = low = low + int(levels[d][low:, r].argmax())
+        r -= low
+    depths = [0] * n
+    for p, i in enumerate(order):
+        depths[i] = sum(1 for c in counts if c > p)
     return depths
 
 
