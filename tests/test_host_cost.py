@@ -91,6 +91,28 @@ def test_a_plan_loses_only_when_its_host_work_outweighs_its_tokens():
     assert not drafting_loses(plan(bad, plain_1ms, 64), plain_1ms, _measured(0.5e-3, 8))
 
 
+def test_host_work_is_priced_against_the_engines_whole_plain_step():
+    """The calibrated plain step times the forward alone; the engine's plain steps also pay
+    scheduling and emission. Host work of 3 forward-steps loses (27.5 / 4 < 8); measured plain
+    steps of 3 forwards' time make it 1 whole step: 27.5 / (1 + 1) = 13.75 beats 8."""
+    good = [PlanInput(slot=i, max_depth=3, accept=[0.9, 0.9, 0.9]) for i in range(8)]
+    forward_1ms = VerifyCostModel.from_points({(1, 4.0): 1.0}, {8: 1e-3})
+    chosen = plan(good, forward_1ms, width_cap=64)
+    host = _measured(3e-3 / 8, 8)
+    assert host.plain_seconds(8) is None
+    assert drafting_loses(chosen, forward_1ms, host)
+    for _ in range(WARMUP_SAMPLES):
+        host.plain(8, 3e-3)
+    assert host.plain_seconds(8) == pytest.approx(3e-3)
+    assert host.plain_seconds(12) == pytest.approx(4.5e-3)  # per sequence, in its bucket
+    assert not drafting_loses(chosen, forward_1ms, host)
+    # a measured step faster than the calibrated forward (noise) never makes host work dearer
+    cheap = _measured(3e-3 / 8, 8)
+    for _ in range(WARMUP_SAMPLES):
+        cheap.plain(8, 0.1e-3)
+    assert drafting_loses(chosen, forward_1ms, cheap)
+
+
 class SlowReplay(ReplayDrafter):
     """Perfect drafts that take `delay` seconds of host time to propose."""
 
@@ -111,12 +133,14 @@ def test_drafting_that_costs_more_than_it_buys_decodes_plainly(request, target):
     reference = [o.outputs[0].token_ids for o in plain]
     continuations = dict(zip(map(tuple, PROMPTS), reference, strict=True))
     verified = {}
-    # The same slow drafter (20 ms a step, always right) against a 1 ms and a 100 s plain step.
+    # The same slow drafter (80 ms a step, always right) against a 1 ms and a 100 s plain
+    # forward (the engine's measured plain steps, a few ms on CPU, are a few forwards: 80 ms
+    # stays many plain steps).
     for plain_s in (1e-3, 100.0):
         llm = LLM(
             path,
             device="cpu",
-            drafter=SlowReplay(continuations, 0.02),
+            drafter=SlowReplay(continuations, 0.08),
             spec={
                 "num_drafts": 3,
                 "dcut": True,
@@ -129,15 +153,17 @@ def test_drafting_that_costs_more_than_it_buys_decodes_plainly(request, target):
         out = llm.generate(PROMPTS, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in out] == reference
         verified[plain_s] = llm.engine.telemetry.spec.verify_steps
-    # priced at 20 plain steps, drafting stops after the warm-up; even a perfect draft would not
+        if plain_s == 1e-3:  # its plain steps were measured whole, beside the 1 ms forward
+            assert llm.engine.spec.host.plain_seconds(len(PROMPTS)) > 1e-4
+    # priced at many plain steps, drafting stops after the warm-up; even a perfect draft would not
     # pay for that, so there are no probes either
     # (the last plan before it stands for `dcut_replan_every` steps)
     assert verified[1e-3] <= WARMUP_SAMPLES + 1 + REPLAN_EVERY
     # priced at nothing, every step speculates: about TOKENS / 4 per step
     assert verified[100.0] >= TOKENS // 4 - 2
-    # the estimate holds at least the drafter's own 20 ms a step (no bound above: a busy machine
+    # the estimate holds at least the drafter's own 80 ms a step (no bound above: a busy machine
     # only adds to it)
-    assert llm.engine.spec.host.seconds(4) >= 0.02 * 0.95
+    assert llm.engine.spec.host.seconds(4) >= 0.08 * 0.95
 
 
 class Sparse(SlowReplay):

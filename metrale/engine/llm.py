@@ -23,7 +23,7 @@ from metrale.engine.kv_cache import PageAllocator
 from metrale.engine.prefix_cache import build_prefix_cache
 from metrale.engine.runner import ModelRunner
 from metrale.engine.scheduler import Scheduler
-from metrale.engine.sequence import Batch, Sequence, SequenceStatus
+from metrale.engine.sequence import Batch, Phase, Sequence, SequenceStatus
 from metrale.engine.step_output import StepOutput
 from metrale.hub import resolve_model
 from metrale.knobs import knobs
@@ -313,6 +313,9 @@ class LLMEngine:
             outputs.append(self.emitter.output(request, deltas))
             if request.finished:
                 del self.requests[request_id]
+        if self.spec is not None and batch is not None and batch.phase is Phase.DECODE:
+            # what drafting's host work is priced against: a whole plain step, not its forward
+            self.spec.host.plain(len(batch.entries), time.perf_counter() - start)
         return outputs
 
     def _run(self, batch: Batch) -> StepOutput:

@@ -9,6 +9,12 @@ batch 64 on the H200: about 2.5 ms of it against a 1.7 ms step). `HostCost` meas
 per number of sequences drafted; `drafting_loses` compares a plan's tokens per unit of time, host
 work included, with plain decoding's, and the controller then decodes plainly.
 
+The plain step the gate compares with is the engine's whole step (its scheduling, emission and
+bookkeeping beside the forward), as measured on the engine's own plain decode steps
+(`HostCost.plain`): the start-up calibration times the forward alone, and on a small model the
+rest is most of a step (the shipped model at batch 8 on the H200: 0.58 ms a step, 0.44 ms of it
+the forward), so pricing the drafter's host work in forward-steps overstated it.
+
 The gate is all or nothing on the plan D-Cut makes from rows alone: a plan cut down to fewer
 sequences would be a new verify shape, and a batch flipping between half-drafted plans paid more
 than either (measured: n-gram at batch 8 fell from 1.02x to 0.80x when D-Cut priced the host work
@@ -52,6 +58,9 @@ class HostCost:
         # bucket -> [warm-up samples, EMA of seconds per sequence or None, step of last sample]
         self._buckets: dict[int, list] = {}
         self._last = (0, 0.0)  # (sequences drafted, seconds) of the step in flight
+        # bucket -> [warm-up samples, EMA or None] of a whole plain decode step's seconds per
+        # sequence (`plain`)
+        self._plain: dict[int, list] = {}
         self._drafted_before = False
 
     def begin(self) -> bool:
@@ -83,6 +92,26 @@ class HostCost:
         else:
             entry[1] += self.rate * (per_seq - entry[1])
 
+    def plain(self, width: int, seconds: float) -> None:
+        """A plain decode step of `width` sequences took `seconds`, start to end."""
+        if not self.enabled or width <= 0:
+            return
+        entry = self._plain.setdefault(_bucket(width), [[], None])
+        per_seq = seconds / width
+        if entry[1] is None:
+            entry[0].append(per_seq)
+            if len(entry[0]) == WARMUP_SAMPLES:
+                entry[0], entry[1] = [], statistics.median(entry[0])
+        else:
+            entry[1] += self.rate * (per_seq - entry[1])
+
+    def plain_seconds(self, width: int) -> float | None:
+        """A whole plain decode step of `width` sequences, as measured; None until then."""
+        entry = self._plain.get(_bucket(width))
+        if not self.enabled or entry is None or entry[1] is None:
+            return None
+        return width * entry[1]
+
     def seconds(self, drafted: int) -> float | None:
         """Host seconds that drafting `drafted` sequences adds to a step; None until measured
         at about that many (or when pricing is off)."""
@@ -97,12 +126,17 @@ class HostCost:
 def drafting_loses(plan: Plan, cost: VerifyCostModel, host: HostCost) -> bool:
     """Whether `plan` (from rows alone) emits fewer tokens per second than plain decoding, by
     more than `GATE_MARGIN`, once the drafter's host work is paid. False while either the plain
-    step's seconds or the host work at this many drafted sequences is unknown."""
+    step's forward seconds or the host work at this many drafted sequences is unknown.
+
+    In units of the engine's whole plain step P (measured, else the forward's F): the plan's
+    step costs 1 + (F / P)(T(rows) - 1) for its extra rows, plus its host work H / P."""
     width = len(plan.depths)
     drafted = sum(d > 0 for d in plan.depths)
-    plain = cost.plain_seconds(width)
+    forward = cost.plain_seconds(width)
     seconds = host.seconds(drafted)
-    if drafted == 0 or plain is None or seconds is None:
+    if drafted == 0 or forward is None or seconds is None:
         return False
-    speculative = plan.expected_tokens / (cost.step_time(plan.rows, width) + seconds / plain)
-    return speculative < (1.0 - GATE_MARGIN) * width / cost.step_time(width, width)
+    step = max(host.plain_seconds(width) or 0.0, forward)
+    rows = forward / step * (cost.step_time(plan.rows, width) - 1.0)
+    speculative = plan.expected_tokens / (1.0 + rows + seconds / step)
+    return speculative < (1.0 - GATE_MARGIN) * width
