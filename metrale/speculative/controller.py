@@ -173,13 +173,14 @@ class SpeculativeDecoder:
         for seq, draft in live:
             if draft.probs is not None:
                 seq.fresh_noise = True  # from now on, for good: see `SamplingRow.fresh_noise`
-        full = planned and len(live) == len(seqs)
-        if full and all(len(d.tokens) == c for (_, d), c in zip(live, caps, strict=True)):
-            # Every sequence drafted as deep as planned: the plan stands, no second planning.
+        cap_of = {s.seq_id: c for s, c in zip(seqs, caps, strict=True)}
+        if planned and all(len(d.tokens) == cap_of[s.seq_id] for s, d in live):
+            # Every sequence drafted as deep as planned, or not at all (it decodes plainly, as
+            # it would at depth 0; dropping it keeps the others' depths in the deal's order):
+            # the plan stands, no second planning.
             for seq, draft in live:
                 seq.draft = draft
         elif self.cfg.dcut and live:
-            cap_of = {s.seq_id: c for s, c in zip(seqs, caps, strict=True)}
             self._cut(live, cap_of)
         else:
             for seq, draft in live:
