@@ -72,3 +72,39 @@ def test_shorter_drafts_are_planned_again(tiny_model_dir):
     assert dec._prepare(seqs) == []
     assert len(cuts) == 1
     assert [len(s.draft.tokens) if s.draft else 0 for s in seqs] == [1, 0] * 4
+
+
+def test_a_plan_wider_than_the_width_cap_stands_while_sequences_come_and_go(tiny_model_dir):
+    """Above `dcut_width_cap` a plan is one depth for all; it stands for `dcut_replan_every`
+    steps while the batch stays that wide, even as its sequences change (planning a batch of 64
+    cost about 0.3 ms a step on the H200's host, and steady state changes the batch every few
+    steps), and is planned again after that."""
+    llm = LLM(
+        tiny_model_dir,
+        device="cpu",
+        drafter=EvenSlots(),
+        spec={
+            "num_drafts": 3,
+            "dcut_prior": 0.9,
+            "dcut_probe_every": 1000,
+            "dcut_width_cap": 2,
+            "dcut_replan_every": 3,
+        },
+    )
+    dec = llm.engine.spec
+    dec.cost = VerifyCostModel.from_points({(1, 4.0): 1.0, (8, 4.0): 1.0})
+    plans = []
+    real = dec._worth_drafting
+    dec._worth_drafting = lambda *args: (plans.append(args), real(*args))[1]
+    seqs = _decoding(6)
+    capped = [3, 3, 1, 3]  # one sequence near its max_tokens
+    want = [[3, 3, 3, 3], capped, capped, [1, 1, 1, 1]]
+    batches = [seqs[:4], seqs[1:5], seqs[2:6], seqs[:4]]
+    for step, (running, depths_wanted) in enumerate(zip(batches, want), start=1):
+        dec._steps = step
+        picked, depths, planned = dec._planned(running, [3] * 4 if step == 1 else capped)
+        assert planned and [s.seq_id for s in picked] == [s.seq_id for s in running]
+        # step 1's depth for all, each within its cap; planned again at step 4, where a
+        # uniform plan goes no deeper than the shallowest cap
+        assert depths == depths_wanted
+    assert len(plans) == 2  # steps 1 and 4: the plan of step 1 stood for steps 2 and 3
