@@ -16,7 +16,8 @@ the mapping; 0 is right) and `METRALE_MTP_REFEED_DEBUG=1` logging a fingerprint 
 hidden. Rows the chain never wrote (prefill, plain decodes, the bonus row) are always fed.
 
 On CUDA with graphs, the whole chain is one captured program and the catch-up a ragged one
-(`mtp_graphs.py`); prefill chunks catch up eagerly beside it, and the CPU runs all eagerly.
+(`mtp_graphs.py`), prompt chunks in prefill-shaped ones (in pieces when an eager step holds
+more rows than those), and the CPU runs all eagerly.
 
 NOTE: rollback: chain rows of rejected drafts lie past the committed positions; the next
 catch-up rewrites them before any row reads them. The MTP KV shares the target's block tables,
@@ -160,8 +161,9 @@ class MTPDrafter:
         spans, hiddens, owners = [], [], []
         # Every committed row catches up in one captured program: decode and verify rows (at
         # most 1 + K per sequence) in a ragged one, with prompt chunks in a prefill-shaped one.
-        # Past those, the short spans in a program and prompt chunks beside it, eagerly, so an
-        # arrival does not make every sequence's catch-up eager. Without graphs all eagerly.
+        # Past those, in pieces of a prefill program's rows, one program after the other; where
+        # no program takes them, the short spans in one and the rest eagerly. Without graphs
+        # all eagerly.
         max_q = 0 if self.chain_graphs is None else self.chain_graphs.max_q
         short, eager = [], []  # indices into spans
         verified, self._verified = self._verified, {}
@@ -197,6 +199,8 @@ class MTPDrafter:
         every = list(range(len(spans)))
         if max_q and self._catch_up_graphed(verdicts, every, spans, hiddens, owners, chain):
             return  # one program (prompt chunks too, in a prefill-shaped one)
+        if max_q and self._catch_up_in_pieces(spans, hiddens, owners):
+            return  # more rows than any program: in pieces, one after the other
         if short and not self._catch_up_graphed(verdicts, short, spans, hiddens, owners, False):
             eager = every  # no program takes them: all eagerly, in order
         if eager:
@@ -226,6 +230,34 @@ class MTPDrafter:
             for row, i in enumerate(short):
                 seq_id = owners[i].seq_id
                 self._ahead_rows[seq_id] = (stamp, row, self._pos[seq_id][0])
+        return True
+
+    def _catch_up_in_pieces(self, spans, hiddens, owners) -> bool:
+        """The catch-up of more rows than one program holds (an eager step's prompt chunks),
+        cut into pieces of at most the prefill programs' rows, replayed in order: a piece of a
+        prompt reads the K/V rows the pieces before it wrote, as a chunked prefill does. False
+        (nothing ran) when there are no prefill programs to take them."""
+        graphs = self.chain_graphs
+        limit, most = graphs.prefill_rows, graphs.catch_up_seqs
+        if not limit:
+            return False
+        groups, group, rows = [], [], 0  # group: (span, hidden, slot)
+        for (table, first, tokens), hidden, seq in zip(spans, hiddens, owners, strict=True):
+            for start in range(0, len(tokens), limit):
+                piece = tokens[start : start + limit]
+                if group and (rows + len(piece) > limit or len(group) == most):
+                    groups.append(group)
+                    group, rows = [], 0
+                group.append(
+                    ((table, first + start, piece), hidden[start : start + limit], seq.slot)
+                )
+                rows += len(piece)
+        groups.append(group)
+        for group in groups:
+            pieces, rows_of, slots = zip(*group, strict=True)
+            if graphs.catch_up(list(pieces), torch.cat(rows_of), list(slots), False) is None:
+                # no program of this shape (past the workspace): this piece eagerly, in order
+                self._catch_up_eager(list(pieces), torch.cat(rows_of), list(slots))
         return True
 
     def _catch_up_eager(self, spans, hidden: torch.Tensor, slots: list[int]) -> None:

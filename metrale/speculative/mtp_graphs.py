@@ -17,7 +17,8 @@ into the drafter's per-slot state) runs as ragged programs (`engine/program_shap
 captured at start-up like the target's: its rows per sequence vary every step, so one program
 per (row bucket, sequence bucket) serves them all. A second variant of each also chains the next
 step's drafts from the rows it just computed (drafting ahead), so a verify step's drafter work is
-one replay. Prefill chunks, longer than 1 + K rows, catch up eagerly.
+one replay. Prompt chunks catch up in programs of the target's prefill shapes (captured at
+start-up too), in pieces when a step holds more rows than the widest.
 """
 
 from __future__ import annotations
