@@ -52,6 +52,13 @@ class Watch:
             return page
 
         engine.allocator.cache.evict = evicted
+        forget = engine.allocator.cache._forget
+
+        def forgotten(page: int) -> None:
+            forget(page)  # its name went to another copy: it may be written (and named) anew
+            self._seen.pop(page, None)
+
+        engine.allocator.cache._forget = forgotten
 
         def step():
             outputs = inner()

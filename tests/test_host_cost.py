@@ -190,3 +190,28 @@ def test_host_work_is_counted_per_sequence_asked_not_per_draft_returned(tiny_mod
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in reference]
     host = llm.engine.spec.host
     assert host.seconds(4) is not None and host.seconds(1) is None
+
+
+class Empty(SlowReplay):
+    """Takes its host time and drafts nothing (an n-gram drafter finding no match)."""
+
+    def propose(self, seqs, max_drafts):
+        return [type(d)([]) for d in super().propose(seqs, max_drafts)]
+
+
+def test_a_step_that_asked_the_drafter_is_not_a_plain_step(tiny_model_dir):
+    """Steps that verify nothing because every draft came back empty still paid the drafter's
+    host work: measured as plain steps, they would price that work against itself (found by a
+    review: a 50 ms drafter that never drafts made the plain step 51 ms instead of 7)."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(
+        tiny_model_dir,
+        device="cpu",
+        drafter=Empty({}, 0.05),
+        spec={"num_drafts": 3, "dcut": True, "dcut_probe_every": 1000},
+    )
+    llm.engine.spec.cost = VerifyCostModel.from_points({(1, 4.0): 1.0, (4, 4.0): 1.0}, {1: 1e-3})
+    llm.generate(PROMPTS, params, use_tqdm=False)
+    assert llm.engine.telemetry.spec.verify_steps == 0
+    plain = llm.engine.spec.host.plain_seconds(len(PROMPTS))
+    assert plain is None or plain < 0.04

@@ -205,8 +205,9 @@ def mtp_run(llm: LLM, requests: list[tuple[str, list[int], SamplingParams]]):
 )
 def test_mtp_rows_of_a_hit_are_what_the_sequence_would_write(mtp_dir, case):
     """The MTP layer's KV rows that a hit maps are the rows this sequence would have written
-    without caching (so its drafts are the uncached ones): a page serves a drafting sequence
-    only where its writer wrote them (`prefix_cache.DraftKV`). Three pages that cannot: (1) the
+    without caching (so its drafts are the uncached ones; at the positions of accepted drafts a
+    page holds its writer's chain rows, see `DraftKV`, which this tiny head never has): a page
+    serves a drafting sequence only where its writer wrote them. Three pages that cannot: (1) the
     MTP row at position p is computed from the token at p + 1, so the last row of a page encodes
     its writer's next token, which the page's name does not cover: a sequence with another next
     token recomputes that page; (2) a sequence with `speculative=False` never runs the MTP

@@ -313,9 +313,16 @@ class LLMEngine:
             outputs.append(self.emitter.output(request, deltas))
             if request.finished:
                 del self.requests[request_id]
-        if self.spec is not None and batch is not None and batch.phase is Phase.DECODE:
+        spec = self.spec
+        if (
+            spec is not None
+            and batch is not None
+            and batch.phase is Phase.DECODE
+            and not spec.asked
+        ):
             # what drafting's host work is priced against: a whole plain step, not its forward
-            self.spec.host.plain(len(batch.entries), time.perf_counter() - start)
+            # (one whose drafter was asked, even for nothing, paid that work: not plain)
+            spec.host.plain(len(batch.entries), time.perf_counter() - start)
         return outputs
 
     def _run(self, batch: Batch) -> StepOutput:

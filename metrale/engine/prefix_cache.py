@@ -25,7 +25,7 @@ row must run to sample from) is mapped into its block table and its prefill star
 Drafter K/V. A drafter that keeps K/V rows in the target's pages (MTP's layer, DFlash's context)
 reads them on a hit too, and a page holds them only if its writer drafted with that drafter: a
 non-speculative request leaves them unwritten. So a page is cached with a mark saying its drafter
-rows are whole (`DraftKV.writes` its writer), and a sequence that drafts takes a hit only as far
+rows are whole (`DraftKV.wrote` its writer's), and a sequence that drafts takes a hit only as far
 as the marked pages go. MTP's row at a position is fed the next token too, so its mark is the
 token that followed the page in its writer, and the page serves only sequences where the same
 token follows. A marked page computed later under an unmarked page's name takes the name over.
@@ -68,9 +68,16 @@ def page_hash(parent: bytes, tokens: list[int], extra: bytes = b"") -> bytes:
 
 class DraftKV(NamedTuple):
     """A drafter's K/V rows in the target's pages (see the module docstring): which sequences
-    it writes them for, every committed row; whether a row depends on the token after it."""
+    read them (they draft); which wrote them for every committed row so far; whether a row
+    depends on the token after it.
 
-    writes: Callable[[Sequence], bool]
+    A page's rows are what its writer's drafter wrote: for MTP, at accepted drafts, the rows its
+    chain wrote (from the drafter's own hidden state, not the target's), which that drafter keeps
+    rather than feeding again; a sequence computing the same tokens afresh may write others
+    there. Either is a valid context: drafts and acceptance may differ, never the output."""
+
+    reads: Callable[[Sequence], bool]
+    wrote: Callable[[Sequence], bool]
     next_token: bool
 
 
@@ -200,7 +207,7 @@ class PrefixCache:
             if page is None:
                 break
             pages.append(page)
-        if self.draft_kv is not None and self.draft_kv.writes(seq):
+        if self.draft_kv is not None and self.draft_kv.reads(seq):
             pages = pages[: self._drafter_whole(seq, pages)]
         snapshot, branch = -1, 0
         if self.snapshots is not None:
@@ -229,7 +236,7 @@ class PrefixCache:
     def _mark(self, seq: Sequence, index: int) -> int | None:
         """Page `index` of `seq`'s mark (None: its drafter rows are not known whole)."""
         # a sequence's last step is not shown to its drafter (it has nothing left to draft)
-        if self.draft_kv is None or seq.finish_reason is not None or not self.draft_kv.writes(seq):
+        if self.draft_kv is None or seq.finish_reason is not None or not self.draft_kv.wrote(seq):
             return None
         if not self.draft_kv.next_token:
             return -1

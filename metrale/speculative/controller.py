@@ -130,6 +130,11 @@ class SpeculativeDecoder:
         priced = getattr(drafter, "stateless", False) and not knobs().no_dcut_host_cost
         self.host = HostCost(bool(priced))
 
+    @property
+    def asked(self) -> int:
+        """Sequences the drafter was asked to draft for this step."""
+        return self._asked
+
     def prepare(self, running: list[Sequence]) -> list[tuple[Sequence, str]]:
         """Set `seq.draft` on every running sequence; returns sequences whose drafting failed.
         Times itself and `observe` for `HostCost`."""

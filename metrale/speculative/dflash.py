@@ -48,14 +48,20 @@ class DFlashDrafter:
         self._context: dict[int, int] = {}  # seq_id -> context rows written (positions 0..n-1)
         # its context rows live in the target's pages: a prefix-cache hit maps only pages
         # whose writer wrote them
-        self.page_kv = DraftKV(self._writes_kv, next_token=False)
+        self.page_kv = DraftKV(self._drafts, self._wrote_kv, next_token=False)
         graphs = runner.graphs
         self.graphs = None
         if graphs is not None and not knobs().no_dflash_graphs:
             self.graphs = DraftGraphs(self, max_seqs, graphs.max_model_len, graphs.pool)
 
-    def _writes_kv(self, seq: Sequence) -> bool:
-        """Whether its context rows are written for every committed row of `seq`."""
+    @staticmethod
+    def _drafts(seq: Sequence) -> bool:
+        """Whether `seq` drafts with it (and so reads its context rows)."""
+        return seq.params.speculative
+
+    def _wrote_kv(self, seq: Sequence) -> bool:
+        """Whether its context rows are written for every committed row of `seq` (a gap in
+        them ends its drafting, see `observe`)."""
         return seq.params.speculative and self._context.get(seq.seq_id, 0) >= 0
 
     @torch.inference_mode()

@@ -66,7 +66,7 @@ class MTPDrafter:
         # Its layer's K/V rows live in the target's pages, each fed the token after its
         # position: a prefix-cache hit maps a page only where they are whole and were fed the
         # same token (the debug refeed shift writes other rows: never shared).
-        self.page_kv = DraftKV(self._writes_kv, next_token=True)
+        self.page_kv = DraftKV(self._drafts, self._wrote_kv, next_token=True)
         # Per sequence, on the host: [position p of its newest committed row (it predicts the
         # token at p + 2), rows the last chain wrote (positions p + 1 .. p + chain_rows)]. On
         # the device, by state slot: that row's next_hidden and the first draft it predicts, so
@@ -102,9 +102,14 @@ class MTPDrafter:
         if self.chain_graphs is not None and not (self.refeed_shift or self.refeed_debug):
             runner.after_verify = self._catch_up_verified
 
-    def _writes_kv(self, seq: Sequence) -> bool:
+    @staticmethod
+    def _drafts(seq: Sequence) -> bool:
+        """Whether `seq` drafts with it (and so reads its layer's K/V rows)."""
+        return seq.params.speculative and seq.params.num_drafts != 0
+
+    def _wrote_kv(self, seq: Sequence) -> bool:
         """Whether its layer's K/V rows are written for every committed row of `seq`."""
-        return seq.params.speculative and seq.params.num_drafts != 0 and not self.refeed_shift
+        return self._drafts(seq) and not self.refeed_shift
 
     def _forward(self, step: int, spans, hidden: torch.Tensor):
         """One MTP module over spans (block table, first position, tokens at p + 1)."""
