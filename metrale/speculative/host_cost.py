@@ -85,6 +85,11 @@ class HostCost:
         per_seq = seconds / k
         entry = self._buckets.setdefault(_bucket(k), [[], None, self._step])
         entry[2] = self._step
+        self._sample(entry, per_seq)
+
+    def _sample(self, entry: list, per_seq: float) -> None:
+        """Into [warm-up samples, EMA or None, ...]: the median of the first samples, then an
+        EMA."""
         if entry[1] is None:
             entry[0].append(per_seq)
             if len(entry[0]) == WARMUP_SAMPLES:
@@ -96,14 +101,7 @@ class HostCost:
         """A plain decode step of `width` sequences took `seconds`, start to end."""
         if not self.enabled or width <= 0:
             return
-        entry = self._plain.setdefault(_bucket(width), [[], None])
-        per_seq = seconds / width
-        if entry[1] is None:
-            entry[0].append(per_seq)
-            if len(entry[0]) == WARMUP_SAMPLES:
-                entry[0], entry[1] = [], statistics.median(entry[0])
-        else:
-            entry[1] += self.rate * (per_seq - entry[1])
+        self._sample(self._plain.setdefault(_bucket(width), [[], None]), seconds / width)
 
     def plain_seconds(self, width: int) -> float | None:
         """A whole plain decode step of `width` sequences, as measured; None until then."""
