@@ -264,9 +264,15 @@ class EngineConfig:
     cuda_graphs: bool = _opt(True, "replay decode and verify steps as CUDA graphs (CUDA only)")
     graph_max_rows: int | None = _opt(None, "rows a graphed step takes at most (default: all)")
     # Steps with prompt (prefill) chunks of at most this many rows in all replay captured
-    # programs too, on dense targets (a short prompt's eager forward is mostly launch overhead);
-    # rounded down to a power of two; 0 runs every such step eagerly.
-    graph_prefill_rows: int = _opt(512, "rows of a graphed step with prompt chunks (0: eager)")
+    # programs too (a short prompt's eager forward is mostly launch overhead); rounded down to a
+    # power of two; 0 runs every such step eagerly. None: the whole token budget on dense targets,
+    # so that a step that admits a few requests beside a verify of the running batch (often more
+    # than 512 rows at batch 64) is not eager; 512 on hybrid targets, whose prefill programs are
+    # keyed by width too (124 programs at 64 sequences and 512 rows, 180 at 2048).
+    graph_prefill_rows: int | None = _opt(
+        None,
+        "rows of a graphed step with prompt chunks (0: eager; default: token budget, hybrid 512)",
+    )
     tensor_parallel_size: int = _opt(1, "ranks the target is split across (worker processes)")
     expert_parallel: bool = _opt(
         False, "with tensor parallelism: split a MoE's experts across ranks, not each expert"
@@ -331,9 +337,12 @@ class EngineConfig:
             raise ValueError(
                 f"graph_max_rows must be None or an integer >= 1, got {self.graph_max_rows!r}"
             )
-        if not isinstance(self.graph_prefill_rows, int) or self.graph_prefill_rows < 0:
+        if self.graph_prefill_rows is not None and (
+            not isinstance(self.graph_prefill_rows, int) or self.graph_prefill_rows < 0
+        ):
             raise ValueError(
-                f"graph_prefill_rows must be an integer >= 0, got {self.graph_prefill_rows!r}"
+                "graph_prefill_rows must be None or an integer >= 0, "
+                f"got {self.graph_prefill_rows!r}"
             )
         if not isinstance(self.num_lookahead_rows, int) or self.num_lookahead_rows < 0:
             raise ValueError(

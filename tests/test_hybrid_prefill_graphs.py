@@ -268,6 +268,20 @@ def test_longer_steps_run_eagerly(hybrid_dir, fake_graphs):  # noqa: F811
     assert watch.eager and watch.prefill_calls()
 
 
+def test_default_graph_prefill_rows(hybrid_dir, tiny_model_dir):  # noqa: F811
+    """`graph_prefill_rows=None` graphs steps of the whole token budget on a dense target (a few
+    admissions beside a batch-64 verify pass 512 rows), 512 on a hybrid one; a number caps both,
+    and a bad one is refused by name."""
+    dense = LLM(tiny_model_dir, device="cpu", max_num_batched_tokens=4096)
+    assert dense.engine.runner.prefill_limit == 4096
+    assert llm_for(hybrid_dir, max_num_batched_tokens=4096).engine.runner.prefill_limit == 512
+    assert llm_for(hybrid_dir, max_num_batched_tokens=256).engine.runner.prefill_limit == 256
+    capped = LLM(tiny_model_dir, device="cpu", graph_prefill_rows=64)
+    assert capped.engine.runner.prefill_limit == 64
+    with pytest.raises(ValueError, match="graph_prefill_rows"):
+        LLM(tiny_model_dir, device="cpu", graph_prefill_rows=-1)
+
+
 def test_deterministic_mode_keeps_the_recurrent_form(hybrid_dir, fake_graphs):  # noqa: F811
     """The deterministic mode runs every GDN row in the recurrent form (chunk_min_rows past any
     width): its programs' widths are plain powers of two, and the output equals its eager one."""

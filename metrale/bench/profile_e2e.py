@@ -136,7 +136,7 @@ def profiled(llm: LLM, prompts, params, label: str) -> list:
     elapsed = time.perf_counter() - start
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(45)
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(45)
     print(f"== {label}: {elapsed * 1e3:.1f} ms", flush=True)
     lines = [line for line in text.getvalue().splitlines() if "(" in line or "ncalls" in line]
     print("\n".join(line[:160] for line in lines), flush=True)

@@ -38,6 +38,9 @@ from metrale.structured.masks import apply_grammar_masks
 
 log = logging.getLogger(__name__)
 
+# `graph_prefill_rows=None` on a hybrid target (its programs are keyed by width too: more each)
+HYBRID_GRAPH_PREFILL_ROWS = 512
+
 
 class TargetVocab:
     """The target's embedding and head as a drafter uses them (`ModelRunner.vocab`)."""
@@ -88,7 +91,10 @@ class ModelRunner:
         # sequence holding a program's padding rows sits at positions 0 .. rows - 1, so the
         # rotary table and the programs' block tables reach that far too, past a short model
         # length: a step of many sequences has more rows than any one sequence.
-        self.prefill_limit = min(cfg.graph_prefill_rows, cfg.max_num_batched_tokens)
+        graph_prefill = cfg.graph_prefill_rows
+        if graph_prefill is None:
+            graph_prefill = HYBRID_GRAPH_PREFILL_ROWS if self.hybrid else cfg.max_num_batched_tokens
+        self.prefill_limit = min(graph_prefill, cfg.max_num_batched_tokens)
         positions = max(max_model_len, self.prefill_limit)
         self.tp_size = cfg.tensor_parallel_size
         kv_cfg = model_cfg  # the KV heads this process holds
