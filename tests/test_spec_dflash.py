@@ -12,7 +12,9 @@ import torch
 
 from metrale import LLM, SamplingParams
 from metrale.config import ModelConfig
+from metrale.engine.kv_cache import DUMMY_PAGE
 from metrale.models.dflash import DFlashConfig, DFlashDraftModel, load_dflash, save_dflash
+from metrale.speculative import dflash as dflash_mod
 from tests.test_hybrid_engine import hybrid_dir  # noqa: F401
 
 PROMPTS = [[(7 * i + 3 * j) % 200 + 3 for j in range(5 + (3 * i) % 11)] for i in range(16)]
@@ -131,11 +133,14 @@ def test_context_holds_exactly_the_committed_rows_features(tiny_model_dir, dense
     check_context(tiny_model_dir, spec, PROMPTS[3])
 
 
-def check_context(tiny_model_dir, spec, prompt):
+def check_context(tiny_model_dir, spec, prompt, setup=None):
     """After some verifies, every context row in the drafter's pages equals the K/V computed
-    afresh from a plain forward over the sequence's committed tokens."""
+    afresh from a plain forward over the sequence's committed tokens. `setup(engine)` runs
+    before the first step."""
     llm = LLM(tiny_model_dir, device="cpu", dtype="float32", spec=spec)
     engine = llm.engine
+    if setup is not None:
+        setup(engine)
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     engine.add_request("r", prompt, params)
     for _ in range(6):
@@ -156,6 +161,65 @@ def check_context(tiny_model_dir, spec, prompt):
         flat = runner.dflash_kv[layer].view(2, -1, *k.shape[1:])
         torch.testing.assert_close(flat[0][slots], k, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(flat[1][slots], v, rtol=1e-5, atol=1e-5)
+
+
+class EagerProgram:
+    """A stand-in for a captured CUDA graph on CPU: replay runs the function."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.replays = fn, 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.fn()
+
+
+def graphed_context(monkeypatch):
+    """setup(engine) giving the DFlash drafter `ContextGraphs` (CUDA-only) on CPU, with captures
+    that run eagerly; returns (setup, programs captured)."""
+    programs = []
+
+    def fake_capture(fn, pool, device):
+        fn()  # the capture's warm-up run is the real write
+        programs.append(EagerProgram(fn))
+        return programs[-1], None
+
+    monkeypatch.setattr(dflash_mod, "capture", fake_capture)
+
+    def setup(engine):
+        d = engine.spec.drafter
+        d.context_graphs = dflash_mod.ContextGraphs(d, engine.runner.taps.buffer, None)
+
+    return setup, programs
+
+
+def test_graphed_context_writes_equal_eager_ones(tiny_model_dir, dense_dflash, monkeypatch):
+    """The context write replayed as programs padded to a row bucket: the pages hold exactly
+    the committed rows' features, the padding rows went to the dummy page alone, and greedy
+    output in a batch equals plain decoding's."""
+    setup, programs = graphed_context(monkeypatch)
+    spec = {"method": "dflash", "model": str(dense_dflash), "num_drafts": 3, "dcut": False}
+    check_context(tiny_model_dir, spec, PROMPTS[3], setup)
+    # one 16-row bucket: the prompt's write is its capture, each verify's a replay
+    assert len(programs) == 1 and programs[0].replays >= 4
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = plain(tiny_model_dir, PROMPTS[:6], params)
+    pages, accepted = [], []
+    for graphed in (False, True):
+        llm = LLM(tiny_model_dir, device="cpu", dtype="float32", spec=spec, max_num_seqs=4)
+        if graphed:
+            setup(llm.engine)
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:6], params, use_tqdm=False)]
+        assert got == want
+        pages.append(llm.engine.runner.dflash_kv.clone())
+        accepted.append(llm.engine.telemetry.spec.num_accepted_tokens)
+    # every page the same as the eager writes left it but the dummy page, which the padding
+    # rows of steps of at most 4 x 4 rows (padded to 16 or more) wrote
+    eager, graphed = pages
+    real = [p for p in range(eager.shape[2]) if p != DUMMY_PAGE]
+    torch.testing.assert_close(graphed[:, :, real], eager[:, :, real], rtol=1e-5, atol=1e-5)
+    assert not torch.equal(graphed[:, :, DUMMY_PAGE], eager[:, :, DUMMY_PAGE])
+    assert accepted[0] == accepted[1]
 
 
 def test_num_drafts_beyond_the_block_is_refused(tiny_model_dir, dense_dflash):
