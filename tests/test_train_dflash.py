@@ -66,9 +66,10 @@ def test_cli_trains_a_dflash_drafter(corpus, target, tmp_path, capsys):  # noqa:
     args = ["train", "dflash", "--target", str(target[0]), "--out", str(tmp_path), "-q"]
     args += ["--corpus", str(corpus.dirs[0]), "--steps", "3", "--seq-len", "24"]
     args += ["--batch-size", "2", "--block-size", "4", "--eval-every", "0", "--device", "cpu"]
-    assert main(args) == 0
+    assert main(args + ["--teacher", "greedy"]) == 0
     assert (tmp_path / "dflash" / "model.safetensors").is_file()
-    assert '"stage": "dflash"' in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert '"stage": "dflash"' in out and '"teacher": "greedy"' in out
 
 
 @pytest.mark.gpu

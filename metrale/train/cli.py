@@ -165,6 +165,13 @@ def add_train_parsers(sub) -> None:
     dfl.add_argument(
         "--anchor-stride", type=_positive_int, default=16, help="one block every this many tokens"
     )
+    dfl.add_argument(
+        "--teacher",
+        choices=("target", "greedy", "data"),  # train.dflash.TEACHERS (not imported here)
+        default="data",
+        help="what block rows learn: the corpus token, or the target's next-token distribution "
+        "or its greedy pick (self-distillation)",
+    )
     _add_optim_args(dfl, steps=1000, lr=1e-3)
 
 
@@ -211,6 +218,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 gamma=args.gamma,
                 anchor_stride=args.anchor_stride,
                 out_dir=args.out,
+                teacher=args.teacher,
             )
         else:
             summary = train.train_mtp(

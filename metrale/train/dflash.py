@@ -9,6 +9,13 @@ seeing the context of positions < a (strictly) and its own block bidirectionally
 (j >= 1) predicts x[a + j], with loss weight exp(-(j - 1) / gamma) (the published recipe's
 position decay). The target's embedding and head are shared and frozen; only the drafter trains.
 
+What row j learns (`teacher`): "data" (the default) is the corpus token x[a + j]; "target" is the
+target's own next-token distribution at a + j - 1 (soft cross-entropy, self-distillation) and
+"greedy" its pick there: a draft is accepted when it equals the target's pick, not the corpus's
+next token (the published recipe regenerates its data with the target for that reason). On the
+shipped model, 290 s on the H200 each, "greedy" raised held-out teacher-forced agreement at row 1
+from 0.705 to 0.737, but the engine's acceptance length at K = 7 stayed put (2.98 against 3.03).
+
 The drafter is saved in the published layout under `<out>/dflash/`, where the engine finds it
 (`spec=dict(method="dflash")`).
 """
@@ -32,6 +39,7 @@ from metrale.train.model import CausalLM, init_weights
 DFLASH_DIR = "dflash"
 STATE_FILE = "dflash_train_state.pt"
 SUMMARY_FILE = "dflash_train_summary.json"
+TEACHERS = ("target", "greedy", "data")
 
 
 def position_weights(block_size: int, gamma: float) -> torch.Tensor:
@@ -71,6 +79,7 @@ def train_dflash(
     gamma: float = 4.0,
     anchor_stride: int = 16,
     out_dir: str | Path | None = None,
+    teacher: str = "data",
 ) -> dict:
     """The DFlash stage; the drafter goes to `<out_dir or target_dir>/dflash/`. The drafter reads
     `target_layers` of the target (default: `num_taps` evenly spaced). Returns the summary (also
@@ -83,6 +92,8 @@ def train_dflash(
         raise ValueError(f"block_size must be in [2, seq_len - 1], got {block_size}")
     if not gamma > 0 or anchor_stride < 1 or num_taps < 1:
         raise ValueError("gamma must be > 0, anchor_stride and num_taps >= 1")
+    if teacher not in TEACHERS:
+        raise ValueError(f"teacher must be one of {TEACHERS}, got {teacher!r}")
     tcfg = ModelConfig.from_hf(target_dir)
     target_raw = json.loads((target_dir / "config.json").read_text())
     out = (Path(out_dir) if out_dir is not None else target_dir) / DFLASH_DIR
@@ -146,8 +157,20 @@ def train_dflash(
         rows = torch.arange(bw, device=ids.device).repeat_interleave(a)[:, None]
         labels = batch[rows, label_pos]
         ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
-        loss = (ce.view(-1, block_size - 1) * weights).sum(-1).mean()
-        metrics = {"loss_row1": ce.view(-1, block_size - 1)[:, 0].mean().detach()}
+        ce = ce.view(-1, block_size - 1)
+        per_row = ce
+        if teacher != "data":  # the target's own prediction where x[a + j] is predicted
+            with torch.no_grad():
+                teach = target.logits(final[rows, label_pos - 1]).float()
+            if teacher == "target":  # its distribution
+                per_row = -(teach.softmax(-1) * logits.float().log_softmax(-1)).sum(-1)
+            else:  # its greedy pick
+                per_row = F.cross_entropy(
+                    logits.flatten(0, 1), teach.argmax(-1).flatten(), reduction="none"
+                ).view_as(ce)
+        loss = (per_row * weights).sum(-1).mean()
+        # the corpus token's cross-entropy at row 1 whatever the teacher: runs compare on it
+        metrics = {"loss_row1": ce[:, 0].mean().detach()}
         if greedy is not None:
             pred = logits.argmax(-1)
             # teacher-forced acceptance: the target's own pick for x[a + j] (at a + j - 1)
@@ -165,6 +188,7 @@ def train_dflash(
         "target_layer_ids": list(layers),
         "gamma": gamma,
         "anchor_stride": anchor_stride,
+        "teacher": teacher,
     }
     result = run_training(
         drafter,
@@ -184,6 +208,7 @@ def train_dflash(
         "block_size": block_size,
         "target_layer_ids": list(layers),
         "gamma": gamma,
+        "teacher": teacher,
         "target": str(target_dir),
         "corpus": data.stats,
         "session_time_s": round(time.perf_counter() - start, 3),
