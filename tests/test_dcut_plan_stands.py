@@ -1,9 +1,13 @@
 """D-Cut plans depths before drafting (controller._prepare); the plan is planned again after
-drafting only when a sequence came back with fewer drafts than planned but some. One that came
+drafting only when a sequence came back with fewer drafts than planned but some, and the target's
+programs need a canonical verify table (row-table programs: hybrid targets); with ragged programs
+or none, any mix of depths runs, and the shorter drafts are verified as drafted. One that came
 back with none decodes plainly beside the others, whose planned depths stand: no second planning
 (it cost as much as the first, about 0.15 ms a drafting step at batch 8 on the H200's host)."""
 
 from __future__ import annotations
+
+import pytest
 
 from metrale import LLM
 from metrale.speculative.dcut import VerifyCostModel
@@ -66,12 +70,16 @@ def test_sequences_without_drafts_leave_the_plan_standing(tiny_model_dir):
     assert [len(s.draft.tokens) if s.draft else 0 for s in seqs] == [3, 0] * 4
 
 
-def test_shorter_drafts_are_planned_again(tiny_model_dir):
+@pytest.mark.parametrize("any_depths", [False, True])
+def test_shorter_drafts_are_planned_again_for_canonical_tables(tiny_model_dir, any_depths):
     dec, cuts = _decoder(tiny_model_dir, EvenSlots(depth=1))
+    assert dec.any_depths  # CPU: no programs
+    dec.any_depths = any_depths
     seqs = _decoding(8)
     assert dec._prepare(seqs) == []
-    assert len(cuts) == 1
+    assert len(cuts) == (0 if any_depths else 1)
     assert [len(s.draft.tokens) if s.draft else 0 for s in seqs] == [1, 0] * 4
+    assert dec._proposed == {s.seq_id: (1, 5) for s in seqs if s.slot % 2 == 0}
 
 
 def test_a_plan_wider_than_the_width_cap_stands_while_sequences_come_and_go(tiny_model_dir):

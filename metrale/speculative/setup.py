@@ -63,4 +63,5 @@ def speculative_decoder(
         max_model_len,
         runner.model_cfg.vocab_size,
         write_on_accept=runner.hybrid and config.hybrid_verify_state == "write_on_accept",
+        any_depths=runner.graphs is None or runner.graphs.ragged,
     )
