@@ -152,6 +152,10 @@ class Tokenizer:
             eos.append(cfg_eos)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
 
+        # A byte-level decoder renders the bytes of an unfinished character as one U+FFFD,
+        # whatever ids come before it in a decode; ByteFallback (SentencePiece) renders each
+        # byte of an invalid run as its own, so its detokenizer takes one id a push.
+        self.byte_level = isinstance(self._tok.decoder, tokenizers.decoders.ByteLevel)
         added = self._tok.get_added_tokens_decoder()
         # Exactly the ids that `decode(..., skip_special_tokens=True)` drops.
         self._skip_ids = frozenset(i for i, t in added.items() if t.special)
@@ -317,6 +321,16 @@ class IncrementalDetokenizer:
             self._slide()
         self.text += delta
         return delta
+
+    def push_each(self, token_ids: list[int]) -> str:
+        """The text of `token_ids`, exactly as pushing them one at a time makes it: in one push
+        where the decoder is byte-level (a push decodes the window once or twice however many
+        ids it adds), one push an id otherwise (a byte-fallback decoder renders a newline
+        byte and the lead byte of a character pushed together as two U+FFFD, and only the
+        last is held back)."""
+        if self._tokenizer.byte_level:
+            return self.push(token_ids)
+        return "".join(self.push(t) for t in token_ids)
 
     def _slide(self) -> None:
         """Make the pending ids the new left context and drop the older ones.

@@ -219,6 +219,42 @@ def test_detokenizer_single_ids_and_prompt_context(tok):
     assert deltas[emoji_at : emoji_at + 4] == ["", "", "", "😀"]
 
 
+def _byte_fallback_tokenizer() -> tuple[Tokenizer, dict[str, int]]:
+    """A SentencePiece-style tokenizer: byte-fallback ids <0x00>..<0xFF>, a Metaspace piece."""
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "\u2581a": 257}
+    backend = tokenizers.Tokenizer(
+        tokenizers.models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True)
+    )
+    d = tokenizers.decoders
+    backend.decoder = d.Sequence(
+        [d.Replace("\u2581", " "), d.ByteFallback(), d.Fuse(), d.Strip(" ", 1, 0)]
+    )
+    return Tokenizer(backend), vocab
+
+
+def test_push_each_makes_the_text_of_one_push_an_id(tok):
+    """`push_each` (the deferred text of a step's tokens) gives what one push an id gives: in
+    one push on a byte-level decoder, id by id on a byte-fallback one, where a newline byte
+    pushed with the lead byte of a character decodes to two U+FFFD, not one."""
+    sp, vocab = _byte_fallback_tokenizer()
+    assert tok.byte_level and not sp.byte_level
+    byte = {b: vocab[f"<0x{b:02X}>"] for b in range(256)}
+    chunks = [[vocab["\u2581a"]], [byte[0x0A], byte[0xC3]], [byte[0xAC]]]  # " a\nì"
+    each, one = IncrementalDetokenizer(sp), IncrementalDetokenizer(sp)
+    got = "".join(each.push_each(c) for c in chunks)
+    assert got == "".join(one.push(t) for c in chunks for t in c) == "a\nì"
+    assert got + each.flush() == sp.decode([t for c in chunks for t in c])
+    rng = random.Random(7)
+    ids = tok.encode("def f(x):\n    return x  # 中文 😀\n") * 3
+    each, one = IncrementalDetokenizer(tok), IncrementalDetokenizer(tok)
+    i, texts = 0, []
+    while i < len(ids):
+        n = rng.choice([1, 2, 3, 4])
+        texts.append((each.push_each(ids[i : i + n]), "".join(one.push(t) for t in ids[i : i + n])))
+        i += n
+    assert all(a == b for a, b in texts) and each.text == one.text == tok.decode(ids)
+
+
 def test_detokenizer_work_per_token_is_bounded(tok, monkeypatch):
     lengths: list[int] = []
     decode = tok.decode

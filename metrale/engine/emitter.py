@@ -124,12 +124,11 @@ class Emitter:
 
     @staticmethod
     def _detokenize(seq: Sequence, ids: list[int]) -> Delta:
-        # One push for the step's tokens (a verify's accepted drafts too): a push decodes the
-        # detokenizer's window once or twice however many ids it adds, and one push a token
-        # made the drain, with a speculative batch's 2-3 tokens per sequence, outlast the
-        # forward it overlaps at batch 64 on the H200. Its text is the in-step path's, which
-        # pushes token by token (the window decodes its ids whole, context included).
-        text = seq.detokenizer.push(ids)
+        # The in-step path's text, which pushes token by token; in one push where that is the
+        # same text (byte-level decoders): one push a token made the drain, with a speculative
+        # batch's 2-3 tokens per sequence, outlast the forward it overlaps at batch 64 on the
+        # H200.
+        text = seq.detokenizer.push_each(ids)
         seq.text += text
         return text, ids
 

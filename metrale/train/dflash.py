@@ -188,7 +188,8 @@ def train_dflash(
         "target_layer_ids": list(layers),
         "gamma": gamma,
         "anchor_stride": anchor_stride,
-        "teacher": teacher,
+        # only when not the corpus: states saved before the option existed still resume
+        **({} if teacher == "data" else {"teacher": teacher}),
     }
     result = run_training(
         drafter,
