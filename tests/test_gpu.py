@@ -172,7 +172,8 @@ def test_cuda_batch_64_k3_ragged_programs_never_refuse(tiny_model_dir):
     )
     runner = spec.engine.runner
     captured = runner.graphs.cache.stats()["misses"]
-    assert captured == len(all_ragged_shapes(64, 4)) + len(all_prefill_shapes(64, 512, 4))
+    assert runner.graphs.prefill_rows == 2048  # graph_prefill_rows=None: the token budget
+    assert captured == len(all_ragged_shapes(64, 4)) + len(all_prefill_shapes(64, 2048, 4))
     outs = spec.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert runner.graphs.ragged and runner.graph_refusals == 0
