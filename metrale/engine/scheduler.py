@@ -101,6 +101,8 @@ class Scheduler:
     def schedule(self) -> Batch:
         budget = self.max_num_batched_tokens
         batch = Batch(entries=[])
+        alloc = self.allocator
+        free = alloc.num_free  # what reservations may take, kept in step as the loop reserves
         idx = 0
         while idx < len(self.running) and budget > 0:
             seq = self.running[idx]
@@ -110,25 +112,35 @@ class Scheduler:
                 num_rows = self._chunk(seq, seq.num_computed_tokens, budget)
             num_rows += len(drafts)
             need = self._rows_needed(seq, num_rows)
-            if drafts and not self.allocator.can_fit(seq, need):
-                # Drafts are optional: drop them before evicting anyone for their rows.
-                num_rows -= len(drafts)
-                drafts, seq.draft = [], None
-                need = self._rows_needed(seq, num_rows)
-            if self._never_fits(seq, need):
-                self.running.pop(idx)
-                batch.failed.append(seq)
-                continue
-            while not self.allocator.can_fit(seq, need) and len(self.running) > idx + 1:
-                victim = self.running.pop()
-                self._preempt(victim)
-                batch.preempted.append(victim)
-            if not self.allocator.can_fit(seq, need):
-                # Even with every newer sequence evicted it does not fit: it waits its turn too.
-                self._preempt(self.running.pop(idx))
-                batch.preempted.append(seq)
-                break
-            self.allocator.reserve(seq, need)
+            extra = alloc.extra_pages(seq, need)
+            if extra <= free:
+                # The common case: its rows fit the free pages (so the pool too), drafts and
+                # all; the checks below, a few calls a sequence, were most of a step's
+                # scheduling at batch 64.
+                if extra:
+                    alloc.reserve(seq, need)
+                    free -= extra
+            else:
+                if drafts and not alloc.can_fit(seq, need):
+                    # Drafts are optional: drop them before evicting anyone for their rows.
+                    num_rows -= len(drafts)
+                    drafts, seq.draft = [], None
+                    need = self._rows_needed(seq, num_rows)
+                if self._never_fits(seq, need):
+                    self.running.pop(idx)
+                    batch.failed.append(seq)
+                    continue
+                while not alloc.can_fit(seq, need) and len(self.running) > idx + 1:
+                    victim = self.running.pop()
+                    self._preempt(victim)
+                    batch.preempted.append(victim)
+                if not alloc.can_fit(seq, need):
+                    # Even with every newer sequence evicted it does not fit: it waits its turn.
+                    self._preempt(self.running.pop(idx))
+                    batch.preempted.append(seq)
+                    break
+                alloc.reserve(seq, need)
+                free = alloc.num_free
             probs = None if not drafts else seq.draft.probs
             batch.entries.append(
                 ScheduledSeq(seq, num_rows, drafts, None if probs is None else probs[: len(drafts)])
