@@ -59,9 +59,9 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    def _add(self, prompt: Prompt, params: SamplingParams | dict) -> str:
+    def _add(self, prompt: Prompt, params: SamplingParams | dict, final_only: bool = False) -> str:
         request_id = f"req-{next(self._ids)}"
-        self.engine.add_request(request_id, prompt, _params(params))
+        self.engine.add_request(request_id, prompt, _params(params), final_only)
         return request_id
 
     def generate(
@@ -87,7 +87,7 @@ class LLM:
         ids: list[str] = []
         try:
             for prompt, params in zip(prompts, params_list, strict=True):
-                ids.append(self._add(prompt, params))
+                ids.append(self._add(prompt, params, final_only=True))
         except (ValueError, TypeError) as e:
             # Nothing half-queued: drop what this call added, then name the bad prompt.
             for request_id in ids:

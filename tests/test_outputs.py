@@ -69,6 +69,41 @@ def test_stream_deltas_add_up_to_generate(llm, reference):
     assert chunks[-1].outputs[0].text == reference.text
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_final_only_requests_return_one_whole_output(tiny_model_dir, speculative):
+    """`add_request(final_only=True)` (what `generate` queues): `step` returns nothing for it
+    until it ends, then one output whose text and token ids (and deltas) are the whole of what
+    a streamed request with the same params adds up to; n > 1, stop strings and logprobs too.
+    Streamed requests beside it still get an output every step."""
+    kw = dict(spec={"method": "ngram", "num_drafts": 3}) if speculative else {}
+    engine = LLM(tiny_model_dir, device="cpu", **kw).engine
+    cases = [
+        greedy(),
+        SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=30),
+        greedy(logprobs=2, max_tokens=20),
+        greedy(stop=["a"], max_tokens=30),
+    ]
+    for i, params in enumerate(cases):
+        engine.add_request(f"s{i}", PROMPT, params)
+        engine.add_request(f"f{i}", PROMPT, params, final_only=True)
+    got: dict[str, list] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        for out in engine.step():
+            got.setdefault(out.request_id, []).append(out)
+    for i in range(len(cases)):
+        streamed, final = got[f"s{i}"], got[f"f{i}"]
+        assert len(final) == 1 and final[0].finished and len(streamed) > 1
+        for a, b in zip(streamed[-1].outputs, final[0].outputs, strict=True):
+            assert (a.text, a.token_ids, a.finish_reason) == (b.text, b.token_ids, b.finish_reason)
+            assert a.logprobs == b.logprobs
+            assert b.delta_text == b.text and b.delta_token_ids == b.token_ids
+        deltas = ["".join(o.outputs[0].delta_text for o in streamed)]
+        assert deltas == [final[0].outputs[0].text]
+    assert steps > 10
+
+
 def test_closing_a_stream_aborts_and_frees_pages(llm):
     engine = llm.engine
     stream = llm.stream(PROMPT, greedy(max_tokens=30))

@@ -45,6 +45,9 @@ class Request:
     prompt: str | None
     prompt_token_ids: list[int]
     seqs: list[Sequence]
+    # its output only once it finishes (vLLM's FINAL_ONLY, as offline `generate` wants), with
+    # the whole text as the delta: no per-step output to build
+    final_only: bool = False
 
     @property
     def finished(self) -> bool:
@@ -179,8 +182,14 @@ class LLMEngine:
         return text, token_ids
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        final_only: bool = False,
     ) -> None:
+        """Queue a request; `final_only`: `step` returns its output once, when it finishes
+        (building each step's output copies every sequence's tokens so far)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(
@@ -213,7 +222,7 @@ class LLMEngine:
                 self.runner.structured_seqs += 1
             self._next_seq_id += 1
             seqs.append(seq)
-        self.requests[request_id] = Request(request_id, text, list(token_ids), seqs)
+        self.requests[request_id] = Request(request_id, text, list(token_ids), seqs, final_only)
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -310,8 +319,13 @@ class LLMEngine:
             request = self.requests.get(request_id)
             if request is None:
                 continue
+            finished = request.finished
+            if request.final_only:
+                if not finished:
+                    continue
+                deltas = {s.seq_id: (s.text, list(s.output_token_ids)) for s in request.seqs}
             outputs.append(self.emitter.output(request, deltas))
-            if request.finished:
+            if finished:
                 del self.requests[request_id]
         spec = self.spec
         if (
