@@ -102,6 +102,12 @@ def test_final_only_requests_return_one_whole_output(tiny_model_dir, speculative
         deltas = ["".join(o.outputs[0].delta_text for o in streamed)]
         assert deltas == [final[0].outputs[0].text]
     assert steps > 10
+    # aborted part-way, its one output is whole too
+    engine.add_request("a", PROMPT, greedy(max_tokens=30), final_only=True)
+    assert not any(o.request_id == "a" for _ in range(6) for o in engine.step())
+    out = engine.abort_request("a").outputs[0]
+    assert out.finish_reason == "abort" and len(out.token_ids) >= 5
+    assert (out.delta_text, out.delta_token_ids) == (out.text, out.token_ids)
 
 
 def test_closing_a_stream_aborts_and_frees_pages(llm):

@@ -53,6 +53,10 @@ class Request:
     def finished(self) -> bool:
         return all(s.is_finished for s in self.seqs)
 
+    def whole(self) -> dict[int, tuple[str, list[int]]]:
+        """Deltas of every sequence's whole output: a final-only request's one output."""
+        return {s.seq_id: (s.text, list(s.output_token_ids)) for s in self.seqs}
+
 
 class LLMEngine:
     def __init__(
@@ -263,7 +267,9 @@ class LLMEngine:
         self._finish(live)
         changed = {request_id: {s.seq_id: ("", []) for s in request.seqs}}
         self.emitter.take_drained(changed, request_id)  # its deferred text
-        return self.emitter.output(request, changed[request_id])
+        return self.emitter.output(
+            request, request.whole() if request.final_only else changed[request_id]
+        )
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -323,7 +329,7 @@ class LLMEngine:
             if request.final_only:
                 if not finished:
                     continue
-                deltas = {s.seq_id: (s.text, list(s.output_token_ids)) for s in request.seqs}
+                deltas = request.whole()
             outputs.append(self.emitter.output(request, deltas))
             if finished:
                 del self.requests[request_id]
