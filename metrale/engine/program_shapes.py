@@ -188,13 +188,19 @@ def prefill_program_rows(limit: int) -> int:
     return 1 << (limit.bit_length() - 1) if limit >= PREFILL_MIN_ROWS else 0
 
 
+def prefill_row_bucket(num_rows: int) -> int:
+    """The rows a step of `num_rows` prompt-chunk rows is padded to: a power of two, at least
+    PREFILL_MIN_ROWS."""
+    return max(PREFILL_MIN_ROWS, 1 << (num_rows - 1).bit_length())
+
+
 def prefill_shape(num_seqs: int, num_rows: int, sample_rows_per_seq: int) -> PrefillShape:
     """The padded shape of a step of `num_seqs` sequences and `num_rows` rows whose sampling
     sequences sample at most `sample_rows_per_seq` rows each (1 + K)."""
     if not 1 <= num_seqs <= num_rows:
         raise ValueError(f"{num_seqs} sequences cannot hold {num_rows} rows")
     seqs = 1 << (num_seqs - 1).bit_length()
-    rows = max(PREFILL_MIN_ROWS, 1 << (num_rows - 1).bit_length())
+    rows = prefill_row_bucket(num_rows)
     return PrefillShape(rows, seqs + 1, min(rows, seqs * sample_rows_per_seq))
 
 
@@ -298,7 +304,7 @@ def gdn_prefill_shape(
     if width is None:
         raise ValueError(f"a sequence of {longest} rows is past the widest program ({widths})")
     seqs = 1 << (num_seqs - 1).bit_length()
-    return _gdn_shape(seqs, max(PREFILL_MIN_ROWS, 1 << (num_rows - 1).bit_length()), width)
+    return _gdn_shape(seqs, prefill_row_bucket(num_rows), width)
 
 
 def all_gdn_prefill_shapes(max_seqs: int, max_rows: int, widths: list[int]) -> list:

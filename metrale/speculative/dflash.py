@@ -25,7 +25,7 @@ import torch
 from metrale.engine.graphs import capture
 from metrale.engine.kv_cache import DUMMY_PAGE, slots_of
 from metrale.engine.prefix_cache import DraftKV
-from metrale.engine.program_shapes import decode_bucket
+from metrale.engine.program_shapes import decode_bucket, prefill_program_rows, prefill_row_bucket
 from metrale.engine.sequence import Sequence
 from metrale.engine.staging import to_device_packed
 from metrale.knobs import knobs
@@ -208,7 +208,7 @@ class ContextGraphs:
     def __init__(self, drafter: DFlashDrafter, taps: torch.Tensor, pool) -> None:
         self.drafter, self.pool, self.device = drafter, pool, taps.device
         # the widest bucket within the runner's taps (a step past it writes eagerly)
-        self.max_rows = 1 << (taps.shape[0].bit_length() - 1)
+        self.max_rows = prefill_program_rows(taps.shape[0])
         self.taps = torch.zeros(self.max_rows, taps.shape[1], dtype=taps.dtype, device=self.device)
         self.positions = torch.zeros(self.max_rows, dtype=torch.long, device=self.device)
         self.slots = torch.zeros(self.max_rows, dtype=torch.long, device=self.device)
@@ -219,7 +219,7 @@ class ContextGraphs:
         """Write the context rows of `taps` (the committed rows of each sequence) by replaying
         a program; False (nothing written) past the workspace."""
         n = len(positions)
-        rows = max(16, 1 << (n - 1).bit_length())
+        rows = prefill_row_bucket(n)
         if rows > self.max_rows:
             return False
         torch.cat(taps, out=self.taps[:n])
