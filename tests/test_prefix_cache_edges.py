@@ -262,12 +262,12 @@ def test_mtp_rows_of_a_hit_are_what_the_sequence_would_write(mtp_dir, case):
     assert_pool_whole(llm)
 
 
-def test_dflash_context_rows_of_a_hit_are_present():
-    """DFlash (`observe`) takes a hit's context rows as present (`have = num_cached_tokens`), so
-    a drafting sequence maps only pages whose writer wrote them; two kinds of sequence cache
-    pages without them: (1) one with `speculative=False` (skipped by `DFlashDrafter.observe`)
-    and (2) one whose last step filled a page (the drafter never sees a finished sequence). The
-    hit stops before those pages, and its rows are the ones the sequence would write."""
+def test_dflash_context_rows_of_every_hit_are_present():
+    """DFlash's context rows are written by the target's forward (every row of every sequence),
+    so every cached page holds them, and a drafting sequence takes the whole hit: (1) pages of a
+    sequence with `speculative=False` and (2) the page a sequence's last step filled, which a
+    drafter that wrote its rows in `observe` never had. The hit's rows are the ones the
+    sequence would write."""
     from metrale.default_model import default_model_dir
 
     model = default_model_dir()
@@ -313,8 +313,8 @@ def test_dflash_context_rows_of_a_hit_are_present():
         diff = (got[rid][:n] - want[rid][:n]).abs().flatten(1).amax(1)
         bad[rid] = (diff >= 1e-3).nonzero().flatten().tolist()
     assert bad == {"b1": [], "b2": [], "c1": []}, f"hit rows whose DFlash context K differs: {bad}"
-    # b1: a1 did not draft; b2: all but the page a2's last step filled; c1: b1's copies
-    assert hits == {"b1": 0, "b2": len(p2) + len(out["a2"][0]) - 1 - PAGE, "c1": 2 * PAGE}
+    # b1: a1's pages (it did not draft); b2: a2's, with the page its last step filled
+    assert hits == {"b1": 2 * PAGE, "b2": len(p2) + len(out["a2"][0]) - 1, "c1": 2 * PAGE}
 
 
 # ---- failures -------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ from metrale import LLM, SamplingParams
 from metrale.config import ModelConfig
 from metrale.engine.kv_cache import DUMMY_PAGE
 from metrale.models.dflash import DFlashConfig, DFlashDraftModel, load_dflash, save_dflash
-from metrale.speculative import dflash as dflash_mod
 from tests.test_hybrid_engine import hybrid_dir  # noqa: F401
 
 PROMPTS = [[(7 * i + 3 * j) % 200 + 3 for j in range(5 + (3 * i) % 11)] for i in range(16)]
@@ -146,9 +145,9 @@ def check_context(tiny_model_dir, spec, prompt, setup=None):
     for _ in range(6):
         engine.step()
     seq = engine.requests["r"].seqs[0]
-    drafter, runner = engine.spec.drafter, engine.runner
-    n = drafter._context[seq.seq_id]
-    assert n == seq.num_computed_tokens and n > len(prompt)
+    runner = engine.runner
+    n = seq.num_computed_tokens
+    assert n > len(prompt)
     # a fresh target forward over the committed tokens, tapping the same layers
     fresh = LLM(tiny_model_dir, device="cpu", dtype="float32", spec=spec).engine
     fresh.add_request("f", seq.tokens(0, n), SamplingParams(temperature=0.0, max_tokens=1))
@@ -163,63 +162,65 @@ def check_context(tiny_model_dir, spec, prompt, setup=None):
         torch.testing.assert_close(flat[1][slots], v, rtol=1e-5, atol=1e-5)
 
 
-class EagerProgram:
-    """A stand-in for a captured CUDA graph on CPU: replay runs the function."""
+def ragged_programs(engine):
+    """Run the engine's decode and verify steps through CPU stand-ins for its ragged programs
+    (padded tables: padding rows on the dummy page)."""
+    from tests.test_program_shapes import EagerPrograms
 
-    def __init__(self, fn) -> None:
-        self.fn, self.replays = fn, 0
-
-    def replay(self) -> None:
-        self.replays += 1
-        self.fn()
+    runner = engine.runner
+    runner.graphs = EagerPrograms(runner.model, engine.spec.cfg.num_drafts + 1, runner.page_size)
 
 
-def graphed_context(monkeypatch):
-    """setup(engine) giving the DFlash drafter `ContextGraphs` (CUDA-only) on CPU, with captures
-    that run eagerly; returns (setup, programs captured)."""
-    programs = []
-
-    def fake_capture(fn, pool, device):
-        fn()  # the capture's warm-up run is the real write
-        programs.append(EagerProgram(fn))
-        return programs[-1], None
-
-    monkeypatch.setattr(dflash_mod, "capture", fake_capture)
-
-    def setup(engine):
-        d = engine.spec.drafter
-        d.context_graphs = dflash_mod.ContextGraphs(d, engine.runner.taps.buffer, None)
-
-    return setup, programs
-
-
-def test_graphed_context_writes_equal_eager_ones(tiny_model_dir, dense_dflash, monkeypatch):
-    """The context write replayed as programs padded to a row bucket: the pages hold exactly
-    the committed rows' features, the padding rows went to the dummy page alone, and greedy
-    output in a batch equals plain decoding's."""
-    setup, programs = graphed_context(monkeypatch)
+def test_programs_write_the_context_as_the_eager_forward_does(tiny_model_dir, dense_dflash):
+    """The context write is part of the target's forward, so a step replayed as a program
+    padded to its bucket writes it too: the pages hold exactly the committed rows' features,
+    the real pages are what the eager steps left (rejected rows included), the padding rows
+    went to the dummy page alone, and greedy output in a batch equals plain decoding's."""
     spec = {"method": "dflash", "model": str(dense_dflash), "num_drafts": 3, "dcut": False}
-    check_context(tiny_model_dir, spec, PROMPTS[3], setup)
-    # one 16-row bucket: the prompt's write is its capture, each verify's a replay
-    assert len(programs) == 1 and programs[0].replays >= 4
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    check_context(tiny_model_dir, spec, PROMPTS[3], ragged_programs)
+    # 3 rows a sequence, sequences ending at different steps: a step of 3 (9 rows) pads to 10
+    spec["num_drafts"] = 2
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12 + 4 * i, ignore_eos=True) for i in range(6)
+    ]
     want = plain(tiny_model_dir, PROMPTS[:6], params)
     pages, accepted = [], []
     for graphed in (False, True):
         llm = LLM(tiny_model_dir, device="cpu", dtype="float32", spec=spec, max_num_seqs=4)
         if graphed:
-            setup(llm.engine)
+            ragged_programs(llm.engine)
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:6], params, use_tqdm=False)]
         assert got == want
+        if graphed:
+            shapes = llm.engine.runner.graphs.shapes
+            assert any(s.rows() > s.num_seqs for s in shapes), "no verify ran as a program"
         pages.append(llm.engine.runner.dflash_kv.clone())
         accepted.append(llm.engine.telemetry.spec.num_accepted_tokens)
-    # every page the same as the eager writes left it but the dummy page, which the padding
-    # rows of steps of at most 4 x 4 rows (padded to 16 or more) wrote
     eager, graphed = pages
     real = [p for p in range(eager.shape[2]) if p != DUMMY_PAGE]
     torch.testing.assert_close(graphed[:, :, real], eager[:, :, real], rtol=1e-5, atol=1e-5)
     assert not torch.equal(graphed[:, :, DUMMY_PAGE], eager[:, :, DUMMY_PAGE])
     assert accepted[0] == accepted[1]
+
+
+def test_a_step_that_drafts_nothing_is_a_plain_step(tiny_model_dir, dense_dflash):
+    """The drafter keeps no state (the forward writes its context): a step where no sequence
+    drafts runs no drafter hook at all, and the drafter still drafts from a context it never
+    saw being written (a plain request's pages, then a speculative request continuing them)."""
+    spec = {"method": "dflash", "model": str(dense_dflash), "num_drafts": 3, "dcut": False}
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", spec=spec)
+    drafter = llm.engine.spec.drafter
+    assert drafter.stateless and not drafter.needs_hidden
+    calls = []
+    observe = drafter.observe
+    drafter.observe = lambda verdicts: (calls.append(len(verdicts)), observe(verdicts))
+    off = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, speculative=False)
+    llm.generate([PROMPTS[2]], off, use_tqdm=False)
+    assert calls == [] and llm.engine.telemetry.spec.num_draft_tokens == 0
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = plain(tiny_model_dir, [PROMPTS[2]], params)
+    assert [o.outputs[0].token_ids for o in llm.generate([PROMPTS[2]], params)] == want
+    assert calls and llm.engine.telemetry.spec.num_draft_tokens > 0
 
 
 def test_num_drafts_beyond_the_block_is_refused(tiny_model_dir, dense_dflash):

@@ -22,13 +22,15 @@ releases its pages last page first, so a prefix's tail is reclaimed before its h
 A hit. The longest run of cached pages the sequence's tokens name, short of its last token (a
 row must run to sample from) is mapped into its block table and its prefill starts after it.
 
-Drafter K/V. A drafter that keeps K/V rows in the target's pages (MTP's layer, DFlash's context)
-reads them on a hit too, and a page holds them only if its writer drafted with that drafter: a
-non-speculative request leaves them unwritten. So a page is cached with a mark saying its drafter
-rows are whole (`DraftKV.wrote` its writer's), and a sequence that drafts takes a hit only as far
-as the marked pages go. MTP's row at a position is fed the next token too, so its mark is the
-token that followed the page in its writer, and the page serves only sequences where the same
-token follows. A marked page computed later under an unmarked page's name takes the name over.
+Drafter K/V. A drafter that keeps K/V rows in the target's pages (MTP's layer) reads them on a
+hit too, and a page holds them only if its writer drafted with that drafter: a non-speculative
+request leaves them unwritten. (DFlash's context rows are written by the target's forward
+itself, for every row, so every page holds them and DFlash declares no `page_kv`.) So a page is
+cached with a mark saying its drafter rows are whole (`DraftKV.wrote` its writer's), and a
+sequence that drafts takes a hit only as far as the marked pages go. MTP's row at a position is
+fed the next token too, so its mark is the token that followed the page in its writer, and the
+page serves only sequences where the same token follows. A marked page computed later under an
+unmarked page's name takes the name over.
 
 Hybrid targets. A GDN layer's state after a prefix is one tensor per sequence, so a hit must
 also resume the recurrent state: `SnapshotIndex` keeps copies of it (`StateSlots` snapshots), by

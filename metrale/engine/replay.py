@@ -64,8 +64,6 @@ def replay_decode(runner, batch: Batch):
     if ran is None:
         return None
     hidden, logits, state_view = ran
-    if runner.taps is not None:  # the drafter reads the taps, not the final hidden
-        hidden = runner.taps.buffer[: hidden.shape[0]]
     if len(real_rows) == hidden.shape[0]:
         return hidden.clone(), logits, state_view, padded
     (index,) = to_device_packed([real_rows], runner.device)
@@ -96,7 +94,7 @@ def _replay_ragged(runner, batch: Batch):
         return None
     runner.replayed_shape = shape  # the workspace holds this program's rows now
     hidden, logits, state_view = ran
-    return _kept_hidden(runner, hidden, num_rows), logits[:num_rows], state_view, entries
+    return _kept_hidden(hidden, num_rows), logits[:num_rows], state_view, entries
 
 
 def replay_prefill(runner, batch: Batch, sample_rows: list[int]):
@@ -122,7 +120,7 @@ def replay_prefill(runner, batch: Batch, sample_rows: list[int]):
         return None
     runner.replayed_shape = shape
     hidden, logits, _ = ran
-    hidden = _kept_hidden(runner, hidden, num_rows)
+    hidden = _kept_hidden(hidden, num_rows)
     return hidden, logits[: len(sample_rows)], None, list(batch.entries)
 
 
@@ -151,14 +149,13 @@ def _replay_gdn_prefill(runner, batch: Batch, sample_rows: list[int]):
     if ran is None:
         return None
     hidden, logits, _ = ran
-    return _kept_hidden(runner, hidden, num_rows), logits[: len(sample_rows)], None, entries
+    return _kept_hidden(hidden, num_rows), logits[: len(sample_rows)], None, entries
 
 
-def _kept_hidden(runner, hidden: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """The first `num_rows` rows of what drafters read (the taps when a DFlash drafter has
-    them, else the program's hidden), copied: the program's next replay rewrites both."""
-    source = hidden if runner.taps is None else runner.taps.buffer
-    return source[:num_rows].clone()
+def _kept_hidden(hidden: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The program's hidden states of the first `num_rows` rows, copied: its next replay
+    rewrites them."""
+    return hidden[:num_rows].clone()
 
 
 def run_program(runner, key, spans, state=None, sample_rows: list[int] | None = None):

@@ -242,8 +242,17 @@ class ModelRunner:
         rows = max(cfg.max_num_batched_tokens, cfg.max_num_seqs * (num_drafts + 1))
         if self.graphs is not None:
             rows = max(rows, self.graphs.cache.workspace.rows)
+        # Every forward writes its rows' context K/V, inside its own program (see
+        # `speculative/dflash.py`).
         self.taps = HiddenTaps(
-            d.target_layer_ids, self.model_cfg.hidden_size, rows, self.device, self.dtype
+            d.target_layer_ids,
+            self.model_cfg.hidden_size,
+            rows,
+            self.device,
+            self.dtype,
+            sink=lambda taps, positions, slots: self.dflash.write_context(
+                self.dflash_kv, taps, positions, slots
+            ),
         )
         self.model.model.taps = self.taps
 
@@ -350,8 +359,6 @@ class ModelRunner:
                 raise RuntimeError("a verify step without sampling entries")
             if follow is not None:
                 follow(torch.empty(0, dtype=torch.long, device=self.device))
-            if replayed is None and self.taps is not None:  # the drafter reads the taps
-                hidden = self.taps.buffer[: hidden.shape[0]].clone()
             return StepOutput(batch.entries, [], hidden, ends)
         if logits is None:  # eager: the sampling rows' logits alone
             logits = self.model.compute_logits(hidden, torch.tensor(rows, device=self.device))
@@ -376,8 +383,6 @@ class ModelRunner:
             ]
             graph_commit = None if replayed is None else self.graphs.commit
             self.states.commit(state, state_entries, last_rows, graph_commit)
-        if replayed is None and self.taps is not None:  # the drafter reads the taps
-            hidden = self.taps.buffer[: hidden.shape[0]].clone()
         return StepOutput(batch.entries, verdicts, hidden, ends)
 
     def _overlap(self) -> None:

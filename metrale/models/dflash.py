@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from metrale.config import RopeConfig, _rope_from_hf
+from metrale.models.attention import write_kv
 from metrale.models.layers import RMSNorm, RotaryEmbedding
 from metrale.models.loader import CheckpointError, load_weights
 
@@ -171,6 +172,14 @@ class DFlashDraftModel(nn.Module):
         positions [n] -> per layer (K, V) [n, Hkv, D]: what the drafter's context cache holds."""
         c = self.hidden_norm(self.fc(taps))
         return [layer.kv(c, positions, self.rotary) for layer in self.layers]
+
+    def write_context(
+        self, kv: torch.Tensor, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """The context K/V of rows `taps` at `positions`, written into `kv` [layers, 2, pages,
+        page_size, Hkv, D] at flat `slots` [n]."""
+        for layer, (k, v) in enumerate(self.context_kv(taps, positions)):
+            write_kv(kv[layer], k, v, slots)
 
     def forward(self, block, positions, ctx_k, ctx_v, ctx_valid) -> torch.Tensor:
         """block [S, B, H] embedded block, positions [S, B]; ctx_k/ctx_v per layer [S, L, Hkv, D],

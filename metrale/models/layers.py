@@ -166,9 +166,13 @@ class SwiGLUMLP(nn.Module):
 class HiddenTaps:
     """The target's residual stream after chosen layers (HF `hidden_states[l + 1]`), which a
     drafter reads (DFlash's context features): every forward writes them into one persistent
-    buffer [rows, len(layers) * H], so a captured CUDA graph writes it too, at no extra pass."""
+    buffer [rows, len(layers) * H], so a captured CUDA graph writes it too, at no extra pass.
 
-    def __init__(self, layers, hidden_size: int, max_rows: int, device, dtype) -> None:
+    `sink(taps [T, C], positions [T], slot_mapping [T])`, when set, consumes them at the end of
+    the forward (`finish`), inside the same program: DFlash writes its context K/V there."""
+
+    def __init__(self, layers, hidden_size: int, max_rows: int, device, dtype, sink=None) -> None:
+        self.sink = sink
         # layer -> its columns (a checkpoint may read one layer twice)
         self.columns: dict[int, list[int]] = {}
         for j, layer in enumerate(layers):
@@ -185,3 +189,8 @@ class HiddenTaps:
             raise ValueError(f"hidden taps: {rows} rows, the buffer holds {self.buffer.shape[0]}")
         for col in cols:
             torch.add(hidden, residual, out=self.buffer[:rows, col : col + self.hidden_size])
+
+    def finish(self, positions: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """The forward's layers are done: hand its rows' taps to the sink."""
+        if self.sink is not None:
+            self.sink(self.buffer[: positions.shape[0]], positions, slot_mapping)

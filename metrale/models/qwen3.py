@@ -124,6 +124,8 @@ class Qwen3Model(nn.Module):
             hidden, residual = layer(positions, hidden, residual, meta)
             if taps is not None:
                 taps.write(i, hidden, residual)
+        if taps is not None:
+            taps.finish(positions, meta.slot_mapping)
         hidden, _ = self.norm.forward_residual(hidden, residual)
         return hidden
 

@@ -233,6 +233,8 @@ class Qwen3NextModel(nn.Module):
             normed = fold
             if taps is not None:
                 taps.write(i, hidden, residual)
+        if taps is not None:
+            taps.finish(positions, meta.slot_mapping)
         if not normed:
             hidden, _ = self.norm.forward_residual(hidden, residual)
         return hidden

@@ -1,21 +1,23 @@
 """DFlash drafter: one forward of the block drafter (`models/dflash.py`) proposes up to
 block_size - 1 drafts per sequence, conditioned on the target's hidden states.
 
-After every target forward, `observe` turns the committed rows' tapped hidden states (the runner's
-`HiddenTaps`, from the same forward: no extra pass) into the drafter's context K/V and writes
-them into its own paged KV layers, addressed by the target's block tables: the seed's
-`commit_verified_ctx`. Rows of rejected drafts are never committed, so they never reach the
-context; after a preemption the recompute's rows rebuild it from position 0.
+The drafter's context K/V lives in its own paged KV layers, addressed by the target's block
+tables. Every target forward writes it for all its rows, at the forward's end and inside its
+program (the runner's `HiddenTaps` sink, `DFlashDraftModel.write_context`): the seed's
+`commit_verified_ctx` with no host work and no launch of its own. Rows of rejected drafts are
+written too, past the committed length; they are never read (a draft reads only rows before the
+sequence's last token), and the step that computes those positions' committed tokens writes
+them again. So every computed row of every sequence has its context row, prefill and plain
+requests included: a prefix-cache hit's pages hold theirs, and the drafter keeps no per-sequence
+state (`stateless`: a step that drafts nothing is a plain decode step).
 
 `propose` embeds each sequence's block `[last token, MASK x (B - 1)]` at positions n-1 .. n+B-2
 (n tokens; the target has computed rows 0 .. n-2, exactly the context), gathers the context K/V
 from the pages, runs the draft layers over all sequences at once and reads the drafts from block
 rows 1 .. k through the target's head: one drafter forward per step, whatever the depth. Drafts
-are greedy (one-hot q): lossless at any temperature.
-
-On CUDA the drafter forward replays captured programs (`DraftGraphs`, keyed by padded sequence
-count and a power-of-two context bucket), and so does the context write after each step
-(`ContextGraphs`, keyed by a power-of-two row bucket); both are captured on first use.
+are greedy (one-hot q): lossless at any temperature. On CUDA the drafter forward replays
+captured programs (`DraftGraphs`, keyed by padded sequence count and a power-of-two context
+bucket), captured on first use.
 """
 
 from __future__ import annotations
@@ -23,19 +25,18 @@ from __future__ import annotations
 import torch
 
 from metrale.engine.graphs import capture
-from metrale.engine.kv_cache import DUMMY_PAGE, slots_of
-from metrale.engine.prefix_cache import DraftKV
-from metrale.engine.program_shapes import decode_bucket, prefill_program_rows, prefill_row_bucket
+from metrale.engine.kv_cache import DUMMY_PAGE
+from metrale.engine.program_shapes import decode_bucket
 from metrale.engine.sequence import Sequence
 from metrale.engine.staging import to_device_packed
 from metrale.knobs import knobs
-from metrale.models.attention import write_kv
 from metrale.speculative.drafter import Draft, Verdict
 
 
 class DFlashDrafter:
     name = "dflash"
-    needs_hidden = True  # the runner hands it the tapped hidden states of committed rows
+    needs_hidden = False  # its context rows are written by the target's forward itself
+    stateless = True  # so D-Cut prices its drafting's host work, and depth 0 is a plain step
 
     def __init__(self, runner, max_seqs: int) -> None:
         """`max_seqs`: the engine's `max_num_seqs` (the widest batch a graph serves)."""
@@ -45,54 +46,13 @@ class DFlashDrafter:
         self.model = runner.dflash
         self.cfg = self.model.config
         self.kv = runner.dflash_kv  # [layers, 2, pages, page_size, Hkv, D]
-        self._context: dict[int, int] = {}  # seq_id -> context rows written (positions 0..n-1)
-        # its context rows live in the target's pages: a prefix-cache hit maps only pages
-        # whose writer wrote them
-        self.page_kv = DraftKV(self._drafts, self._wrote_kv, next_token=False)
         graphs = runner.graphs
-        self.graphs = self.context_graphs = None
+        self.graphs = None
         if graphs is not None and not knobs().no_dflash_graphs:
             self.graphs = DraftGraphs(self, max_seqs, graphs.max_model_len, graphs.pool)
-            self.context_graphs = ContextGraphs(self, runner.taps.buffer, graphs.pool)
 
-    @staticmethod
-    def _drafts(seq: Sequence) -> bool:
-        """Whether `seq` drafts with it (and so reads its context rows)."""
-        return seq.params.speculative
-
-    def _wrote_kv(self, seq: Sequence) -> bool:
-        """Whether its context rows are written for every committed row of `seq` (a gap in
-        them ends its drafting, see `observe`)."""
-        return seq.params.speculative and self._context.get(seq.seq_id, 0) >= 0
-
-    @torch.inference_mode()
     def observe(self, verdicts: list[Verdict]) -> None:
-        page = self.runner.page_size
-        taps, positions, slots = [], [], []
-        for v in verdicts:
-            seq, rows = v.seq, 0 if v.hidden is None else v.hidden.shape[0]
-            if rows == 0 or seq.slot < 0 or not seq.params.speculative:
-                continue
-            # a prefix-cache hit's pages already hold their context rows, written by the
-            # sequence that computed them
-            first, have = v.first_position, self._context.get(seq.seq_id, seq.num_cached_tokens)
-            if first > have:  # a gap in its context: it is never drafted for again
-                self._context[seq.seq_id] = -1
-                continue
-            taps.append(v.hidden)
-            positions += range(first, first + rows)
-            slots += slots_of(seq.block_table, first, first + rows, page)
-            self._context[seq.seq_id] = max(have, first + rows)
-        if not taps or (self.context_graphs and self.context_graphs.write(taps, positions, slots)):
-            return
-        pos_t, slots_t = to_device_packed([positions, slots], self.runner.device)
-        self.write_context(torch.cat(taps), pos_t, slots_t)
-
-    def write_context(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor):
-        """The context K/V of the tapped rows `taps` [n, |S| * H] at `positions` [n], written
-        into the drafter's pages at flat `slots` [n]."""
-        for layer, (k, v) in enumerate(self.model.context_kv(taps, positions)):
-            write_kv(self.kv[layer], k, v, slots)
+        """Nothing to learn: the target's forward wrote the context rows."""
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> list[Draft]:
@@ -100,7 +60,8 @@ class DFlashDrafter:
         live = [
             (i, seq, min(k, self.cfg.block_size - 1))
             for i, (seq, k) in enumerate(zip(seqs, max_drafts, strict=True))
-            if k > 0 and self._context.get(seq.seq_id) == seq.num_tokens - 1
+            # its context complete: every row before its last token computed
+            if k > 0 and seq.num_computed_tokens == seq.num_tokens - 1
         ]
         if not live:
             return drafts
@@ -146,7 +107,7 @@ class DFlashDrafter:
         return logits.argmax(dim=-1).view(s, b - 1)
 
     def release(self, seq: Sequence) -> None:
-        self._context.pop(seq.seq_id, None)
+        """Nothing to drop: the context rows are in the sequence's own pages."""
 
 
 def context_bucket(rows: int) -> int:
@@ -195,46 +156,3 @@ class DraftGraphs:
         self.tables[:count, : tables.shape[1]].copy_(tables, non_blocking=True)
         graph.replay()
         return out[:count]
-
-
-class ContextGraphs:
-    """The context write of `observe` as CUDA graphs keyed by a power-of-two row bucket: the fc
-    projection, the norms, and each draft layer's K/V projections and rotary are a few dozen
-    small launches, eagerly 1.7 ms a step on the H200 at batch 1 (the target's whole step is
-    0.5 ms). The tapped rows, positions and slots are copied into a static workspace; padding
-    rows write to the dummy page, which no sequence reads (a padding draft sequence has no
-    context rows)."""
-
-    def __init__(self, drafter: DFlashDrafter, taps: torch.Tensor, pool) -> None:
-        self.drafter, self.pool, self.device = drafter, pool, taps.device
-        # the widest bucket within the runner's taps (a step past it writes eagerly)
-        self.max_rows = prefill_program_rows(taps.shape[0])
-        self.taps = torch.zeros(self.max_rows, taps.shape[1], dtype=taps.dtype, device=self.device)
-        self.positions = torch.zeros(self.max_rows, dtype=torch.long, device=self.device)
-        self.slots = torch.zeros(self.max_rows, dtype=torch.long, device=self.device)
-        self.dummy_slot = DUMMY_PAGE * drafter.runner.page_size
-        self._programs: dict[int, torch.cuda.CUDAGraph] = {}
-
-    def write(self, taps: list[torch.Tensor], positions: list[int], slots: list[int]) -> bool:
-        """Write the context rows of `taps` (the committed rows of each sequence) by replaying
-        a program; False (nothing written) past the workspace."""
-        n = len(positions)
-        rows = prefill_row_bucket(n)
-        if rows > self.max_rows:
-            return False
-        torch.cat(taps, out=self.taps[:n])
-        pad = rows - n
-        pos_t, slots_t = to_device_packed(
-            [positions + [0] * pad, slots + [self.dummy_slot] * pad], self.device
-        )
-        self.positions[:rows].copy_(pos_t, non_blocking=True)
-        self.slots[:rows].copy_(slots_t, non_blocking=True)
-        graph = self._programs.get(rows)
-        if graph is None:  # the capture's warm-up run is this step's write
-            ws = self.taps[:rows], self.positions[:rows], self.slots[:rows]
-            self._programs[rows], _ = capture(
-                lambda: self.drafter.write_context(*ws), self.pool, self.device
-            )
-        else:
-            graph.replay()
-        return True
