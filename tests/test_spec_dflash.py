@@ -162,13 +162,15 @@ def check_context(tiny_model_dir, spec, prompt, setup=None):
         torch.testing.assert_close(flat[1][slots], v, rtol=1e-5, atol=1e-5)
 
 
-def ragged_programs(engine):
-    """Run the engine's decode and verify steps through CPU stand-ins for its ragged programs
-    (padded tables: padding rows on the dummy page)."""
+def ragged_programs(engine, prefill_rows: int = 0):
+    """Run the engine's decode and verify steps (and steps with prompt chunks of up to
+    `prefill_rows` rows) through CPU stand-ins for its programs (padded tables: padding rows
+    on the dummy page, a prefill program's at positions 0 .. rows - 1)."""
     from tests.test_program_shapes import EagerPrograms
 
     runner = engine.runner
-    runner.graphs = EagerPrograms(runner.model, engine.spec.cfg.num_drafts + 1, runner.page_size)
+    max_q = engine.spec.cfg.num_drafts + 1
+    runner.graphs = EagerPrograms(runner.model, max_q, runner.page_size, prefill_rows)
 
 
 def test_programs_write_the_context_as_the_eager_forward_does(tiny_model_dir, dense_dflash):
@@ -201,6 +203,39 @@ def test_programs_write_the_context_as_the_eager_forward_does(tiny_model_dir, de
     torch.testing.assert_close(graphed[:, :, real], eager[:, :, real], rtol=1e-5, atol=1e-5)
     assert not torch.equal(graphed[:, :, DUMMY_PAGE], eager[:, :, DUMMY_PAGE])
     assert accepted[0] == accepted[1]
+
+
+def test_prefill_programs_past_a_short_model_length(tiny_model_dir, dense_dflash):
+    """A prefill program's padding rows sit at positions up to its width, past a short model
+    length, and the target's forward writes their context rows too: the drafter's rotary
+    table reaches as far as the target's (a CUDA capture of these programs failed on an
+    out-of-range index when it did not)."""
+    from metrale.engine.program_shapes import PrefillShape, prefill_program_rows
+
+    spec = {"method": "dflash", "model": str(dense_dflash), "num_drafts": 3}
+    # one first step of 3 x 44 rows: a 256-row program, its padding rows at positions 0 .. 123
+    prompts = [[(5 * i + 7 * j) % 300 + 3 for j in range(44)] for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = plain(tiny_model_dir, prompts, params)
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", spec=spec, max_model_len=64)
+    runner = llm.engine.runner
+    rows = prefill_program_rows(runner.prefill_limit)
+    assert rows > 64 + llm.engine.spec.cfg.num_drafts + 1
+    ragged_programs(llm.engine, rows)
+    failures, execute = [], runner.execute
+
+    def recording(batch):  # a failing step is re-run a sequence at a time, which would hide it
+        try:
+            return execute(batch)
+        except Exception as e:
+            failures.append(e)
+            raise
+
+    runner.execute = recording
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert not failures
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert any(isinstance(s, PrefillShape) and s.rows() == 256 for s in runner.graphs.shapes)
 
 
 def test_a_step_that_drafts_nothing_is_a_plain_step(tiny_model_dir, dense_dflash):

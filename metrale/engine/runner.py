@@ -129,8 +129,11 @@ class ModelRunner:
         )
         self.dflash = None
         if dflash_dir is not None:
-            positions = max_model_len + lookahead
-            self.dflash = load_dflash(dflash_dir, model_cfg, positions, self.device, self.dtype)
+            # its context rows are written by every target forward, a program's padding rows
+            # included (as far as the target's table), and its blocks reach past the model
+            # length by the lookahead
+            reach = max(positions, max_model_len + lookahead)
+            self.dflash = load_dflash(dflash_dir, model_cfg, reach, self.device, self.dtype)
         extra = (
             0 if self.dflash is None else self.dflash.config.page_bytes(self.page_size, self.dtype)
         )
