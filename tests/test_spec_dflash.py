@@ -246,6 +246,7 @@ def test_a_step_that_drafts_nothing_is_a_plain_step(tiny_model_dir, dense_dflash
     llm = LLM(tiny_model_dir, device="cpu", dtype="float32", spec=spec)
     drafter = llm.engine.spec.drafter
     assert drafter.stateless and not drafter.needs_hidden
+    assert llm.engine.spec.host.enabled  # D-Cut prices its drafting (what a plain step skips)
     calls = []
     observe = drafter.observe
     drafter.observe = lambda verdicts: (calls.append(len(verdicts)), observe(verdicts))
