@@ -43,6 +43,31 @@ def test_per_bucket_estimates_from_steady_drafting_only():
     assert HostCost(enabled=False).seconds(8) is None
 
 
+def test_a_step_that_captured_a_program_is_no_sample(monkeypatch):
+    """A capture (a drafter's program on first use, tens of milliseconds) inside a step: that
+    step's drafting seconds and its plain seconds are dropped, not folded into the EMA."""
+    from metrale.engine import program_cache
+
+    host = HostCost(enabled=True)
+    _steps(host, [(8, 8e-3)] * (WARMUP_SAMPLES + 1))
+    assert host.seconds(8) == pytest.approx(8e-3)
+    host.spent(50e-3, 8)  # this step captures
+    monkeypatch.setattr(program_cache, "_captures", program_cache.captures() + 1)
+    host.begin()
+    assert host.seconds(8) == pytest.approx(8e-3)
+    _steps(host, [(8, 8e-3)] * 2)  # the next steady one is a sample again
+    assert host.seconds(8) == pytest.approx(8e-3)
+    host.spent(10e-3, 8)
+    host.begin()
+    assert host.seconds(8) == pytest.approx(8e-3 + 0.2 * 2e-3)
+    for _ in range(WARMUP_SAMPLES):
+        host.plain(4, 4e-3)
+    assert host.plain_seconds(4) == pytest.approx(4e-3)
+    monkeypatch.setattr(program_cache, "_captures", program_cache.captures() + 1)
+    host.plain(4, 80e-3)  # a plain step that captured (since this step's `begin`)
+    assert host.plain_seconds(4) == pytest.approx(4e-3)
+
+
 def test_an_estimate_with_no_sample_for_a_while_is_forgotten():
     host = HostCost(enabled=True, stale_after=10)
     _steps(host, [(4, 4e-3)] * (WARMUP_SAMPLES + 1))

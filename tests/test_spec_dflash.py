@@ -238,6 +238,57 @@ def test_prefill_programs_past_a_short_model_length(tiny_model_dir, dense_dflash
     assert any(isinstance(s, PrefillShape) and s.rows() == 256 for s in runner.graphs.shapes)
 
 
+class EagerProgram:
+    """A stand-in for a captured CUDA graph on CPU: replay runs the function."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def replay(self) -> None:
+        self.out.copy_(self.fn())
+
+
+def test_draft_programs_are_captured_at_start_up(tiny_model_dir, tmp_path, monkeypatch):
+    """`DraftGraphs` captures every (sequences, context) program up to its start-up width when
+    it is built, none while requests run (a capture mid-run stalled a step by about 50 ms on
+    the H200); drafts replayed from them, padding sequences included, give the acceptance of
+    the eager drafter and plain greedy output."""
+    from metrale.speculative import dflash as dflash_mod
+
+    captured = []
+
+    def fake_capture(fn, pool, device):
+        program = EagerProgram(fn)
+        program.out = fn().clone()
+        captured.append(program)
+        return program, program.out
+
+    monkeypatch.setattr(dflash_mod, "capture", fake_capture)
+    monkeypatch.setattr(dflash_mod, "STARTUP_CONTEXT_ROWS", 256)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=8 + 3 * i, ignore_eos=True) for i in range(6)
+    ]
+    want = plain(tiny_model_dir, PROMPTS[:6], params)
+    repeated = max(set(want[0]), key=want[0].count)  # drafts the target accepts at times
+    echo = write_dflash(tiny_model_dir, tmp_path / "echo", echo_mask=repeated)
+    spec = {"method": "dflash", "model": str(echo), "num_drafts": 3, "dcut": False}
+    accepted = []
+    for graphed in (False, True):
+        llm = LLM(tiny_model_dir, device="cpu", dtype="float32", spec=spec, max_num_seqs=5)
+        drafter = llm.engine.spec.drafter
+        if graphed:
+            drafter.graphs = dflash_mod.DraftGraphs(drafter, 5, 256, None)
+            keys = sorted(drafter.graphs._programs)
+            assert keys == [(1, 64), (1, 128), (1, 256), (2, 64), (2, 128), (4, 64)]
+            assert drafter.graphs.max_seqs == 8
+            at_start = len(captured)
+        got = llm.generate(PROMPTS[:6], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == want
+        accepted.append(llm.engine.telemetry.spec.num_accepted_tokens)
+    assert len(captured) == at_start + 1  # 5 sequences: 8 of them, first used mid-run
+    assert accepted[0] == accepted[1] > 0
+
+
 def test_a_step_that_drafts_nothing_is_a_plain_step(tiny_model_dir, dense_dflash):
     """The drafter keeps no state (the forward writes its context): a step where no sequence
     drafts runs no drafter hook at all, and the drafter still drafts from a context it never

@@ -113,6 +113,16 @@ def kv_bucket(max_seq_len: int, limit: int) -> int:
     return min(bucket, limit)
 
 
+# Programs captured in this process so far (`capture`): a host-time measurement that saw one
+# being captured (tens of milliseconds) is not a sample of the steady state.
+_captures = 0
+
+
+def captures() -> int:
+    """How many programs this process has captured."""
+    return _captures
+
+
 def capture(fn, pool, device: torch.device):
     """(graph, outputs) of `fn()` captured into `pool`, after one warm-up run on a side stream
     (lazy initialisation and Triton autotuning must not land inside the capture).
@@ -136,4 +146,6 @@ def capture(fn, pool, device: torch.device):
     finally:
         if collecting:
             gc.enable()
+    global _captures
+    _captures += 1
     return graph, outputs

@@ -17,20 +17,24 @@ from the pages, runs the draft layers over all sequences at once and reads the d
 rows 1 .. k through the target's head: one drafter forward per step, whatever the depth. Drafts
 are greedy (one-hot q): lossless at any temperature. On CUDA the drafter forward replays
 captured programs (`DraftGraphs`, keyed by padded sequence count and a power-of-two context
-bucket), captured on first use.
+bucket), captured at start-up up to a width (`STARTUP_CONTEXT_ROWS`), wider ones on first use.
 """
 
 from __future__ import annotations
+
+import logging
+import time
 
 import torch
 
 from metrale.engine.graphs import capture
 from metrale.engine.kv_cache import DUMMY_PAGE
-from metrale.engine.program_shapes import decode_bucket
 from metrale.engine.sequence import Sequence
 from metrale.engine.staging import to_device_packed
 from metrale.knobs import knobs
 from metrale.speculative.drafter import Draft, Verdict
+
+log = logging.getLogger(__name__)
 
 
 class DFlashDrafter:
@@ -115,6 +119,19 @@ def context_bucket(rows: int) -> int:
     return max(64, 1 << (max(rows, 1) - 1).bit_length())
 
 
+def seqs_bucket(count: int) -> int:
+    """The sequences a graphed draft runs: a power of two (the drafter's forward is a few
+    launch-bound layers: padding costs less than more programs would)."""
+    return 1 << (max(count, 1) - 1).bit_length()
+
+
+# Start-up captures every program whose gathered context (sequences x context bucket) is at most
+# this many rows, so that no capture lands in a running batch (one takes about 50 ms on the
+# H200: it stalled the step, and D-Cut priced drafting by that step's host time); wider ones
+# are captured on first use.
+STARTUP_CONTEXT_ROWS = 64 * 1024
+
+
 class DraftGraphs:
     """The drafter forward as CUDA graphs keyed by (padded sequence count, context bucket):
     one replay per step instead of a few hundred small launches. Inputs are copied into a
@@ -122,7 +139,7 @@ class DraftGraphs:
 
     def __init__(self, drafter: DFlashDrafter, max_seqs: int, max_len: int, pool) -> None:
         self.drafter, self.pool = drafter, pool
-        self.max_seqs = decode_bucket(max_seqs)
+        self.max_seqs = seqs_bucket(max_seqs)
         self.max_context = context_bucket(max_len)
         device, b = drafter.runner.device, drafter.cfg.block_size
         pages = -(-self.max_context // drafter.runner.page_size) + 1
@@ -130,14 +147,26 @@ class DraftGraphs:
         self.lens = torch.zeros(self.max_seqs, dtype=torch.long, device=device)
         self.tables = torch.full((self.max_seqs, pages), DUMMY_PAGE, device=device)
         self._programs: dict[tuple[int, int], tuple] = {}
+        start = time.perf_counter()
+        n = 1
+        while n <= self.max_seqs:
+            context = 64
+            while context <= self.max_context and n * context <= STARTUP_CONTEXT_ROWS:
+                self._program(n, context)
+                context *= 2
+            n *= 2
+        log.info(
+            "captured %d DFlash draft programs in %.1f s",
+            len(self._programs),
+            time.perf_counter() - start,
+        )
 
-    def run(self, ids, lens, tables, longest: int) -> torch.Tensor | None:
-        """Drafts [S, B - 1] from the program for this batch, or None past the workspace."""
-        count, n, context = ids.shape[0], decode_bucket(ids.shape[0]), context_bucket(longest)
-        if n > self.max_seqs or context > self.max_context:
-            return None
+    def _program(self, n: int, context: int) -> tuple:
+        """The (graph, drafts) of `n` sequences gathering `context` rows, captured if new
+        (on inputs of no context, on the dummy page)."""
         key = (n, context)
         if key not in self._programs:
+            self.ids.zero_()
             self.lens.zero_()
             self.tables.fill_(DUMMY_PAGE)
 
@@ -147,7 +176,14 @@ class DraftGraphs:
                 )
 
             self._programs[key] = capture(fn, self.pool, self.ids.device)
-        graph, out = self._programs[key]
+        return self._programs[key]
+
+    def run(self, ids, lens, tables, longest: int) -> torch.Tensor | None:
+        """Drafts [S, B - 1] from the program for this batch, or None past the workspace."""
+        count, n, context = ids.shape[0], seqs_bucket(ids.shape[0]), context_bucket(longest)
+        if n > self.max_seqs or context > self.max_context:
+            return None
+        graph, out = self._program(n, context)
         self.ids[:count].copy_(ids, non_blocking=True)
         self.ids[count:n].zero_()
         self.lens[:count].copy_(lens, non_blocking=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import statistics
 
+from metrale.engine.program_cache import captures
 from metrale.speculative.dcut import Plan, VerifyCostModel
 
 # A plan is dropped only when it loses to plain decoding by more than this: near break-even the
@@ -47,7 +48,9 @@ class HostCost:
     drafted nothing also catches up on what they emitted (a probe extends the n-gram index by
     several steps' tokens), which a drafter drafting every step pays in slices. A bucket with no
     sample for `stale_after` steps is forgotten, so D-Cut drafts by rows alone and measures it
-    again: an estimate that once said "too dear" is not believed forever.
+    again: an estimate that once said "too dear" is not believed forever. A step during which a
+    program was captured (a drafter's or the target's, tens of milliseconds) is no sample of
+    either kind: one such step would move the estimate for dozens of steps.
     """
 
     def __init__(self, enabled: bool, rate: float = 0.2, stale_after: int = 256) -> None:
@@ -62,13 +65,15 @@ class HostCost:
         # sequence (`plain`)
         self._plain: dict[int, list] = {}
         self._drafted_before = False
+        self._captures = captures()  # programs captured before the step in flight
 
     def begin(self) -> bool:
         """A step starts: record the one before it. True when an estimate just went stale (the
         controller then plans afresh)."""
         self._step += 1
         drafted, spent = self._last
-        if self.enabled and drafted > 0 and self._drafted_before and spent > 0.0:
+        steady, self._captures = self._captures == captures(), captures()
+        if self.enabled and drafted > 0 and self._drafted_before and spent > 0.0 and steady:
             self._record(drafted, spent)
         self._drafted_before, self._last = drafted > 0, (0, 0.0)
         stale = [b for b, (_, _, at) in self._buckets.items() if self._step - at > self.stale_after]
@@ -98,8 +103,9 @@ class HostCost:
             entry[1] += self.rate * (per_seq - entry[1])
 
     def plain(self, width: int, seconds: float) -> None:
-        """A plain decode step of `width` sequences took `seconds`, start to end."""
-        if not self.enabled or width <= 0:
+        """A plain decode step of `width` sequences took `seconds`, start to end (since the
+        `begin` of this step)."""
+        if not self.enabled or width <= 0 or self._captures != captures():
             return
         self._sample(self._plain.setdefault(_bucket(width), [[], None]), seconds / width)
 
