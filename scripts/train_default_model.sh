@@ -18,6 +18,6 @@ metrale train mtp --target "$OUT" --max-bytes 150000000 --depths 3 \
   --steps 800 --batch-size 32 --seq-len 512 --lr 2e-3 --warmup-steps 50 \
   --eval-every 400 --save-every 0 --max-seconds 90 -q
 metrale train dflash --target "$OUT" --max-bytes 150000000 --block-size 8 \
-  --num-draft-layers 2 --target-layers 1,3,5 --anchor-stride 8 --steps 10000 --batch-size 32 \
+  --num-draft-layers 3 --target-layers 1,3,5 --anchor-stride 8 --steps 11000 --batch-size 32 \
   --seq-len 512 --lr 2e-3 --warmup-steps 200 --eval-every 2500 --save-every 0 \
-  --max-seconds 290 -q
+  --max-seconds 470 -q

@@ -32,6 +32,12 @@ def test_default_model_is_the_shipped_checkpoint_within_budget():
     # The card quotes the run it describes.
     assert f"{summary['heldout']['loss']:.3f}" in card
     assert f"{summary['parameters']:,}" in card
+    # its DFlash drafter: at most 15 MB more, and the card quotes its run too
+    dflash = SHIPPED_MODEL_DIR / "dflash"
+    assert sum(p.stat().st_size for p in dflash.iterdir()) <= 15 * 2**20
+    run = json.loads((dflash / "dflash_train_summary.json").read_text())
+    assert f"{run['heldout']['agree_row1']:.3f}" in card
+    assert f"{run['parameters']:,}" in card
 
 
 def test_held_out_code_is_predictable_to_it():
