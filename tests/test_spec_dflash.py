@@ -6,6 +6,7 @@ features."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -372,3 +373,72 @@ def test_the_shipped_model_ships_a_trained_dflash_drafter():
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
     tel = llm.engine.telemetry.spec
     assert tel.num_accepted_tokens / max(tel.num_drafts, 1) > 0.8  # tokens per verify past 1
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
+def test_fused_layers_equal_the_torch_path(tiny_model_dir, tmp_path, monkeypatch):
+    """The fused path (packed q|k|v and gate|up, q/k norms and rotary in one kernel, the context
+    K/V written by it) gives the torch path's draft hidden states and context rows (float32,
+    Triton's interpreter on CPU tensors); the packed projections cost no second copy of the
+    weights, and a loaded drafter still saves in the published layout."""
+    from metrale.knobs import knobs
+
+    path = write_dflash(tiny_model_dir, tmp_path / "d", num_layers=2)
+    tcfg = ModelConfig.from_hf(tiny_model_dir)
+    model = load_dflash(path, tcfg, 64, torch.device("cpu"), torch.float32)
+    layer = model.layers[0]
+    attn = layer.self_attn
+    assert attn.k_proj.weight.data_ptr() == layer.qkv[0][attn.q_proj.weight.shape[0] :].data_ptr()
+    torch.manual_seed(0)
+    s, b, h = 3, 4, tcfg.hidden_size
+    block = torch.randn(s, b, h)
+    positions = torch.tensor([5, 9, 20])[:, None] + torch.arange(b)
+    ctx_k, ctx_v = torch.randn(2, 2, s, 6, 2, 16).unbind(1)
+    valid = torch.arange(6)[None, :] < torch.tensor([[3], [6], [1]])
+    taps = torch.randn(7, len(model.config.target_layer_ids) * h)
+    slots = torch.tensor([17, 18, 19, 40, 41, 3, 2])
+    runs = {}
+    for forced in (False, True):
+        if forced:
+            monkeypatch.setenv("METRALE_FORCE_FUSED_KERNELS", "1")
+        knobs.cache_clear()
+        assert layer.fused(block) == forced
+        kv = torch.zeros(len(model.layers), 2, 4, 16, 2, 16)
+        with torch.inference_mode():
+            hidden = model(block, positions, list(ctx_k), list(ctx_v), valid)
+            model.write_context(kv, taps, torch.arange(7) + 3, slots)
+        runs[forced] = hidden, kv
+    monkeypatch.delenv("METRALE_FORCE_FUSED_KERNELS")
+    knobs.cache_clear()
+    for want, got in zip(runs[False], runs[True], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert runs[True][1].flatten(2, 3)[:, :, slots].abs().sum() > 0
+    save_dflash(model, tmp_path / "again", json.loads((tiny_model_dir / "config.json").read_text()))
+    again = load_dflash(tmp_path / "again", tcfg, 64, torch.device("cpu"), torch.float32)
+    torch.testing.assert_close(again.layers[1].qkv[0], model.layers[1].qkv[0])
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter")
+def test_the_engine_on_fused_layers(tiny_model_dir, tmp_path, monkeypatch):
+    """The engine with the drafter's fused path forced on (Triton's interpreter): plain greedy
+    output, and the drafts the torch path accepts (float32)."""
+    from metrale.knobs import knobs
+
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want = plain(tiny_model_dir, PROMPTS[:4], params)
+    repeated = max(set(want[0]), key=want[0].count)
+    echo = write_dflash(tiny_model_dir, tmp_path / "echo", echo_mask=repeated)
+    spec = {"method": "dflash", "model": str(echo), "num_drafts": 3, "dcut": False}
+    accepted = []
+    for forced in (False, True):
+        if forced:
+            monkeypatch.setenv("METRALE_FORCE_FUSED_KERNELS", "1")
+        knobs.cache_clear()
+        llm = LLM(tiny_model_dir, device="cpu", dtype="float32", spec=spec)
+        assert llm.engine.runner.dflash.layers[0].fused(torch.zeros(1)) == forced
+        got = llm.generate(PROMPTS[:4], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == want
+        accepted.append(llm.engine.telemetry.spec.num_accepted_tokens)
+    monkeypatch.delenv("METRALE_FORCE_FUSED_KERNELS")
+    knobs.cache_clear()
+    assert accepted[0] == accepted[1] > 0

@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from metrale.config import RopeConfig, _rope_from_hf
+from metrale.kernels import fused
+from metrale.kernels.dispatch import interpreter_forced
 from metrale.models.attention import write_kv
 from metrale.models.layers import RMSNorm, RotaryEmbedding
 from metrale.models.loader import CheckpointError, load_weights
@@ -114,6 +116,44 @@ class DFlashLayer(nn.Module):
         mlp.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
         mlp.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
         self.mlp = mlp
+        # (weight, bias) of q|k|v and of gate|up, whose slices the projections' weights are
+        # (`fuse`, at load); None: the torch path (a drafter being trained)
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse(self) -> None:
+        """Serve q, k, v and gate, up from one weight each (the projections' weights become
+        views of it), so that the fused path runs one GEMM for each."""
+        a, m = self.self_attn, self.mlp
+        self.qkv = _packed(a.q_proj, a.k_proj, a.v_proj)
+        self.gate_up = _packed(m.gate_proj, m.up_proj)
+
+    def fused(self, x: torch.Tensor) -> bool:
+        """Whether the fused kernels serve activation `x` (CUDA, or forced under Triton's
+        interpreter): the q/k norms, rotary and KV write in one launch, gate|up and SiLU-mul
+        in two. The draft forward and the context write are a few hundred launches otherwise,
+        which on the H200 made a draft cost more than the small target's whole step."""
+        return (
+            self.qkv is not None
+            and self.cfg.head_dim & (self.cfg.head_dim - 1) == 0
+            and (fused.fused_enabled(x) or interpreter_forced(x))
+        )
+
+    def write_context(self, c, positions, slots, kv_cache: torch.Tensor, rotary) -> None:
+        """Context features `c` [n, H] at `positions` [n]: their K (normed, rotated) and V
+        written into `kv_cache` [2, pages, page_size, Hkv, D] at flat `slots` [n]."""
+        a, d = self.self_attn, self.cfg.head_dim
+        if not self.fused(c):
+            k, v = self.kv(c, positions, rotary)
+            write_kv(kv_cache, k, v, slots)
+            return
+        weight, bias = self.qkv
+        q_rows = self.cfg.num_heads * d
+        kv = F.linear(c, weight[q_rows:], None if bias is None else bias[q_rows:])
+        w = a.k_norm.weight
+        eps = a.k_norm.eps
+        args = (rotary.cos, rotary.sin, positions, 0, self.cfg.num_kv_heads, eps, kv_cache, slots)
+        fused.qk_norm_rope(kv, w, w, *args)
 
     def kv(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding):
         """x [..., H] (normed input or context features), positions [...] -> K, V [..., Hkv, D]
@@ -139,9 +179,17 @@ class DFlashLayer(nn.Module):
         a, d = self.self_attn, self.cfg.head_dim
         s, b, _ = x.shape
         xn = self.input_layernorm(x)
-        q = a.q_norm(a.q_proj(xn).view(s * b, -1, d))
-        k_blk, v_blk = self.kv(xn, positions, rotary)
-        q, _ = rotary(positions.reshape(-1), q, q[:, :1])
+        hq, hkv = self.cfg.num_heads, self.cfg.num_kv_heads
+        if self.fused(x):
+            qkv = F.linear(xn.reshape(s * b, -1), *self.qkv)
+            w = (a.q_norm.weight, a.k_norm.weight, rotary.cos, rotary.sin, positions.reshape(-1))
+            q, k_blk = fused.qk_norm_rope(qkv, *w, hq, hkv, a.q_norm.eps)
+            k_blk = k_blk.view(s, b, hkv, d)
+            v_blk = qkv[:, (hq + hkv) * d :].view(s, b, hkv, d)
+        else:
+            q = a.q_norm(a.q_proj(xn).view(s * b, -1, d))
+            k_blk, v_blk = self.kv(xn, positions, rotary)
+            q, _ = rotary(positions.reshape(-1), q, q[:, :1])
         keys = torch.cat([ctx_k.to(x.dtype), k_blk], dim=1).transpose(1, 2)  # [S, Hkv, L+B, D]
         values = torch.cat([ctx_v.to(x.dtype), v_blk], dim=1).transpose(1, 2)
         visible = torch.cat([ctx_valid, ctx_valid.new_ones(s, b)], dim=1)[:, None, None, :]
@@ -151,7 +199,25 @@ class DFlashLayer(nn.Module):
         x = x + a.o_proj(out.transpose(1, 2).reshape(s, b, -1))
         m = self.mlp
         h = self.post_attention_layernorm(x)
+        if self.gate_up is not None and self.fused(h):
+            return x + m.down_proj(fused.silu_mul(F.linear(h, *self.gate_up)))
         return x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
+
+
+def _packed(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One (weight, bias) stacking the linears' outputs, whose own weights (and biases) become
+    views of it (no second copy)."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    biases = [lin.bias for lin in linears]
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = nn.Parameter(weight[start : start + rows], requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias[start : start + rows], requires_grad=False)
+        start += rows
+    return weight, bias
 
 
 class DFlashDraftModel(nn.Module):
@@ -177,9 +243,10 @@ class DFlashDraftModel(nn.Module):
         self, kv: torch.Tensor, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
     ) -> None:
         """The context K/V of rows `taps` at `positions`, written into `kv` [layers, 2, pages,
-        page_size, Hkv, D] at flat `slots` [n]."""
-        for layer, (k, v) in enumerate(self.context_kv(taps, positions)):
-            write_kv(kv[layer], k, v, slots)
+        page_size, Hkv, D] at flat `slots` [n] (what `context_kv` computes)."""
+        c = self.hidden_norm(self.fc(taps))
+        for i, layer in enumerate(self.layers):
+            layer.write_context(c, positions, slots, kv[i], self.rotary)
 
     def forward(self, block, positions, ctx_k, ctx_v, ctx_valid) -> torch.Tensor:
         """block [S, B, H] embedded block, positions [S, B]; ctx_k/ctx_v per layer [S, L, Hkv, D],
@@ -233,7 +300,8 @@ def save_dflash(model: DFlashDraftModel, path: str | Path, target_config: dict) 
         if key in target_config:
             raw[key] = target_config[key]
     (path / "config.json").write_text(json.dumps(raw, indent=2))
-    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    # (cloned: a loaded drafter's projections are views of one packed weight)
+    tensors = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     save_file(tensors, path / "model.safetensors")
     return path
 
@@ -282,4 +350,6 @@ def load_dflash(
         load_weights(model, path)
     except CheckpointError as e:
         raise CheckpointError(f"DFlash drafter {path}: {e}") from None
+    for layer in model.layers:
+        layer.fuse()
     return model.eval()
