@@ -288,6 +288,15 @@ def test_draft_programs_are_captured_at_start_up(tiny_model_dir, tmp_path, monke
         accepted.append(llm.engine.telemetry.spec.num_accepted_tokens)
     assert len(captured) == at_start + 1  # 5 sequences: 8 of them, first used mid-run
     assert accepted[0] == accepted[1] > 0
+    # built by the drafter: as wide as a draft's context can be (the model length), not the
+    # target programs' length, which reaches past it by the lookahead and the prefill width
+    from types import SimpleNamespace
+
+    runner = llm.engine.runner
+    runner.graphs = SimpleNamespace(max_model_len=runner.max_model_len + 4096, pool=None)
+    graphs = dflash_mod.DFlashDrafter(runner, 2).graphs
+    runner.graphs = None
+    assert graphs.max_context == dflash_mod.context_bucket(runner.max_model_len - 1)
 
 
 def test_a_step_that_drafts_nothing_is_a_plain_step(tiny_model_dir, dense_dflash):

@@ -75,6 +75,7 @@ class ModelRunner:
         self.device = cfg.resolve_device()
         self.dtype = cfg.resolve_dtype(model_cfg, self.device)
         self.model_cfg = model_cfg
+        self.max_model_len = max_model_len  # the most tokens a sequence holds
         self.page_size = cfg.page_size
         self.verify_raw_argmax = cfg.spec.verify_raw_argmax
         use_kernel = self.device.type == "cuda" and triton_available(model_cfg.head_dim)

@@ -53,7 +53,10 @@ class DFlashDrafter:
         graphs = runner.graphs
         self.graphs = None
         if graphs is not None and not knobs().no_dflash_graphs:
-            self.graphs = DraftGraphs(self, max_seqs, graphs.max_model_len, graphs.pool)
+            # a draft's context is the sequence's tokens but its last: at most the model
+            # length (the programs' own length reaches past it by the lookahead and the
+            # prefill programs' width, which no draft reads)
+            self.graphs = DraftGraphs(self, max_seqs, runner.max_model_len - 1, graphs.pool)
 
     def observe(self, verdicts: list[Verdict]) -> None:
         """Nothing to learn: the target's forward wrote the context rows."""
@@ -137,10 +140,12 @@ class DraftGraphs:
     one replay per step instead of a few hundred small launches. Inputs are copied into a
     static workspace; padding sequences have no context and dummy-page tables."""
 
-    def __init__(self, drafter: DFlashDrafter, max_seqs: int, max_len: int, pool) -> None:
+    def __init__(self, drafter: DFlashDrafter, max_seqs: int, max_context: int, pool) -> None:
+        """`max_context`: the most context rows a draft gathers (a sequence's tokens but its
+        last)."""
         self.drafter, self.pool = drafter, pool
         self.max_seqs = seqs_bucket(max_seqs)
-        self.max_context = context_bucket(max_len)
+        self.max_context = context_bucket(max_context)
         device, b = drafter.runner.device, drafter.cfg.block_size
         pages = -(-self.max_context // drafter.runner.page_size) + 1
         self.ids = torch.zeros(self.max_seqs, b, dtype=torch.long, device=device)
