@@ -94,6 +94,22 @@ class EagerPrograms:
         return hidden, self.model.compute_logits(hidden, rows), None
 
 
+def record_failures(runner) -> list[Exception]:
+    """The exceptions of `runner`'s steps, as they are raised: a failing step is re-run one
+    sequence at a time, whose output would hide the failure."""
+    failures, execute = [], runner.execute
+
+    def recording(batch):
+        try:
+            return execute(batch)
+        except Exception as e:
+            failures.append(e)
+            raise
+
+    runner.execute = recording
+    return failures
+
+
 def test_ragged_padding_is_lossless_with_mixed_depths(tiny_model_dir):
     prompts = [[(5 * i + 7 * j) % 300 + 3 for j in range(4 + 3 * i)] for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -154,17 +170,7 @@ def test_prefill_programs_are_lossless_with_arrivals(tiny_model_dir, num_drafts,
     rows = prefill_program_rows(runner.prefill_limit)
     assert rows == (32 if max_model_len is None else 2048)  # by default the whole budget
     runner.graphs = EagerPrograms(runner.model, num_drafts + 1, runner.page_size, rows)
-    failures = []
-    execute = runner.execute
-
-    def recording(batch):
-        try:
-            return execute(batch)
-        except Exception as e:
-            failures.append(e)
-            raise
-
-    runner.execute = recording
+    failures = record_failures(runner)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert not failures
     assert [o.outputs[0].token_ids for o in outs] == reference

@@ -212,6 +212,7 @@ def test_prefill_programs_past_a_short_model_length(tiny_model_dir, dense_dflash
     table reaches as far as the target's (a CUDA capture of these programs failed on an
     out-of-range index when it did not)."""
     from metrale.engine.program_shapes import PrefillShape, prefill_program_rows
+    from tests.test_program_shapes import record_failures
 
     spec = {"method": "dflash", "model": str(dense_dflash), "num_drafts": 3}
     # one first step of 3 x 44 rows: a 256-row program, its padding rows at positions 0 .. 123
@@ -223,16 +224,7 @@ def test_prefill_programs_past_a_short_model_length(tiny_model_dir, dense_dflash
     rows = prefill_program_rows(runner.prefill_limit)
     assert rows > 64 + llm.engine.spec.cfg.num_drafts + 1
     ragged_programs(llm.engine, rows)
-    failures, execute = [], runner.execute
-
-    def recording(batch):  # a failing step is re-run a sequence at a time, which would hide it
-        try:
-            return execute(batch)
-        except Exception as e:
-            failures.append(e)
-            raise
-
-    runner.execute = recording
+    failures = record_failures(runner)
     got = llm.generate(prompts, params, use_tqdm=False)
     assert not failures
     assert [o.outputs[0].token_ids for o in got] == want

@@ -199,7 +199,7 @@ class DFlashLayer(nn.Module):
         x = x + a.o_proj(out.transpose(1, 2).reshape(s, b, -1))
         m = self.mlp
         h = self.post_attention_layernorm(x)
-        if self.gate_up is not None and self.fused(h):
+        if self.fused(h):
             return x + m.down_proj(fused.silu_mul(F.linear(h, *self.gate_up)))
         return x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
 
@@ -236,15 +236,19 @@ class DFlashDraftModel(nn.Module):
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """taps [n, |S| * H] (the target's tapped hidden states of n committed rows) at
         positions [n] -> per layer (K, V) [n, Hkv, D]: what the drafter's context cache holds."""
-        c = self.hidden_norm(self.fc(taps))
+        c = self.context_features(taps)
         return [layer.kv(c, positions, self.rotary) for layer in self.layers]
+
+    def context_features(self, taps: torch.Tensor) -> torch.Tensor:
+        """taps [n, |S| * H] -> the context features c [n, H] its layers project to K/V."""
+        return self.hidden_norm(self.fc(taps))
 
     def write_context(
         self, kv: torch.Tensor, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor
     ) -> None:
         """The context K/V of rows `taps` at `positions`, written into `kv` [layers, 2, pages,
         page_size, Hkv, D] at flat `slots` [n] (what `context_kv` computes)."""
-        c = self.hidden_norm(self.fc(taps))
+        c = self.context_features(taps)
         for i, layer in enumerate(self.layers):
             layer.write_context(c, positions, slots, kv[i], self.rotary)
 
