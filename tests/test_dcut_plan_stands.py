@@ -79,7 +79,7 @@ def test_shorter_drafts_are_planned_again_for_canonical_tables(tiny_model_dir, a
     assert dec._prepare(seqs) == []
     assert len(cuts) == (0 if any_depths else 1)
     assert [len(s.draft.tokens) if s.draft else 0 for s in seqs] == [1, 0] * 4
-    assert dec._proposed == {s.seq_id: (1, 5) for s in seqs if s.slot % 2 == 0}
+    assert dec._proposed == {s.seq_id: (1, [5]) for s in seqs if s.slot % 2 == 0}
 
 
 def test_a_plan_wider_than_the_width_cap_stands_while_sequences_come_and_go(tiny_model_dir):

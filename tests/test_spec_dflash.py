@@ -443,3 +443,52 @@ def test_the_engine_on_fused_layers(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.delenv("METRALE_FORCE_FUSED_KERNELS")
     knobs.cache_clear()
     assert accepted[0] == accepted[1] > 0
+
+
+def test_drafts_reach_the_verify_without_a_host_read(tiny_model_dir, dense_dflash):
+    """DFlash's drafts stay on the device from its forward into the verify's input ids: at the
+    verify forward no draft has been read on the host yet (the host schedules and packs the
+    verify while the drafter runs), and the output is still plain greedy's."""
+    from metrale.engine.device_tokens import DeviceRow
+
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = plain(tiny_model_dir, PROMPTS[:6], params)
+    spec = {"method": "dflash", "model": str(dense_dflash), "num_drafts": 3, "dcut": False}
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", spec=spec)
+    runner, seen = llm.engine.runner, []
+    forward = runner._forward
+
+    def watched(batch, *args, **kwargs):
+        rows = [e.drafts for e in batch.entries if isinstance(e.drafts, DeviceRow)]
+        seen.append((len(rows), sum(r.source._rows is not None for r in rows)))
+        return forward(batch, *args, **kwargs)
+
+    runner._forward = watched
+    got = llm.generate(PROMPTS[:6], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want
+    verifies = [read for lazy, read in seen if lazy]
+    assert len(verifies) > 5 and not any(verifies)
+
+
+def test_a_verify_retried_after_a_failure_equals_plain(tiny_model_dir, dense_dflash, monkeypatch):
+    """A verify step that fails after its forward (the drafts' device values already taken)
+    runs again one sequence at a time (`engine/isolation.py`): those verifies take the drafts
+    from their host copy, and the output is plain greedy's."""
+    from metrale.engine import runner as runner_mod
+
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = plain(tiny_model_dir, PROMPTS[:8], params)
+    spec = {"method": "dflash", "model": str(dense_dflash), "num_drafts": 3, "dcut": False}
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", spec=spec)
+    verdicts, failed = runner_mod.greedy_verdicts, []
+
+    def failing(entries, table, forced):
+        if len(failed) < 8 and len(entries) > 1 and sum(bool(e.drafts) for e in entries) > 1:
+            failed.append(len(entries))
+            raise RuntimeError("injected after the verify's forward")
+        return verdicts(entries, table, forced)
+
+    monkeypatch.setattr(runner_mod, "greedy_verdicts", failing)
+    got = llm.generate(PROMPTS[:8], params, use_tqdm=False)
+    assert len(failed) == 8 and [o.outputs[0].token_ids for o in got] == want
+    assert all(o.outputs[0].finish_reason == "length" for o in got)

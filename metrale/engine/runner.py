@@ -15,6 +15,7 @@ import torch
 from metrale.config import EngineConfig, ModelConfig
 from metrale.distributed.parallel import TPGroup, local_config
 from metrale.distributed.shard import build_model, start_workers, whole_vocab
+from metrale.engine.device_tokens import pending_fills
 from metrale.engine.graphs import GraphRunner
 from metrale.engine.kv_cache import DUMMY_PAGE, allocate_kv_cache, slots_of
 from metrale.engine.logits_pipeline import is_plain_greedy
@@ -270,7 +271,8 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Pack spans (block table, first position, token ids) of consecutive rows into
         (input_ids [T], positions [T], metadata). The target's steps and drafters' own forwards
-        over the same pages both use it."""
+        over the same pages both use it. Drafts still on the device (`PendingIds`) are written
+        into the input ids there, with no host read."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -288,9 +290,16 @@ class ModelRunner:
         tables = itertools.chain.from_iterable(
             table + [DUMMY_PAGE] * (width - len(table)) for table, _, _ in spans
         )
-        ids_t, pos_t, slots_t, starts_t, lens_t, tables_t = to_device_packed(
-            [input_ids, positions, slots, starts, seq_lens, list(tables)], self.device
+        fills = pending_fills(spans, input_ids)
+        indices = [index for _, dst, src in fills for index in (dst, src)]
+        packed = to_device_packed(
+            [input_ids, positions, slots, starts, seq_lens, list(tables), *indices], self.device
         )
+        ids_t, pos_t, slots_t, starts_t, lens_t, tables_t = packed[:6]
+        for (source, _, _), dst, src in zip(fills, packed[6::2], packed[7::2], strict=True):
+            # drafts still on the device: their rows' ids come from the drafter's tensor
+            source.use()
+            ids_t[dst] = source.tensor.view(-1)[src]
         meta = AttentionMetadata(
             slot_mapping=slots_t,
             positions=pos_t,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metrale.config import SamplingParams
+from metrale.engine.device_tokens import DeviceRow, PendingIds
 
 
 class SequenceStatus(enum.Enum):
@@ -121,7 +122,8 @@ class ScheduledSeq:
 
     seq: Sequence
     num_rows: int
-    drafts: list[int] = field(default_factory=list)
+    # the drafts' tokens: a host list, or a `DeviceRow` still on the device until the verdicts
+    drafts: list[int] | DeviceRow = field(default_factory=list)
     # [len(drafts), V] the drafter's q for these drafts, or None (one-hot drafts)
     draft_probs: Any = None
     # The rows reach the sequence's last token, so this step emits tokens for it. Fixed when
@@ -135,8 +137,12 @@ class ScheduledSeq:
             raise ValueError("draft rows must follow every token of the sequence")
 
     def token_ids(self) -> list[int]:
+        """The rows' token ids (drafts still on the device as `PendingIds` placeholders, which
+        `ModelRunner.span_metadata` fills there)."""
         start = self.seq.num_computed_tokens
         end = min(start + self.num_rows, self.seq.num_tokens)
+        if isinstance(self.drafts, DeviceRow):
+            return PendingIds(self.seq.tokens(start, end), self.drafts)
         return self.seq.tokens(start, end) + self.drafts
 
 

@@ -15,6 +15,7 @@ import time
 import torch
 
 from metrale.config import SpecConfig
+from metrale.engine.device_tokens import DeviceDrafts, DeviceRow
 from metrale.engine.sequence import Sequence
 from metrale.knobs import knobs
 from metrale.speculative.dcut import PlanInput, VerifyCostModel, plan
@@ -108,9 +109,11 @@ class SpeculativeDecoder:
             max_positions=max(cfg.num_drafts, 1), prior=cfg.dcut_prior, pooled_prior=True
         )
         self._debug = knobs().mtp_accept_debug
-        # seq_id -> (real drafts verified this step, the first draft proposed): padding is kept
-        # out of the estimates, and a sequence cut to depth 0 still learns from its first draft.
-        self._proposed: dict[int, tuple[int, int | None]] = {}
+        # seq_id -> (real drafts verified this step, the drafts proposed): padding is kept out of
+        # the estimates, and a sequence cut to depth 0 still learns from its first draft.
+        self._proposed: dict[int, tuple[int, list[int] | DeviceRow | None]] = {}
+        # the device drafts of the step in flight, by id: their device time is drafting's cost
+        self._sources: dict[int, DeviceDrafts] = {}
         self._asked = 0
         self._steps = 0
         # the running sequences of the last step D-Cut planned at depth 0 everywhere, while no
@@ -166,7 +169,7 @@ class SpeculativeDecoder:
             if cap > 0:
                 seqs.append(seq)
                 caps.append(cap)
-        self._proposed = {}
+        self._proposed, self._sources = {}, {}
         self._asked = 0  # sequences the drafter is asked for (what its host work scales with)
         self._steps += 1
         planned = False  # caps are depths D-Cut already chose
@@ -201,9 +204,13 @@ class SpeculativeDecoder:
         else:
             for seq, draft in live:
                 seq.draft = draft
+        # (the proposed tokens, not their first: drafts on the device are read at the verdicts)
         self._proposed = {
-            s.seq_id: (min(len(d.tokens), len(s.draft.tokens) if s.draft else 0), d.tokens[0])
+            s.seq_id: (min(len(d.tokens), len(s.draft.tokens) if s.draft else 0), d.tokens)
             for s, d in live
+        }
+        self._sources = {
+            id(d.tokens.source): d.tokens.source for _, d in live if isinstance(d.tokens, DeviceRow)
         }
         return failed
 
@@ -299,6 +306,10 @@ class SpeculativeDecoder:
         return drafts, failed
 
     def _checked(self, draft: Draft, cap: int) -> Draft:
+        if isinstance(draft.tokens, DeviceRow):
+            # a device drafter's picks from the target's head: in the vocabulary by
+            # construction, and reading them here would wait for its forward
+            return draft.truncate(cap)
         bad = [t for t in draft.tokens if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"draft token {bad[0]} is outside the vocabulary ({self.vocab_size})")
@@ -334,7 +345,11 @@ class SpeculativeDecoder:
         try:
             return self._observe(verdicts)
         finally:
-            self.host.spent(time.perf_counter() - start)
+            # the drafter's device work too, as far as the step waited for it (`prepare` no
+            # longer does)
+            sources, self._sources = self._sources, {}
+            device = sum(source.stall_seconds() for source in sources.values())
+            self.host.spent(time.perf_counter() - start + device)
 
     def _observe(self, verdicts: list[Verdict]) -> list[tuple[Sequence, str]]:
         verified = [v for v in verdicts if v.drafts]
@@ -348,7 +363,8 @@ class SpeculativeDecoder:
             key = verify_graph_key(pairs, True, self.write_on_accept)
             self.telemetry.record_key(key, table)
         for v in verdicts:
-            real, first = self._proposed.get(v.seq.seq_id, (len(v.drafts), None))
+            real, proposed = self._proposed.get(v.seq.seq_id, (len(v.drafts), None))
+            first = None if proposed is None else proposed[0]
             if v.drafts:
                 matches = v.matches[:real]
                 self.telemetry.record(len(verified), matches, min(v.num_accepted, real))

@@ -15,7 +15,9 @@ state (`stateless`: a step that drafts nothing is a plain decode step).
 (n tokens; the target has computed rows 0 .. n-2, exactly the context), gathers the context K/V
 from the pages, runs the draft layers over all sequences at once and reads the drafts from block
 rows 1 .. k through the target's head: one drafter forward per step, whatever the depth. Drafts
-are greedy (one-hot q): lossless at any temperature. On CUDA the drafter forward replays
+are greedy (one-hot q): lossless at any temperature. They stay on the device (`DeviceDrafts`):
+the verify reads them there, and the host first at its verdicts, so the host schedules and packs
+the verify while the drafter's forward runs. On CUDA the drafter forward replays
 captured programs (`DraftGraphs`, keyed by padded sequence count and a power-of-two context
 bucket), captured at start-up up to a width (`STARTUP_CONTEXT_ROWS`), wider ones on first use.
 """
@@ -27,6 +29,7 @@ import time
 
 import torch
 
+from metrale.engine.device_tokens import DeviceClock, DeviceDrafts
 from metrale.engine.graphs import capture
 from metrale.engine.kv_cache import DUMMY_PAGE
 from metrale.engine.sequence import Sequence
@@ -80,6 +83,7 @@ class DFlashDrafter:
         # each block: [last token, MASK x (B - 1)]
         mask = [self.cfg.mask_token_id] * (b - 1)
         ids = [t for (_, seq, _), n in zip(live, lens) for t in seq.tokens(n, n + 1) + mask]
+        started = DeviceClock.now(device)
         ids, lens_t, tables_t = to_device_packed([ids, lens, tables], device)
         ids, tables_t = ids.view(len(live), b), tables_t.view(len(live), width)
         tokens = None
@@ -87,10 +91,10 @@ class DFlashDrafter:
             tokens = self.graphs.run(ids, lens_t, tables_t, max(lens))
         if tokens is None:
             tokens = self.draft_tokens(ids, lens_t, tables_t, max(max(lens), 1))
-        depth = max(k for _, _, k in live)
-        rows = tokens[:, :depth].tolist()  # the one host sync
-        for (i, _, k), row in zip(live, rows, strict=True):
-            drafts[i] = Draft(row[:k])
+        # no host read: the verify takes them on the device, the host at its verdicts
+        rows = DeviceDrafts(tokens, started)
+        for n, (i, _, k) in enumerate(live):
+            drafts[i] = Draft(rows.row(n, k))
         return drafts
 
     def draft_tokens(self, ids, lens, tables, context: int) -> torch.Tensor:

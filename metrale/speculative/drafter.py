@@ -22,12 +22,14 @@ from typing import Protocol
 
 import torch
 
+from metrale.engine.device_tokens import DeviceRow
 from metrale.engine.sequence import Sequence
 
 
 @dataclass
 class Draft:
-    tokens: list[int]
+    # host ints, or a `DeviceRow` of drafts still on the device (read at the verdicts)
+    tokens: list[int] | DeviceRow
     # [len(tokens), V] float32 draft distribution q (after the request's logits pipeline), or
     # None when the drafter is deterministic (one-hot q: accepted with probability p(token)).
     probs: torch.Tensor | None = None

@@ -1,0 +1,189 @@
+"""Drafts that stay on the device until the verdicts: no host read between drafting and verifying.
+
+A drafter that computes its drafts on the device (DFlash's block forward) used to read them back
+with `.tolist()`, a blocking sync: the host waited for the drafter's forward before it could
+schedule the step and build the verify's metadata, so the drafter's device time and that host work
+ran one after the other. `DeviceDrafts` wraps the drafter's [S, D] token tensor instead: its copy
+to pinned host memory is queued behind the drafter's work (an event marks its end), and each
+sequence's draft is a `DeviceRow`, a lazy sequence of ints. The verify's input ids take the
+drafts' values on the device (`span_metadata` writes them from the tensor), so the host first
+reads them at the step's one host sync, when the copy is long done. Any earlier reader (a grammar,
+the sampled path's layout) waits for the drafter's event alone, never for later work.
+
+A drafter may hand over a buffer its programs rewrite later (DFlash's program output, at its
+next `propose`; the MTP catch-up's chain ahead, right after the verify's forward): the host copy
+is queued at once, and the device values are read once, by the first verify that takes them; a
+step retried after a failure (`engine/isolation.py`) takes the host copy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+
+
+class DeviceClock:
+    """A point on the device's stream and the host's clock at once (CUDA only)."""
+
+    def __init__(self) -> None:
+        self.event = torch.cuda.Event(enable_timing=True)
+        self.event.record()
+        self.host = time.perf_counter()
+
+    @staticmethod
+    def now(device: torch.device) -> DeviceClock | None:
+        """None off CUDA, where device work is host time already."""
+        return DeviceClock() if device.type == "cuda" else None
+
+
+class DeviceDrafts:
+    """A drafter's [S, D] int64 drafts on the device, copied to the host behind its work."""
+
+    def __init__(self, tokens: torch.Tensor, started: DeviceClock | None = None) -> None:
+        """`started`: taken before the drafter's device work, so `stall_seconds` can say what
+        that work cost the step."""
+        if not tokens.is_contiguous():
+            raise ValueError("device drafts must be a contiguous [sequences, drafts] tensor")
+        self.tensor = tokens
+        self.width = self.tensor.shape[1]
+        self._rows: list[list[int]] | None = None
+        self._started, self._used = started, None
+        self._done = None
+        if tokens.device.type == "cuda":
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._done = torch.cuda.Event(enable_timing=started is not None)
+            self._done.record()
+        else:
+            self._host = tokens.clone()
+
+    def row(self, index: int, length: int) -> DeviceRow:
+        """The first `length` drafts of sequence `index`."""
+        if not 0 <= length <= self.width:
+            raise ValueError(f"a draft of {length} tokens from rows of {self.width}")
+        return DeviceRow(self, index, length)
+
+    def rows(self) -> list[list[int]]:
+        """The drafts as host lists (waits for the drafter's work alone, once)."""
+        if self._rows is None:
+            if self._done is not None:
+                self._done.synchronize()
+            self._rows = self._host.tolist()
+        return self._rows
+
+    @property
+    def in_use(self) -> bool:
+        """Whether a verify took the drafts from the device already (`use`)."""
+        return self._used is not None
+
+    def use(self) -> None:
+        """The verify takes the drafts from the device now (`ModelRunner.span_metadata`):
+        marks the point `stall_seconds` measures to. Only once: a drafter may rewrite its
+        buffer after the verify's forward (MTP's catch-up chains the next drafts into it), so a
+        step retried after a failure takes the host copy instead."""
+        self._used = DeviceClock() if self._started is not None else True
+
+    def stall_seconds(self) -> float:
+        """What the drafter's device work cost the step (0 without a clock): how much later
+        than the host the device reached the verify's inputs, the host's own time between
+        the two points being paid anyway (that much of the drafter's work overlapped it); the
+        whole of that work if no verify took the drafts. Waits for the drafter's work."""
+        if self._started is None or self._done is None:
+            return 0.0
+        self._done.synchronize()
+        if not isinstance(self._used, DeviceClock):
+            return self._started.event.elapsed_time(self._done) / 1000.0
+        self._used.event.synchronize()
+        device = self._started.event.elapsed_time(self._used.event) / 1000.0
+        return max(device - (self._used.host - self._started.host), 0.0)
+
+
+class DeviceRow(Sequence):
+    """One sequence's drafts in a `DeviceDrafts`: its length is known on the host, its values
+    once read (`DeviceDrafts.rows`). A prefix slice stays lazy; anything else reads them."""
+
+    __slots__ = ("source", "index", "length")
+
+    def __init__(self, source: DeviceDrafts, index: int, length: int) -> None:
+        self.source, self.index, self.length = source, index, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, item):
+        if isinstance(item, slice):
+            start, stop, step = item.indices(self.length)
+            if start == 0 and step == 1:
+                return DeviceRow(self.source, self.index, max(stop, 0))
+            return self.tolist()[item]
+        return self.tolist()[item]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.tolist())
+
+    def tolist(self) -> list[int]:
+        return self.source.rows()[self.index][: self.length]
+
+    def same_values(self, other) -> bool:
+        """Whether `other` is a prefix of the same row or this one of it (equal where both
+        reach, with nothing read)."""
+        return (
+            isinstance(other, DeviceRow)
+            and other.source is self.source
+            and other.index == self.index
+        )
+
+    def flat_indices(self) -> range:
+        """Where its values sit in the source tensor, flattened."""
+        start = self.index * self.source.width
+        return range(start, start + self.length)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (list, tuple, DeviceRow)):
+            return self.tolist() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # a sequence compared by value, like a list
+
+    def __add__(self, other) -> list[int]:
+        return self.tolist() + list(other)
+
+    def __radd__(self, other) -> list[int]:
+        return list(other) + self.tolist()
+
+    def __repr__(self) -> str:
+        return f"DeviceRow({self.tolist()})"
+
+
+class PendingIds(list):
+    """A span's token ids whose last `len(row)` entries stand for drafts still on the device
+    (placeholders, 0): `ModelRunner.span_metadata` writes the row's values into those rows of
+    the step's input ids on the device. Nothing else reads a span's token ids."""
+
+    def __init__(self, head: list[int], row: DeviceRow) -> None:
+        super().__init__(head)
+        self.extend([0] * len(row))
+        self.row = row
+
+
+def pending_fills(spans, input_ids: list[int]) -> list[tuple[DeviceDrafts, list[int], list[int]]]:
+    """For spans' token ids (`PendingIds` among them) packed into `input_ids`, per source
+    tensor: (source, rows of `input_ids`, flat indices into the source) of the device drafts to
+    write there. Drafts a verify took already (a retried step) go into `input_ids` from the
+    host copy instead."""
+    fills: dict[int, tuple[DeviceDrafts, list[int], list[int]]] = {}
+    row = 0
+    for _, _, tokens in spans:
+        pending = getattr(tokens, "row", None)
+        if pending is not None:
+            source, base = pending.source, row + len(tokens) - len(pending)
+            if source.in_use:
+                input_ids[base : base + len(pending)] = pending.tolist()
+            else:
+                _, dst, src = fills.setdefault(id(source), (source, [], []))
+                dst.extend(range(base, base + len(pending)))
+                src.extend(pending.flat_indices())
+        row += len(tokens)
+    return list(fills.values())
