@@ -37,7 +37,7 @@ def test_drafts_are_kept_as_proposed_when_the_buffer_is_rewritten(tiny_model_dir
     runner = LLM(tiny_model_dir, device="cpu", dtype="float32").engine.runner
     buffer = torch.tensor([[1, 2], [3, 4]])
     drafts = DeviceDrafts(buffer)
-    spans = [([1], 0, PendingIds([7], drafts.row(1, 2)))]
+    spans = [([1], 0, PendingIds.of([7], drafts.row(1, 2)))]
     assert runner.span_metadata(spans)[0].tolist() == [7, 3, 4] and drafts.in_use
     buffer.fill_(9)
     assert drafts.row(1, 2) == [3, 4]
@@ -69,7 +69,7 @@ def test_span_metadata_writes_device_drafts_where_the_list_would_be(tiny_model_d
     rows = [source.row(1, 2), other.row(0, 2), source.row(0, 3)]
     heads = [[1, 2, 3], [4], [5, 6]]
     tables = [[1], [2], [3]]
-    lazy = [(t, 0, PendingIds(h, r)) for t, h, r in zip(tables, heads, rows, strict=True)]
+    lazy = [(t, 0, PendingIds.of(h, r)) for t, h, r in zip(tables, heads, rows, strict=True)]
     lazy.insert(1, ([4], 0, [7, 8]))  # a span with no drafts between them
     ids, positions, meta = runner.span_metadata(lazy)
     assert not any(d._rows is not None for d in (source, other))  # no host read

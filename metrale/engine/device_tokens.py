@@ -113,11 +113,14 @@ class DeviceRow(Sequence):
         return self.length
 
     def __getitem__(self, item):
-        if isinstance(item, slice):
-            start, stop, step = item.indices(self.length)
-            if start == 0 and step == 1:
-                return DeviceRow(self.source, self.index, max(stop, 0))
-            return self.tolist()[item]
+        # a prefix (`[:k]`, what cutting a draft to a depth does) stays lazy: itself when it
+        # keeps every draft; any other item or slice reads the values
+        if type(item) is slice and not item.start and item.step is None:
+            stop = item.stop
+            if stop is None or stop >= self.length:
+                return self
+            if stop >= 0:
+                return DeviceRow(self.source, self.index, stop)
         return self.tolist()[item]
 
     def __iter__(self) -> Iterator[int]:
@@ -134,11 +137,6 @@ class DeviceRow(Sequence):
             and other.source is self.source
             and other.index == self.index
         )
-
-    def flat_indices(self) -> range:
-        """Where its values sit in the source tensor, flattened."""
-        start = self.index * self.source.width
-        return range(start, start + self.length)
 
     def __eq__(self, other) -> bool:
         if isinstance(other, (list, tuple, DeviceRow)):
@@ -162,28 +160,37 @@ class PendingIds(list):
     (placeholders, 0): `ModelRunner.span_metadata` writes the row's values into those rows of
     the step's input ids on the device. Nothing else reads a span's token ids."""
 
-    def __init__(self, head: list[int], row: DeviceRow) -> None:
-        super().__init__(head)
-        self.extend([0] * len(row))
-        self.row = row
+    __slots__ = ("row",)
+
+    @classmethod
+    def of(cls, head: list[int], row: DeviceRow) -> PendingIds:
+        ids = cls(head)
+        ids.extend([0] * row.length)
+        ids.row = row
+        return ids
 
 
 def pending_fills(spans, input_ids: list[int]) -> list[tuple[DeviceDrafts, list[int], list[int]]]:
     """For spans' token ids (`PendingIds` among them) packed into `input_ids`, per source
     tensor: (source, rows of `input_ids`, flat indices into the source) of the device drafts to
     write there. Drafts a verify took already (a retried step) go into `input_ids` from the
-    host copy instead."""
-    fills: dict[int, tuple[DeviceDrafts, list[int], list[int]]] = {}
+    host copy instead. (Per span a few operations: it runs over every sequence each step.)"""
+    fills: dict[DeviceDrafts, tuple[list[int], list[int]]] = {}
     row = 0
     for _, _, tokens in spans:
-        pending = getattr(tokens, "row", None)
-        if pending is not None:
-            source, base = pending.source, row + len(tokens) - len(pending)
-            if source.in_use:
-                input_ids[base : base + len(pending)] = pending.tolist()
+        n = len(tokens)
+        if type(tokens) is PendingIds:
+            pending = tokens.row
+            source, k = pending.source, pending.length
+            base = row + n - k
+            if source._used is not None:  # in use
+                input_ids[base : base + k] = pending.tolist()
             else:
-                _, dst, src = fills.setdefault(id(source), (source, [], []))
-                dst.extend(range(base, base + len(pending)))
-                src.extend(pending.flat_indices())
-        row += len(tokens)
-    return list(fills.values())
+                entry = fills.get(source)
+                if entry is None:
+                    entry = fills[source] = ([], [])
+                entry[0].extend(range(base, base + k))
+                first = pending.index * source.width
+                entry[1].extend(range(first, first + k))
+        row += n
+    return [(source, dst, src) for source, (dst, src) in fills.items()]

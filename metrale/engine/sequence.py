@@ -142,7 +142,7 @@ class ScheduledSeq:
         start = self.seq.num_computed_tokens
         end = min(start + self.num_rows, self.seq.num_tokens)
         if isinstance(self.drafts, DeviceRow):
-            return PendingIds(self.seq.tokens(start, end), self.drafts)
+            return PendingIds.of(self.seq.tokens(start, end), self.drafts)
         return self.seq.tokens(start, end) + self.drafts
 
 
