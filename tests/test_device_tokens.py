@@ -22,7 +22,7 @@ def test_a_row_reads_like_its_list_and_a_prefix_stays_unread():
     assert prefix == [8, 9] and list(prefix) == [8, 9] and prefix[-1] == 9
     assert row[1:] == [9, 10] and [1] + row == [1, 8, 9, 10] and row + [0] == [8, 9, 10, 0]
     assert drafts.row(0, 0) == [] and not drafts.row(0, 0)
-    assert row != [8, 9] and row[:0] == []
+    assert row != [8, 9] and row[:0] == [] and row != (8, 9, 10)  # as a list compares
     with pytest.raises(IndexError):
         prefix[2]
     with pytest.raises(ValueError, match="3 tokens"):

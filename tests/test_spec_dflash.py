@@ -492,3 +492,65 @@ def test_a_verify_retried_after_a_failure_equals_plain(tiny_model_dir, dense_dfl
     got = llm.generate(PROMPTS[:8], params, use_tqdm=False)
     assert len(failed) == 8 and [o.outputs[0].token_ids for o in got] == want
     assert all(o.outputs[0].finish_reason == "length" for o in got)
+
+
+def test_drafts_proposed_one_sequence_at_a_time_are_each_verified(
+    tiny_model_dir, dense_dflash, monkeypatch
+):
+    """After a failing batch propose the controller proposes one sequence at a time: each
+    replays the same program, whose output buffer the next replay rewrites, and each draft
+    waits on the device for the verify. Every verify row must hold the draft the host judges
+    (a review found the program's output handed over uncopied: every sequence verified the
+    last one's drafts). The drafter's forward is an oracle (plain greedy's next tokens), so
+    drafts are accepted and a wrong row changes the output."""
+    from metrale.speculative import dflash as dflash_mod
+
+    def fake_capture(fn, pool, device):
+        program = EagerProgram(fn)
+        program.out = fn().clone()
+        return program, program.out
+
+    monkeypatch.setattr(dflash_mod, "capture", fake_capture)
+    monkeypatch.setattr(dflash_mod, "STARTUP_CONTEXT_ROWS", 128)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompts = PROMPTS[:4]
+    want = plain(tiny_model_dir, prompts, params)
+    truth = {tuple(p): w + [0] * 8 for p, w in zip(prompts, want, strict=True)}
+    spec = {"method": "dflash", "model": str(dense_dflash), "num_drafts": 3, "dcut": False}
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", spec=spec, max_num_seqs=4)
+    drafter, asked = llm.engine.spec.drafter, []
+
+    def oracle(ids, lens, tables, context):
+        rows = [[0] * (ids.shape[1] - 1)] * ids.shape[0]  # a capture's dummy inputs
+        if asked:
+            seq = asked[0]
+            rows[0] = truth[tuple(seq.prompt_token_ids)][len(seq.output_token_ids) :][:3]
+        return torch.tensor(rows, dtype=torch.long)
+
+    drafter.draft_tokens = oracle
+    drafter.graphs = dflash_mod.DraftGraphs(drafter, 4, 128, None)
+    propose = drafter.propose
+
+    def one_at_a_time(seqs, caps):
+        if len(seqs) > 1:
+            raise RuntimeError("the batch's program failed")
+        asked[:] = seqs
+        return propose(seqs, caps)
+
+    drafter.propose = one_at_a_time
+    seen, forward = [], llm.engine.runner._forward
+
+    def watched(batch, input_ids, *args, **kwargs):
+        row = 0
+        for e in batch.entries:
+            if e.drafts:
+                verified = input_ids[row + e.num_rows - len(e.drafts) : row + e.num_rows]
+                seen.append((verified.tolist(), list(e.drafts)))
+            row += e.num_rows
+        return forward(batch, input_ids, *args, **kwargs)
+
+    llm.engine.runner._forward = watched
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert len(seen) > 10 and all(verified == judged for verified, judged in seen)
+    assert got == want
+    assert llm.engine.telemetry.spec.num_accepted_tokens > 20

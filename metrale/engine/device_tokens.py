@@ -10,9 +10,10 @@ drafts' values on the device (`span_metadata` writes them from the tensor), so t
 reads them at the step's one host sync, when the copy is long done. Any earlier reader (a grammar,
 the sampled path's layout) waits for the drafter's event alone, never for later work.
 
-A drafter may hand over a buffer its programs rewrite later (DFlash's program output, at its
-next `propose`; the MTP catch-up's chain ahead, right after the verify's forward): the host copy
-is queued at once, and the device values are read once, by the first verify that takes them; a
+The tensor must keep its values until the verify's forward has been queued: nothing may
+rewrite it in between, a drafter retried one sequence at a time included (DFlash hands over a
+copy of its program's output buffer). After that a drafter may rewrite it: the host copy is
+queued at once, and the device values are read once, by the first verify that takes them; a
 step retried after a failure (`engine/isolation.py`) takes the host copy.
 """
 
@@ -104,10 +105,11 @@ class DeviceRow(Sequence):
     """One sequence's drafts in a `DeviceDrafts`: its length is known on the host, its values
     once read (`DeviceDrafts.rows`). A prefix slice stays lazy; anything else reads them."""
 
-    __slots__ = ("source", "index", "length")
+    __slots__ = ("source", "at", "length")
 
-    def __init__(self, source: DeviceDrafts, index: int, length: int) -> None:
-        self.source, self.index, self.length = source, index, length
+    def __init__(self, source: DeviceDrafts, at: int, length: int) -> None:
+        """The first `length` drafts of row `at` of `source`."""
+        self.source, self.at, self.length = source, at, length
 
     def __len__(self) -> int:
         return self.length
@@ -120,27 +122,25 @@ class DeviceRow(Sequence):
             if stop is None or stop >= self.length:
                 return self
             if stop >= 0:
-                return DeviceRow(self.source, self.index, stop)
+                return DeviceRow(self.source, self.at, stop)
         return self.tolist()[item]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.tolist())
 
     def tolist(self) -> list[int]:
-        return self.source.rows()[self.index][: self.length]
+        return self.source.rows()[self.at][: self.length]
 
     def same_values(self, other) -> bool:
         """Whether `other` is a prefix of the same row or this one of it (equal where both
         reach, with nothing read)."""
-        return (
-            isinstance(other, DeviceRow)
-            and other.source is self.source
-            and other.index == self.index
-        )
+        return isinstance(other, DeviceRow) and other.source is self.source and other.at == self.at
 
     def __eq__(self, other) -> bool:
-        if isinstance(other, (list, tuple, DeviceRow)):
-            return self.tolist() == list(other)
+        if isinstance(other, DeviceRow):
+            other = other.tolist()
+        if isinstance(other, list):  # equal to the list of its values, as a list would be
+            return self.tolist() == other
         return NotImplemented
 
     __hash__ = None  # a sequence compared by value, like a list
@@ -190,7 +190,7 @@ def pending_fills(spans, input_ids: list[int]) -> list[tuple[DeviceDrafts, list[
                 if entry is None:
                     entry = fills[source] = ([], [])
                 entry[0].extend(range(base, base + k))
-                first = pending.index * source.width
+                first = pending.at * source.width
                 entry[1].extend(range(first, first + k))
         row += n
     return [(source, dst, src) for source, (dst, src) in fills.items()]

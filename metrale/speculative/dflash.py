@@ -188,7 +188,8 @@ class DraftGraphs:
         return self._programs[key]
 
     def run(self, ids, lens, tables, longest: int) -> torch.Tensor | None:
-        """Drafts [S, B - 1] from the program for this batch, or None past the workspace."""
+        """Drafts [S, B - 1] from the program for this batch (their own tensor), or None past
+        the workspace."""
         count, n, context = ids.shape[0], seqs_bucket(ids.shape[0]), context_bucket(longest)
         if n > self.max_seqs or context > self.max_context:
             return None
@@ -200,4 +201,6 @@ class DraftGraphs:
         self.tables[:n].fill_(DUMMY_PAGE)
         self.tables[:count, : tables.shape[1]].copy_(tables, non_blocking=True)
         graph.replay()
-        return out[:count]
+        # a copy: the drafts stay on the device until the verify, and this program's next
+        # replay may come first (a propose retried one sequence at a time after a failure)
+        return out[:count].clone()
