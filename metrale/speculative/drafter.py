@@ -28,7 +28,9 @@ from metrale.engine.sequence import Sequence
 
 @dataclass
 class Draft:
-    # host ints, or a `DeviceRow` of drafts still on the device (read at the verdicts)
+    # host ints, or a `DeviceRow` of drafts still on the device (`DeviceDrafts.row`; read at
+    # the verdicts). Device drafts are not checked against the vocabulary (that would read
+    # them): a drafter returns them only for ids it took from the target's head.
     tokens: list[int] | DeviceRow
     # [len(tokens), V] float32 draft distribution q (after the request's logits pipeline), or
     # None when the drafter is deterministic (one-hot q: accepted with probability p(token)).
@@ -44,7 +46,7 @@ class Verdict:
     """What the target decided about one sequence's drafts in one step."""
 
     seq: Sequence
-    drafts: list[int]  # the drafts verified (after the depth cut)
+    drafts: list[int] | DeviceRow  # the drafts verified (after the depth cut)
     num_accepted: int
     emitted: list[int]  # accepted drafts then the bonus/correction token (stop may cut it)
     matches: list[bool]  # per draft position, every position (even past the first miss)
