@@ -554,3 +554,18 @@ def test_drafts_proposed_one_sequence_at_a_time_are_each_verified(
     assert len(seen) > 10 and all(verified == judged for verified, judged in seen)
     assert got == want
     assert llm.engine.telemetry.spec.num_accepted_tokens > 20
+
+
+def test_the_drafters_device_stall_is_priced_as_drafting(tiny_model_dir, dense_dflash, monkeypatch):
+    """`prepare` no longer waits for DFlash's forward, so D-Cut's host cost of drafting takes
+    the step's wait for it from the drafts (`DeviceDrafts.stall_seconds`, 0 off CUDA): a stall
+    of 50 ms a step shows in the estimate per drafted sequence."""
+    from metrale.engine.device_tokens import DeviceDrafts
+
+    monkeypatch.setattr(DeviceDrafts, "stall_seconds", lambda self: 0.05)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    spec = {"method": "dflash", "model": str(dense_dflash), "num_drafts": 3, "dcut": False}
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", spec=spec)
+    llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    host = llm.engine.spec.host
+    assert host.enabled and host.seconds(4) > 0.05

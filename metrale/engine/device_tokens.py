@@ -81,9 +81,9 @@ class DeviceDrafts:
 
     def use(self) -> None:
         """The verify takes the drafts from the device now (`ModelRunner.span_metadata`):
-        marks the point `stall_seconds` measures to. Only once: a drafter may rewrite its
-        buffer after the verify's forward (MTP's catch-up chains the next drafts into it), so a
-        step retried after a failure takes the host copy instead."""
+        marks the point `stall_seconds` measures to. Only once: a drafter may rewrite the
+        tensor once the verify's forward is queued, so a step retried after a failure takes the
+        host copy instead (`pending_fills`)."""
         self._used = DeviceClock() if self._started is not None else True
 
     def stall_seconds(self) -> float:
@@ -183,7 +183,7 @@ def pending_fills(spans, input_ids: list[int]) -> list[tuple[DeviceDrafts, list[
             pending = tokens.row
             source, k = pending.source, pending.length
             base = row + n - k
-            if source._used is not None:  # in use
+            if source._used is not None:  # `in_use`, read without a property call
                 input_ids[base : base + k] = pending.tolist()
             else:
                 entry = fills.get(source)

@@ -112,8 +112,8 @@ class SpeculativeDecoder:
         # seq_id -> (real drafts verified this step, the drafts proposed): padding is kept out of
         # the estimates, and a sequence cut to depth 0 still learns from its first draft.
         self._proposed: dict[int, tuple[int, list[int] | DeviceRow | None]] = {}
-        # the device drafts of the step in flight, by id: their device time is drafting's cost
-        self._sources: dict[int, DeviceDrafts] = {}
+        # the device drafts of the step in flight: their device time is drafting's cost too
+        self._sources: set[DeviceDrafts] = set()
         self._asked = 0
         self._steps = 0
         # the running sequences of the last step D-Cut planned at depth 0 everywhere, while no
@@ -169,7 +169,7 @@ class SpeculativeDecoder:
             if cap > 0:
                 seqs.append(seq)
                 caps.append(cap)
-        self._proposed, self._sources = {}, {}
+        self._proposed, self._sources = {}, set()
         self._asked = 0  # sequences the drafter is asked for (what its host work scales with)
         self._steps += 1
         planned = False  # caps are depths D-Cut already chose
@@ -209,9 +209,7 @@ class SpeculativeDecoder:
             s.seq_id: (min(len(d.tokens), len(s.draft.tokens) if s.draft else 0), d.tokens)
             for s, d in live
         }
-        self._sources = {
-            id(d.tokens.source): d.tokens.source for _, d in live if isinstance(d.tokens, DeviceRow)
-        }
+        self._sources = {d.tokens.source for _, d in live if isinstance(d.tokens, DeviceRow)}
         return failed
 
     def _planned(self, seqs: list[Sequence], caps: list[int]):
@@ -347,8 +345,8 @@ class SpeculativeDecoder:
         finally:
             # the drafter's device work too, as far as the step waited for it (`prepare` no
             # longer does)
-            sources, self._sources = self._sources, {}
-            device = sum(source.stall_seconds() for source in sources.values())
+            sources, self._sources = self._sources, set()
+            device = sum(source.stall_seconds() for source in sources)
             self.host.spent(time.perf_counter() - start + device)
 
     def _observe(self, verdicts: list[Verdict]) -> list[tuple[Sequence, str]]:
