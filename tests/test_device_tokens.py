@@ -31,9 +31,8 @@ def test_a_row_reads_like_its_list_and_a_prefix_stays_unread():
 
 
 def test_drafts_are_kept_as_proposed_when_the_buffer_is_rewritten(tiny_model_dir):
-    """A drafter rewrites its buffer after the verify took the drafts (MTP's catch-up chains
-    the next ones into it): the host reads the drafts as proposed, and a retried step's input
-    ids take them from there."""
+    """A drafter may rewrite its buffer once a verify took the drafts: the host reads the
+    drafts as proposed, and a retried step's input ids take them from there."""
     runner = LLM(tiny_model_dir, device="cpu", dtype="float32").engine.runner
     buffer = torch.tensor([[1, 2], [3, 4]])
     drafts = DeviceDrafts(buffer)
