@@ -170,27 +170,23 @@ class PendingIds(list):
         return ids
 
 
-def pending_fills(spans, input_ids: list[int]) -> list[tuple[DeviceDrafts, list[int], list[int]]]:
-    """For spans' token ids (`PendingIds` among them) packed into `input_ids`, per source
-    tensor: (source, rows of `input_ids`, flat indices into the source) of the device drafts to
-    write there. Drafts a verify took already (a retried step) go into `input_ids` from the
-    host copy instead. (Per span a few operations: it runs over every sequence each step.)"""
+def pending_fills(
+    pending: list[tuple[int, DeviceRow]], input_ids: list[int]
+) -> list[tuple[DeviceDrafts, list[int], list[int]]]:
+    """For drafts on the device ending before row `end` of the packed `input_ids`, (end, row)
+    each: per source tensor, (source, rows of `input_ids`, flat indices into the source) to
+    write them there. Drafts a verify took already (a retried step) go into `input_ids` from
+    the host copy instead."""
     fills: dict[DeviceDrafts, tuple[list[int], list[int]]] = {}
-    row = 0
-    for _, _, tokens in spans:
-        n = len(tokens)
-        if type(tokens) is PendingIds:
-            pending = tokens.row
-            source, k = pending.source, pending.length
-            base = row + n - k
-            if source._used is not None:  # `in_use`, read without a property call
-                input_ids[base : base + k] = pending.tolist()
-            else:
-                entry = fills.get(source)
-                if entry is None:
-                    entry = fills[source] = ([], [])
-                entry[0].extend(range(base, base + k))
-                first = pending.at * source.width
-                entry[1].extend(range(first, first + k))
-        row += n
+    for end, row in pending:
+        source, k = row.source, row.length
+        if source._used is not None:  # `in_use`, read without a property call
+            input_ids[end - k : end] = row.tolist()
+            continue
+        entry = fills.get(source)
+        if entry is None:
+            entry = fills[source] = ([], [])
+        entry[0].extend(range(end - k, end))
+        first = row.at * source.width
+        entry[1].extend(range(first, first + k))
     return [(source, dst, src) for source, (dst, src) in fills.items()]

@@ -15,7 +15,7 @@ import torch
 from metrale.config import EngineConfig, ModelConfig
 from metrale.distributed.parallel import TPGroup, local_config
 from metrale.distributed.shard import build_model, start_workers, whole_vocab
-from metrale.engine.device_tokens import pending_fills
+from metrale.engine.device_tokens import PendingIds, pending_fills
 from metrale.engine.graphs import GraphRunner
 from metrale.engine.kv_cache import DUMMY_PAGE, allocate_kv_cache, slots_of
 from metrale.engine.logits_pipeline import is_plain_greedy
@@ -278,6 +278,7 @@ class ModelRunner:
         slots: list[int] = []
         starts = [0]
         seq_lens: list[int] = []
+        pending = []  # (the row after it, its drafts) of each span with drafts on the device
         page = self.page_size
         for table, start, tokens in spans:
             end = start + len(tokens)
@@ -286,11 +287,13 @@ class ModelRunner:
             slots += slots_of(table, start, end, page)
             starts.append(starts[-1] + len(tokens))
             seq_lens.append(end)
+            if type(tokens) is PendingIds:
+                pending.append((starts[-1], tokens.row))
         width = max(len(table) for table, _, _ in spans)
         tables = itertools.chain.from_iterable(
             table + [DUMMY_PAGE] * (width - len(table)) for table, _, _ in spans
         )
-        fills = pending_fills(spans, input_ids)
+        fills = pending_fills(pending, input_ids)
         indices = [index for _, dst, src in fills for index in (dst, src)]
         packed = to_device_packed(
             [input_ids, positions, slots, starts, seq_lens, list(tables), *indices], self.device
