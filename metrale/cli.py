@@ -136,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
         "with speculation",
     )
     bench.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="the engine option: launch each step while the device runs the one before (steps "
+        "that draft stay synchronous)",
+    )
+    bench.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="ranks the target is split across"
     )
     bench.add_argument("--out", default="bench-out", help="folder for bench.json and bench.png")

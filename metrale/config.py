@@ -300,6 +300,12 @@ class EngineConfig:
     deterministic: bool = _opt(
         False, "batch-invariant kernels: the same bits alone, in a batch, with speculation"
     )
+    # Launch each step before the host commits the one before (`engine/ahead.py`): the host's
+    # commit and scheduling overlap the device's forward. Steps that draft, follow a grammar or
+    # apply a penalty wait for the step before, as without it.
+    async_scheduling: bool = _opt(
+        False, "schedule and launch each step while the device runs the one before"
+    )
 
     def __post_init__(self) -> None:
         spec = self.spec

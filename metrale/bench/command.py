@@ -92,6 +92,7 @@ def run(args) -> dict:
         hybrid_verify_state=getattr(args, "hybrid_verify_state", "write_on_accept"),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         deterministic=getattr(args, "deterministic", False),
+        async_scheduling=getattr(args, "async_scheduling", False),
     )
     try:
         return _measure(llm, drafter, args, device, alphas, forced)
@@ -176,6 +177,7 @@ def _measure(llm: LLM, drafter, args, device: torch.device, alphas, forced: bool
         result["launches_batch1_by_kernel"] = launches["by_name"]  # where a fusion would pay
     result["graph_refusals"] = runner.graph_refusals
     result["deterministic"] = llm.engine.config.deterministic
+    result["async_scheduling"] = llm.engine.config.async_scheduling
     result["peak_memory_bytes"] = (
         torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     )

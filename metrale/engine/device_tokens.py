@@ -39,40 +39,50 @@ class DeviceClock:
         return DeviceClock() if device.type == "cuda" else None
 
 
-class DeviceDrafts:
-    """A drafter's [S, D] int64 drafts on the device, copied to the host behind its work."""
+class HostCopy:
+    """A device tensor's copy to the host, queued behind the work that makes it: a pinned
+    buffer and an event on CUDA, so that reading it (`rows`) waits for that work alone."""
+
+    def __init__(self, tensor: torch.Tensor, timed: bool = False) -> None:
+        self.tensor = tensor
+        self._rows: list | None = None
+        self._done = None
+        if tensor.device.type == "cuda":
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+            self._done = torch.cuda.Event(enable_timing=timed)
+            self._done.record()
+        else:
+            self._host = tensor.clone()
+
+    def rows(self) -> list:
+        """The values as host lists (waits for the work before the copy alone, once)."""
+        if self._rows is None:
+            if self._done is not None:
+                self._done.synchronize()
+            self._rows = self._host.tolist()
+        return self._rows
+
+
+class DeviceDrafts(HostCopy):
+    """A drafter's [S, D] int64 drafts on the device, copied to the host behind its work (or
+    any tokens a later step's input ids take from the device: the asynchronous engine's
+    sampled tokens, `engine/ahead.py`)."""
 
     def __init__(self, tokens: torch.Tensor, started: DeviceClock | None = None) -> None:
         """`started`: taken before the drafter's device work, so `stall_seconds` can say what
         that work cost the step."""
         if not tokens.is_contiguous():
             raise ValueError("device drafts must be a contiguous [sequences, drafts] tensor")
-        self.tensor = tokens
+        super().__init__(tokens, timed=started is not None)
         self.width = self.tensor.shape[1]
-        self._rows: list[list[int]] | None = None
         self._started, self._used = started, None
-        self._done = None
-        if tokens.device.type == "cuda":
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
-            self._done = torch.cuda.Event(enable_timing=started is not None)
-            self._done.record()
-        else:
-            self._host = tokens.clone()
 
     def row(self, index: int, length: int) -> DeviceRow:
         """The first `length` drafts of sequence `index`."""
         if not 0 <= length <= self.width:
             raise ValueError(f"a draft of {length} tokens from rows of {self.width}")
         return DeviceRow(self, index, length)
-
-    def rows(self) -> list[list[int]]:
-        """The drafts as host lists (waits for the drafter's work alone, once)."""
-        if self._rows is None:
-            if self._done is not None:
-                self._done.synchronize()
-            self._rows = self._host.tolist()
-        return self._rows
 
     @property
     def in_use(self) -> bool:

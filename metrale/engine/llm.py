@@ -16,6 +16,7 @@ from pathlib import Path
 
 from metrale.config import EngineConfig, ModelConfig, SamplingParams
 from metrale.distributed.parallel import check_tp
+from metrale.engine.ahead import AheadStepper, runs_ahead
 from metrale.engine.calibrate import measured_cost_model
 from metrale.engine.emitter import Emitter
 from metrale.engine.isolation import run_batch
@@ -104,6 +105,7 @@ class LLMEngine:
         """What sits on the runner: telemetry, the page allocator (and its prefix cache), the
         scheduler, the EOS ids, the speculative side (and D-Cut's calibration)."""
         self.telemetry = Telemetry()
+        self._ahead: AheadStepper | None = None
         cache = build_prefix_cache(self.config, self.runner, self.telemetry.prefix_cache)
         self.allocator = PageAllocator(self.runner.num_pages, self.config.page_size, cache)
         self.scheduler = Scheduler(
@@ -121,6 +123,10 @@ class LLMEngine:
             )
         self.eos_token_ids = tuple(t for t in eos if 0 <= t < self.vocab_size)
         self.requests: dict[str, Request] = {}
+        # Unfinished sequences whose steps must wait for the one before (`ahead.runs_ahead`):
+        # seq_id -> False, and their count.
+        self._ahead_ok: dict[int, bool] = {}
+        self.sync_seqs = 0
         self._rng = random.Random(self.config.seed)
         self._next_seq_id = 0
         self.emitter = Emitter(self.tokenizer, self.max_model_len)
@@ -134,6 +140,7 @@ class LLMEngine:
             cache.draft_kv = getattr(self.spec.drafter, "page_kv", None)
         if self.spec is not None and self.spec.cfg.dcut and self.runner.graphs is not None:
             self._calibrate_dcut()
+        self._ahead = AheadStepper(self) if self.config.async_scheduling else None
 
     def _calibrate_dcut(self) -> None:
         """D-Cut's verify cost curve, measured on this device now (CUDA, about a second)."""
@@ -224,6 +231,9 @@ class LLMEngine:
             if params.structured is not None:
                 seq.grammar = self.grammars.matcher(params.structured)
                 self.runner.structured_seqs += 1
+            if not runs_ahead(seq, self.spec):
+                self._ahead_ok[seq.seq_id] = False
+                self.sync_seqs += 1
             self._next_seq_id += 1
             seqs.append(seq)
         self.requests[request_id] = Request(request_id, text, list(token_ids), seqs, final_only)
@@ -280,7 +290,10 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling step; returns an output for every request that changed."""
+        """One scheduling step; returns an output for every request that changed (with
+        `async_scheduling`, those of the step launched by the call before: `engine/ahead.py`)."""
+        if self._ahead is not None:
+            return self._ahead.step()
         changed: dict[str, dict[int, tuple[str, list[int]]]] = {}
         start = time.perf_counter()
         batch = None
@@ -291,13 +304,7 @@ class LLMEngine:
                     self._fail(seq, message)
                     changed.setdefault(seq.request_id, {})[seq.seq_id] = ("", [])
             batch = self.scheduler.schedule()
-            self.telemetry.preemptions += len(batch.preempted)
-            if self.spec is not None:
-                for seq in batch.preempted:
-                    self.spec.release(seq)
-            for seq in batch.failed:
-                self._fail(seq, seq.error or "cannot be scheduled")
-                changed.setdefault(seq.request_id, {})[seq.seq_id] = ("", [])
+            self._scheduled(batch, changed)
             prompt_rows = batch.num_prompt_rows
             # The last step's deferred text is made while this step's forward runs.
             self.runner.while_forward_runs = (
@@ -306,15 +313,49 @@ class LLMEngine:
             out = self._run(batch)
             self.runner.while_forward_runs = None
             emitted = self._commit(out, changed)
-            for entry in batch.entries:
-                if entry.seq.finish_reason == "error":
-                    changed.setdefault(entry.seq.request_id, {})[entry.seq.seq_id] = ("", [])
+            self._mark_errors(batch, changed)
         finally:
             # NOTE: recorded on every exit path, a failing step included.
-            if batch is not None and batch.entries:
-                self.telemetry.record_step(
-                    batch.phase.value, prompt_rows, emitted, time.perf_counter() - start
-                )
+            if batch is not None:
+                self._record_step(batch, prompt_rows, emitted, start)
+        outputs = self._outputs(changed)
+        spec = self.spec
+        if (
+            spec is not None
+            and batch is not None
+            and batch.phase is Phase.DECODE
+            and not spec.asked
+        ):
+            # what drafting's host work is priced against: a whole plain step, not its forward
+            # (one whose drafter was asked, even for nothing, paid that work: not plain)
+            spec.host.plain(len(batch.entries), time.perf_counter() - start)
+        return outputs
+
+    def _scheduled(self, batch: Batch, changed: dict) -> None:
+        """What the scheduler decided beside the batch: preemptions and failures."""
+        self.telemetry.preemptions += len(batch.preempted)
+        if self.spec is not None:
+            for seq in batch.preempted:
+                self.spec.release(seq)
+        for seq in batch.failed:
+            self._fail(seq, seq.error or "cannot be scheduled")
+            changed.setdefault(seq.request_id, {})[seq.seq_id] = ("", [])
+
+    @staticmethod
+    def _mark_errors(batch: Batch, changed: dict) -> None:
+        for entry in batch.entries:
+            if entry.seq.finish_reason == "error":
+                changed.setdefault(entry.seq.request_id, {})[entry.seq.seq_id] = ("", [])
+
+    def _record_step(self, batch: Batch, prompt_rows: int, emitted: int, start: float) -> None:
+        if batch.entries:
+            self.telemetry.record_step(
+                batch.phase.value, prompt_rows, emitted, time.perf_counter() - start
+            )
+
+    def _outputs(self, changed: dict) -> list[RequestOutput]:
+        """The outputs of the requests that changed, the deferred text drained meanwhile
+        included; a finished request leaves the engine."""
         now = time.perf_counter()
         for seq, count in self.emitter.take_drained(changed):
             # their tokens reach the caller now: time to first token and between tokens as
@@ -333,24 +374,16 @@ class LLMEngine:
             outputs.append(self.emitter.output(request, deltas))
             if finished:
                 del self.requests[request_id]
-        spec = self.spec
-        if (
-            spec is not None
-            and batch is not None
-            and batch.phase is Phase.DECODE
-            and not spec.asked
-        ):
-            # what drafting's host work is priced against: a whole plain step, not its forward
-            # (one whose drafter was asked, even for nothing, paid that work: not plain)
-            spec.host.plain(len(batch.entries), time.perf_counter() - start)
         return outputs
 
     def _run(self, batch: Batch) -> StepOutput:
         """Run the batch, isolating a failing sequence (`isolation.run_batch`)."""
         return run_batch(self, batch)
 
-    def _commit(self, out: StepOutput, changed: dict) -> int:
+    def _commit(self, out: StepOutput, changed: dict, advanced: bool = False) -> int:
         """Advance every sequence past its committed rows, emit its tokens, feed the drafter.
+        `advanced`: a step launched ahead (`engine/ahead.py`), whose counters moved at launch
+        and whose sequences ended since are passed over.
 
         NOTE: rollback: a sequence that verified k drafts and accepted a of them keeps the KV of
         its rows up to its last token plus the a accepted drafts; the rows of rejected drafts lie
@@ -374,14 +407,22 @@ class LLMEngine:
             v = verdict_of.get(id(entry))
             accepted = 0 if v is None else v.num_accepted
             committed = entry.num_rows - len(entry.drafts) + accepted
-            seq.num_computed_tokens += committed
+            if advanced:
+                if seq.is_finished:
+                    continue
+                if v is not None:  # its token replaces the placeholder
+                    seq.output_token_ids.pop()
+                    seq.inflight = None
+            else:
+                seq.num_computed_tokens += committed
             if page and seq.num_computed_tokens >= (seq.num_registered_pages + 1) * page:
                 filled.append(seq)
             tokens: list[int] = []
             if v is not None:
                 seq.num_draft_tokens += len(entry.drafts)
                 seq.num_accepted_tokens += accepted
-                seq.noise_epoch += 1
+                if not advanced:  # else counted at launch (the next step's noise keys on it)
+                    seq.noise_epoch += 1
                 before = len(seq.output_token_ids)
                 delta = self.emitter.emit(seq, v.tokens)
                 tokens = seq.output_token_ids[before:]
@@ -421,6 +462,11 @@ class LLMEngine:
         self.scheduler.finish(seqs)
         now = time.perf_counter()
         for seq in seqs:
+            if seq.inflight is not None:  # its token in flight never reaches its output
+                seq.output_token_ids.pop()
+                seq.inflight = None
+            if not self._ahead_ok.pop(seq.seq_id, True):
+                self.sync_seqs -= 1
             self.emitter.settle(seq)
             self.telemetry.requests_finished[seq.finish_reason] += 1
             self.telemetry.request.finished(seq, now)

@@ -25,7 +25,14 @@ from metrale.engine.replay import replay_decode, replay_prefill, spans_of
 from metrale.engine.sequence import Batch, Phase, ScheduledSeq
 from metrale.engine.staging import to_device_packed
 from metrale.engine.state_cache import StateSlots
-from metrale.engine.step_output import StepOutput, greedy_verdicts, sampled_verdicts, to_host
+from metrale.engine.step_output import (
+    StepOutput,
+    greedy_verdicts,
+    pending_greedy,
+    pending_sampled,
+    sampled_verdicts,
+    to_host,
+)
 from metrale.kernels.batch_invariant import check_invariant_support, make_batch_invariant
 from metrale.kernels.paged_attention import TritonPagedAttention, triton_available
 from metrale.models.attention import AttentionMetadata, TorchPagedAttention
@@ -335,9 +342,11 @@ class ModelRunner:
         return self.model(input_ids, positions, meta, state), state
 
     @torch.inference_mode()
-    def execute(self, batch: Batch) -> StepOutput:
+    def execute(self, batch: Batch, defer: bool = False) -> StepOutput:
         """Run one step: the forward over every row, then acceptance of every sampling sequence's
-        drafts (k = 0 is a plain decode). One host sync copies the verdicts back."""
+        drafts (k = 0 is a plain decode). One host sync copies the verdicts back; with `defer`
+        (a step without drafts, grammars or penalties: `engine/ahead.py`) none: the copies are
+        queued behind the step and its output's `settle` reads them."""
         if self.hybrid:
             prefill = [e for e in batch.entries if not e.drafts and e.num_rows > 1]
             verifies = any(e.drafts for e in batch.entries)
@@ -381,7 +390,17 @@ class ModelRunner:
         if self.structured_seqs:
             # Filled on the host while the forward runs (nothing above waited for it).
             apply_grammar_masks(entries, logits, self.grammar_vocab)
-        if all(is_plain_greedy(e.seq.params, len(e.seq.output_token_ids)) for e in entries):
+        greedy = all(is_plain_greedy(e.seq.params, len(e.seq.output_token_ids)) for e in entries)
+        if defer:
+            if follow is not None or verify_state or any(e.drafts for e in entries):
+                raise RuntimeError("only a step without drafts can leave its verdicts pending")
+            pending = (
+                pending_greedy(entries, logits.argmax(dim=-1))
+                if greedy
+                else pending_sampled(entries, logits)
+            )
+            return StepOutput(batch.entries, [], hidden, ends, pending)
+        if greedy:
             # The common case needs only each row's argmax: no sampling tensors, no kernels
             # beyond the argmax, the same one host sync.
             picks = logits.argmax(dim=-1)

@@ -98,7 +98,11 @@ class Scheduler:
         seq.error = f"sequence needs {pages} KV pages, the pool has {self.allocator.num_usable}"
         return True
 
-    def schedule(self) -> Batch:
+    def schedule(self, hold: bool = False) -> Batch | None:
+        """The step's batch. `hold`: tokens of running sequences are still being sampled (the
+        asynchronous engine, `engine/ahead.py`), so no sequence may be preempted or failed now
+        (its recompute would need them): None instead, and the engine schedules again once it
+        has them (the pages reserved so far stay reserved, as that call wants them too)."""
         budget = self.max_num_batched_tokens
         batch = Batch(entries=[])
         alloc = self.allocator
@@ -121,6 +125,8 @@ class Scheduler:
                     alloc.reserve(seq, need)
                     free -= extra
             else:
+                if hold:
+                    return None
                 if drafts and not alloc.can_fit(seq, need):
                     # Drafts are optional: drop them before evicting anyone for their rows.
                     num_rows -= len(drafts)

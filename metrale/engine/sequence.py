@@ -88,6 +88,10 @@ class Sequence:
     state_restore: int = -1
     state_pin: int = -1
     snapshot_at: list[int] = field(default_factory=list)
+    # Asynchronous scheduling (`engine/ahead.py`): the token its last launched step samples,
+    # still on the device (a `DeviceRow`); `output_token_ids` ends with a placeholder for it
+    # until that step is settled.
+    inflight: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -137,13 +141,17 @@ class ScheduledSeq:
             raise ValueError("draft rows must follow every token of the sequence")
 
     def token_ids(self) -> list[int]:
-        """The rows' token ids (drafts still on the device as `PendingIds` placeholders, which
-        `ModelRunner.span_metadata` fills there)."""
-        start = self.seq.num_computed_tokens
-        end = min(start + self.num_rows, self.seq.num_tokens)
+        """The rows' token ids (drafts, or a last token, still on the device as `PendingIds`
+        placeholders, which `ModelRunner.span_metadata` fills there)."""
+        seq = self.seq
+        start = seq.num_computed_tokens
+        end = min(start + self.num_rows, seq.num_tokens)
+        if seq.inflight is not None and end == seq.num_tokens:
+            # its last token is still being sampled by the step before (no drafts then)
+            return PendingIds.of(seq.tokens(start, end - 1), seq.inflight)
         if isinstance(self.drafts, DeviceRow):
-            return PendingIds.of(self.seq.tokens(start, end), self.drafts)
-        return self.seq.tokens(start, end) + self.drafts
+            return PendingIds.of(seq.tokens(start, end), self.drafts)
+        return seq.tokens(start, end) + self.drafts
 
 
 @dataclass

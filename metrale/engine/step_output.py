@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from metrale.engine.device_tokens import DeviceDrafts, HostCopy
 from metrale.engine.sampler import SamplingBatch, SamplingRow
 from metrale.engine.sequence import ScheduledSeq, Sequence
 from metrale.speculative.verify import accept, build_layout
@@ -40,12 +41,38 @@ class SeqVerdict:
         return self.entry.seq
 
 
+class PendingVerdicts:
+    """A step's verdicts still on the device (`ModelRunner.execute(defer=True)`, a step without
+    drafts): each sampling entry's token, which the next step's input ids take from the device
+    (`tokens`, one row each), and the host copies of the step's results, queued behind it."""
+
+    def __init__(
+        self, entries: list[ScheduledSeq], tokens: DeviceDrafts, table: HostCopy | None, k: int
+    ) -> None:
+        """`table`: a `verdict_table` (sampled rows, logprobs), or None when each row's token is
+        all there is (plain greedy rows)."""
+        self.entries, self.tokens, self.table, self.k = entries, tokens, table, k
+
+    def verdicts(self) -> list[SeqVerdict]:
+        """Waits for the step's copies (its forward and sampling alone)."""
+        if self.table is None:
+            return greedy_verdicts(self.entries, [row[0] for row in self.tokens.rows()])
+        return parse_verdicts(self.entries, self.table.rows(), self.k)
+
+
 @dataclass
 class StepOutput:
     entries: list[ScheduledSeq]  # the entries that ran, in packed order
     verdicts: list[SeqVerdict]  # one per sampling entry, in packed order
     hidden: torch.Tensor  # [T, H] final hidden states of every packed row
     row_ends: list[int]  # per entry, the end of its packed rows
+    # a deferred step's verdicts (`verdicts` is empty until `settle`)
+    pending: PendingVerdicts | None = None
+
+    def settle(self) -> None:
+        """A deferred step's verdicts, read back now."""
+        if self.pending is not None:
+            self.verdicts, self.pending = self.pending.verdicts(), None
 
     @staticmethod
     def merge(parts: list[StepOutput]) -> StepOutput:
@@ -82,9 +109,9 @@ def to_host(tensor: torch.Tensor, follow=None, tokens: torch.Tensor | None = Non
     return host.tolist()
 
 
-def verdicts_of(entries: list[ScheduledSeq], acc, read=None) -> list[SeqVerdict]:
-    """The step's one host sync: every row's match, emitted token and logprob data together
-    (`read` turns the table into host lists: `to_host` with the step's drafter work)."""
+def verdict_table(acc) -> tuple[torch.Tensor, int]:
+    """([R, 2 (+ 2 + 2k)] every row's match, emitted token and logprob data together, k): what
+    the step's one host copy carries."""
     cols = [acc.matches[:, None].double(), acc.emitted[:, None].double()]
     k = 0
     if acc.logprobs is not None:
@@ -95,8 +122,18 @@ def verdicts_of(entries: list[ScheduledSeq], acc, read=None) -> list[SeqVerdict]
             acc.top_token_ids.double(),
             acc.top_logprobs.double(),
         ]
-    table = torch.cat(cols, dim=1)  # [R, 2 (+ 2 + 2k)]
-    table = table.tolist() if read is None else read(table)
+    return torch.cat(cols, dim=1), k
+
+
+def verdicts_of(entries: list[ScheduledSeq], acc, read=None) -> list[SeqVerdict]:
+    """The step's one host sync: every row's match, emitted token and logprob data together
+    (`read` turns the table into host lists: `to_host` with the step's drafter work)."""
+    table, k = verdict_table(acc)
+    return parse_verdicts(entries, table.tolist() if read is None else read(table), k)
+
+
+def parse_verdicts(entries: list[ScheduledSeq], table: list, k: int) -> list[SeqVerdict]:
+    """The verdicts from a `verdict_table` read back to the host."""
     result, row = [], 0
     for e in entries:
         rows = table[row : row + len(e.drafts) + 1]
@@ -145,6 +182,26 @@ def sampled_verdicts(
     `forced`: the bench's `ForcedAcceptance`; `follow` (`ModelRunner.after_verify` bound to the
     step) is given the emitted token of every row, queued before the host sync, when the drafts
     are one-hot (a match is then an equal token)."""
+    acc, one_hot = _acceptance(entries, logits, raw_argmax, forced)
+    follow = follow if one_hot else None  # the drafts' own q: matches are not equal tokens
+    return verdicts_of(entries, acc, lambda table: to_host(table, follow, acc.emitted))
+
+
+def pending_sampled(entries: list[ScheduledSeq], logits: torch.Tensor) -> PendingVerdicts:
+    """`sampled_verdicts` of a step without drafts, left on the device (`PendingVerdicts`)."""
+    acc, _ = _acceptance(entries, logits, False)
+    table, k = verdict_table(acc)
+    tokens = DeviceDrafts(acc.emitted.long().contiguous().view(-1, 1))
+    return PendingVerdicts(entries, tokens, HostCopy(table), k)
+
+
+def pending_greedy(entries: list[ScheduledSeq], picks: torch.Tensor) -> PendingVerdicts:
+    """`greedy_verdicts` of a step without drafts, left on the device (`PendingVerdicts`)."""
+    return PendingVerdicts(entries, DeviceDrafts(picks.view(-1, 1)), None, 0)
+
+
+def _acceptance(entries: list[ScheduledSeq], logits: torch.Tensor, raw_argmax: bool, forced=None):
+    """(`accept`'s result, whether every draft is one-hot) on the device."""
     device = logits.device
     sb = SamplingBatch.build(
         [
@@ -168,9 +225,7 @@ def sampled_verdicts(
     acc = accept(logits, sb, layout, q, raw_argmax=raw_argmax, q_rows=q_rows)
     if forced is not None:  # `metrale bench --forced-acceptance` only
         acc = forced(acc, layout)
-    if q is not None:  # the drafts' own distributions: matches are not equal tokens
-        follow = None
-    return verdicts_of(entries, acc, lambda table: to_host(table, follow, acc.emitted))
+    return acc, q is None
 
 
 def _draft_probs(entries: list[ScheduledSeq], logits: torch.Tensor):

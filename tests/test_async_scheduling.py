@@ -1,0 +1,251 @@
+"""Asynchronous scheduling (`async_scheduling=True`, `engine/ahead.py`) is invisible in the
+output: each step is launched before the one before it is read back, and every request gets the
+tokens, text, logprobs and finish reason the synchronous engine gives it — greedy and seeded
+sampling, stop strings and EOS, chunked prefill and preemption, aborts mid-stream, a failing
+sequence, arrivals mid-run — on dense and hybrid targets. Requests that need the tokens before the
+next step (speculation, grammars, penalties) keep the engine synchronous while they run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metrale import LLM, SamplingParams
+from tests.test_batching import prompts_of_mixed_lengths
+from tests.test_hybrid_engine import hybrid_dir  # noqa: F401 (a module fixture)
+
+
+def _target(request, name):
+    return request.getfixturevalue("tiny_model_dir" if name == "dense" else "hybrid_dir")
+
+
+def _prompts(n: int = 10, seed: int = 1) -> list[list[int]]:
+    return [[t % 300 for t in p] for p in prompts_of_mixed_lengths(n, seed)]
+
+
+def _params(i: int) -> SamplingParams:
+    """A mix: greedy, seeded sampling, logprobs, a stop string, EOS allowed, n = 2."""
+    kind = i % 5
+    if kind == 0:
+        return SamplingParams(temperature=0.0, max_tokens=9 + i, ignore_eos=True)
+    if kind == 1:
+        return SamplingParams(temperature=0.8, top_p=0.9, seed=40 + i, max_tokens=12)
+    if kind == 2:
+        return SamplingParams(temperature=0.0, max_tokens=10, logprobs=3, ignore_eos=True)
+    if kind == 3:
+        return SamplingParams(temperature=1.0, seed=i, max_tokens=20, stop=["e", "a"])
+    return SamplingParams(temperature=0.7, seed=7 + i, max_tokens=8, n=2)
+
+
+def _same(outs, ref) -> None:
+    """Tokens, text and finish reason exactly; logprobs to 1e-4 (a step ahead runs beside other
+    rows, and CPU kernels round by the row count: issue 13)."""
+    assert len(outs) == len(ref)
+    for o, r in zip(outs, ref, strict=True):
+        for c, d in zip(o.outputs, r.outputs, strict=True):
+            assert (c.token_ids, c.text, c.finish_reason) == (d.token_ids, d.text, d.finish_reason)
+            assert (c.logprobs is None) == (d.logprobs is None)
+            if d.logprobs is not None:
+                assert c.cumulative_logprob == pytest.approx(d.cumulative_logprob, abs=1e-3)
+                for e, f in zip(c.logprobs, d.logprobs, strict=True):
+                    assert list(e) == list(f)
+                    for t in f:
+                        assert e[t].logprob == pytest.approx(f[t].logprob, abs=1e-4)
+
+
+def _run(path, prompts, params, **kw):
+    llm = LLM(path, device="cpu", **kw)
+    return llm, llm.generate(prompts, params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("target", ["dense", "hybrid"])
+def test_async_engine_gives_the_synchronous_output(request, target):
+    path = _target(request, target)
+    prompts = _prompts()
+    params = [_params(i) for i in range(len(prompts))]
+    _, ref = _run(path, prompts, params)
+    llm, outs = _run(path, prompts, params, async_scheduling=True)
+    _same(outs, ref)
+    stepper = llm.engine._ahead
+    assert stepper.launches_ahead > stepper.launches // 2  # it did run ahead
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
+    assert llm.engine.sync_seqs == 0 and not llm.engine.requests
+
+
+@pytest.mark.parametrize("target", ["dense", "hybrid"])
+def test_chunked_prefill_and_preemption_under_async_scheduling(request, target):
+    path = _target(request, target)
+    prompts = _prompts(12, seed=3)
+    params = [_params(i) for i in range(len(prompts))]
+    _, ref = _run(path, prompts, params)
+    # a pool far smaller than the batch needs: sequences are preempted and recomputed
+    small = dict(max_num_batched_tokens=48, page_size=4, num_kv_pages=40, prefix_caching=False)
+    llm, outs = _run(path, prompts, params, async_scheduling=True, **small)
+    assert llm.engine.telemetry.preemptions > 0
+    _same(outs, ref)
+    assert llm.engine._ahead.launches_ahead > 0
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
+
+
+def _stream(engine, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]], aborts):
+    """Step the engine to the end, adding requests and aborting others at given steps; returns
+    each request's streamed token ids and text, and its last output."""
+    seen: dict[str, tuple[list[int], str]] = {}
+    last = {}
+
+    def take(out) -> None:
+        ids, text = seen.get(out.request_id, ([], ""))
+        c = out.outputs[0]
+        seen[out.request_id] = (ids + c.delta_token_ids, text + c.delta_text)
+        last[out.request_id] = out
+
+    step = 0
+    while step <= max(arrivals) or engine.has_unfinished_requests():
+        for rid, prompt, sp in arrivals.get(step, []):
+            engine.add_request(rid, prompt, sp)
+        for rid in aborts.get(step, []):
+            out = engine.abort_request(rid)
+            if out is not None:
+                take(out)
+        for out in engine.step():
+            take(out)
+        step += 1
+    return seen, last
+
+
+@pytest.mark.parametrize("target", ["dense", "hybrid"])
+def test_arrivals_and_aborts_mid_stream(request, target):
+    path = _target(request, target)
+    prompts = _prompts(8, seed=5)
+    params = [_params(i) for i in range(8)]
+    params[4] = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    arrivals = {0: [], 3: [], 6: []}
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        arrivals[(0, 3, 6)[i % 3]].append((f"r{i}", p, sp))
+    aborts = {5: ["r0"], 9: ["r4", "r7"]}
+    results = []
+    for async_on in (False, True):
+        llm = LLM(path, device="cpu", async_scheduling=async_on)
+        results.append(_stream(llm.engine, arrivals, aborts))
+        engine = llm.engine
+        assert engine.allocator.num_free == engine.allocator.num_usable
+        assert engine.sync_seqs == 0 and not engine.requests
+    (seen_sync, last_sync), (seen_async, last_async) = results
+    for rid, out in last_sync.items():
+        ref, got = out.outputs[0], last_async[rid].outputs[0]
+        if ref.finish_reason == "abort":
+            # aborted one step apart at most: what it shows is a prefix of the other's, never
+            # a placeholder for a token still in flight
+            assert got.finish_reason == "abort"
+            a, b = sorted((ref.token_ids, got.token_ids), key=len)
+            assert b[: len(a)] == a and len(b) - len(a) <= 1
+            assert seen_async[rid][0] == got.token_ids
+            continue
+        assert (got.token_ids, got.text, got.finish_reason) == (
+            ref.token_ids,
+            ref.text,
+            ref.finish_reason,
+        )
+        assert seen_async[rid] == seen_sync[rid] == (ref.token_ids, ref.text)
+
+
+def test_a_failing_forward_ends_only_its_sequence(tiny_model_dir, monkeypatch):
+    prompts = _prompts(5, seed=2)
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)] * 5
+    _, ref = _run(tiny_model_dir, prompts, params)
+    llm = LLM(tiny_model_dir, device="cpu", async_scheduling=True)
+    runner = llm.engine.runner
+    real_execute = runner.execute
+    calls = {"n": 0}
+
+    def execute(batch, defer=False):
+        calls["n"] += 1
+        if calls["n"] > 3 and any(e.seq.request_id == "2" for e in batch.entries):
+            raise RuntimeError("NaN in the forward")
+        return real_execute(batch, defer=defer)
+
+    monkeypatch.setattr(runner, "execute", execute)
+    engine = llm.engine
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), p, sp, final_only=True)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[out.request_id] = out
+    failed = outs["2"].outputs[0]
+    assert failed.finish_reason == "error" and "NaN in the forward" in failed.error
+    assert ref[2].outputs[0].token_ids[: len(failed.token_ids)] == failed.token_ids
+    for i in (0, 1, 3, 4):
+        assert outs[str(i)].outputs[0].token_ids == ref[i].outputs[0].token_ids
+    assert engine.allocator.num_free == engine.allocator.num_usable
+
+
+@pytest.mark.parametrize(
+    "needs_tokens",
+    [
+        dict(repetition_penalty=1.3),
+        dict(frequency_penalty=0.5),
+        dict(structured={"regex": "[ab]+"}, ignore_eos=False),
+        dict(speculative=True),
+    ],
+    ids=["repetition", "frequency", "grammar", "speculative"],
+)
+def test_requests_that_need_their_tokens_keep_the_engine_synchronous(tiny_model_dir, needs_tokens):
+    prompts = _prompts(4, seed=4)
+    base = dict(temperature=0.0, max_tokens=10, ignore_eos=True, speculative=False)
+    longer = SamplingParams(**(base | {"max_tokens": 40} | needs_tokens))
+    params = [SamplingParams(**base)] * 3 + [longer]
+    spec = {"method": "ngram", "num_drafts": 3}
+    _, ref = _run(tiny_model_dir, prompts, params, spec=spec)
+    llm, outs = _run(tiny_model_dir, prompts, params, spec=spec, async_scheduling=True)
+    _same(outs, ref)
+    engine = llm.engine
+    assert engine._ahead.launches_ahead == 0  # the fourth request outlives the others
+    assert engine.sync_seqs == 0
+    # with it gone, the others run ahead again
+    llm.generate(prompts[:3], params[:3], use_tqdm=False)
+    assert engine._ahead.launches_ahead > 0
+
+
+def test_a_drafter_that_learns_from_every_step_keeps_it_synchronous(tiny_model_dir):
+    """MTP observes every step's verdicts (it catches up on the hidden states), even of
+    requests that do not speculate."""
+    from metrale.speculative.replay import ReplayDrafter
+
+    class Learning(ReplayDrafter):
+        stateless = False
+
+    drafter = Learning({}, 1.0, 200)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, speculative=False)
+    llm = LLM(tiny_model_dir, device="cpu", drafter=drafter, async_scheduling=True)
+    llm.generate(_prompts(3), params, use_tqdm=False)
+    assert llm.engine._ahead.launches_ahead == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("target", ["shipped", "hybrid"])
+def test_on_cuda_graphs_the_async_engine_gives_the_same_bits(tmp_path, tokenizer_dir, target):
+    """Under CUDA graphs, with the tokens in flight read by the next step's program from the
+    device: the same tokens and logprobs as the synchronous engine (batch-invariant kernels, so
+    that the thrown-away rows of ended sequences change no other row's bits)."""
+    from metrale.default_model import default_model_dir
+    from tests.test_hybrid_engine import write_hybrid
+
+    if target == "shipped":
+        path = default_model_dir()
+    else:  # bf16, as `test_deterministic.py`'s hybrid (float32 exceeds a kernel's shared memory)
+        path = write_hybrid(tmp_path / "hybrid", tokenizer_dir, seed=3, hidden_size=256)
+    prompts = _prompts(24, seed=9)
+    params = [_params(i) for i in range(len(prompts))]
+    kw = dict(device="cuda", dtype="bfloat16", deterministic=True, max_num_seqs=16)
+    ref = LLM(path, **kw).generate(prompts, params, use_tqdm=False)
+    llm = LLM(path, **kw, async_scheduling=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for o, r in zip(outs, ref, strict=True):
+        for c, d in zip(o.outputs, r.outputs, strict=True):
+            assert (c.token_ids, c.text, c.finish_reason) == (d.token_ids, d.text, d.finish_reason)
+            assert c.logprobs == d.logprobs
+    stepper = llm.engine._ahead
+    assert stepper.launches_ahead > stepper.launches // 2
+    assert llm.engine.runner.graph_refusals == 0
