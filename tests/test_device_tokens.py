@@ -78,3 +78,22 @@ def test_span_metadata_writes_device_drafts_where_the_list_would_be(tiny_model_d
     assert ids.tolist() == want_ids.tolist() == [1, 2, 3, 21, 22, 7, 8, 4, 31, 32, 5, 6, 11, 12, 13]
     assert torch.equal(positions, want_positions)
     assert torch.equal(meta.slot_mapping, want_meta.slot_mapping)
+
+
+@pytest.mark.parametrize("chunk", [False, True], ids=["decode", "with-a-prompt-chunk"])
+@pytest.mark.parametrize("order", [[0, 1, 2, 3], [2, 0, 3, 1], [0, 1, 3]])
+def test_last_tokens_on_the_device_fill_decode_rows_in_any_order(tiny_model_dir, order, chunk):
+    """A decode step under asynchronous scheduling: each row's token is the step before's
+    sample, on the device. In that step's order the rows take one slice copy (a run); in any
+    other order, with a sequence gone or a prompt chunk between them, index kernels; the ids are
+    the same either way."""
+    runner = LLM(tiny_model_dir, device="cpu", dtype="float32").engine.runner
+    samples = DeviceDrafts(torch.tensor([[41], [42], [43], [44]]))
+    spans = [([i + 1], 5, PendingIds.of([], samples.row(i, 1))) for i in order]
+    want = [41 + i for i in order]
+    if chunk:
+        spans.insert(1, ([9], 0, [7, 8]))
+        want[1:1] = [7, 8]
+    ids, _, _ = runner.span_metadata(spans)
+    assert ids.tolist() == want
+    assert samples.in_use and samples._rows is None  # taken on the device, never read

@@ -32,10 +32,13 @@ import time
 from dataclasses import dataclass
 
 from metrale.distributed.parallel import DistributedError
+from metrale.engine.device_tokens import DeviceRow
 from metrale.engine.isolation import run_batch
-from metrale.engine.sequence import Batch, Sequence
+from metrale.engine.sequence import Batch, Sequence, SequenceStatus
 from metrale.engine.step_output import StepOutput
 from metrale.outputs import RequestOutput
+
+FINISHED = SequenceStatus.FINISHED
 
 
 def runs_ahead(seq: Sequence, spec) -> bool:
@@ -147,13 +150,13 @@ class AheadStepper:
             seq = entry.seq
             if entry.samples:
                 row += 1
-            if seq.is_finished:  # the step before ended it: this row is thrown away
+            if seq.status is FINISHED:  # the step before ended it: this row is thrown away
                 continue
             seq.num_computed_tokens += entry.num_rows
             if entry.samples:
                 seq.noise_epoch += 1
                 seq.output_token_ids.append(0)
-                seq.inflight = tokens.row(row - 1, 1)
+                seq.inflight = DeviceRow(tokens, row - 1, 1)
 
     def _settle(self, launched: Launched, changed: dict) -> None:
         """Read a launched step's verdicts and commit them (the counters moved already)."""

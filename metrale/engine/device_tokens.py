@@ -180,13 +180,43 @@ class PendingIds(list):
         return ids
 
 
-def pending_fills(
-    pending: list[tuple[int, DeviceRow]], input_ids: list[int]
-) -> list[tuple[DeviceDrafts, list[int], list[int]]]:
+class Fills:
+    """Where a step's device-held ids go: per source tensor, rows of the packed input ids and
+    flat indices into the source. A run of rows taking a run of the source (a decode batch in
+    the order of the step before, under asynchronous scheduling) is one slice copy, with no
+    index to pack; the others are two index kernels, their indices packed in the step's one
+    host-to-device copy (`indices`)."""
+
+    def __init__(self, fills: list[tuple[DeviceDrafts, list[int], list[int]]]) -> None:
+        self.runs, self.indexed = [], []
+        for fill in fills:
+            (self.runs if _is_run(fill[1]) and _is_run(fill[2]) else self.indexed).append(fill)
+        self.indices = [index for _, dst, src in self.indexed for index in (dst, src)]
+
+    def write(self, ids: torch.Tensor, indices: list[torch.Tensor]) -> None:
+        """Write the values into the step's input ids `ids` on the device (`indices`: the
+        device copies of `self.indices`, in order)."""
+        for source, dst, src in self.runs:
+            source.use()
+            ids[dst[0] : dst[-1] + 1].copy_(source.tensor.view(-1)[src[0] : src[-1] + 1])
+        for (source, _, _), dst, src in zip(self.indexed, indices[::2], indices[1::2], strict=True):
+            source.use()
+            ids.index_copy_(0, dst, source.tensor.view(-1).index_select(0, src))
+
+
+def _is_run(indices: list[int]) -> bool:
+    """Whether `indices` are consecutive ascending integers."""
+    first = indices[0]
+    return indices[-1] - first == len(indices) - 1 and indices == list(
+        range(first, first + len(indices))
+    )
+
+
+def pending_fills(pending: list[tuple[int, DeviceRow]], input_ids: list[int]) -> Fills:
     """For drafts on the device ending before row `end` of the packed `input_ids`, (end, row)
     each: per source tensor, (source, rows of `input_ids`, flat indices into the source) to
-    write them there. Drafts a verify took already (a retried step) go into `input_ids` from
-    the host copy instead."""
+    write them there (`Fills`). Drafts a verify took already (a retried step) go into
+    `input_ids` from the host copy instead."""
     fills: dict[DeviceDrafts, tuple[list[int], list[int]]] = {}
     for end, row in pending:
         source, k = row.source, row.length
@@ -196,7 +226,11 @@ def pending_fills(
         entry = fills.get(source)
         if entry is None:
             entry = fills[source] = ([], [])
-        entry[0].extend(range(end - k, end))
         first = row.at * source.width
-        entry[1].extend(range(first, first + k))
-    return [(source, dst, src) for source, (dst, src) in fills.items()]
+        if k == 1:  # a last token (asynchronous scheduling): one a sequence, at batch 64
+            entry[0].append(end - 1)
+            entry[1].append(first)
+        else:
+            entry[0].extend(range(end - k, end))
+            entry[1].extend(range(first, first + k))
+    return Fills([(source, dst, src) for source, (dst, src) in fills.items()])

@@ -301,15 +301,12 @@ class ModelRunner:
             table + [DUMMY_PAGE] * (width - len(table)) for table, _, _ in spans
         )
         fills = pending_fills(pending, input_ids)
-        indices = [index for _, dst, src in fills for index in (dst, src)]
         packed = to_device_packed(
-            [input_ids, positions, slots, starts, seq_lens, list(tables), *indices], self.device
+            [input_ids, positions, slots, starts, seq_lens, list(tables), *fills.indices],
+            self.device,
         )
         ids_t, pos_t, slots_t, starts_t, lens_t, tables_t = packed[:6]
-        for (source, _, _), dst, src in zip(fills, packed[6::2], packed[7::2], strict=True):
-            # drafts still on the device: their rows' ids come from the drafter's tensor
-            source.use()
-            ids_t[dst] = source.tensor.view(-1)[src]
+        fills.write(ids_t, packed[6:])
         meta = AttentionMetadata(
             slot_mapping=slots_t,
             positions=pos_t,
