@@ -186,9 +186,8 @@ def test_a_failing_forward_ends_only_its_sequence(tiny_model_dir, monkeypatch):
         dict(repetition_penalty=1.3),
         dict(frequency_penalty=0.5),
         dict(structured={"regex": "[ab]+"}, ignore_eos=False),
-        dict(speculative=True),
     ],
-    ids=["repetition", "frequency", "grammar", "speculative"],
+    ids=["repetition", "frequency", "grammar"],
 )
 def test_requests_that_need_their_tokens_keep_the_engine_synchronous(tiny_model_dir, needs_tokens):
     prompts = _prompts(4, seed=4)
@@ -205,6 +204,44 @@ def test_requests_that_need_their_tokens_keep_the_engine_synchronous(tiny_model_
     # with it gone, the others run ahead again
     llm.generate(prompts[:3], params[:3], use_tqdm=False)
     assert engine._ahead.launches_ahead > 0
+
+
+@pytest.mark.parametrize("target", ["dense", "hybrid"])
+@pytest.mark.parametrize("dcut", [True, False], ids=["dcut", "no-dcut"])
+def test_speculative_requests_under_async_scheduling(request, target, dcut):
+    """Steps that draft wait for the step before (the drafter reads its tokens) and verify
+    synchronously; the others run ahead. Lossless either way: the plain engine's tokens."""
+    path = _target(request, target)
+    prompts = [p * 3 for p in _prompts(8, seed=6)]  # repeats: n-gram drafts
+    params = [_params(i) for i in range(8)]
+    spec = {"method": "ngram", "num_drafts": 3, "dcut": dcut}
+    _, plain = _run(path, prompts, params)
+    _, ref = _run(path, prompts, params, spec=spec)
+    llm, outs = _run(path, prompts, params, spec=spec, async_scheduling=True)
+    _same(outs, ref)
+    _same(outs, plain)
+    tel = llm.engine.telemetry.spec
+    assert tel.num_drafts > 0
+    assert llm.engine._ahead.launches_ahead > 0  # prefill steps, and depth 0 with D-Cut
+    assert llm.engine.sync_seqs == 0 and not llm.engine.requests
+
+
+def test_steps_dcut_plans_at_depth_zero_run_ahead(tiny_model_dir):
+    """Drafts that are always wrong: D-Cut learns it and plans depth 0, and those steps run
+    ahead like plain ones (a probe step now and then drafts and waits)."""
+    from metrale.speculative.replay import ReplayDrafter
+
+    prompts = _prompts(6, seed=8)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    _, plain = _run(tiny_model_dir, prompts, params)
+    truth = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain, strict=True)}
+    drafter = ReplayDrafter(truth, 0.0, 200)
+    llm = LLM(tiny_model_dir, device="cpu", drafter=drafter, async_scheduling=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    _same(outs, plain)
+    stepper = llm.engine._ahead
+    assert llm.engine.telemetry.spec.num_drafts > 0  # it tried
+    assert stepper.launches_ahead > stepper.launches // 2
 
 
 def test_a_drafter_that_learns_from_every_step_keeps_it_synchronous(tiny_model_dir):

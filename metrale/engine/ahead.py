@@ -17,11 +17,13 @@ computed and thrown away, and its KV lands past the sequence's end in pages it f
 keeps any later reuse after it). Counters move when a step is launched (`_advance`: the rows it
 computes, a placeholder for its token), tokens when it is settled.
 
-Where the engine stays synchronous (the step waits for the one before it, `may_run_ahead`):
-- any unfinished sequence drafts (speculative decoding needs its tokens to draft and its verdicts
-  to advance), follows a grammar (the mask needs its last token) or has a repetition, presence or
-  frequency penalty (they count its tokens); a drafter that learns from every step (MTP) keeps the
-  whole engine synchronous;
+Where the engine stays synchronous (the step waits for the one before it):
+- a step that drafts: D-Cut plans it from counts (the placeholders keep them right), and a plan
+  that drafts settles the step in flight before the drafter reads any token; the verify then
+  runs synchronously. A step D-Cut plans at depth 0 everywhere runs ahead like a plain one. A
+  drafter that learns from every step (MTP, not `stateless`) keeps the whole engine synchronous;
+- any unfinished sequence that follows a grammar (the mask needs its last token) or has a
+  repetition, presence or frequency penalty (they count its tokens), `may_run_ahead`;
 - a step that would preempt or fail a running sequence (`Scheduler.schedule(hold=True)` refuses);
 - a step whose launch raises: it runs again through `isolation.run_batch`, after the step before.
 """
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 from metrale.distributed.parallel import DistributedError
 from metrale.engine.device_tokens import DeviceRow
 from metrale.engine.isolation import run_batch
-from metrale.engine.sequence import Batch, Sequence, SequenceStatus
+from metrale.engine.sequence import Batch, Phase, Sequence, SequenceStatus
 from metrale.engine.step_output import StepOutput
 from metrale.outputs import RequestOutput
 
@@ -42,9 +44,10 @@ FINISHED = SequenceStatus.FINISHED
 
 
 def runs_ahead(seq: Sequence, spec) -> bool:
-    """Whether a sequence's steps may be launched before the one before them is settled."""
+    """Whether a sequence's steps may be launched before the one before them is settled (those
+    its drafter drafts for never are: `AheadStepper.step` settles first)."""
     params = seq.params
-    if spec is not None and (params.speculative or not getattr(spec.drafter, "stateless", False)):
+    if spec is not None and not getattr(spec.drafter, "stateless", False):
         return False
     return (
         seq.grammar is None
@@ -85,10 +88,22 @@ class AheadStepper:
         if prev is not None and not self.may_run_ahead():
             self._settle(prev, changed)
             prev = None
-        if engine.spec is not None:  # nothing drafts here, but its bookkeeping runs
-            for seq, message in engine.spec.prepare(engine.scheduler.running):
+        if engine.spec is not None:
+            # D-Cut plans from counts, which the placeholders keep right; a plan that drafts
+            # settles the step in flight first (drafters read tokens), and the step that
+            # verifies runs synchronously
+            in_flight = [prev]
+
+            def settle_first() -> None:
+                if in_flight[0] is not None:
+                    self._settle(in_flight[0], changed)
+                    in_flight[0] = None
+
+            running = engine.scheduler.running
+            for seq, message in engine.spec.prepare(running, settle_first):
                 engine._fail(seq, message)
                 changed.setdefault(seq.request_id, {})[seq.seq_id] = ("", [])
+            prev = in_flight[0]
         batch = engine.scheduler.schedule(hold=prev is not None)
         if batch is None:  # it would preempt or fail a sequence whose token is in flight
             self._settle(prev, changed)
@@ -97,7 +112,9 @@ class AheadStepper:
         engine._scheduled(batch, changed)
         launched = None
         ahead = prev is not None
-        if batch.entries:
+        if any(e.drafts for e in batch.entries):  # a verify (the step before is settled)
+            self._run_now(batch, start, changed)
+        elif batch.entries:
             launched = self._launch(batch, start)
             if launched is None:  # its launch raised: after the step before, synchronously
                 if prev is not None:
@@ -113,6 +130,10 @@ class AheadStepper:
             # after the step before is settled: one placeholder a sequence at most
             self._advance(launched)
             self.launched = launched
+            spec = engine.spec
+            if spec is not None and launched.batch.phase is Phase.DECODE and not spec.asked:
+                # D-Cut prices drafting against a whole plain step, as this engine runs one
+                spec.host.plain(len(launched.batch.entries), time.perf_counter() - start)
         return outputs
 
     def _launch(self, batch: Batch, start: float) -> Launched | None:

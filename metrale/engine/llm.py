@@ -394,7 +394,8 @@ class LLMEngine:
         now, requests = time.perf_counter(), self.telemetry.request
         # A step that drafted nothing, with a drafter that keeps no per-step state, has nothing
         # to tell the speculative side: it is a plain decode step.
-        observing = self.spec is not None and self.spec.observing
+        # (a step launched ahead drafted nothing, for a `stateless` drafter)
+        observing = not advanced and self.spec is not None and self.spec.observing
         needs_hidden = observing and self.spec.drafter.needs_hidden
         drafter_verdicts: list[Verdict] = []
         finished: list[Sequence] = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -116,6 +117,7 @@ class SpeculativeDecoder:
         self._sources: set[DeviceDrafts] = set()
         self._asked = 0
         self._steps = 0
+        self._waited = 0.0  # seconds of `prepare` spent in `before_drafting`
         # the running sequences of the last step D-Cut planned at depth 0 everywhere, while no
         # estimate has changed since and no probe step came (None: plan again)
         self._quiet: frozenset[int] | None = None
@@ -143,18 +145,25 @@ class SpeculativeDecoder:
         """Sequences the drafter was asked to draft for this step."""
         return self._asked
 
-    def prepare(self, running: list[Sequence]) -> list[tuple[Sequence, str]]:
+    def prepare(
+        self, running: list[Sequence], before_drafting: Callable[[], None] | None = None
+    ) -> list[tuple[Sequence, str]]:
         """Set `seq.draft` on every running sequence; returns sequences whose drafting failed.
-        Times itself and `observe` for `HostCost`."""
+        Times itself and `observe` for `HostCost`. `before_drafting`: called once the plan
+        drafts, before the drafter is asked (the asynchronous engine settles the step in flight
+        there: a plan needs counts alone, a draft the tokens; not timed as drafting)."""
         if self.host.begin():
             # an estimate went stale: plan afresh
             self._quiet = self._last_plan = self._uniform = None
         start = time.perf_counter()
-        failed = self._prepare(running)
-        self.host.spent(time.perf_counter() - start, self._asked)
+        self._waited = 0.0
+        failed = self._prepare(running, before_drafting)
+        self.host.spent(time.perf_counter() - start - self._waited, self._asked)
         return failed
 
-    def _prepare(self, running: list[Sequence]) -> list[tuple[Sequence, str]]:
+    def _prepare(
+        self, running: list[Sequence], before_drafting: Callable[[], None] | None = None
+    ) -> list[tuple[Sequence, str]]:
         """`prepare`'s work.
 
         With D-Cut the depths are planned first, from the acceptance estimates: only sequences
@@ -175,6 +184,13 @@ class SpeculativeDecoder:
         planned = False  # caps are depths D-Cut already chose
         if self.cfg.dcut and seqs:
             seqs, caps, planned = self._planned(seqs, caps)
+        if seqs and before_drafting is not None:
+            waited = time.perf_counter()
+            before_drafting()
+            self._waited = time.perf_counter() - waited
+            # the step it settled may have ended some (their caps stand for the others)
+            kept = [i for i, seq in enumerate(seqs) if not seq.is_finished]
+            seqs, caps = [seqs[i] for i in kept], [caps[i] for i in kept]
         # A drafter that declares itself `stateless` learns nothing from verdicts it did not
         # draft for; any other is shown every step's verdicts, as the protocol says.
         self.observing = bool(seqs) or not getattr(self.drafter, "stateless", False)
