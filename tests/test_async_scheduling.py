@@ -67,7 +67,10 @@ def test_async_engine_gives_the_synchronous_output(request, target):
     llm, outs = _run(path, prompts, params, async_scheduling=True)
     _same(outs, ref)
     stepper = llm.engine._ahead
-    assert stepper.launches_ahead > stepper.launches // 2  # it did run ahead
+    if target == "hybrid":  # hybrid targets stay synchronous (prefix-cache snapshots)
+        assert stepper is None
+    else:
+        assert stepper.launches_ahead > stepper.launches // 2  # it did run ahead
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
     assert llm.engine.sync_seqs == 0 and not llm.engine.requests
 
@@ -83,7 +86,7 @@ def test_chunked_prefill_and_preemption_under_async_scheduling(request, target):
     llm, outs = _run(path, prompts, params, async_scheduling=True, **small)
     assert llm.engine.telemetry.preemptions > 0
     _same(outs, ref)
-    assert llm.engine._ahead.launches_ahead > 0
+    assert target == "hybrid" or llm.engine._ahead.launches_ahead > 0
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
 
 
@@ -222,7 +225,7 @@ def test_speculative_requests_under_async_scheduling(request, target, dcut):
     _same(outs, plain)
     tel = llm.engine.telemetry.spec
     assert tel.num_drafts > 0
-    assert llm.engine._ahead.launches_ahead > 0  # prefill steps, and depth 0 with D-Cut
+    assert target == "hybrid" or llm.engine._ahead.launches_ahead > 0  # prefill, depth 0
     assert llm.engine.sync_seqs == 0 and not llm.engine.requests
 
 
@@ -284,5 +287,5 @@ def test_on_cuda_graphs_the_async_engine_gives_the_same_bits(tmp_path, tokenizer
             assert (c.token_ids, c.text, c.finish_reason) == (d.token_ids, d.text, d.finish_reason)
             assert c.logprobs == d.logprobs
     stepper = llm.engine._ahead
-    assert stepper.launches_ahead > stepper.launches // 2
+    assert target == "hybrid" or stepper.launches_ahead > stepper.launches // 2
     assert llm.engine.runner.graph_refusals == 0

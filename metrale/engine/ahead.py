@@ -138,6 +138,8 @@ class AheadStepper:
 
     def _launch(self, batch: Batch, start: float) -> Launched | None:
         engine = self.engine
+        if not self.may_run_ahead():  # the step after waits for this one anyway: no deferral
+            return None
         runner = engine.runner
         runner.while_forward_runs = engine.emitter.drain if engine.emitter.has_pending else None
         try:
@@ -155,10 +157,11 @@ class AheadStepper:
         step before ended meanwhile."""
         engine = self.engine
         batch = Batch([e for e in batch.entries if not e.seq.is_finished])
+        prompt_rows = batch.num_prompt_rows  # before the commit moves the counters
         out = run_batch(engine, batch)
         emitted = engine._commit(out, changed)
         engine._mark_errors(batch, changed)
-        engine._record_step(batch, batch.num_prompt_rows, emitted, start)
+        engine._record_step(batch, prompt_rows, emitted, start)
 
     @staticmethod
     def _advance(launched: Launched) -> None:

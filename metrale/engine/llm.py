@@ -140,7 +140,10 @@ class LLMEngine:
             cache.draft_kv = getattr(self.spec.drafter, "page_kv", None)
         if self.spec is not None and self.spec.cfg.dcut and self.runner.graphs is not None:
             self._calibrate_dcut()
-        self._ahead = AheadStepper(self) if self.config.async_scheduling else None
+        # NOTE: hybrid targets stay synchronous: a prefix-cache snapshot saved when a step is
+        # settled would hold the state the next step already advanced (found in review)
+        ahead = self.config.async_scheduling and not self.runner.hybrid
+        self._ahead = AheadStepper(self) if ahead else None
 
     def _calibrate_dcut(self) -> None:
         """D-Cut's verify cost curve, measured on this device now (CUDA, about a second)."""
