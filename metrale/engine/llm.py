@@ -123,10 +123,8 @@ class LLMEngine:
             )
         self.eos_token_ids = tuple(t for t in eos if 0 <= t < self.vocab_size)
         self.requests: dict[str, Request] = {}
-        # Unfinished sequences whose steps must wait for the one before (`ahead.runs_ahead`):
-        # seq_id -> False, and their count.
-        self._ahead_ok: dict[int, bool] = {}
-        self.sync_seqs = 0
+        # Unfinished sequences whose steps must wait for the one before (`ahead.runs_ahead`)
+        self._sync_seq_ids: set[int] = set()
         self._rng = random.Random(self.config.seed)
         self._next_seq_id = 0
         self.emitter = Emitter(self.tokenizer, self.max_model_len)
@@ -166,6 +164,11 @@ class LLMEngine:
                 f"max_model_len={wanted} exceeds the model's max_position_embeddings={limit}"
             )
         return wanted
+
+    @property
+    def sync_seqs(self) -> int:
+        """Unfinished sequences that keep the asynchronous engine's steps synchronous."""
+        return len(self._sync_seq_ids)
 
     @property
     def vocab_size(self) -> int:
@@ -235,8 +238,7 @@ class LLMEngine:
                 seq.grammar = self.grammars.matcher(params.structured)
                 self.runner.structured_seqs += 1
             if not runs_ahead(seq, self.spec):
-                self._ahead_ok[seq.seq_id] = False
-                self.sync_seqs += 1
+                self._sync_seq_ids.add(seq.seq_id)
             self._next_seq_id += 1
             seqs.append(seq)
         self.requests[request_id] = Request(request_id, text, list(token_ids), seqs, final_only)
@@ -415,8 +417,7 @@ class LLMEngine:
                 if seq.is_finished:
                     continue
                 if v is not None:  # its token replaces the placeholder
-                    seq.output_token_ids.pop()
-                    seq.inflight = None
+                    seq.drop_inflight()
             else:
                 seq.num_computed_tokens += committed
             if page and seq.num_computed_tokens >= (seq.num_registered_pages + 1) * page:
@@ -466,11 +467,8 @@ class LLMEngine:
         self.scheduler.finish(seqs)
         now = time.perf_counter()
         for seq in seqs:
-            if seq.inflight is not None:  # its token in flight never reaches its output
-                seq.output_token_ids.pop()
-                seq.inflight = None
-            if not self._ahead_ok.pop(seq.seq_id, True):
-                self.sync_seqs -= 1
+            seq.drop_inflight()  # a token still in flight never reaches its output
+            self._sync_seq_ids.discard(seq.seq_id)
             self.emitter.settle(seq)
             self.telemetry.requests_finished[seq.finish_reason] += 1
             self.telemetry.request.finished(seq, now)

@@ -93,6 +93,12 @@ class Sequence:
     # until that step is settled.
     inflight: Any = None
 
+    def drop_inflight(self) -> None:
+        """Drop the placeholder of a token still in flight (`inflight`), if any."""
+        if self.inflight is not None:
+            self.output_token_ids.pop()
+            self.inflight = None
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
