@@ -247,6 +247,51 @@ def test_steps_dcut_plans_at_depth_zero_run_ahead(tiny_model_dir):
     assert stepper.launches_ahead > stepper.launches // 2
 
 
+def test_dcut_learns_under_async_scheduling_as_it_does_synchronously(tiny_model_dir, monkeypatch):
+    """D-Cut's probes teach it the same acceptance either way: drafts always wrong, then always
+    right, and it goes back to verifying (a probe whose drafts the cut left at depth 0 once ran
+    ahead, its verdicts unobserved, and D-Cut never verified again: the H200's forced grid at
+    alpha 0.8 after alpha 0). Host pricing off: the plans then depend on counts alone, and the
+    speculative telemetry of both engines is the same."""
+    from metrale.knobs import knobs
+
+    monkeypatch.setenv("METRALE_NO_DCUT_HOST_COST", "1")
+    knobs.cache_clear()
+    try:
+        figures = _learning_figures(tiny_model_dir)
+    finally:
+        knobs.cache_clear()
+    assert figures[1] == figures[0]
+
+
+def _learning_figures(path) -> list[tuple]:
+    from metrale.speculative.replay import ReplayDrafter
+
+    prompts = _prompts(6, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    _, plain = _run(path, prompts, params)
+    truth = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain, strict=True)}
+    figures = []
+    for async_scheduling in (False, True):
+        drafter = ReplayDrafter(truth, 0.0, 200)
+        llm = LLM(
+            path,
+            device="cpu",
+            drafter=drafter,
+            async_scheduling=async_scheduling,
+            spec={"num_drafts": 3, "dcut": True},
+        )
+        tel = llm.engine.telemetry.spec
+        _same(llm.generate(prompts, params, use_tqdm=False), plain)
+        wrong = (tel.verify_steps, tel.num_accepted_tokens)
+        drafter.record(truth, 1.0)
+        _same(llm.generate(prompts, params, use_tqdm=False), plain)
+        right = (tel.verify_steps - wrong[0], tel.num_accepted_tokens - wrong[1])
+        assert right[0] > 0 and right[1] > 3 * right[0] // 2  # it verifies again, deep
+        figures.append((wrong, right, tel.num_drafts))
+    return figures
+
+
 def test_a_drafter_that_learns_from_every_step_keeps_it_synchronous(tiny_model_dir):
     """MTP observes every step's verdicts (it catches up on the hidden states), even of
     requests that do not speculate."""

@@ -20,8 +20,10 @@ computes, a placeholder for its token), tokens when it is settled.
 Where the engine stays synchronous (the step waits for the one before it):
 - a step that drafts: D-Cut plans it from counts (the placeholders keep them right), and a plan
   that drafts settles the step in flight before the drafter reads any token; the verify then
-  runs synchronously. A step D-Cut plans at depth 0 everywhere runs ahead like a plain one. A
-  drafter that learns from every step (MTP, not `stateless`) keeps the whole engine synchronous;
+  runs synchronously, and so does a step whose drafts were all cut (a probe: its verdicts teach
+  D-Cut each sequence's first draft, and only a synchronous commit observes them). A step D-Cut
+  plans at depth 0 everywhere runs ahead like a plain one. A drafter that learns from every
+  step (MTP, not `stateless`) keeps the whole engine synchronous;
 - any unfinished sequence that follows a grammar (the mask needs its last token) or has a
   repetition, presence or frequency penalty (they count its tokens), `may_run_ahead`;
 - a step that would preempt or fail a running sequence (`Scheduler.schedule(hold=True)` refuses);
@@ -112,7 +114,12 @@ class AheadStepper:
         engine._scheduled(batch, changed)
         launched = None
         ahead = prev is not None
-        if any(e.drafts for e in batch.entries):  # a verify (the step before is settled)
+        if any(e.drafts for e in batch.entries) or (
+            engine.spec is not None and engine.spec.observing
+        ):
+            # a verify, or a step whose verdicts the drafter and D-Cut learn from (a probe that
+            # the cut left at depth 0 learns each sequence's first draft): the commit observes
+            # them, so it runs now (the step before is settled: drafting waited for it)
             self._run_now(batch, start, changed)
         elif batch.entries:
             launched = self._launch(batch, start)
@@ -131,8 +138,15 @@ class AheadStepper:
             self._advance(launched)
             self.launched = launched
             spec = engine.spec
-            if spec is not None and launched.batch.phase is Phase.DECODE and not spec.asked:
-                # D-Cut prices drafting against a whole plain step, as this engine runs one
+            if (
+                ahead
+                and spec is not None
+                and launched.batch.phase is Phase.DECODE
+                and not spec.asked
+            ):
+                # D-Cut prices drafting against a whole plain step, as this engine runs one: the
+                # launch and the wait for the step before (after a step that ran synchronously
+                # there is no wait, and the launch alone is no step's cost)
                 spec.host.plain(len(launched.batch.entries), time.perf_counter() - start)
         return outputs
 
