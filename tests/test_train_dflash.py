@@ -62,11 +62,27 @@ def test_dflash_resume_writes_the_uninterrupted_drafter(corpus, target, tmp_path
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_run_starts_from_an_earlier_drafter(dflash, corpus, target, tmp_path):  # noqa: F811
+    """`init`: the weights of a saved drafter of the same shape, not random ones: the first
+    loss is the trained drafter's, not a fresh one's; another shape is refused by name."""
+    path, trained = dflash
+    opts = replace(OPTS, steps=2, lr=1e-6, eval_every=0)
+    kw = dict(block_size=4, out_dir=tmp_path / "warm")
+    warm = train_dflash(target[0], corpus, opts, init=path, **kw)
+    fresh = train_dflash(target[0], corpus, opts, block_size=4, out_dir=tmp_path / "cold")
+    assert warm["initial_train_loss"] < 0.6 * fresh["initial_train_loss"]
+    assert warm["init"] == str(path)
+    with pytest.raises(ValueError, match=r"block_size 4 \(this run: 3\)"):
+        train_dflash(target[0], corpus, opts, block_size=3, out_dir=tmp_path / "x", init=path)
+
+
 def test_cli_trains_a_dflash_drafter(corpus, target, tmp_path, capsys):  # noqa: F811
     args = ["train", "dflash", "--target", str(target[0]), "--out", str(tmp_path), "-q"]
     args += ["--corpus", str(corpus.dirs[0]), "--steps", "3", "--seq-len", "24"]
     args += ["--batch-size", "2", "--block-size", "4", "--eval-every", "0", "--device", "cpu"]
     assert main(args + ["--teacher", "greedy"]) == 0
+    again = ["--out", str(tmp_path / "again"), "--init", str(tmp_path / "dflash")]
+    assert main(args + again) == 0
     assert (tmp_path / "dflash" / "model.safetensors").is_file()
     out = capsys.readouterr().out
     assert '"stage": "dflash"' in out and '"teacher": "greedy"' in out

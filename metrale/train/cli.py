@@ -172,6 +172,11 @@ def add_train_parsers(sub) -> None:
         help="what block rows learn: the corpus token, or the target's next-token distribution "
         "or its greedy pick (self-distillation)",
     )
+    dfl.add_argument(
+        "--init",
+        default=None,
+        help="start from this DFlash checkpoint's weights (same shape) instead of random ones",
+    )
     _add_optim_args(dfl, steps=1000, lr=1e-3)
 
 
@@ -219,6 +224,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 anchor_stride=args.anchor_stride,
                 out_dir=args.out,
                 teacher=args.teacher,
+                init=args.init,
             )
         else:
             summary = train.train_mtp(

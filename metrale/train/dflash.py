@@ -80,9 +80,12 @@ def train_dflash(
     anchor_stride: int = 16,
     out_dir: str | Path | None = None,
     teacher: str = "data",
+    init: str | Path | None = None,
 ) -> dict:
     """The DFlash stage; the drafter goes to `<out_dir or target_dir>/dflash/`. The drafter reads
-    `target_layers` of the target (default: `num_taps` evenly spaced). Returns the summary (also
+    `target_layers` of the target (default: `num_taps` evenly spaced). `init`: a DFlash
+    checkpoint of the same shape whose weights the run starts from instead of random ones (to
+    train a shipped drafter further; the optimizer starts afresh). Returns the summary (also
     `dflash_train_summary.json` there once complete)."""
     start = time.perf_counter()
     target_dir = Path(target_dir)
@@ -123,6 +126,8 @@ def train_dflash(
     target.requires_grad_(False).eval().to(device)
     drafter = DFlashDraftModel(cfg, opts.seq_len + block_size)
     init_weights(drafter, torch.Generator().manual_seed(opts.seed), num_layers)
+    if init is not None:
+        load_initial(drafter, init)
     weights = position_weights(block_size, gamma).to(device)
     embed = target.model.embed_tokens
     layers = cfg.target_layer_ids
@@ -190,6 +195,7 @@ def train_dflash(
         "anchor_stride": anchor_stride,
         # only when not the corpus: states saved before the option existed still resume
         **({} if teacher == "data" else {"teacher": teacher}),
+        **({} if init is None else {"init": str(init)}),
     }
     result = run_training(
         drafter,
@@ -210,6 +216,7 @@ def train_dflash(
         "target_layer_ids": list(layers),
         "gamma": gamma,
         "teacher": teacher,
+        "init": None if init is None else str(init),
         "target": str(target_dir),
         "corpus": data.stats,
         "session_time_s": round(time.perf_counter() - start, 3),
@@ -224,3 +231,43 @@ def _cast(model: DFlashDraftModel, dtype: torch.dtype) -> DFlashDraftModel:
     copy = DFlashDraftModel(model.config, 1)
     copy.load_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()})
     return copy.to(dtype)
+
+
+# What must agree between a run's drafter and the checkpoint it starts from (`init`).
+INIT_FIELDS = (
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "intermediate_size",
+    "block_size",
+    "mask_token_id",
+    "target_layer_ids",
+    "attention_bias",
+)
+
+
+def load_initial(drafter: DFlashDraftModel, path: str | Path) -> None:
+    """Load the weights of the DFlash checkpoint at `path` into `drafter` (float32, trainable),
+    after checking that it has this run's shape."""
+    from safetensors.torch import load_file
+
+    theirs = DFlashConfig.from_dir(path)
+    ours = drafter.config
+    differ = [
+        f"{name} {getattr(theirs, name)} (this run: {getattr(ours, name)})"
+        for name in INIT_FIELDS
+        if getattr(theirs, name) != getattr(ours, name)
+    ]
+    if differ:
+        raise ValueError(f"init {path}: not this run's drafter shape: {'; '.join(differ)}")
+    file = Path(path) / "model.safetensors"
+    if not file.is_file():
+        raise FileNotFoundError(f"init {path}: no model.safetensors")
+    state = {k: v.float() for k, v in load_file(str(file)).items()}
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    # the rotary table is a buffer of this run's length, not a weight
+    missing = [k for k in missing if "rotary" not in k]
+    if missing or unexpected:
+        raise ValueError(f"init {path}: tensors missing {missing}, unexpected {unexpected}")
