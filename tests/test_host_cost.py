@@ -138,6 +138,26 @@ def test_host_work_is_priced_against_the_engines_whole_plain_step():
     assert drafting_loses(chosen, forward_1ms, cheap)
 
 
+def test_the_asynchronous_engine_prices_the_host_work_a_verify_step_stops_hiding():
+    """Asynchronous plain steps hide their host work behind the device (1 ms of it under a
+    1.2 ms step of a 1 ms forward); a verify step waits for its verdicts and pays it: 8 x 1.42
+    tokens in 1 + 1 + 0.1 ms lose to 8 in 1.2 ms. Synchronously (the plain step's host work is
+    its 0.2 ms beyond the forward) the same plan wins, and so it does with less to hide."""
+    low = [PlanInput(slot=i, max_depth=3, accept=[0.3, 0.3, 0.3]) for i in range(8)]
+    forward_1ms = VerifyCostModel.from_points({(1, 4.0): 1.0}, {8: 1e-3})
+    chosen = plan(low, forward_1ms, width_cap=64)
+    assert chosen.depths == [3] * 8
+    hosts = {hidden: _measured(0.1e-3 / 8, 8) for hidden in (None, 1e-3, 0.3e-3)}
+    for hidden, host in hosts.items():
+        for _ in range(WARMUP_SAMPLES):
+            host.plain(8, 1.2e-3, hidden)
+    assert hosts[None].hidden_seconds(8) is None
+    assert hosts[1e-3].hidden_seconds(8) == pytest.approx(1e-3)
+    assert not drafting_loses(chosen, forward_1ms, hosts[None])
+    assert drafting_loses(chosen, forward_1ms, hosts[1e-3])
+    assert not drafting_loses(chosen, forward_1ms, hosts[0.3e-3])
+
+
 class SlowReplay(ReplayDrafter):
     """Perfect drafts that take `delay` seconds of host time to propose."""
 

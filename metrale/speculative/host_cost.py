@@ -64,6 +64,9 @@ class HostCost:
         # bucket -> [warm-up samples, EMA or None] of a whole plain decode step's seconds per
         # sequence (`plain`)
         self._plain: dict[int, list] = {}
+        # the same of its host work alone (the asynchronous engine's, whose plain steps hide it
+        # behind the device: `plain`'s `host`)
+        self._exposed: dict[int, list] = {}
         self._drafted_before = False
         self._captures = captures()  # programs captured before the step in flight
 
@@ -102,16 +105,28 @@ class HostCost:
         else:
             entry[1] += self.rate * (per_seq - entry[1])
 
-    def plain(self, width: int, seconds: float) -> None:
+    def plain(self, width: int, seconds: float, host: float | None = None) -> None:
         """A plain decode step of `width` sequences took `seconds`, start to end (since the
-        `begin` of this step)."""
+        `begin` of this step); `host`: the seconds of it the host worked rather than waited for
+        the device, where a plain step hides its host work behind the device's (the
+        asynchronous engine), and a synchronous verify step would not."""
         if not self.enabled or width <= 0 or self._captures != captures():
             return
         self._sample(self._plain.setdefault(_bucket(width), [[], None]), seconds / width)
+        if host is not None:
+            self._sample(self._exposed.setdefault(_bucket(width), [[], None]), host / width)
 
     def plain_seconds(self, width: int) -> float | None:
         """A whole plain decode step of `width` sequences, as measured; None until then."""
-        entry = self._plain.get(_bucket(width))
+        return self._per_seq(self._plain, width)
+
+    def hidden_seconds(self, width: int) -> float | None:
+        """The host work of a plain step of `width` sequences that the asynchronous engine
+        hides behind the device, as measured; None until then, and in the synchronous engine."""
+        return self._per_seq(self._exposed, width)
+
+    def _per_seq(self, buckets: dict[int, list], width: int) -> float | None:
+        entry = buckets.get(_bucket(width))
         if not self.enabled or entry is None or entry[1] is None:
             return None
         return width * entry[1]
@@ -132,8 +147,12 @@ def drafting_loses(plan: Plan, cost: VerifyCostModel, host: HostCost) -> bool:
     more than `GATE_MARGIN`, once the drafter's host work is paid. False while either the plain
     step's forward seconds or the host work at this many drafted sequences is unknown.
 
-    In units of the engine's whole plain step P (measured, else the forward's F): the plan's
-    step costs 1 + (F / P)(T(rows) - 1) for its extra rows, plus its host work H / P."""
+    Against the engine's whole plain step P (measured, else the forward's F), the plan's step
+    takes F T(rows) for its rows, plus the host work of a step, plus the drafter's H. In the
+    synchronous engine a step's host work is what P adds to F (the plan's step costs
+    1 + (F / P)(T(rows) - 1) + H / P plain steps); the asynchronous one hides it behind the
+    device in a plain step but not in a verify step, which waits for its verdicts: there it is
+    measured (`HostCost.hidden_seconds`)."""
     width = len(plan.depths)
     drafted = sum(d > 0 for d in plan.depths)
     forward = cost.plain_seconds(width)
@@ -141,6 +160,7 @@ def drafting_loses(plan: Plan, cost: VerifyCostModel, host: HostCost) -> bool:
     if drafted == 0 or forward is None or seconds is None:
         return False
     step = max(host.plain_seconds(width) or 0.0, forward)
-    rows = forward / step * (cost.step_time(plan.rows, width) - 1.0)
-    speculative = plan.expected_tokens / (1.0 + rows + seconds / step)
-    return speculative < (1.0 - GATE_MARGIN) * width
+    hidden = host.hidden_seconds(width)
+    step_host = step - forward if hidden is None else hidden
+    speculative = forward * cost.step_time(plan.rows, width) + step_host + seconds
+    return plan.expected_tokens / speculative < (1.0 - GATE_MARGIN) * width / step
