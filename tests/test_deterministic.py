@@ -15,6 +15,7 @@ from metrale.config import EngineConfig
 from metrale.kernels.batch_invariant import (
     InvariantLinear,
     config_for,
+    fit_shared,
     invariant_linear,
     make_batch_invariant,
 )
@@ -47,6 +48,28 @@ def test_tile_configuration_depends_on_rows_and_width_only():
     for m in (1, 17, 64, 100, 256, 4096):
         cfg = config_for(m, 4096, 12288)
         assert set(cfg) == {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
+
+
+H200_SHARED = 227 * 1024
+
+
+def _buffers(cfg: dict, elem_bytes: int) -> int:
+    return (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * elem_bytes * cfg["num_stages"]
+
+
+@pytest.mark.parametrize("n,k", [(4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096)])
+def test_tiles_fit_the_devices_shared_memory_in_every_dtype(n, k):
+    """The tuned bf16 tiles stand on the H200; float32 operands (twice the bytes) and smaller
+    GPUs get fewer stages or shorter K blocks, never more than the device has."""
+    for m in (1, 16, 17, 64, 65, 128, 200, 256, 257, 4096):
+        tuned = config_for(m, n, k)
+        assert fit_shared(tuned, 2, H200_SHARED) == tuned
+        for elem_bytes, budget in ((4, H200_SHARED), (2, 99 * 1024), (4, 99 * 1024)):
+            cfg = fit_shared(tuned, elem_bytes, budget)
+            assert _buffers(cfg, elem_bytes) <= budget, (m, elem_bytes, budget)
+            assert {key: cfg[key] for key in ("BLOCK_M", "BLOCK_N")} == {
+                key: tuned[key] for key in ("BLOCK_M", "BLOCK_N")
+            }
 
 
 def test_make_batch_invariant_swaps_every_linear_and_the_head(tiny_model_dir):
@@ -164,14 +187,16 @@ def test_invariant_paged_attention_row_is_alone():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n,k", [(96, 256), (4096, 1024), (10240, 512), (151936, 256)])
-def test_cuda_invariant_linear_rows_are_bitwise_alone(n, k):
+def test_cuda_invariant_linear_rows_are_bitwise_alone(n, k, dtype):
     torch.manual_seed(n)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
-    x = torch.randn(256, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=dtype) * 0.05
+    x = torch.randn(256, k, device="cuda", dtype=dtype)
     full = invariant_linear(x, w)
     ref = F.linear(x, w)
-    assert ((full.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert ((full.float() - ref.float()).norm() / ref.float().norm()).item() < tol
     for m, at in ((1, 0), (1, 200), (3, 7), (17, 100), (64, 150), (256, 0)):
         assert torch.equal(invariant_linear(x[at : at + m], w), full[at : at + m]), (m, at)
     flipped = invariant_linear(x.flip(0), w).flip(0)  # every row at another position
@@ -233,17 +258,25 @@ def test_cuda_deterministic_speculation_and_batch_give_plain_bits(hf_qwen3_facto
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["write_on_accept", "per_row_slots"])
-def test_cuda_deterministic_hybrid_gives_plain_bits(tmp_path, tokenizer_dir, variant):
-    """A bf16 hybrid target (GDN, gated attention, MoE) with longer products than the tiny one:
-    alone, in a batch and with replayed drafts, the same tokens and logprobs to the bit."""
+@pytest.mark.parametrize(
+    "variant,dtype",
+    [
+        ("write_on_accept", "bfloat16"),
+        ("per_row_slots", "bfloat16"),
+        ("write_on_accept", "float32"),
+    ],
+)
+def test_cuda_deterministic_hybrid_gives_plain_bits(tmp_path, tokenizer_dir, variant, dtype):
+    """A hybrid target (GDN, gated attention, MoE) with longer products than the tiny one:
+    alone, in a batch and with replayed drafts, the same tokens and logprobs to the bit (in
+    float32 too, whose operands twice as wide once overflowed the GEMM's shared memory)."""
     from metrale.speculative.replay import ReplayDrafter
     from tests.test_hybrid_engine import write_hybrid
 
     model = write_hybrid(tmp_path / "hybrid", tokenizer_dir, seed=3, hidden_size=256)
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(3, 300, (int(n),), generator=g).tolist() for n in range(6, 40, 2)]
-    common = dict(device="cuda", dtype="bfloat16", deterministic=True, hybrid_verify_state=variant)
+    common = dict(device="cuda", dtype=dtype, deterministic=True, hybrid_verify_state=variant)
     plain = LLM(model, **common)
     batch = [o.outputs[0] for o in _greedy(plain, prompts, logprobs=2)]
     for p, b in zip(prompts[:4], batch, strict=False):

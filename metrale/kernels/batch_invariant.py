@@ -17,6 +17,7 @@ F.linear: the CPU reference.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -123,6 +124,38 @@ def config_for(m: int, n: int, k: int) -> dict:
     return _cfg(128, 128, 64, 8, 3)
 
 
+# Shared memory a program may use where the device does not say (consumer GPUs: about 99 KiB).
+DEFAULT_SHARED_BYTES = 99 * 1024
+
+
+@functools.cache
+def shared_bytes(device: torch.device) -> int:
+    """The shared memory one program may opt in to on `device` (227 KiB on the H200)."""
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or DEFAULT_SHARED_BYTES)
+
+
+def fit_shared(cfg: dict, elem_bytes: int, budget: int) -> dict:
+    """`cfg` with fewer pipeline stages, then a shorter BLOCK_K, until its operand buffers
+    ((BLOCK_M + BLOCK_N) x BLOCK_K elements a stage) fit in `budget` bytes.
+
+    The tuned tiles are for 2-byte operands on the H200; float32 doubles their buffers (a
+    float32 target in the deterministic mode failed at start-up asking 288 KiB), and smaller
+    GPUs have less. Neither change touches the invariance: the stages only overlap the loads,
+    and every BLOCK_K reduces in the same order (the module's docstring); the shape of a step
+    still picks the same configuration on one device."""
+    cfg = dict(cfg)
+
+    def need() -> int:
+        return (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * elem_bytes * cfg["num_stages"]
+
+    while need() > budget and cfg["num_stages"] > 2:
+        cfg["num_stages"] -= 1
+    while need() > budget and cfg["BLOCK_K"] > 16:
+        cfg["BLOCK_K"] //= 2
+    return cfg
+
+
 def invariant_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None
 ) -> torch.Tensor:
@@ -144,7 +177,12 @@ def invariant_linear(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     # The interpreter rounds each BLOCK_K chunk's product before accumulating it (the GPU's
     # matrix steps do not), so under it one configuration serves every M.
-    cfg = dict(config or (_cfg(16, 32, 64, 4, 1) if INTERPRETED else config_for(m, n, k)))
+    if config is not None:
+        cfg = dict(config)
+    elif INTERPRETED:
+        cfg = _cfg(16, 32, 64, 4, 1)
+    else:
+        cfg = fit_shared(config_for(m, n, k), x.element_size(), shared_bytes(x.device))
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _invariant_matmul_kernel[grid](
         a,
