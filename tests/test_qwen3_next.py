@@ -401,7 +401,13 @@ def test_gated_rms_norm_matches_transformers(dtype):
         norm.weight.copy_(torch.randn(12, generator=gen) * 0.1 + 1)
     norm = norm.to(dtype)
     with torch.no_grad():
-        assert torch.equal(gated_rms_norm(x, z, norm.weight, 1e-6), norm(x, z))
+        ours, theirs = gated_rms_norm(x, z, norm.weight, 1e-6), norm(x, z)
+    # within an ulp in float32: our SiLU is written over exp on the CPU (`models/activations`:
+    # torch's rounds an element by where it falls in the call); bf16 rounds that away
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours, theirs, rtol=3e-7, atol=1e-7)
+    else:
+        assert torch.equal(ours, theirs)
 
 
 # ------------------------------------------------------------------------------ config and load

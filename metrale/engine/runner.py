@@ -92,7 +92,7 @@ class ModelRunner:
         self.backend = (
             TritonPagedAttention(invariant=cfg.deterministic)
             if use_kernel
-            else TorchPagedAttention()
+            else TorchPagedAttention(invariant=cfg.deterministic)
         )
         self.hybrid = model_cfg.hybrid is not None
         target_cls = Qwen3NextForCausalLM if self.hybrid else Qwen3ForCausalLM

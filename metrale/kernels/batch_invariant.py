@@ -11,8 +11,8 @@ an element, not how. A row's result is then a function of that row and the weigh
 GPU tests check it bitwise for M = 1, 3, 17, 64, 256 at any position).
 
 `invariant_linear` has F.linear's signature; `make_batch_invariant(module)` points every
-nn.Linear of a model, and its head, at it. CPU tensors (and machines without Triton) take
-F.linear: the CPU reference.
+nn.Linear of a model, and its head, at it. On the CPU the product runs in float64 and is
+rounded once (`_wide_linear`), which makes it batch-invariant there too.
 """
 
 from __future__ import annotations
@@ -124,6 +124,19 @@ def config_for(m: int, n: int, k: int) -> dict:
     return _cfg(128, 128, 64, 8, 3)
 
 
+def _wide_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The CPU's batch-invariant product: F.linear in float64, rounded once to x's dtype.
+
+    CPU BLAS picks its kernel and blocking by M too (a one-row product takes a GEMV), so a
+    float32 row rounds differently alone and in a batch. In float64 a row's product is within
+    about 1e-16 of the exact one whatever the order, and rounding that to float32 gives the same
+    bits unless the exact value lies that close to a rounding boundary."""
+    if x.dtype == torch.float64:
+        return F.linear(x, weight, bias)
+    wide = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    return wide.to(x.dtype)
+
+
 # Shared memory a program may use where the device does not say (consumer GPUs: about 99 KiB).
 DEFAULT_SHARED_BYTES = 99 * 1024
 
@@ -160,7 +173,9 @@ def invariant_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) with every row computed independently of the others."""
-    if triton is None or not (x.is_cuda or INTERPRETED):
+    if not x.is_cuda and not INTERPRETED:
+        return _wide_linear(x, weight, bias)
+    if triton is None:
         return F.linear(x, weight, bias)
     n, k = weight.shape
     lead = x.shape[:-1]
@@ -224,6 +239,9 @@ def make_batch_invariant(module: nn.Module) -> int:
             changed += 1
         if hasattr(type(sub), "head_linear"):
             sub.head_linear = invariant_linear
+            changed += 1
+        if getattr(sub, "row_invariant", None) is False:  # a MoE's experts
+            sub.row_invariant = True
             changed += 1
     return changed
 

@@ -229,8 +229,7 @@ class TritonPagedAttention(TorchPagedAttention):
     tiles every sequence's rows, so a row's rounding depends on what shares its step."""
 
     def __init__(self, invariant: bool = False) -> None:
-        super().__init__()
-        self.invariant = invariant
+        super().__init__(invariant)
 
     def _kernel_covers(self, meta: AttentionMetadata) -> bool:
         # tl.dot tiles need 16+ keys per page; head_dim a power of two >= 16 (checked at init).

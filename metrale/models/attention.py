@@ -84,7 +84,14 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
 
 
 class TorchPagedAttention:
-    """Reference paged attention: gather pages into a padded view, SDPA with a boolean mask."""
+    """Reference paged attention: gather pages into a padded view, SDPA with a boolean mask.
+
+    `invariant` (the engine's deterministic mode): SDPA in float64, rounded once. The CPU's
+    attention kernels block the keys and the query rows by how many there are, so a float32 row
+    rounds by what shares its step; in float64 it is within about 1e-16 of exact either way."""
+
+    def __init__(self, invariant: bool = False) -> None:
+        self.invariant = invariant
 
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
         device = meta.slot_mapping.device
@@ -143,6 +150,9 @@ class TorchPagedAttention:
         valid = meta.kv_valid[:, :, None, None]
         keys, values = keys.masked_fill(~valid, 0.0), values.masked_fill(~valid, 0.0)
         queries = q[meta.q_index]  # [B, max_q, Hq, D]
+        wide = self.invariant and q.dtype != torch.float64
+        if wide:
+            queries, keys, values = queries.double(), keys.double(), values.double()
         out = F.scaled_dot_product_attention(
             queries.transpose(1, 2),
             keys.transpose(1, 2),
@@ -151,4 +161,5 @@ class TorchPagedAttention:
             scale=scale,
             enable_gqa=q.shape[1] != k.shape[1],
         )  # [B, Hq, max_q, D]
-        return out.transpose(1, 2)[meta.row_seq, meta.row_offset]
+        out = out.transpose(1, 2)[meta.row_seq, meta.row_offset]
+        return out.to(q.dtype) if wide else out

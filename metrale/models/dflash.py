@@ -31,6 +31,7 @@ from torch import nn
 from metrale.config import RopeConfig, _rope_from_hf
 from metrale.kernels import fused
 from metrale.kernels.dispatch import interpreter_forced
+from metrale.models.activations import silu
 from metrale.models.attention import write_kv
 from metrale.models.layers import RMSNorm, RotaryEmbedding
 from metrale.models.loader import CheckpointError, load_weights
@@ -201,7 +202,7 @@ class DFlashLayer(nn.Module):
         h = self.post_attention_layernorm(x)
         if self.fused(h):
             return x + m.down_proj(fused.silu_mul(F.linear(h, *self.gate_up)))
-        return x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
+        return x + m.down_proj(silu(m.gate_proj(h)) * m.up_proj(h))
 
 
 def _packed(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:

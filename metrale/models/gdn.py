@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from metrale.kernels import fused
+from metrale.models.activations import silu
 
 L2NORM_EPS = 1e-6  # as fla and HF: x * rsqrt(sum(x^2) + eps)
 CHUNK_SIZE = 64
@@ -191,9 +192,17 @@ def causal_conv1d(
     if window is None:
         window = x.new_zeros(b, d, k - 1)
     seq = torch.cat([window.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, D, K-1+T]
-    out = F.conv1d(seq.to(weight.dtype), weight[:, None, :], bias, groups=d)  # [B, D, T]
+    # The taps one at a time, oldest first, rather than F.conv1d: every output is then the same
+    # sum in the same order whatever T is (a decode row and a verify row of one token get the
+    # same bits; the CPU's convolution kernels block by length).
+    taps = seq.to(weight.dtype)
+    out = weight[:, 0, None] * taps[..., :t]
+    for j in range(1, k):
+        out = out + weight[:, j, None] * taps[..., j : j + t]
+    if bias is not None:
+        out = out + bias[:, None]
     if activation:
-        out = F.silu(out)
+        out = silu(out)
     out = out.to(x.dtype).transpose(1, 2)
     views = seq.unfold(-1, k - 1, 1)  # [B, D, T+1, K-1]: view j = the window after j rows
     ends = torch.full((b,), t, device=x.device) if lengths is None else lengths
@@ -224,7 +233,7 @@ def gated_rms_norm(
     dtype = x.dtype
     x32 = x.float()
     normed = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
-    return (normed * F.silu(gate.float())).to(dtype)
+    return (normed * silu(gate.float())).to(dtype)
 
 
 class GatedRMSNorm(nn.Module):

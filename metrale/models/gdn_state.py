@@ -171,7 +171,7 @@ class GDNState:
                 gates=gates,
             )
         assert g is not None and beta is not None
-        if mode is StateMode.WRITE and t > 1:
+        if mode is StateMode.WRITE and t > self.chunk_min_rows:  # as the kernels choose
             res = chunk_gated_delta_rule(q, k, v, g, beta, pool[read])
         else:
             res = recurrent_gated_delta_rule(

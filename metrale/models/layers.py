@@ -10,11 +10,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from metrale.config import RopeConfig
 from metrale.kernels import fused
+from metrale.models.activations import silu
 
 
 class RMSNorm(nn.Module):
@@ -160,7 +160,7 @@ class SwiGLUMLP(nn.Module):
         if fused.fused_enabled(gate_up):
             return self.down_proj(fused.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu(gate) * up)
 
 
 class HiddenTaps:

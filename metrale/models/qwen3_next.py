@@ -22,6 +22,7 @@ from torch import nn
 from metrale.config import ModelConfig
 from metrale.kernels import next_attention
 from metrale.kernels.dispatch import hybrid_kernels_enabled
+from metrale.models.activations import sigmoid
 from metrale.models.attention import AttentionBackend, AttentionMetadata
 from metrale.models.gdn import RowLayout
 from metrale.models.gdn_state import GDNState
@@ -93,7 +94,7 @@ class Qwen3NextAttention(nn.Module):
         q, k = self._rope(positions, q, k)
         v = v.view(rows, self.num_kv_heads, self.head_dim)
         out = self._backend.forward(q, k, v, self.kv_cache, meta, self.scale)  # [T, Hq, D]
-        out = out.reshape(rows, -1) * torch.sigmoid(gate.reshape(rows, -1))
+        out = out.reshape(rows, -1) * sigmoid(gate.reshape(rows, -1))
         return self.o_proj(out)
 
     def _fused(

@@ -22,6 +22,7 @@ from metrale.kernels import gdn_fused
 from metrale.kernels.batch_invariant import InvariantLinear, invariant_linear
 from metrale.kernels.dispatch import hybrid_kernels_enabled
 from metrale.kernels.gdn_recurrent import GateInputs
+from metrale.models.activations import sigmoid, softplus
 from metrale.models.gdn import GatedRMSNorm, RowLayout
 from metrale.models.gdn_state import GDNState
 
@@ -110,8 +111,8 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         )
         q, k, v = self._heads(conv, bsz, t)
         # NOTE: padded rows get g = beta = 0, which leaves the state unchanged.
-        beta = layout.pad(b.sigmoid())  # [B, T, Hv]
-        g = layout.pad(-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias))
+        beta = layout.pad(sigmoid(b))  # [B, T, Hv]
+        g = layout.pad(-self.A_log.float().exp() * softplus(a.float() + self.dt_bias))
         out = state.delta_rule(self.state_index, q, k, v, g, beta)
         out = self.norm(layout.unpad(out), z)  # [N, Hv, dv]
         return self.out_proj(out.reshape(rows, self.value_dim))

@@ -29,6 +29,7 @@ from metrale.config import ModelConfig
 from metrale.kernels.dispatch import hybrid_kernels_enabled
 from metrale.kernels.moe import BLOCK_M, SharedExpert, grouped_experts
 from metrale.kernels.moe_routing import makes_logits, route, route_reference
+from metrale.models.activations import sigmoid, silu
 from metrale.models.layers import SwiGLUMLP
 
 # Without the grouped GEMM: up to this many (row, expert) pairs, the experts' weights are gathered
@@ -73,12 +74,26 @@ class Qwen3NextExperts(nn.Module):
             torch.empty(num_experts, 2 * intermediate_size, hidden_size)
         )
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        # the deterministic mode (`make_batch_invariant`): on the CPU, each row's experts in
+        # float64 (`_wide`); on the GPU the Triton kernels compute each row alone already
+        self.row_invariant = False
 
     def forward(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """x [N, H]; experts, weights [N, k] (expert ids and their routing weights) -> [N, H]."""
+        if self.row_invariant and not x.is_cuda and not hybrid_kernels_enabled(x):
+            return self._wide(x, experts, weights)
         return self._path(x, experts)(x, experts, weights)
+
+    def _wide(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor):
+        """`_gathered` in float64, rounded once: the CPU's batched products block by the number
+        of rows (and the grouped GEMM by the rows each expert gets), so a float32 row rounds by
+        what shares its step; in float64 it is within about 1e-16 of exact either way."""
+        gate_up = torch.einsum("nh,nkoh->nko", x.double(), self.gate_up_proj[experts].double())
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = torch.einsum("nki,nkhi->nkh", silu(gate) * up, self.down_proj[experts].double())
+        return (y * weights.double()[..., None]).sum(dim=1).to(x.dtype)
 
     def _path(self, x: torch.Tensor, experts: torch.Tensor):
         """The grouped Triton kernels where they run (`_triton`). Else the grouped GEMM wherever
@@ -133,7 +148,7 @@ class Qwen3NextExperts(nn.Module):
         offs = torch.searchsorted(ids, expert_ids, right=True, out_int32=True)
         gate_up = torch._grouped_mm(x[order // k], self.gate_up_proj.transpose(1, 2), offs=offs)
         gate, up = gate_up.chunk(2, dim=-1)
-        y = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+        y = torch._grouped_mm(silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
         # Back to (row, slot) order, then each row's weighted sum as one small matmul: accumulated
         # in float32 and rounded once, and deterministic (index_add_ on CUDA adds in atomic order).
         y = torch.empty_like(y).index_copy_(0, order, y).view(n, k, y.shape[1])
@@ -146,7 +161,7 @@ class Qwen3NextExperts(nn.Module):
         and verify steps keep their one sync per step (and can be graph-captured)."""
         gate_up = torch.einsum("nh,nkoh->nko", x, self.gate_up_proj[experts])  # [N, k, 2I]
         gate, up = gate_up.chunk(2, dim=-1)
-        y = torch.einsum("nki,nkhi->nkh", F.silu(gate) * up, self.down_proj[experts])
+        y = torch.einsum("nki,nkhi->nkh", silu(gate) * up, self.down_proj[experts])
         return (y * weights[..., None]).sum(dim=1).to(x.dtype)
 
     def _looped(
@@ -158,7 +173,7 @@ class Qwen3NextExperts(nn.Module):
         for e in range(self.num_experts):
             rows, pick = torch.where(experts == e)  # NOTE: a host sync; reference path
             gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[rows, pick, None]
+            y = F.linear(silu(gate) * up, self.down_proj[e]) * weights[rows, pick, None]
             out.index_add_(0, rows, y.to(out.dtype))
         return out
 
@@ -209,7 +224,7 @@ class Qwen3NextSparseMoeBlock(nn.Module):
             if residual is not None:
                 raise ValueError("the residual add + norm is fused only into the kernels' path")
             experts, weights = self.route(x)
-            shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            shared = sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
             return self.experts(x, experts, weights) + shared
         gate = self.gate.weight
         if ROUTER_IN_KERNEL and makes_logits(gate.shape[0]) and gate.dtype == x.dtype:
