@@ -307,6 +307,28 @@ def test_a_drafter_that_learns_from_every_step_keeps_it_synchronous(tiny_model_d
     assert llm.engine._ahead.launches_ahead == 0
 
 
+def test_mtp_speculation_under_async_scheduling_is_the_synchronous_engine(tiny_model_dir, tmp_path):
+    """A real MTP head (it observes every step): the engine stays synchronous throughout, and
+    every request, speculative or not, gets the synchronous engine's tokens."""
+    import shutil
+
+    from metrale.config import ModelConfig
+    from metrale.models.mtp import write_mtp_weights
+
+    path = tmp_path / "mtp"
+    shutil.copytree(tiny_model_dir, path)
+    write_mtp_weights(path, ModelConfig.from_hf(path), "qwen3_next", num_layers=1, seed=4)
+    prompts = [p * 2 for p in _prompts(8, seed=4)]
+    params = [_params(i) for i in range(8)]
+    params[1] = SamplingParams(temperature=0.0, max_tokens=10, speculative=False)
+    spec = {"method": "mtp", "num_drafts": 3}
+    _, ref = _run(path, prompts, params, spec=spec)
+    llm, outs = _run(path, prompts, params, spec=spec, async_scheduling=True)
+    _same(outs, ref)
+    assert llm.engine.telemetry.spec.num_draft_tokens > 0
+    assert llm.engine._ahead.launches_ahead == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("target", ["shipped", "hybrid"])
