@@ -124,6 +124,10 @@ def config_for(m: int, n: int, k: int) -> dict:
     return _cfg(128, 128, 64, 8, 3)
 
 
+# Output features per float64 product of `_wide_linear`.
+WIDE_BLOCK = 8192
+
+
 def _wide_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The CPU's batch-invariant product: F.linear in float64, rounded once to x's dtype.
 
@@ -133,8 +137,13 @@ def _wide_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     bits unless the exact value lies that close to a rounding boundary."""
     if x.dtype == torch.float64:
         return F.linear(x, weight, bias)
-    wide = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
-    return wide.to(x.dtype)
+    x64 = x.double()
+    parts = []
+    # a block of output features at a time: a vocabulary head's float64 copy would be gigabytes
+    for i in range(0, weight.shape[0], WIDE_BLOCK):
+        b = None if bias is None else bias[i : i + WIDE_BLOCK].double()
+        parts.append(F.linear(x64, weight[i : i + WIDE_BLOCK].double(), b).to(x.dtype))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
 # Shared memory a program may use where the device does not say (consumer GPUs: about 99 KiB).

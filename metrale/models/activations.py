@@ -4,8 +4,13 @@ On the CPU, torch's own kernels for these take a vectorised path over full SIMD 
 scalar one over the tail, and the two round differently: the same row gives other bits alone (a
 decode row) than beside its drafts (a verify row), or by where it falls in the flattened batch.
 Written over `exp`, whose two paths agree, each element's result depends on its value alone (the
-add, divide and log1p after it are correctly rounded or themselves path-independent). On the
-GPU, torch's kernels are elementwise the same way already and are used as they are.
+add, divide and log1p after it are correctly rounded or themselves path-independent). They run
+in float32 and round once to the input's dtype, as torch's do internally (in bf16 or fp16 `exp`
+would overflow or round early).
+
+On the GPU torch's kernels are elementwise the same way already and are used as they are; so
+they are where autograd records the call (training a drafter on the CPU): there row invariance
+buys nothing, and the `exp` forms give NaN gradients where `exp` overflows.
 """
 
 from __future__ import annotations
@@ -17,19 +22,25 @@ import torch.nn.functional as F
 SOFTPLUS_THRESHOLD = 20.0
 
 
+def _torchs(x: torch.Tensor) -> bool:
+    return x.is_cuda or (x.requires_grad and torch.is_grad_enabled())
+
+
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
-    if x.is_cuda:
+    if _torchs(x):
         return torch.sigmoid(x)
-    return 1.0 / (1.0 + torch.exp(-x))
+    return (1.0 / (1.0 + torch.exp(-x.float()))).to(x.dtype)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
-    if x.is_cuda:
+    if _torchs(x):
         return F.silu(x)
-    return x / (1.0 + torch.exp(-x))
+    x32 = x.float()
+    return (x32 / (1.0 + torch.exp(-x32))).to(x.dtype)
 
 
 def softplus(x: torch.Tensor) -> torch.Tensor:
-    if x.is_cuda:
+    if _torchs(x):
         return F.softplus(x)
-    return torch.where(x > SOFTPLUS_THRESHOLD, x, torch.log1p(torch.exp(x)))
+    x32 = x.float()
+    return torch.where(x32 > SOFTPLUS_THRESHOLD, x32, torch.log1p(torch.exp(x32))).to(x.dtype)

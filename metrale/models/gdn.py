@@ -195,12 +195,14 @@ def causal_conv1d(
     # The taps one at a time, oldest first, rather than F.conv1d: every output is then the same
     # sum in the same order whatever T is (a decode row and a verify row of one token get the
     # same bits; the CPU's convolution kernels block by length).
-    taps = seq.to(weight.dtype)
-    out = weight[:, 0, None] * taps[..., :t]
+    # (accumulated in float32 and rounded once to the weight's dtype, as the convolution was)
+    taps, w = seq.to(weight.dtype).float(), weight.float()
+    out = w[:, 0, None] * taps[..., :t]
     for j in range(1, k):
-        out = out + weight[:, j, None] * taps[..., j : j + t]
+        out = out + w[:, j, None] * taps[..., j : j + t]
     if bias is not None:
-        out = out + bias[:, None]
+        out = out + bias.float()[:, None]
+    out = out.to(weight.dtype)
     if activation:
         out = silu(out)
     out = out.to(x.dtype).transpose(1, 2)

@@ -87,13 +87,17 @@ class Qwen3NextExperts(nn.Module):
         return self._path(x, experts)(x, experts, weights)
 
     def _wide(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor):
-        """`_gathered` in float64, rounded once: the CPU's batched products block by the number
-        of rows (and the grouped GEMM by the rows each expert gets), so a float32 row rounds by
-        what shares its step; in float64 it is within about 1e-16 of exact either way."""
-        gate_up = torch.einsum("nh,nkoh->nko", x.double(), self.gate_up_proj[experts].double())
-        gate, up = gate_up.chunk(2, dim=-1)
-        y = torch.einsum("nki,nkhi->nkh", silu(gate) * up, self.down_proj[experts].double())
-        return (y * weights.double()[..., None]).sum(dim=1).to(x.dtype)
+        """`_looped` in float64, rounded once: the CPU's products block by the number of rows
+        (the grouped GEMM by the rows each expert gets), so a float32 row rounds by what shares
+        its step; in float64 it is within about 1e-16 of exact either way. One expert at a
+        time, so the float64 copies are one expert's weights, whatever the batch."""
+        out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+        for e in experts.unique().tolist():
+            rows, pick = torch.where(experts == e)
+            gate, up = F.linear(x[rows].double(), self.gate_up_proj[e].double()).chunk(2, dim=-1)
+            y = F.linear(silu(gate) * up, self.down_proj[e].double())
+            out.index_add_(0, rows, y * weights[rows, pick, None].double())
+        return out.to(x.dtype)
 
     def _path(self, x: torch.Tensor, experts: torch.Tensor):
         """The grouped Triton kernels where they run (`_triton`). Else the grouped GEMM wherever
