@@ -292,6 +292,28 @@ def _learning_figures(path) -> list[tuple]:
     return figures
 
 
+def test_steps_whose_drafter_finds_nothing_are_launched_deferred(tiny_model_dir):
+    """D-Cut off, a drafter with nothing to propose: asked every step, it waits for the step
+    before (it reads tokens) but drafts nothing, so there is nothing to learn from the verdicts
+    and each step is launched without waiting for its own (its commit comes with the next)."""
+    from metrale.speculative.replay import ReplayDrafter
+
+    prompts = _prompts(4, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    _, plain = _run(tiny_model_dir, prompts, params)
+    drafter = ReplayDrafter({}, 1.0, 200)  # no continuation recorded: empty drafts
+    llm = LLM(
+        tiny_model_dir,
+        device="cpu",
+        drafter=drafter,
+        async_scheduling=True,
+        spec={"num_drafts": 3, "dcut": False},
+    )
+    _same(llm.generate(prompts, params, use_tqdm=False), plain)
+    assert llm.engine._ahead.launches >= 12  # the prefill and every decode step
+    assert llm.engine.telemetry.spec.verify_steps == 0
+
+
 def test_a_drafter_that_learns_from_every_step_keeps_it_synchronous(tiny_model_dir):
     """MTP observes every step's verdicts (it catches up on the hidden states), even of
     requests that do not speculate."""

@@ -4,6 +4,8 @@ writes the uninterrupted weights, and the CLI runs it. CPU only, tiny shapes."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -74,6 +76,14 @@ def test_a_run_starts_from_an_earlier_drafter(dflash, corpus, target, tmp_path):
     assert warm["init"] == str(path)
     with pytest.raises(ValueError, match=r"block_size 4 \(this run: 3\)"):
         train_dflash(target[0], corpus, opts, block_size=3, out_dir=tmp_path / "x", init=path)
+    # a scaling this run would not train with (nor save) is refused too
+    scaled = tmp_path / "scaled"
+    shutil.copytree(path, scaled)
+    raw = json.loads((scaled / "config.json").read_text())
+    raw["dflash_config"]["output_multiplier"] = 30.0
+    (scaled / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="output_multiplier 30.0"):
+        train_dflash(target[0], corpus, opts, block_size=4, out_dir=tmp_path / "y", init=scaled)
 
 
 def test_cli_trains_a_dflash_drafter(corpus, target, tmp_path, capsys):  # noqa: F811

@@ -117,7 +117,7 @@ class AheadStepper:
         launched = None
         ahead = prev is not None
         if any(e.drafts for e in batch.entries) or (
-            engine.spec is not None and engine.spec.observing
+            engine.spec is not None and engine.spec.needs_verdicts
         ):
             # a verify, or a step whose verdicts the drafter and D-Cut learn from (a probe that
             # the cut left at depth 0 learns each sequence's first draft): the commit observes

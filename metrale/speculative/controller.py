@@ -141,6 +141,15 @@ class SpeculativeDecoder:
         self.host = HostCost(bool(priced))
 
     @property
+    def needs_verdicts(self) -> bool:
+        """Whether this step's verdicts teach the drafter or D-Cut anything: drafts were
+        proposed (verified, or cut to depth 0, whose first draft D-Cut learns), or the drafter
+        learns from every step. A step without drafts that does not may run ahead
+        (`engine/ahead.py`)."""
+        stateless = getattr(self.drafter, "stateless", False)
+        return self.observing and (bool(self._proposed) or not stateless)
+
+    @property
     def asked(self) -> int:
         """Sequences the drafter was asked to draft for this step."""
         return self._asked

@@ -245,6 +245,11 @@ INIT_FIELDS = (
     "mask_token_id",
     "target_layer_ids",
     "attention_bias",
+    "rms_norm_eps",
+    "rope",
+    "input_embedding_scale",
+    "output_multiplier",
+    "final_logit_softcapping",
 )
 
 
