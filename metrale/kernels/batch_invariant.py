@@ -11,8 +11,9 @@ an element, not how. A row's result is then a function of that row and the weigh
 GPU tests check it bitwise for M = 1, 3, 17, 64, 256 at any position).
 
 `invariant_linear` has F.linear's signature; `make_batch_invariant(module)` points every
-nn.Linear of a model, and its head, at it. On the CPU the product runs in float64 and is
-rounded once (`_wide_linear`), which makes it batch-invariant there too.
+nn.Linear of a model, and its head, at it. Its torch reference is F.linear; on the CPU the
+engine runs that reference in float64 and rounds once (`_wide_linear`), which makes it
+batch-invariant there too.
 """
 
 from __future__ import annotations
