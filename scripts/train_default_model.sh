@@ -21,3 +21,8 @@ metrale train dflash --target "$OUT" --max-bytes 150000000 --block-size 8 \
   --num-draft-layers 3 --target-layers 1,3,5 --anchor-stride 8 --steps 11000 --batch-size 32 \
   --seq-len 512 --lr 2e-3 --warmup-steps 200 --eval-every 2500 --save-every 0 \
   --max-seconds 470 -q
+# a second run from those weights, at half the learning rate (K = 7 acceptance 3.47 -> 3.56)
+metrale train dflash --target "$OUT" --init "$OUT/dflash" --max-bytes 150000000 --block-size 8 \
+  --num-draft-layers 3 --target-layers 1,3,5 --anchor-stride 8 --steps 11000 --batch-size 32 \
+  --seq-len 512 --lr 1e-3 --warmup-steps 100 --eval-every 2500 --save-every 0 \
+  --max-seconds 430 -q
