@@ -5,8 +5,8 @@ scalar one over the tail, and the two round differently: the same row gives othe
 decode row) than beside its drafts (a verify row), or by where it falls in the flattened batch.
 Written over `exp`, whose two paths agree, each element's result depends on its value alone (the
 add, divide and log1p after it are correctly rounded or themselves path-independent). They run
-in float32 and round once to the input's dtype, as torch's do internally (in bf16 or fp16 `exp`
-would overflow or round early).
+in float32 (float64 stays float64) and round once to the input's dtype, as torch's do
+internally (in bf16 or fp16 `exp` would overflow or round early).
 
 On the GPU torch's kernels are elementwise the same way already and are used as they are; so
 they are where autograd records the call (training a drafter on the CPU): there row invariance
@@ -26,21 +26,26 @@ def _torchs(x: torch.Tensor) -> bool:
     return x.is_cuda or (x.requires_grad and torch.is_grad_enabled())
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """x in float32 at least (float64 stays float64)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
     if _torchs(x):
         return torch.sigmoid(x)
-    return (1.0 / (1.0 + torch.exp(-x.float()))).to(x.dtype)
+    return (1.0 / (1.0 + torch.exp(-_wide(x)))).to(x.dtype)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     if _torchs(x):
         return F.silu(x)
-    x32 = x.float()
-    return (x32 / (1.0 + torch.exp(-x32))).to(x.dtype)
+    w = _wide(x)
+    return (w / (1.0 + torch.exp(-w))).to(x.dtype)
 
 
 def softplus(x: torch.Tensor) -> torch.Tensor:
     if _torchs(x):
         return F.softplus(x)
-    x32 = x.float()
-    return torch.where(x32 > SOFTPLUS_THRESHOLD, x32, torch.log1p(torch.exp(x32))).to(x.dtype)
+    w = _wide(x)
+    return torch.where(w > SOFTPLUS_THRESHOLD, w, torch.log1p(torch.exp(w))).to(x.dtype)
