@@ -91,13 +91,7 @@ class Qwen3NextExperts(nn.Module):
         (the grouped GEMM by the rows each expert gets), so a float32 row rounds by what shares
         its step; in float64 it is within about 1e-16 of exact either way. One expert at a
         time, so the float64 copies are one expert's weights, whatever the batch."""
-        out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
-        for e in experts.unique().tolist():
-            rows, pick = torch.where(experts == e)
-            gate, up = F.linear(x[rows].double(), self.gate_up_proj[e].double()).chunk(2, dim=-1)
-            y = F.linear(silu(gate) * up, self.down_proj[e].double())
-            out.index_add_(0, rows, y * weights[rows, pick, None].double())
-        return out.to(x.dtype)
+        return self._looped(x.double(), experts, weights.double()).to(x.dtype)
 
     def _path(self, x: torch.Tensor, experts: torch.Tensor):
         """The grouped Triton kernels where they run (`_triton`). Else the grouped GEMM wherever
@@ -176,8 +170,12 @@ class Qwen3NextExperts(nn.Module):
         out = torch.zeros_like(x)
         for e in range(self.num_experts):
             rows, pick = torch.where(experts == e)  # NOTE: a host sync; reference path
-            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(silu(gate) * up, self.down_proj[e]) * weights[rows, pick, None]
+            if rows.numel() == 0:
+                continue
+            # (in x's dtype: `_wide` runs this in float64)
+            gate_up, down = self.gate_up_proj[e].to(x.dtype), self.down_proj[e].to(x.dtype)
+            gate, up = F.linear(x[rows], gate_up).chunk(2, dim=-1)
+            y = F.linear(silu(gate) * up, down) * weights[rows, pick, None]
             out.index_add_(0, rows, y.to(out.dtype))
         return out
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from metrale.config import ModelConfig
 from metrale.models.dflash import DFlashConfig, DFlashDraftModel, evenly_spaced_layers, save_dflash
+from metrale.models.loader import load_weights
 from metrale.train.bpe import load_tokenizer
 from metrale.train.corpus import CorpusSpec, tokenize_corpus
 from metrale.train.loop import TrainOptions, resolve_device, run_training
@@ -256,8 +257,6 @@ INIT_FIELDS = (
 def load_initial(drafter: DFlashDraftModel, path: str | Path) -> None:
     """Load the weights of the DFlash checkpoint at `path` into `drafter` (float32, trainable),
     after checking that it has this run's shape."""
-    from safetensors.torch import load_file
-
     theirs = DFlashConfig.from_dir(path)
     ours = drafter.config
     differ = [
@@ -267,12 +266,5 @@ def load_initial(drafter: DFlashDraftModel, path: str | Path) -> None:
     ]
     if differ:
         raise ValueError(f"init {path}: not this run's drafter shape: {'; '.join(differ)}")
-    file = Path(path) / "model.safetensors"
-    if not file.is_file():
-        raise FileNotFoundError(f"init {path}: no model.safetensors")
-    state = {k: v.float() for k, v in load_file(str(file)).items()}
-    missing, unexpected = drafter.load_state_dict(state, strict=False)
-    # the rotary table is a buffer of this run's length, not a weight
-    missing = [k for k in missing if "rotary" not in k]
-    if missing or unexpected:
-        raise ValueError(f"init {path}: tensors missing {missing}, unexpected {unexpected}")
+    # the engine's loader: every parameter filled once, each tensor's name and shape checked
+    load_weights(drafter, path)
