@@ -31,6 +31,21 @@ def spans_of(batch: Batch) -> list[tuple[list[int], int, list[int]]]:
     return [(e.seq.block_table, e.seq.num_computed_tokens, e.token_ids()) for e in batch.entries]
 
 
+def table_rows(runner, entries: list[ScheduledSeq]) -> list[int] | None:
+    """Each entry's row of the runner's device block tables (its sequence's slot), or None
+    when the runner keeps none or an entry has no slot there (a batch built by hand)."""
+    tables = runner.block_tables
+    if tables is None:
+        return None
+    rows = [e.seq.slot for e in entries]
+    return rows if rows and min(rows) >= 0 and max(rows) < tables.dummy_row else None
+
+
+def _padded(rows: list[int] | None, runner, count: int) -> list[int] | None:
+    """`rows` and `count` padding sequences' rows (the dummy row)."""
+    return None if rows is None else rows + [runner.block_tables.dummy_row] * count
+
+
 def replay_decode(runner, batch: Batch):
     """(hidden [T, H], logits [T, V], hybrid state view, state entries) of a decode or verify
     batch's rows from a captured program, or None when the cache refuses its table.
@@ -42,6 +57,7 @@ def replay_decode(runner, batch: Batch):
         return _replay_ragged(runner, batch)
     spans, depths, real_rows = [], [], []
     padded: list[ScheduledSeq | None] = []
+    dev_rows = table_rows(runner, batch.entries)
     row = 0
     for q, group in itertools.groupby(batch.entries, key=lambda e: e.num_rows):
         group = list(group)
@@ -60,7 +76,10 @@ def replay_decode(runner, batch: Batch):
     if runner.states is not None:
         state = runner.states.addresses(padded, any(e.drafts for e in batch.entries))
     table = RowTable.from_dispatch(range(len(depths)), depths)
-    ran = run_program(runner, table, spans, state)
+    if dev_rows is not None:
+        dummy = runner.block_tables.dummy_row
+        dev_rows = [dummy if e is None else e.seq.slot for e in padded]
+    ran = run_program(runner, table, spans, state, rows=dev_rows)
     if ran is None:
         return None
     hidden, logits, state_view = ran
@@ -77,6 +96,7 @@ def _replay_ragged(runner, batch: Batch):
     width 1, its verify step one of width 1 + K: its delta rule runs every sequence over the
     program's width."""
     spans = spans_of(batch)
+    dev_rows = table_rows(runner, batch.entries)
     num_rows, num_seqs = batch.num_rows, len(spans)
     hybrid = runner.states is not None
     width = 1 if hybrid and num_rows == num_seqs else runner.graphs.max_q
@@ -89,7 +109,8 @@ def _replay_ragged(runner, batch: Batch):
     if hybrid:
         entries += [None] * (shape.num_seqs - num_seqs)
         state = runner.states.addresses(entries, num_rows > num_seqs, width=shape.max_q)
-    ran = run_program(runner, shape, spans, state)
+    dev_rows = _padded(dev_rows, runner, len(spans) - num_seqs)
+    ran = run_program(runner, shape, spans, state, rows=dev_rows)
     if ran is None:
         return None
     runner.replayed_shape = shape  # the workspace holds this program's rows now
@@ -110,12 +131,15 @@ def replay_prefill(runner, batch: Batch, sample_rows: list[int]):
     if runner.states is not None:
         return _replay_gdn_prefill(runner, batch, sample_rows)
     spans = spans_of(batch)
+    dev_rows = table_rows(runner, batch.entries)
+    real = len(spans)
     shape = prefill_shape(len(spans), num_rows, graphs.max_q)
     pad = shape.rows() - num_rows
     spans.append(([DUMMY_PAGE] * max(-(-pad // runner.page_size), 1), 0, [0] * pad))
     spans += [([DUMMY_PAGE], 0, [])] * (shape.num_seqs - len(spans))
     samples = sample_rows + [0] * (shape.samples - len(sample_rows))
-    ran = run_program(runner, shape, spans, sample_rows=samples)
+    dev_rows = _padded(dev_rows, runner, len(spans) - real)
+    ran = run_program(runner, shape, spans, sample_rows=samples, rows=dev_rows)
     if ran is None:
         return None
     runner.replayed_shape = shape
@@ -137,6 +161,7 @@ def _replay_gdn_prefill(runner, batch: Batch, sample_rows: list[int]):
     if any(e.drafts for e in entries) or longest > runner.graphs.prefill_widths[-1]:
         return None
     spans = spans_of(batch)
+    dev_rows = table_rows(runner, batch.entries)
     num_rows, num_seqs = batch.num_rows, len(spans)
     shape = gdn_prefill_shape(num_seqs, num_rows, longest, runner.graphs.prefill_widths)
     dummy_table = [DUMMY_PAGE] * -(-shape.width // runner.page_size)
@@ -145,7 +170,8 @@ def _replay_gdn_prefill(runner, batch: Batch, sample_rows: list[int]):
     entries += [None] * len(pads)
     state = runner.states.addresses(entries, False, width=shape.width)
     samples = sample_rows + [0] * (shape.samples - len(sample_rows))
-    ran = run_program(runner, shape, spans, state, samples)
+    dev_rows = _padded(dev_rows, runner, len(pads))
+    ran = run_program(runner, shape, spans, state, samples, rows=dev_rows)
     if ran is None:
         return None
     hidden, logits, _ = ran
@@ -158,10 +184,18 @@ def _kept_hidden(hidden: torch.Tensor, num_rows: int) -> torch.Tensor:
     return hidden[:num_rows].clone()
 
 
-def run_program(runner, key, spans, state=None, sample_rows: list[int] | None = None):
+def run_program(
+    runner,
+    key,
+    spans,
+    state=None,
+    sample_rows: list[int] | None = None,
+    rows: list[int] | None = None,
+):
     """(hidden, logits, state view) of the program for `key` (a row table, ragged or prefill
-    shape) over the padded `spans`, or None when the cache refuses it (the step runs eagerly)."""
-    input_ids, positions, meta = runner.span_metadata(spans)
+    shape) over the padded `spans`, or None when the cache refuses it (the step runs eagerly).
+    `rows`: the spans' rows of the device block tables (`ModelRunner.span_metadata`)."""
+    input_ids, positions, meta = runner.span_metadata(spans, rows)
     samples = None
     if sample_rows is not None:
         (samples,) = to_device_packed([sample_rows], runner.device)

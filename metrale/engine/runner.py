@@ -15,13 +15,14 @@ import torch
 from metrale.config import EngineConfig, ModelConfig
 from metrale.distributed.parallel import TPGroup, local_config
 from metrale.distributed.shard import build_model, start_workers, whole_vocab
+from metrale.engine.block_tables import DeviceBlockTables
 from metrale.engine.device_tokens import PendingIds, pending_fills
 from metrale.engine.graphs import GraphRunner
 from metrale.engine.kv_cache import DUMMY_PAGE, allocate_kv_cache, slots_of
 from metrale.engine.logits_pipeline import is_plain_greedy
 from metrale.engine.model_setup import default_dtype, dummy_weights, num_pages_for
 from metrale.engine.program_shapes import RaggedShape
-from metrale.engine.replay import replay_decode, replay_prefill, spans_of
+from metrale.engine.replay import replay_decode, replay_prefill, spans_of, table_rows
 from metrale.engine.sequence import Batch, Phase, ScheduledSeq
 from metrale.engine.staging import to_device_packed
 from metrale.engine.state_cache import StateSlots
@@ -190,6 +191,12 @@ class ModelRunner:
             )
             if cfg.deterministic:  # every GDN row in the recurrent form (see GDNState)
                 self.states.pool.chunk_min_rows = sys.maxsize
+        # Every running sequence's block table, kept on the device by its slot; as many pages as
+        # the programs' tables hold (a sequence's reach, the lookahead included)
+        reach = max(max_model_len + lookahead, self.prefill_limit)
+        self.block_tables = DeviceBlockTables(
+            cfg.max_num_seqs, -(-reach // cfg.page_size) + 1, self.device
+        )
         self.graphs = None
         # NOTE: tensor-parallel steps run eagerly for now (their collectives are not captured)
         if cfg.cuda_graphs and self.device.type == "cuda" and self.tp_size == 1:
@@ -198,7 +205,7 @@ class ModelRunner:
                 cfg.graph_max_rows,
                 # a sequence's block table may reach `lookahead` rows past the model length;
                 # a prefill program's spare sequence, `prefill_limit` rows
-                max(max_model_len + lookahead, self.prefill_limit),
+                reach,
                 cfg.page_size,
                 self.device,
                 paged_kernel=isinstance(self.backend, TritonPagedAttention),
@@ -274,12 +281,14 @@ class ModelRunner:
             self.model.shutdown()
 
     def span_metadata(
-        self, spans: list[tuple[list[int], int, list[int]]]
+        self, spans: list[tuple[list[int], int, list[int]]], rows: list[int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Pack spans (block table, first position, token ids) of consecutive rows into
         (input_ids [T], positions [T], metadata). The target's steps and drafters' own forwards
         over the same pages both use it. Drafts still on the device (`PendingIds`) are written
-        into the input ids there, with no host read."""
+        into the input ids there, with no host read. `rows`: each span's row of the device block
+        tables (its sequence's slot; `DeviceBlockTables.dummy_row` for padding): the tables are
+        then read there, and only their changes copied."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -297,16 +306,37 @@ class ModelRunner:
             if type(tokens) is PendingIds:
                 pending.append((starts[-1], tokens.row))
         width = max(len(table) for table, _, _ in spans)
-        tables = itertools.chain.from_iterable(
-            table + [DUMMY_PAGE] * (width - len(table)) for table, _, _ in spans
-        )
+        device_tables = None
+        if rows is not None and self.block_tables.serves(len(spans), width):
+            device_tables = self.block_tables
+        if device_tables is None:
+            tables = [
+                list(
+                    itertools.chain.from_iterable(
+                        table + [DUMMY_PAGE] * (width - len(table)) for table, _, _ in spans
+                    )
+                )
+            ]
+        else:
+            tables = [*device_tables.changes(rows, [table for table, _, _ in spans]), rows]
         fills = pending_fills(pending, input_ids)
-        packed = to_device_packed(
-            [input_ids, positions, slots, starts, seq_lens, list(tables), *fills.indices],
-            self.device,
-        )
-        ids_t, pos_t, slots_t, starts_t, lens_t, tables_t = packed[:6]
-        fills.write(ids_t, packed[6:])
+        try:
+            packed = to_device_packed(
+                [input_ids, positions, slots, starts, seq_lens, *tables, *fills.indices],
+                self.device,
+            )
+            if device_tables is not None:
+                where, pages, rows_t = packed[5:8]
+                device_tables.apply(where, pages)
+                tables_t = device_tables.gather(rows_t, width)
+            else:
+                tables_t = packed[5]
+        except BaseException:
+            if device_tables is not None:
+                device_tables.forget(rows)
+            raise
+        ids_t, pos_t, slots_t, starts_t, lens_t = packed[:5]
+        fills.write(ids_t, packed[5 + len(tables) :])
         meta = AttentionMetadata(
             slot_mapping=slots_t,
             positions=pos_t,
@@ -320,7 +350,7 @@ class ModelRunner:
         return ids_t, meta.positions, meta
 
     def _metadata(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        return self.span_metadata(spans_of(batch))
+        return self.span_metadata(spans_of(batch), table_rows(self, batch.entries))
 
     @torch.inference_mode()
     def all_logits(self, batch: Batch) -> torch.Tensor:
