@@ -260,3 +260,99 @@ def test_a_step_that_asked_the_drafter_is_not_a_plain_step(tiny_model_dir):
     assert llm.engine.telemetry.spec.verify_steps == 0
     plain = llm.engine.spec.host.plain_seconds(len(PROMPTS))
     assert plain is None or plain < 0.04
+
+
+def test_verify_steps_measured_whole_price_what_the_parts_miss(monkeypatch):
+    """What a verify step costs beyond its rows' forward is measured whole, per width and
+    number drafted: once known it prices a plan in place of the parts (the drafter's host work
+    and the plain step's), both ways."""
+    from metrale.engine import program_cache
+
+    good = [PlanInput(slot=i, max_depth=3, accept=[0.9, 0.9, 0.9]) for i in range(8)]
+    forward_1ms = VerifyCostModel.from_points({(1, 4.0): 1.0}, {8: 1e-3})
+    chosen = plan(good, forward_1ms, width_cap=64)
+    host = _measured(0.1e-3 / 8, 8)  # the parts: cheap drafting, so the plan is kept
+    assert host.beyond_seconds(8, 8) is None
+    assert not drafting_loses(chosen, forward_1ms, host)
+    # verify steps took 5 ms against 1 ms of rows: 27.5 tokens in 5 ms lose to 8 in 1 ms
+    for _ in range(WARMUP_SAMPLES):
+        host.speculative(8, 8, 5e-3, 1e-3)
+    assert host.beyond_seconds(8, 8) == pytest.approx(4e-3)
+    assert host.beyond_seconds(8, 2) is None and host.beyond_seconds(64, 8) is None
+    assert drafting_loses(chosen, forward_1ms, host)
+    # a step that captured a program is no sample
+    monkeypatch.setattr(program_cache, "_captures", program_cache.captures() + 1)
+    host.speculative(8, 8, 1.0, 1e-3)
+    monkeypatch.undo()
+    host.begin()
+    assert host.beyond_seconds(8, 8) == pytest.approx(4e-3)
+    # and the other way: parts that say "too dear" (drafting 4 ms) against verify steps that
+    # measured 1.5 ms in all
+    dear = _measured(4e-3 / 8, 8)
+    assert drafting_loses(chosen, forward_1ms, dear)
+    for _ in range(WARMUP_SAMPLES):
+        dear.speculative(8, 8, 1.5e-3, 1e-3)
+    assert not drafting_loses(chosen, forward_1ms, dear)
+    # unmeasured for a while: forgotten, and the parts price it again
+    stale = HostCost(enabled=True, stale_after=4)
+    for _ in range(WARMUP_SAMPLES):
+        stale.speculative(8, 8, 5e-3, 1e-3)
+    assert stale.beyond_seconds(8, 8) is not None
+    assert any([stale.begin() for _ in range(6)]) and stale.beyond_seconds(8, 8) is None
+    off = HostCost(enabled=False)
+    off.speculative(8, 8, 5e-3, 1e-3)
+    assert off.beyond_seconds(8, 8) is None
+
+
+class SlowVerify:
+    """The runner's `execute`, `delay` seconds slower on steps that verify drafts: what the
+    start-up calibration and the drafter's own timing do not see (a verify's host work, or
+    forward seconds the calibration's context underestimates)."""
+
+    def __init__(self, runner, delay: float) -> None:
+        self.execute, self.delay = runner.execute, delay
+
+    def __call__(self, batch, *args, **kwargs):
+        if any(e.drafts for e in batch.entries):
+            time.sleep(self.delay)
+        return self.execute(batch, *args, **kwargs)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_verify_steps_dearer_than_priced_stop_speculation(tiny_model_dir, async_scheduling):
+    """Cheap, always-right drafts whose verify steps each cost 60 ms more than the verify cost
+    curve says: D-Cut measures the verify steps whole and decodes plainly after the warm-up;
+    without the extra cost it keeps speculating. The output is the same either way."""
+    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+    plain = LLM(tiny_model_dir, device="cpu").generate(PROMPTS, params, use_tqdm=False)
+    reference = [o.outputs[0].token_ids for o in plain]
+    continuations = dict(zip(map(tuple, PROMPTS), reference, strict=True))
+    verified = {}
+    for delay in (0.0, 0.06):
+        llm = LLM(
+            tiny_model_dir,
+            device="cpu",
+            drafter=SlowReplay(continuations, 0.0),
+            async_scheduling=async_scheduling,
+            spec={
+                "num_drafts": 3,
+                "dcut": True,
+                "dcut_probe_every": PROBE_EVERY,
+                "dcut_replan_every": REPLAN_EVERY,
+            },
+        )
+        runner = llm.engine.runner
+        # a forward of a few ms, as the tiny model's plain steps measure on the CPU
+        llm.engine.spec.cost = VerifyCostModel.from_points(
+            {(1, 4.0): 1.0, (4, 4.0): 1.0}, {1: 2e-3}
+        )
+        runner.execute = SlowVerify(runner, delay)
+        out = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in out] == reference
+        verified[delay] = llm.engine.telemetry.spec.verify_steps
+        if delay:
+            assert llm.engine.spec.host.beyond_seconds(len(PROMPTS), len(PROMPTS)) >= 0.05
+    assert verified[0.0] >= TOKENS // 4 - 2
+    # the warm-up's verify steps, a plan standing for `dcut_replan_every` steps, and a probe
+    # every PROBE_EVERY steps whose cut may verify
+    assert verified[0.06] <= WARMUP_SAMPLES + 2 + REPLAN_EVERY + TOKENS // PROBE_EVERY

@@ -114,7 +114,7 @@ class AheadStepper:
             prev = None
             batch = engine.scheduler.schedule()
         engine._scheduled(batch, changed)
-        launched = None
+        launched = ran_now = None
         ahead = prev is not None
         if any(e.drafts for e in batch.entries) or (
             engine.spec is not None and engine.spec.needs_verdicts
@@ -123,6 +123,7 @@ class AheadStepper:
             # the cut left at depth 0 learns each sequence's first draft): the commit observes
             # them, so it runs now (the step before is settled: drafting waited for it)
             self._run_now(batch, start, changed)
+            ran_now = batch
         elif batch.entries:
             launched = self._launch(batch, start)
             if launched is None:  # its launch raised: after the step before, synchronously
@@ -133,6 +134,10 @@ class AheadStepper:
         if prev is not None:
             self._settle(prev, changed)
         outputs = engine._outputs(changed)
+        if ran_now is not None and engine.spec is not None:
+            # a verify step: what drafting costs, measured whole (the wait for the step in
+            # flight, which drafting settled, included)
+            engine.spec.timed_step(ran_now, time.perf_counter() - start)
         if launched is not None:
             self.launches += 1
             self.launches_ahead += ahead

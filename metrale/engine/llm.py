@@ -325,15 +325,14 @@ class LLMEngine:
                 self._record_step(batch, prompt_rows, emitted, start)
         outputs = self._outputs(changed)
         spec = self.spec
-        if (
-            spec is not None
-            and batch is not None
-            and batch.phase is Phase.DECODE
-            and not spec.asked
-        ):
-            # what drafting's host work is priced against: a whole plain step, not its forward
-            # (one whose drafter was asked, even for nothing, paid that work: not plain)
-            spec.host.plain(len(batch.entries), time.perf_counter() - start)
+        if spec is not None and batch is not None:
+            seconds = time.perf_counter() - start
+            if batch.phase is Phase.DECODE and not spec.asked:
+                # what drafting's host work is priced against: a whole plain step, not its
+                # forward (one whose drafter was asked, even for nothing, paid that work)
+                spec.host.plain(len(batch.entries), seconds)
+            else:
+                spec.timed_step(batch, seconds)
         return outputs
 
     def _scheduled(self, batch: Batch, changed: dict) -> None:

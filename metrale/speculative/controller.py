@@ -17,7 +17,7 @@ import torch
 
 from metrale.config import SpecConfig
 from metrale.engine.device_tokens import DeviceDrafts, DeviceRow
-from metrale.engine.sequence import Sequence
+from metrale.engine.sequence import Batch, Phase, Sequence
 from metrale.knobs import knobs
 from metrale.speculative.dcut import PlanInput, VerifyCostModel, plan
 from metrale.speculative.drafter import Draft, Drafter, Verdict
@@ -359,6 +359,18 @@ class SpeculativeDecoder:
             seq, draft = live[idx]
             depth = min(depth, cap_of[seq.seq_id])
             seq.draft = pad_draft(draft, depth, self.vocab_size) if depth else None
+
+    def timed_step(self, batch: Batch, seconds: float) -> None:
+        """The engine's step of `batch` took `seconds`, start to end: a verify step is what
+        D-Cut's gate prices drafting with once measured (`HostCost.speculative`)."""
+        if batch.phase is not Phase.VERIFY or not self.cfg.dcut:
+            return
+        width = len(batch.entries)
+        forward = self.cost.plain_seconds(width)
+        if forward is not None:
+            drafted = sum(1 for e in batch.entries if e.drafts)
+            rows = forward * self.cost.step_time(batch.num_rows, width)
+            self.host.speculative(width, drafted, seconds, rows)
 
     def observe(self, verdicts: list[Verdict]) -> list[tuple[Sequence, str]]:
         """Record one step's verdicts (sequences that verified drafts and those that did not);

@@ -15,6 +15,13 @@ bookkeeping beside the forward), as measured on the engine's own plain decode st
 rest is most of a step (the shipped model at batch 8 on the H200: 0.58 ms a step, 0.44 ms of it
 the forward), so pricing the drafter's host work in forward-steps overstated it.
 
+Parts can miss what a verify step costs: its own metadata and verdicts, its commit, a
+calibration made at another context, and in the asynchronous engine the wait for the step in
+flight that drafting settles (the qwen3-8b shape at batch 64 with async scheduling on the H200:
+verify steps of about 12 ms against 7 priced, so D-Cut speculated at 0.77x plain). So verify
+steps are also timed whole (`HostCost.speculative`), and once a width and a number drafted have
+been measured, that prices the plan instead.
+
 The gate is all or nothing on the plan D-Cut makes from rows alone: a plan cut down to fewer
 sequences would be a new verify shape, and a batch flipping between half-drafted plans paid more
 than either (measured: n-gram at batch 8 fell from 1.02x to 0.80x when D-Cut priced the host work
@@ -67,6 +74,9 @@ class HostCost:
         # the same of its host work alone (the asynchronous engine's, whose plain steps hide it
         # behind the device: `plain`'s `host`)
         self._exposed: dict[int, list] = {}
+        # (width bucket, drafted bucket) -> [warm-up samples, EMA, step of last sample] of what
+        # a verify step cost beyond its rows' forward, per sequence (`speculative`)
+        self._beyond: dict[tuple[int, int], list] = {}
         self._drafted_before = False
         self._captures = captures()  # programs captured before the step in flight
 
@@ -79,10 +89,13 @@ class HostCost:
         if self.enabled and drafted > 0 and self._drafted_before and spent > 0.0 and steady:
             self._record(drafted, spent)
         self._drafted_before, self._last = drafted > 0, (0, 0.0)
-        stale = [b for b, (_, _, at) in self._buckets.items() if self._step - at > self.stale_after]
-        for b in stale:
-            del self._buckets[b]
-        return bool(stale)
+        stale = False
+        for buckets in (self._buckets, self._beyond):
+            old = [b for b, (_, _, at) in buckets.items() if self._step - at > self.stale_after]
+            for b in old:
+                del buckets[b]
+            stale = stale or bool(old)
+        return stale
 
     def spent(self, seconds: float, drafted: int | None = None) -> None:
         """Add host seconds to the step in flight (and, from `prepare`, how many it drafted)."""
@@ -116,6 +129,26 @@ class HostCost:
         if host is not None:
             self._sample(self._exposed.setdefault(_bucket(width), [[], None]), host / width)
 
+    def speculative(self, width: int, drafted: int, seconds: float, forward: float) -> None:
+        """A verify step of `width` sequences, `drafted` of them with drafts, took `seconds`
+        start to end, of which the verify cost curve prices its rows' forward at `forward`:
+        the rest is everything a drafting step costs beyond its rows, measured whole (the
+        drafter, planning, the verify's metadata and verdicts, the commit, and in the
+        asynchronous engine the wait for the step in flight), which `beyond_seconds` returns."""
+        if not self.enabled or width <= 0 or drafted <= 0 or self._captures != captures():
+            return
+        entry = self._beyond.setdefault((_bucket(width), _bucket(drafted)), [[], None, 0])
+        entry[2] = self._step
+        self._sample(entry, max(seconds - forward, 0.0) / width)
+
+    def beyond_seconds(self, width: int, drafted: int) -> float | None:
+        """What a verify step of `width` sequences, `drafted` drafting, costs beyond its rows'
+        forward, as measured at about that many; None until then."""
+        entry = self._beyond.get((_bucket(width), _bucket(drafted)))
+        if not self.enabled or entry is None or entry[1] is None:
+            return None
+        return width * entry[1]
+
     def plain_seconds(self, width: int) -> float | None:
         """A whole plain decode step of `width` sequences, as measured; None until then."""
         return self._per_seq(self._plain, width)
@@ -147,20 +180,28 @@ def drafting_loses(plan: Plan, cost: VerifyCostModel, host: HostCost) -> bool:
     more than `GATE_MARGIN`, once the drafter's host work is paid. False while either the plain
     step's forward seconds or the host work at this many drafted sequences is unknown.
 
-    Against the engine's whole plain step P (measured, else the forward's F), the plan's step
-    takes F T(rows) for its rows, plus the host work of a step, plus the drafter's H. In the
-    synchronous engine a step's host work is what P adds to F (the plan's step costs
-    1 + (F / P)(T(rows) - 1) + H / P plain steps); the asynchronous one hides it behind the
-    device in a plain step but not in a verify step, which waits for its verdicts: there it is
-    measured (`HostCost.hidden_seconds`)."""
+    The plan's step takes F T(rows) for its rows (F: the forward of a plain step, from the
+    start-up calibration) plus what a verify step costs beyond them, against the engine's whole
+    plain step P (measured, else F). Once verify steps of about this width and this many
+    drafted have run, what they cost beyond their rows is measured whole (`beyond_seconds`): the
+    drafter, planning, the verify's own metadata and verdicts, the commit, the calibration's
+    error at this context, and in the asynchronous engine the wait for the step in flight.
+    Before that it is priced from its parts: the host work of a step plus the drafter's H. In the
+    synchronous engine a step's host work is what P adds to F; the asynchronous one hides it
+    behind the device in a plain step but not in a verify step, which waits for its verdicts:
+    there it is measured (`HostCost.hidden_seconds`)."""
     width = len(plan.depths)
     drafted = sum(d > 0 for d in plan.depths)
     forward = cost.plain_seconds(width)
-    seconds = host.seconds(drafted)
-    if drafted == 0 or forward is None or seconds is None:
+    if drafted == 0 or forward is None:
         return False
     step = max(host.plain_seconds(width) or 0.0, forward)
-    hidden = host.hidden_seconds(width)
-    step_host = step - forward if hidden is None else hidden
-    speculative = forward * cost.step_time(plan.rows, width) + step_host + seconds
+    beyond = host.beyond_seconds(width, drafted)
+    if beyond is None:
+        seconds = host.seconds(drafted)
+        if seconds is None:
+            return False
+        hidden = host.hidden_seconds(width)
+        beyond = (step - forward if hidden is None else hidden) + seconds
+    speculative = forward * cost.step_time(plan.rows, width) + beyond
     return plan.expected_tokens / speculative < (1.0 - GATE_MARGIN) * width / step
