@@ -4,6 +4,7 @@ checkpoint (`--model`) with its own drafter (`--drafter mtp|ngram`) on held-out 
 
     python -m metrale.bench.profile_e2e --shape qwen3-8b --batch 1 --max-tokens 48
     python -m metrale.bench.profile_e2e --model metrale/assets/default-model --drafter mtp --batch 8
+    python -m metrale.bench.profile_e2e --shape qwen3-8b --batch 64 --alpha 0.5 --forced --dcut
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from metrale.api import LLM
 from metrale.bench.acceptance import heldout_prompts
 from metrale.bench.drafter import concurrency
+from metrale.bench.forced import ForcedAcceptance
 from metrale.bench.shapes import write_shape
 from metrale.config import SamplingParams
 from metrale.engine.calibrate import sync
@@ -181,6 +183,12 @@ def main() -> None:
     )
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--alpha", type=float, default=0.8)
+    ap.add_argument(
+        "--forced",
+        action="store_true",
+        help="--shape: forced acceptance at --alpha (as `metrale bench --forced-acceptance`)",
+    )
+    ap.add_argument("--dcut", action="store_true", help="--shape: D-Cut picks the depths")
     ap.add_argument("--phases", action="store_true", help="wall time per phase, not cProfile")
     ap.add_argument(
         "--kernels", action="store_true", help="device busy time and top kernels (CUDA)"
@@ -214,14 +222,17 @@ def main() -> None:
         max_model_len=512,
         max_num_seqs=max(args.batch, 8),
         kv_cache_memory_gb=8.0,
-        spec={"num_drafts": 3, "dcut": False},
+        spec={"num_drafts": 3, "dcut": args.dcut},
     )
-    drafter.vocab_size = llm.engine.vocab_size
+    drafter.vocab_size = vocab = llm.engine.vocab_size
     rng = random.Random(0)
-    prompts = [[rng.randrange(1000) for _ in range(32)] for _ in range(args.batch)]
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    plain = profiled(llm, prompts, params, "plain")
+    prompts = [[rng.randrange(min(1000, vocab)) for _ in range(32)] for _ in range(args.batch)]
+    base = dict(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(**base)
+    plain = profiled(llm, prompts, SamplingParams(**base, speculative=False), "plain")
     drafter.record({tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain)})
+    if args.forced:
+        llm.engine.runner.forced_acceptance = ForcedAcceptance(args.alpha, seed=args.batch)
     profiled(llm, prompts, params, "spec")
 
 
