@@ -53,18 +53,15 @@ GEMM_ROWS = [1, 3, 16, 17, 600, 601, 2048]
 
 def step_inputs(step, device):
     """(q, k cache, v cache, metadata) of a step, its metadata packed as the runner packs an
-    eager step's (`ModelRunner.span_metadata`, views into one buffer)."""
-    from types import SimpleNamespace
-
-    from metrale.engine.runner import ModelRunner
+    eager step's (`step_metadata.pack_spans`, views into one buffer)."""
+    from metrale.engine.step_metadata import pack_spans
 
     spans, page = [], 1
     for rows, start in step:
         pages = -(-(start + rows) // PAGE)
         spans.append((list(range(page, page + pages)), start, [1] * rows))
         page += pages
-    packer = SimpleNamespace(page_size=PAGE, device=torch.device(device))
-    _, _, meta = ModelRunner.span_metadata(packer, spans)
+    _, _, meta = pack_spans(spans, PAGE, torch.device(device))
     rows = sum(r for r, _ in step)
     q = torch.randn(rows, HEADS, DIM, device=device, dtype=torch.bfloat16)
     cache = torch.randn(2, page, PAGE, KV_HEADS, DIM, device=device, dtype=torch.bfloat16)

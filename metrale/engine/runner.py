@@ -16,16 +16,15 @@ from metrale.config import EngineConfig, ModelConfig
 from metrale.distributed.parallel import TPGroup, local_config
 from metrale.distributed.shard import build_model, start_workers, whole_vocab
 from metrale.engine.block_tables import DeviceBlockTables
-from metrale.engine.device_tokens import PendingIds, pending_fills
 from metrale.engine.graphs import GraphRunner
-from metrale.engine.kv_cache import DUMMY_PAGE, allocate_kv_cache, slots_of
+from metrale.engine.kv_cache import allocate_kv_cache
 from metrale.engine.logits_pipeline import is_plain_greedy
 from metrale.engine.model_setup import default_dtype, dummy_weights, num_pages_for
 from metrale.engine.program_shapes import RaggedShape
 from metrale.engine.replay import replay_decode, replay_prefill, spans_of, table_rows
 from metrale.engine.sequence import Batch, Phase, ScheduledSeq
-from metrale.engine.staging import to_device_packed
 from metrale.engine.state_cache import StateSlots
+from metrale.engine.step_metadata import pack_spans
 from metrale.engine.step_output import (
     StepOutput,
     greedy_verdicts,
@@ -283,71 +282,10 @@ class ModelRunner:
     def span_metadata(
         self, spans: list[tuple[list[int], int, list[int]]], rows: list[int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Pack spans (block table, first position, token ids) of consecutive rows into
-        (input_ids [T], positions [T], metadata). The target's steps and drafters' own forwards
-        over the same pages both use it. Drafts still on the device (`PendingIds`) are written
-        into the input ids there, with no host read. `rows`: each span's row of the device block
-        tables (its sequence's slot; `DeviceBlockTables.dummy_row` for padding): the tables are
-        then read there, and only their changes copied."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts = [0]
-        seq_lens: list[int] = []
-        pending = []  # (the row after it, its drafts) of each span with drafts on the device
-        page = self.page_size
-        for table, start, tokens in spans:
-            end = start + len(tokens)
-            input_ids += tokens
-            positions += range(start, end)
-            slots += slots_of(table, start, end, page)
-            starts.append(starts[-1] + len(tokens))
-            seq_lens.append(end)
-            if type(tokens) is PendingIds:
-                pending.append((starts[-1], tokens.row))
-        width = max(len(table) for table, _, _ in spans)
-        device_tables = None
-        if rows is not None and self.block_tables.serves(len(spans), width):
-            device_tables = self.block_tables
-        if device_tables is None:
-            tables = [
-                list(
-                    itertools.chain.from_iterable(
-                        table + [DUMMY_PAGE] * (width - len(table)) for table, _, _ in spans
-                    )
-                )
-            ]
-        else:
-            tables = [*device_tables.changes(rows, [table for table, _, _ in spans]), rows]
-        fills = pending_fills(pending, input_ids)
-        try:
-            packed = to_device_packed(
-                [input_ids, positions, slots, starts, seq_lens, *tables, *fills.indices],
-                self.device,
-            )
-            if device_tables is not None:
-                where, pages, rows_t = packed[5:8]
-                device_tables.apply(where, pages)
-                tables_t = device_tables.gather(rows_t, width)
-            else:
-                tables_t = packed[5]
-        except BaseException:
-            if device_tables is not None:
-                device_tables.forget(rows)
-            raise
-        ids_t, pos_t, slots_t, starts_t, lens_t = packed[:5]
-        fills.write(ids_t, packed[5 + len(tables) :])
-        meta = AttentionMetadata(
-            slot_mapping=slots_t,
-            positions=pos_t,
-            query_start_loc=starts_t,
-            seq_lens=lens_t,
-            block_tables=tables_t.view(len(spans), width),
-            max_query_len=max(len(tokens) for _, _, tokens in spans),
-            max_seq_len=max(seq_lens),
-            page_size=page,
-        )
-        return ids_t, meta.positions, meta
+        """`step_metadata.pack_spans` on this runner's pages and device (the target's steps and
+        drafters' own forwards over the same pages both use it)."""
+        tables = self.block_tables if rows is not None else None
+        return pack_spans(spans, self.page_size, self.device, tables, rows)
 
     def _metadata(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         return self.span_metadata(spans_of(batch), table_rows(self, batch.entries))
