@@ -263,45 +263,53 @@ def test_a_step_that_asked_the_drafter_is_not_a_plain_step(tiny_model_dir):
 
 
 def test_verify_steps_measured_whole_price_what_the_parts_miss(monkeypatch):
-    """What a verify step costs beyond its rows' forward is measured whole, per width and
-    number drafted: once known it prices a plan in place of the parts (the drafter's host work
-    and the plain step's), both ways."""
+    """A whole verify step is measured per width and number drafted: once known it prices a
+    plan (scaled by the cost curve from its rows to the plan's) against the measured plain
+    step, in place of the parts (the calibrated forward, the drafter's host work), both ways."""
     from metrale.engine import program_cache
 
     good = [PlanInput(slot=i, max_depth=3, accept=[0.9, 0.9, 0.9]) for i in range(8)]
     forward_1ms = VerifyCostModel.from_points({(1, 4.0): 1.0}, {8: 1e-3})
     chosen = plan(good, forward_1ms, width_cap=64)
     host = _measured(0.1e-3 / 8, 8)  # the parts: cheap drafting, so the plan is kept
-    assert host.beyond_seconds(8, 8) is None
+    assert host.verify_seconds(8, 8) is None
     assert not drafting_loses(chosen, forward_1ms, host)
-    # verify steps took 5 ms against 1 ms of rows: 27.5 tokens in 5 ms lose to 8 in 1 ms
+    # verify steps took 5 ms: 27.5 tokens in 5 ms lose to 8 in the 1 ms calibrated forward
     for _ in range(WARMUP_SAMPLES):
-        host.speculative(8, 8, 5e-3, 1e-3)
-    assert host.beyond_seconds(8, 8) == pytest.approx(4e-3)
-    assert host.beyond_seconds(8, 2) is None and host.beyond_seconds(64, 8) is None
+        host.speculative(8, 8, 5e-3, 1.0)
+    assert host.verify_seconds(8, 8) == pytest.approx(5e-3)
+    assert host.verify_seconds(8, 2) is None and host.verify_seconds(64, 8) is None
     assert drafting_loses(chosen, forward_1ms, host)
+    # ... but win against plain steps measured at 3 ms (the calibration's forward was short)
+    for _ in range(WARMUP_SAMPLES):
+        host.plain(8, 3e-3)
+    assert not drafting_loses(chosen, forward_1ms, host)
     # a step that captured a program is no sample
     monkeypatch.setattr(program_cache, "_captures", program_cache.captures() + 1)
-    host.speculative(8, 8, 1.0, 1e-3)
+    host.speculative(8, 8, 1.0, 1.0)
     monkeypatch.undo()
     host.begin()
-    assert host.beyond_seconds(8, 8) == pytest.approx(4e-3)
-    # and the other way: parts that say "too dear" (drafting 4 ms) against verify steps that
-    # measured 1.5 ms in all
+    assert host.verify_seconds(8, 8) == pytest.approx(5e-3)
+    # scaled by the rows' relative cost: 6 ms over rows at 1.5x is 4 ms a one-row step
+    scaled = HostCost(enabled=True)
+    for _ in range(WARMUP_SAMPLES):
+        scaled.speculative(8, 8, 6e-3, 1.5)
+    assert scaled.verify_seconds(8, 8) == pytest.approx(4e-3)
+    # the other way: parts that say "too dear" (drafting 4 ms) against verify steps of 1.5 ms
     dear = _measured(4e-3 / 8, 8)
     assert drafting_loses(chosen, forward_1ms, dear)
     for _ in range(WARMUP_SAMPLES):
-        dear.speculative(8, 8, 1.5e-3, 1e-3)
+        dear.speculative(8, 8, 1.5e-3, 1.0)
     assert not drafting_loses(chosen, forward_1ms, dear)
     # unmeasured for a while: forgotten, and the parts price it again
     stale = HostCost(enabled=True, stale_after=4)
     for _ in range(WARMUP_SAMPLES):
-        stale.speculative(8, 8, 5e-3, 1e-3)
-    assert stale.beyond_seconds(8, 8) is not None
-    assert any([stale.begin() for _ in range(6)]) and stale.beyond_seconds(8, 8) is None
+        stale.speculative(8, 8, 5e-3, 1.0)
+    assert stale.verify_seconds(8, 8) is not None
+    assert any([stale.begin() for _ in range(6)]) and stale.verify_seconds(8, 8) is None
     off = HostCost(enabled=False)
-    off.speculative(8, 8, 5e-3, 1e-3)
-    assert off.beyond_seconds(8, 8) is None
+    off.speculative(8, 8, 5e-3, 1.0)
+    assert off.verify_seconds(8, 8) is None
 
 
 class SlowVerify:
@@ -351,7 +359,7 @@ def test_verify_steps_dearer_than_priced_stop_speculation(tiny_model_dir, async_
         assert [o.outputs[0].token_ids for o in out] == reference
         verified[delay] = llm.engine.telemetry.spec.verify_steps
         if delay:
-            assert llm.engine.spec.host.beyond_seconds(len(PROMPTS), len(PROMPTS)) >= 0.05
+            assert llm.engine.spec.host.verify_seconds(len(PROMPTS), len(PROMPTS)) >= 0.05
     assert verified[0.0] >= TOKENS // 4 - 2
     # the warm-up's verify steps, a plan standing for `dcut_replan_every` steps, and a probe
     # every PROBE_EVERY steps whose cut may verify

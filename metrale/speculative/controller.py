@@ -366,11 +366,9 @@ class SpeculativeDecoder:
         if batch.phase is not Phase.VERIFY or not self.cfg.dcut:
             return
         width = len(batch.entries)
-        forward = self.cost.plain_seconds(width)
-        if forward is not None:
-            drafted = sum(1 for e in batch.entries if e.drafts)
-            rows = forward * self.cost.step_time(batch.num_rows, width)
-            self.host.speculative(width, drafted, seconds, rows)
+        drafted = sum(1 for e in batch.entries if e.drafts)
+        relative = self.cost.step_time(batch.num_rows, width)
+        self.host.speculative(width, drafted, seconds, relative)
 
     def observe(self, verdicts: list[Verdict]) -> list[tuple[Sequence, str]]:
         """Record one step's verdicts (sequences that verified drafts and those that did not);

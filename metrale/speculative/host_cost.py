@@ -20,7 +20,7 @@ calibration made at another context, and in the asynchronous engine the wait for
 flight that drafting settles (the qwen3-8b shape at batch 64 with async scheduling on the H200:
 verify steps of about 12 ms against 7 priced, so D-Cut speculated at 0.77x plain). So verify
 steps are also timed whole (`HostCost.speculative`), and once a width and a number drafted have
-been measured, that prices the plan instead.
+been measured, that prices the plan instead, against the plain step as measured.
 
 The gate is all or nothing on the plan D-Cut makes from rows alone: a plan cut down to fewer
 sequences would be a new verify shape, and a batch flipping between half-drafted plans paid more
@@ -74,9 +74,9 @@ class HostCost:
         # the same of its host work alone (the asynchronous engine's, whose plain steps hide it
         # behind the device: `plain`'s `host`)
         self._exposed: dict[int, list] = {}
-        # (width bucket, drafted bucket) -> [warm-up samples, EMA, step of last sample] of what
-        # a verify step cost beyond its rows' forward, per sequence (`speculative`)
-        self._beyond: dict[tuple[int, int], list] = {}
+        # (width bucket, drafted bucket) -> [warm-up samples, EMA, step of last sample] of a
+        # whole verify step's seconds per sequence, over its rows' relative cost (`speculative`)
+        self._verify: dict[tuple[int, int], list] = {}
         self._drafted_before = False
         self._captures = captures()  # programs captured before the step in flight
 
@@ -90,7 +90,7 @@ class HostCost:
             self._record(drafted, spent)
         self._drafted_before, self._last = drafted > 0, (0, 0.0)
         stale = False
-        for buckets in (self._buckets, self._beyond):
+        for buckets in (self._buckets, self._verify):
             old = [b for b, (_, _, at) in buckets.items() if self._step - at > self.stale_after]
             for b in old:
                 del buckets[b]
@@ -129,22 +129,23 @@ class HostCost:
         if host is not None:
             self._sample(self._exposed.setdefault(_bucket(width), [[], None]), host / width)
 
-    def speculative(self, width: int, drafted: int, seconds: float, forward: float) -> None:
+    def speculative(self, width: int, drafted: int, seconds: float, relative: float) -> None:
         """A verify step of `width` sequences, `drafted` of them with drafts, took `seconds`
-        start to end, of which the verify cost curve prices its rows' forward at `forward`:
-        the rest is everything a drafting step costs beyond its rows, measured whole (the
-        drafter, planning, the verify's metadata and verdicts, the commit, and in the
-        asynchronous engine the wait for the step in flight), which `beyond_seconds` returns."""
+        start to end: everything a drafting step costs (the drafter, planning, the verify's
+        metadata and verdicts, the commit, and in the asynchronous engine the wait for the step
+        in flight). `relative`: its rows' time on the verify cost curve (1.0: one row a
+        sequence), so that `verify_seconds` can price a plan of other depths."""
         if not self.enabled or width <= 0 or drafted <= 0 or self._captures != captures():
             return
-        entry = self._beyond.setdefault((_bucket(width), _bucket(drafted)), [[], None, 0])
+        entry = self._verify.setdefault((_bucket(width), _bucket(drafted)), [[], None, 0])
         entry[2] = self._step
-        self._sample(entry, max(seconds - forward, 0.0) / width)
+        self._sample(entry, seconds / max(relative, 1.0) / width)
 
-    def beyond_seconds(self, width: int, drafted: int) -> float | None:
-        """What a verify step of `width` sequences, `drafted` drafting, costs beyond its rows'
-        forward, as measured at about that many; None until then."""
-        entry = self._beyond.get((_bucket(width), _bucket(drafted)))
+    def verify_seconds(self, width: int, drafted: int) -> float | None:
+        """A whole verify step of `width` sequences, `drafted` drafting, as measured at about
+        that many, scaled to one row a sequence (times a plan's relative row cost: its step);
+        None until then."""
+        entry = self._verify.get((_bucket(width), _bucket(drafted)))
         if not self.enabled or entry is None or entry[1] is None:
             return None
         return width * entry[1]
@@ -180,28 +181,32 @@ def drafting_loses(plan: Plan, cost: VerifyCostModel, host: HostCost) -> bool:
     more than `GATE_MARGIN`, once the drafter's host work is paid. False while either the plain
     step's forward seconds or the host work at this many drafted sequences is unknown.
 
-    The plan's step takes F T(rows) for its rows (F: the forward of a plain step, from the
-    start-up calibration) plus what a verify step costs beyond them, against the engine's whole
-    plain step P (measured, else F). Once verify steps of about this width and this many
-    drafted have run, what they cost beyond their rows is measured whole (`beyond_seconds`): the
-    drafter, planning, the verify's own metadata and verdicts, the commit, the calibration's
-    error at this context, and in the asynchronous engine the wait for the step in flight.
-    Before that it is priced from its parts: the host work of a step plus the drafter's H. In the
-    synchronous engine a step's host work is what P adds to F; the asynchronous one hides it
-    behind the device in a plain step but not in a verify step, which waits for its verdicts:
-    there it is measured (`HostCost.hidden_seconds`)."""
+    Once verify steps of about this width and this many drafted have run, the plan's step is
+    what they took, scaled by the verify cost curve from their rows to the plan's
+    (`verify_seconds`), against the engine's whole plain step P as measured (else F, the
+    calibrated forward): the engine's own step times, whatever the calibration's error at the
+    running context (calibrated at 1k tokens, a 64-token run's steps are half as long) or the
+    engine's overlap. Before that the plan's step is priced from its parts: F T(rows) for its
+    rows, the host work of a step and the drafter's H, against P (else F). In the synchronous
+    engine a step's host work is what P adds to F; the asynchronous one hides it behind the
+    device in a plain step but not in a verify step, which waits for its verdicts: there it is
+    measured (`HostCost.hidden_seconds`)."""
     width = len(plan.depths)
     drafted = sum(d > 0 for d in plan.depths)
     forward = cost.plain_seconds(width)
     if drafted == 0 or forward is None:
         return False
-    step = max(host.plain_seconds(width) or 0.0, forward)
-    beyond = host.beyond_seconds(width, drafted)
-    if beyond is None:
+    plain = host.plain_seconds(width)
+    verify = host.verify_seconds(width, drafted)
+    if verify is not None:
+        step = forward if plain is None else plain
+        speculative = verify * cost.step_time(plan.rows, width)
+    else:
         seconds = host.seconds(drafted)
         if seconds is None:
             return False
+        step = max(plain or 0.0, forward)
         hidden = host.hidden_seconds(width)
-        beyond = (step - forward if hidden is None else hidden) + seconds
-    speculative = forward * cost.step_time(plan.rows, width) + beyond
+        host_work = step - forward if hidden is None else hidden
+        speculative = forward * cost.step_time(plan.rows, width) + host_work + seconds
     return plan.expected_tokens / speculative < (1.0 - GATE_MARGIN) * width / step
