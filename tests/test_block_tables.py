@@ -132,3 +132,28 @@ def test_every_step_reads_the_host_tables(tiny_model_dir, hybrid_dir, hybrid):  
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want and not failures
     assert llm.engine.telemetry.preemptions > 0 and sum(checked) > len(checked) // 2
+
+
+def test_a_packing_that_raises_leaves_the_device_rows_right(monkeypatch):
+    """Whatever raises while a step's metadata is packed (a device read of pending drafts
+    included), the next step's tables are the host's: nothing half-applied (found by review)."""
+    from metrale.engine import step_metadata
+
+    dev = DeviceBlockTables(2, 8, torch.device("cpu"))
+    dev.min_entries = 0
+    cpu = torch.device("cpu")
+    step_metadata.pack_spans([([3, 4], 0, [1] * 5)], 4, cpu, dev, [0])
+    grown = [([3, 4, 9], 0, [1] * 9)]
+    for broken in ("pending_fills", "to_device_packed"):
+        real = getattr(step_metadata, broken)
+
+        def raising(*args, **kwargs):
+            raise RuntimeError("interrupted")
+
+        monkeypatch.setattr(step_metadata, broken, raising)
+        with pytest.raises(RuntimeError, match="interrupted"):
+            step_metadata.pack_spans(grown, 4, cpu, dev, [0])
+        monkeypatch.setattr(step_metadata, broken, real)
+        _, _, meta = step_metadata.pack_spans(grown, 4, cpu, dev, [0])
+        assert torch.equal(meta.block_tables, host_padded([[3, 4, 9]], 3))
+        step_metadata.pack_spans([([3, 4], 0, [1] * 5)], 4, cpu, dev, [0])  # back, for the next

@@ -364,3 +364,38 @@ def test_verify_steps_dearer_than_priced_stop_speculation(tiny_model_dir, async_
     # the warm-up's verify steps, a plan standing for `dcut_replan_every` steps, and a probe
     # every PROBE_EVERY steps whose cut may verify
     assert verified[0.06] <= WARMUP_SAMPLES + 2 + REPLAN_EVERY + TOKENS // PROBE_EVERY
+
+
+def _step(phase, drafts: list[int]):
+    from types import SimpleNamespace
+
+    entries = [SimpleNamespace(drafts=[0] * k) for k in drafts]
+    return SimpleNamespace(phase=phase, entries=entries, num_rows=sum(drafts) + len(drafts))
+
+
+def test_only_steady_verify_steps_are_samples_filed_under_the_planned_width(tiny_model_dir):
+    """The first verify step after other steps is no sample (it catches up on what they emitted
+    and, async, waits for the step in flight: sampled, a closed gate's probes kept it closed),
+    nor is a step whose batch failed and ran again; samples are filed under the width D-Cut
+    planned over, where the gate looks (a request with speculation off is in the batch, not
+    in the plan). Found by review."""
+    from metrale.engine.sequence import Phase
+
+    llm = LLM(tiny_model_dir, device="cpu", spec={"method": "ngram", "num_drafts": 3})
+    spec = llm.engine.spec
+    taken = []
+    spec.host.speculative = lambda *args: taken.append(args)
+    spec._planned_width = 3
+    verify = _step(Phase.VERIFY, [3, 3, 0, 0])
+    for batch, seconds in [
+        (_step(Phase.DECODE, [0, 0, 0, 0]), 1e-3),
+        (verify, 5e-3),  # after a plain step: no sample
+        (verify, 4e-3),  # steady: a sample
+        (verify, None),  # retried one at a time: no sample
+        (verify, 6e-3),  # steady: a sample
+        (_step(Phase.DECODE, [0, 0, 0, 0]), 1e-3),
+        (verify, 7e-3),  # after a plain step again
+    ]:
+        spec.timed_step(batch, seconds)
+    relative = spec.cost.step_time(verify.num_rows, 4)
+    assert taken == [(3, 2, 4e-3, relative), (3, 2, 6e-3, relative)]

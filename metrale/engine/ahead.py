@@ -86,7 +86,7 @@ class AheadStepper:
     def step(self) -> list[RequestOutput]:
         engine = self.engine
         changed: dict[str, dict[int, tuple[str, list[int]]]] = {}
-        start = time.perf_counter()
+        start, retried = time.perf_counter(), engine.retried_batches
         self._waited = 0.0  # seconds this step waits for the device (reading verdicts)
         prev, self.launched = self.launched, None
         if prev is not None and not self.may_run_ahead():
@@ -134,10 +134,12 @@ class AheadStepper:
         if prev is not None:
             self._settle(prev, changed)
         outputs = engine._outputs(changed)
-        if ran_now is not None and engine.spec is not None:
-            # a verify step: what drafting costs, measured whole (the wait for the step in
-            # flight, which drafting settled, included)
-            engine.spec.timed_step(ran_now, time.perf_counter() - start)
+        timed = ran_now if ran_now is not None else launched and launched.batch
+        if engine.spec is not None and timed is not None:
+            # a verify step: what drafting costs, measured whole (not a step whose batch failed
+            # and ran again one sequence at a time)
+            seconds = time.perf_counter() - start
+            engine.spec.timed_step(timed, seconds if engine.retried_batches == retried else None)
         if launched is not None:
             self.launches += 1
             self.launches_ahead += ahead

@@ -32,7 +32,9 @@ def run_batch(engine, batch: Batch) -> StepOutput:
             log.exception("sequence %s failed", batch.entries[0].seq.request_id)
             engine._fail(batch.entries[0].seq, f"{type(e).__name__}: {e}")
             return StepOutput([], [], torch.empty(0), [])
-        # said, so that a step that keeps failing (and running N times) is seen
+        # said, so that a step that keeps failing (and running N times) is seen; counted, so
+        # that a timing of this step (D-Cut's `timed_step`) is not taken as a step's cost
+        engine.retried_batches += 1
         log.warning(
             "a batch of %d sequences failed (%s: %s); running each alone",
             len(batch.entries),

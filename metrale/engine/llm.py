@@ -105,6 +105,7 @@ class LLMEngine:
         """What sits on the runner: telemetry, the page allocator (and its prefix cache), the
         scheduler, the EOS ids, the speculative side (and D-Cut's calibration)."""
         self.telemetry = Telemetry()
+        self.retried_batches = 0  # batches whose forward failed, run again one at a time
         self._ahead: AheadStepper | None = None
         cache = build_prefix_cache(self.config, self.runner, self.telemetry.prefix_cache)
         self.allocator = PageAllocator(self.runner.num_pages, self.config.page_size, cache)
@@ -300,7 +301,7 @@ class LLMEngine:
         if self._ahead is not None:
             return self._ahead.step()
         changed: dict[str, dict[int, tuple[str, list[int]]]] = {}
-        start = time.perf_counter()
+        start, retried = time.perf_counter(), self.retried_batches
         batch = None
         emitted = prompt_rows = 0
         try:
@@ -327,12 +328,13 @@ class LLMEngine:
         spec = self.spec
         if spec is not None and batch is not None:
             seconds = time.perf_counter() - start
-            if batch.phase is Phase.DECODE and not spec.asked:
+            if self.retried_batches != retried:
+                seconds = None  # its batch failed and ran again one sequence at a time
+            elif batch.phase is Phase.DECODE and not spec.asked:
                 # what drafting's host work is priced against: a whole plain step, not its
                 # forward (one whose drafter was asked, even for nothing, paid that work)
                 spec.host.plain(len(batch.entries), seconds)
-            else:
-                spec.timed_step(batch, seconds)
+            spec.timed_step(batch, seconds)
         return outputs
 
     def _scheduled(self, batch: Batch, changed: dict) -> None:

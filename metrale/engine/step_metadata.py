@@ -43,6 +43,7 @@ def pack_spans(
         seq_lens.append(end)
         if type(tokens) is PendingIds:
             pending.append((starts[-1], tokens.row))
+    fills = pending_fills(pending, input_ids)  # (before `changes`: it may read the device)
     width = max(len(table) for table, _, _ in spans)
     if rows is None or device_tables is None or not device_tables.serves(len(spans), width):
         device_tables = None
@@ -56,7 +57,6 @@ def pack_spans(
         ]
     else:
         tables = [*device_tables.changes(rows, [table for table, _, _ in spans]), rows]
-    fills = pending_fills(pending, input_ids)
     try:
         packed = to_device_packed(
             [input_ids, positions, slots, starts, seq_lens, *tables, *fills.indices],

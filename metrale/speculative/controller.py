@@ -23,6 +23,7 @@ from metrale.speculative.dcut import PlanInput, VerifyCostModel, plan
 from metrale.speculative.drafter import Draft, Drafter, Verdict
 from metrale.speculative.estimator import AcceptanceEstimator
 from metrale.speculative.host_cost import HostCost, drafting_loses
+from metrale.speculative.probes import ProbeSchedule
 from metrale.speculative.row_table import RowTable
 from metrale.speculative.verify_key import (
     canonical_assignment,
@@ -33,8 +34,6 @@ from metrale.telemetry import SpecTelemetry
 
 log = logging.getLogger(__name__)
 
-# Sequences a probe step drafts (in turn), so probing costs a few drafts, not a batch's.
-PROBE_SEQS = 8
 # Sequence-verifies between two per-width acceptance lines (METRALE_MTP_ACCEPT_DEBUG).
 ACCEPT_DEBUG_EVERY = 256
 
@@ -117,6 +116,9 @@ class SpeculativeDecoder:
         self._sources: set[DeviceDrafts] = set()
         self._asked = 0
         self._steps = 0
+        self._probes = ProbeSchedule(cfg.dcut_probe_every)
+        self._planned_width = 0  # sequences D-Cut planned over this step
+        self._verified_before = False  # whether the engine's last timed step verified
         self._waited = 0.0  # seconds of `prepare` spent in `before_drafting`
         # the running sequences of the last step D-Cut planned at depth 0 everywhere, while no
         # estimate has changed since and no probe step came (None: plan again)
@@ -190,6 +192,7 @@ class SpeculativeDecoder:
         self._proposed, self._sources = {}, set()
         self._asked = 0  # sequences the drafter is asked for (what its host work scales with)
         self._steps += 1
+        self._planned_width = len(seqs)  # what D-Cut plans over (`timed_step` files under it)
         planned = False  # caps are depths D-Cut already chose
         if self.cfg.dcut and seqs:
             seqs, caps, planned = self._planned(seqs, caps)
@@ -250,14 +253,12 @@ class SpeculativeDecoder:
         Any other plan stands for `dcut_replan_every` steps while the running set is the same.
         Every `dcut_probe_every` steps a few sequences, in turn, draft anyway, unless drafting
         cannot pay even with every draft accepted (then their acceptance does not matter)."""
-        if self._steps % self.cfg.dcut_probe_every == 0 and not self._hopeless(seqs, caps):
+        if self._probes.due(self._steps) and not self._hopeless(seqs, caps):
             # The plan's sequences, plus a few of the others in turn, drafting up to their caps
             # (the cut after drafting decides their depths; those at 0 learn their first draft).
             self._quiet = self._last_plan = self._uniform = None
             chosen = set(self._worth_drafting(seqs, caps)[0])
-            first = (self._steps // self.cfg.dcut_probe_every * PROBE_SEQS) % len(seqs)
-            probed = {(first + i) % len(seqs) for i in range(min(PROBE_SEQS, len(seqs)))}
-            picked = sorted(chosen | probed)
+            picked = sorted(chosen.union(self._probes.probed(len(seqs))))
             return [seqs[i] for i in picked], [caps[i] for i in picked], False
         running = tuple(s.seq_id for s in seqs)
         quiet = self._quiet
@@ -277,6 +278,7 @@ class SpeculativeDecoder:
             # little, and planning 64 sequences cost about 0.3 ms a step on the H200's host.
             return seqs, [min(c, uniform[0]) for c in caps], True
         keep, depths = self._worth_drafting(seqs, caps)
+        self._probes.planned(bool(keep))
         self._quiet = None if keep else frozenset(running)
         depth_of = {seqs[i].seq_id: d for i, d in zip(keep, depths, strict=True)}
         self._last_plan = (running, depth_of, self._steps)
@@ -360,15 +362,21 @@ class SpeculativeDecoder:
             depth = min(depth, cap_of[seq.seq_id])
             seq.draft = pad_draft(draft, depth, self.vocab_size) if depth else None
 
-    def timed_step(self, batch: Batch, seconds: float) -> None:
-        """The engine's step of `batch` took `seconds`, start to end: a verify step is what
-        D-Cut's gate prices drafting with once measured (`HostCost.speculative`)."""
-        if batch.phase is not Phase.VERIFY or not self.cfg.dcut:
+    def timed_step(self, batch: Batch, seconds: float | None) -> None:
+        """The engine's step of `batch` took `seconds`, start to end (None: no sample, a step
+        whose batch failed and ran again one sequence at a time). Told of every step: a verify
+        step following a verify step is what D-Cut's gate prices drafting with once measured
+        (`HostCost.speculative`), filed under the width D-Cut planned over. The first after
+        other steps is no sample: it also catches up on what they emitted (a drafter's index)
+        and, under async scheduling, waits for the step in flight; sampled, the probes of a
+        closed gate would keep it closed."""
+        verify = batch.phase is Phase.VERIFY
+        steady, self._verified_before = self._verified_before, verify
+        if not verify or not steady or seconds is None or not self.cfg.dcut:
             return
-        width = len(batch.entries)
         drafted = sum(1 for e in batch.entries if e.drafts)
-        relative = self.cost.step_time(batch.num_rows, width)
-        self.host.speculative(width, drafted, seconds, relative)
+        relative = self.cost.step_time(batch.num_rows, len(batch.entries))
+        self.host.speculative(self._planned_width, drafted, seconds, relative)
 
     def observe(self, verdicts: list[Verdict]) -> list[tuple[Sequence, str]]:
         """Record one step's verdicts (sequences that verified drafts and those that did not);
