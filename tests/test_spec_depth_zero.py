@@ -9,7 +9,7 @@ import pytest
 
 from metrale import LLM, SamplingParams
 from metrale.engine.sequence import Phase
-from metrale.speculative import controller
+from metrale.speculative import controller, probes
 from metrale.speculative.dcut import VerifyCostModel
 from metrale.speculative.drafter import Draft
 from metrale.speculative.replay import ReplayDrafter
@@ -247,6 +247,8 @@ def test_a_plan_stands_for_replan_every_steps_while_the_batch_is_the_same(
         return real_plan(inputs, cost, cap, **kw)
 
     monkeypatch.setattr(controller, "plan", plan)
+    # probes at a fixed interval here (their backoff: tests/test_probes.py)
+    monkeypatch.setattr(probes, "MAX_BACKOFF", 1)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
     steps = [step for step, _ in planned_at]
@@ -283,6 +285,8 @@ def test_a_depth_zero_plan_outlives_arrivals_until_the_next_probe(tiny_model_dir
         return real_plan(inputs, cost, cap, **kw)
 
     monkeypatch.setattr(controller, "plan", plan)
+    # probes at a fixed interval here (their backoff: tests/test_probes.py)
+    monkeypatch.setattr(probes, "MAX_BACKOFF", 1)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
     steps = sorted(set(planned_at))

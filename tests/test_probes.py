@@ -1,0 +1,79 @@
+"""D-Cut's probe schedule (`speculative/probes.py`): a probe every `dcut_probe_every` steps while
+plans draft; each plan that drafts nothing doubles the interval, up to its bound; a plan that
+drafts brings the base interval back. And in the engine: with drafts that are always wrong the
+probes thin out, and once the drafts are right again speculation comes back; the output is
+plain decoding's throughout."""
+
+from __future__ import annotations
+
+from metrale import LLM, SamplingParams
+from metrale.speculative.probes import MAX_BACKOFF, PROBE_SEQS, ProbeSchedule
+from metrale.speculative.replay import ReplayDrafter
+
+
+def probe_steps(schedule: ProbeSchedule, steps: int, drafts=lambda step: False) -> list[int]:
+    out = []
+    for step in range(1, steps + 1):
+        if schedule.due(step):
+            out.append(step)
+            schedule.planned(drafts(step))  # the plan after the probe
+    return out
+
+
+def test_the_interval_doubles_to_its_bound_and_comes_back():
+    got = probe_steps(ProbeSchedule(4), 400)
+    gaps = [b - a for a, b in zip(got, got[1:])]
+    assert got[0] == 4 and gaps[:3] == [4, 8, 16]
+    assert max(gaps) == 4 * MAX_BACKOFF and gaps[-1] == 4 * MAX_BACKOFF
+    # a plan that drafts: back to every 4 steps from the next probe on
+    back = probe_steps(ProbeSchedule(4), 400, drafts=lambda step: step > 200)
+    assert [b - a for a, b in zip(back, back[1:])][-3:] == [4, 4, 4]
+
+
+def test_probes_take_the_sequences_in_turn():
+    schedule = ProbeSchedule(1)
+    seen = set()
+    for step in range(1, 8):
+        assert schedule.due(step)
+        picked = schedule.probed(20)
+        assert len(picked) == min(PROBE_SEQS, 20) and len(set(picked)) == len(picked)
+        seen.update(picked)
+    assert seen == set(range(20))
+    assert schedule.probed(3) and set(schedule.probed(3)) <= {0, 1, 2}
+
+
+class Flipping(ReplayDrafter):
+    """Every draft wrong while `wrong`, then the target's own continuation."""
+
+    wrong = True
+
+    def propose(self, seqs, max_drafts):
+        drafts = super().propose(seqs, max_drafts)
+        if self.wrong:
+            return [type(d)([(t + 1) % 200 for t in d.tokens]) for d in drafts]
+        return drafts
+
+
+def test_probes_back_off_while_nothing_is_accepted_and_speculation_returns(tiny_model_dir):
+    prompts = [[(3 * i + 5 * j) % 190 + 5 for j in range(6 + i)] for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+    plain = LLM(tiny_model_dir, device="cpu").generate(prompts, params, use_tqdm=False)
+    ref = [o.outputs[0].token_ids for o in plain]
+    drafter = Flipping(dict(zip(map(tuple, prompts), ref, strict=True)), 1.0, 200)
+    llm = LLM(
+        tiny_model_dir,
+        device="cpu",
+        drafter=drafter,
+        spec={"num_drafts": 3, "dcut": True, "dcut_probe_every": 4},
+    )
+    spec = llm.engine.spec
+    out = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == ref
+    assert spec._probes.every > 4  # nothing paid: the probes thinned out
+    tel = llm.engine.telemetry.spec
+    wrong_verifies = tel.verify_steps
+    drafter.wrong = False
+    out = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == ref
+    # new sequences start from the prior: they speculate, and the probes are back to every 4
+    assert tel.verify_steps - wrong_verifies > 20 and spec._probes.every == 4
