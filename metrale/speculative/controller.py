@@ -180,8 +180,8 @@ class SpeculativeDecoder:
         With D-Cut the depths are planned first, from the acceptance estimates: only sequences
         planned deeper than 0 are drafted, so a step planned at depth 0 everywhere drafts
         nothing and runs as a plain decode step (`observing` tells the engine whether its
-        verdicts are wanted at all). Every `dcut_probe_every` steps a few sequences draft
-        anyway, and the ones cut to depth 0 learn from their first draft."""
+        verdicts are wanted at all). At probe steps (`probes.ProbeSchedule`) a few sequences
+        draft anyway, and the ones cut to depth 0 learn from their first draft."""
         seqs, caps = [], []
         for seq in running:
             seq.draft = None
@@ -251,8 +251,9 @@ class SpeculativeDecoder:
         the batch changes nearly every step, and re-planning each time put D-Cut's planning
         (about 0.3 ms a step at batch 64 on CPU) back into steps that draft nothing.
         Any other plan stands for `dcut_replan_every` steps while the running set is the same.
-        Every `dcut_probe_every` steps a few sequences, in turn, draft anyway, unless drafting
-        cannot pay even with every draft accepted (then their acceptance does not matter)."""
+        At probe steps (`probes.ProbeSchedule`) a few sequences, in turn, draft anyway, unless
+        drafting cannot pay even with every draft accepted (then their acceptance does not
+        matter)."""
         if self._probes.due(self._steps) and not self._hopeless(seqs, caps):
             # The plan's sequences, plus a few of the others in turn, drafting up to their caps
             # (the cut after drafting decides their depths; those at 0 learn their first draft).
