@@ -77,3 +77,32 @@ def test_probes_back_off_while_nothing_is_accepted_and_speculation_returns(tiny_
     assert [o.outputs[0].token_ids for o in out] == ref
     # new sequences start from the prior: they speculate, and the probes are back to every 4
     assert tel.verify_steps - wrong_verifies > 20 and spec._probes.every == 4
+
+
+def test_async_steps_that_run_synchronously_are_timed(tiny_model_dir):
+    """Under async scheduling a request with penalties makes every step synchronous; D-Cut is
+    still told of each (so a verify step after plain ones is no sample) and its plain steps
+    are measured (found by review: they were neither)."""
+    prompts = [[(3 * i + 5 * j) % 190 + 5 for j in range(6 + i)] for i in range(4)]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True) for _ in prompts]
+    params[0] = SamplingParams(
+        temperature=0.0, max_tokens=40, ignore_eos=True, presence_penalty=0.5
+    )
+    plain = LLM(tiny_model_dir, device="cpu").generate(prompts, params, use_tqdm=False)
+    ref = [o.outputs[0].token_ids for o in plain]
+    drafter = Flipping(dict(zip(map(tuple, prompts), ref, strict=True)), 1.0, 200)
+    llm = LLM(
+        tiny_model_dir,
+        device="cpu",
+        drafter=drafter,
+        async_scheduling=True,
+        spec={"num_drafts": 3, "dcut": True, "dcut_probe_every": 4},
+    )
+    spec, timed = llm.engine.spec, []
+    told = spec.timed_step
+    spec.timed_step = lambda batch, seconds: timed.append(batch.phase) or told(batch, seconds)
+    out = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == ref
+    assert llm.engine._ahead.launches == 0  # nothing ran ahead
+    assert len(timed) == llm.engine.telemetry.steps
+    assert spec.host.plain_seconds(len(prompts)) is not None

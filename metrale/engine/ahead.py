@@ -131,15 +131,22 @@ class AheadStepper:
                     self._settle(prev, changed)
                     prev = None
                 self._run_now(batch, start, changed)
+                ran_now = batch
         if prev is not None:
             self._settle(prev, changed)
         outputs = engine._outputs(changed)
         timed = ran_now if ran_now is not None else launched and launched.batch
-        if engine.spec is not None and timed is not None:
-            # a verify step: what drafting costs, measured whole (not a step whose batch failed
-            # and ran again one sequence at a time)
-            seconds = time.perf_counter() - start
-            engine.spec.timed_step(timed, seconds if engine.retried_batches == retried else None)
+        spec = engine.spec
+        if spec is not None and timed is not None:
+            # (not a step whose batch failed and ran again one sequence at a time)
+            seconds = time.perf_counter() - start if engine.retried_batches == retried else None
+            synchronous_plain = ran_now is not None and ran_now.phase is Phase.DECODE
+            if synchronous_plain and seconds is not None and not spec.asked:
+                # a plain step run synchronously (a grammar or penalties in the batch, a failed
+                # launch): priced as the synchronous engine prices its plain steps
+                spec.host.plain(len(ran_now.entries), seconds)
+            # every step: a verify step after a verify step is what drafting costs, whole
+            spec.timed_step(timed, seconds)
         if launched is not None:
             self.launches += 1
             self.launches_ahead += ahead

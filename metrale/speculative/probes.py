@@ -2,13 +2,17 @@
 0, in turn, so that their acceptance estimates can rise again; it costs a drafting step (and under
 async scheduling a synchronous one, which drains the pipeline). While drafting does not pay, each
 probe that finds nothing worth drafting doubles the interval, up to `MAX_BACKOFF` times
-`dcut_probe_every`; a plan that drafts brings it back. On the H200 (qwen3-8b shape, alpha 0,
-async scheduling, batch 64) a probe every 8 steps kept decoding at 0.94x plain.
+`dcut_probe_every`; a plan that drafts brings it back (and the next probe with it). On the H200
+(qwen3-8b shape, alpha 0, async scheduling, batch 64) a probe every 8 steps kept decoding at
+0.94x plain. The price: a sequence whose acceptance rises mid-stream is noticed later.
 """
 
 from __future__ import annotations
 
-MAX_BACKOFF = 8  # the longest interval, in units of `dcut_probe_every`
+# The longest interval, in units of `dcut_probe_every`. A probe drafts for `PROBE_SEQS`
+# sequences in turn: at batch 64 and the default 8, each sequence is probed every 64 steps
+# without the backoff, every 256 at most with it.
+MAX_BACKOFF = 4
 PROBE_SEQS = 8  # sequences a probe drafts for, beside those the plan drafts
 
 
@@ -16,20 +20,25 @@ class ProbeSchedule:
     def __init__(self, every: int) -> None:
         self.base = self.every = every
         self._next = every  # the step of the next probe
+        self._last = 0  # the step of the last one
         self._probes = 0
 
     def due(self, step: int) -> bool:
         """Whether step `step` probes (asked once a step, in order)."""
         if step < self._next:
             return False
-        self._next = step + self.every
+        self._next, self._last = step + self.every, step
         self._probes += 1
         return True
 
     def planned(self, drafts: bool) -> None:
-        """A plan was made: drafting pays for some sequence (back to the base interval), or for
-        none (the interval doubles, up to its bound)."""
-        self.every = self.base if drafts else min(2 * self.every, MAX_BACKOFF * self.base)
+        """A plan was made: drafting pays for some sequence (back to the base interval, the
+        next probe included), or for none (the interval doubles, up to its bound)."""
+        if drafts:
+            self.every = self.base
+            self._next = min(self._next, self._last + self.base)
+        else:
+            self.every = min(2 * self.every, MAX_BACKOFF * self.base)
 
     def probed(self, count: int) -> list[int]:
         """Indices, among `count` sequences, of the few this probe drafts for (in turn)."""
