@@ -33,7 +33,7 @@ class SpecConfig:
     dcut_prior: float = 0.6  # acceptance assumed for a position never observed
     # Every this many steps a few sequences (in turn) that D-Cut would leave at depth 0 draft
     # anyway, so acceptance estimates can recover; on other steps they are not drafted at all.
-    # While no plan drafts, the interval doubles after each probe, to 8x this
+    # While no plan drafts, the interval doubles after each probe, to 4x this
     # (`speculative/probes.py`).
     dcut_probe_every: int = 8
     # A plan is kept for up to this many steps while the running sequences stay the same (the
