@@ -178,8 +178,9 @@ class HostCost:
 
 def drafting_loses(plan: Plan, cost: VerifyCostModel, host: HostCost) -> bool:
     """Whether `plan` (from rows alone) emits fewer tokens per second than plain decoding, by
-    more than `GATE_MARGIN`, once the drafter's host work is paid. False while either the plain
-    step's forward seconds or the host work at this many drafted sequences is unknown.
+    more than `GATE_MARGIN`, once the drafter's host work is paid. False while the plain step's
+    forward seconds are unknown, or both the verify steps and the host work at this many drafted
+    sequences are.
 
     Once verify steps of about this width and this many drafted have run, the plan's step is
     what they took, scaled by the verify cost curve from their rows to the plan's
