@@ -54,18 +54,23 @@ class Flipping(ReplayDrafter):
         return drafts
 
 
-def test_probes_back_off_while_nothing_is_accepted_and_speculation_returns(tiny_model_dir):
-    prompts = [[(3 * i + 5 * j) % 190 + 5 for j in range(6 + i)] for i in range(4)]
-    params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
-    plain = LLM(tiny_model_dir, device="cpu").generate(prompts, params, use_tqdm=False)
+PROMPTS = [[(3 * i + 5 * j) % 190 + 5 for j in range(6 + i)] for i in range(4)]
+
+
+def flipping_engine(model_dir, params, **options):
+    """(plain decoding's tokens, an engine probing every 4 steps with a `Flipping` drafter of
+    them, the drafter)."""
+    plain = LLM(model_dir, device="cpu").generate(PROMPTS, params, use_tqdm=False)
     ref = [o.outputs[0].token_ids for o in plain]
-    drafter = Flipping(dict(zip(map(tuple, prompts), ref, strict=True)), 1.0, 200)
-    llm = LLM(
-        tiny_model_dir,
-        device="cpu",
-        drafter=drafter,
-        spec={"num_drafts": 3, "dcut": True, "dcut_probe_every": 4},
-    )
+    drafter = Flipping(dict(zip(map(tuple, PROMPTS), ref, strict=True)), 1.0, 200)
+    spec = {"num_drafts": 3, "dcut": True, "dcut_probe_every": 4}
+    return ref, LLM(model_dir, device="cpu", drafter=drafter, spec=spec, **options), drafter
+
+
+def test_probes_back_off_while_nothing_is_accepted_and_speculation_returns(tiny_model_dir):
+    prompts = PROMPTS
+    params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+    ref, llm, drafter = flipping_engine(tiny_model_dir, params)
     spec = llm.engine.spec
     out = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == ref
@@ -83,21 +88,12 @@ def test_async_steps_that_run_synchronously_are_timed(tiny_model_dir):
     """Under async scheduling a request with penalties makes every step synchronous; D-Cut is
     still told of each (so a verify step after plain ones is no sample) and its plain steps
     are measured (found by review: they were neither)."""
-    prompts = [[(3 * i + 5 * j) % 190 + 5 for j in range(6 + i)] for i in range(4)]
+    prompts = PROMPTS
     params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True) for _ in prompts]
     params[0] = SamplingParams(
         temperature=0.0, max_tokens=40, ignore_eos=True, presence_penalty=0.5
     )
-    plain = LLM(tiny_model_dir, device="cpu").generate(prompts, params, use_tqdm=False)
-    ref = [o.outputs[0].token_ids for o in plain]
-    drafter = Flipping(dict(zip(map(tuple, prompts), ref, strict=True)), 1.0, 200)
-    llm = LLM(
-        tiny_model_dir,
-        device="cpu",
-        drafter=drafter,
-        async_scheduling=True,
-        spec={"num_drafts": 3, "dcut": True, "dcut_probe_every": 4},
-    )
+    ref, llm, _ = flipping_engine(tiny_model_dir, params, async_scheduling=True)
     spec, timed = llm.engine.spec, []
     told = spec.timed_step
     spec.timed_step = lambda batch, seconds: timed.append(batch.phase) or told(batch, seconds)
