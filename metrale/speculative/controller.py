@@ -76,6 +76,7 @@ class SpeculativeDecoder:
         self._steps = 0
         self._probes = ProbeSchedule(cfg.dcut_probe_every)
         self._planned_width = 0  # sequences D-Cut planned over this step
+        self._planned_drafted = 0  # and of those, the ones it planned to draft
         self._verified_before = False  # whether the engine's last timed step verified
         self._waited = 0.0  # seconds of `prepare` spent in `before_drafting`
         # the running sequences of the last step D-Cut planned at depth 0 everywhere, while no
@@ -154,6 +155,10 @@ class SpeculativeDecoder:
         planned = False  # caps are depths D-Cut already chose
         if self.cfg.dcut and seqs:
             seqs, caps, planned = self._planned(seqs, caps)
+        # What the gate looks verify steps up by: the plan's count, not how many drafted (an
+        # n-gram drafter finds nothing for some; filed by those, the samples of a batch of 64
+        # were never found under the plan's 64 and the gate priced from parts all along).
+        self._planned_drafted = len(seqs)
         if seqs and before_drafting is not None:
             waited = time.perf_counter()
             before_drafting()
@@ -325,7 +330,8 @@ class SpeculativeDecoder:
         """The engine's step of `batch` took `seconds`, start to end (None: no sample, a step
         whose batch failed and ran again one sequence at a time). Told of every step: a verify
         step following a verify step is what D-Cut's gate prices drafting with once measured
-        (`HostCost.speculative`), filed under the width D-Cut planned over. The first after
+        (`HostCost.speculative`), filed under the width D-Cut planned over and the number it
+        planned to draft, where the gate looks them up. The first after
         other steps is no sample: it also catches up on what they emitted (a drafter's index)
         and, under async scheduling, waits for the step in flight; sampled, the probes of a
         closed gate would keep it closed."""
@@ -333,9 +339,8 @@ class SpeculativeDecoder:
         steady, self._verified_before = self._verified_before, verify
         if not verify or not steady or seconds is None or not self.cfg.dcut:
             return
-        drafted = sum(1 for e in batch.entries if e.drafts)
         relative = self.cost.step_time(batch.num_rows, len(batch.entries))
-        self.host.speculative(self._planned_width, drafted, seconds, relative)
+        self.host.speculative(self._planned_width, self._planned_drafted, seconds, relative)
 
     def observe(self, verdicts: list[Verdict]) -> list[tuple[Sequence, str]]:
         """Record one step's verdicts (sequences that verified drafts and those that did not);

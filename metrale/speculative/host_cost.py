@@ -31,6 +31,7 @@ per sequence inside its search).
 from __future__ import annotations
 
 import statistics
+from collections import deque
 
 from metrale.engine.program_cache import captures
 from metrale.speculative.dcut import Plan, VerifyCostModel
@@ -38,9 +39,39 @@ from metrale.speculative.dcut import Plan, VerifyCostModel
 # A plan is dropped only when it loses to plain decoding by more than this: near break-even the
 # estimates cannot tell, and flipping costs more than either choice.
 GATE_MARGIN = 0.05
-# Samples that start a bucket's estimate (their median: a capture or a collection among them
-# does not set it).
+# Samples before a bucket has an estimate.
 WARMUP_SAMPLES = 3
+# Samples a bucket's estimate is the median of (the newest). A median, not a running mean: a
+# step can cost several times its kind for reasons that are no price of it (the last step of a
+# wave of requests finishing them: 11.7 ms against 2.3 ms for the shipped model at batch 64 on
+# the H200; a collection; the first step after a prefill), and one such step in an EMA (rate
+# 0.2) moved the plain step's estimate from 2.3 to 4.2 ms, so D-Cut judged drafting against a
+# plain step 80% too dear and speculated where it lost (n-gram, batch 64: 0.78x).
+WINDOW = 9
+
+
+class Window:
+    """The median of the last `WINDOW` samples of one bucket, once it has `WARMUP_SAMPLES`,
+    and the step of the newest."""
+
+    __slots__ = ("samples", "at", "_median")
+
+    def __init__(self) -> None:
+        self.samples: deque[float] = deque(maxlen=WINDOW)
+        self.at = 0
+        self._median: float | None = None
+
+    def add(self, sample: float, step: int) -> None:
+        self.samples.append(sample)
+        self.at, self._median = step, None
+
+    @property
+    def value(self) -> float | None:
+        if len(self.samples) < WARMUP_SAMPLES:
+            return None
+        if self._median is None:
+            self._median = statistics.median(self.samples)
+        return self._median
 
 
 def _bucket(k: int) -> int:
@@ -48,8 +79,8 @@ def _bucket(k: int) -> int:
 
 
 class HostCost:
-    """Host seconds per drafted sequence, per bucket of the number drafted (powers of two), an
-    EMA from the median of its first samples.
+    """Host seconds per drafted sequence, per bucket of the number drafted (powers of two), the
+    median of its newest samples (`Window`).
 
     A sample is a drafting step that follows a drafting step: the first one after steps that
     drafted nothing also catches up on what they emitted (a probe extends the n-gram index by
@@ -57,26 +88,24 @@ class HostCost:
     sample for `stale_after` steps is forgotten, so D-Cut drafts by rows alone and measures it
     again: an estimate that once said "too dear" is not believed forever. A step during which a
     program was captured (a drafter's or the target's, tens of milliseconds) is no sample of
-    either kind: one such step would move the estimate for dozens of steps.
+    either kind.
     """
 
-    def __init__(self, enabled: bool, rate: float = 0.2, stale_after: int = 256) -> None:
+    def __init__(self, enabled: bool, stale_after: int = 256) -> None:
         self.enabled = enabled
-        self.rate = rate
         self.stale_after = stale_after
         self._step = 0
-        # bucket -> [warm-up samples, EMA of seconds per sequence or None, step of last sample]
-        self._buckets: dict[int, list] = {}
+        # bucket -> seconds per sequence drafted
+        self._buckets: dict[int, Window] = {}
         self._last = (0, 0.0)  # (sequences drafted, seconds) of the step in flight
-        # bucket -> [warm-up samples, EMA or None] of a whole plain decode step's seconds per
-        # sequence (`plain`)
-        self._plain: dict[int, list] = {}
+        # bucket -> a whole plain decode step's seconds per sequence (`plain`)
+        self._plain: dict[int, Window] = {}
         # the same of its host work alone (the asynchronous engine's, whose plain steps hide it
         # behind the device: `plain`'s `host`)
-        self._exposed: dict[int, list] = {}
-        # (width bucket, drafted bucket) -> [warm-up samples, EMA, step of last sample] of a
-        # whole verify step's seconds per sequence, over its rows' relative cost (`speculative`)
-        self._verify: dict[tuple[int, int], list] = {}
+        self._exposed: dict[int, Window] = {}
+        # (width bucket, drafted bucket) -> a whole verify step's seconds per sequence, over its
+        # rows' relative cost (`speculative`)
+        self._verify: dict[tuple[int, int], Window] = {}
         self._drafted_before = False
         self._captures = captures()  # programs captured before the step in flight
 
@@ -87,11 +116,11 @@ class HostCost:
         drafted, spent = self._last
         steady, self._captures = self._captures == captures(), captures()
         if self.enabled and drafted > 0 and self._drafted_before and spent > 0.0 and steady:
-            self._record(drafted, spent)
+            self._sample(self._buckets, _bucket(drafted), spent / drafted)
         self._drafted_before, self._last = drafted > 0, (0, 0.0)
         stale = False
         for buckets in (self._buckets, self._verify):
-            old = [b for b, (_, _, at) in buckets.items() if self._step - at > self.stale_after]
+            old = [b for b, w in buckets.items() if self._step - w.at > self.stale_after]
             for b in old:
                 del buckets[b]
             stale = stale or bool(old)
@@ -102,21 +131,11 @@ class HostCost:
         k, s = self._last
         self._last = (k if drafted is None else drafted, s + seconds)
 
-    def _record(self, k: int, seconds: float) -> None:
-        per_seq = seconds / k
-        entry = self._buckets.setdefault(_bucket(k), [[], None, self._step])
-        entry[2] = self._step
-        self._sample(entry, per_seq)
-
-    def _sample(self, entry: list, per_seq: float) -> None:
-        """Into [warm-up samples, EMA or None, ...]: the median of the first samples, then an
-        EMA."""
-        if entry[1] is None:
-            entry[0].append(per_seq)
-            if len(entry[0]) == WARMUP_SAMPLES:
-                entry[0], entry[1] = [], statistics.median(entry[0])
-        else:
-            entry[1] += self.rate * (per_seq - entry[1])
+    def _sample(self, buckets: dict, key, per_seq: float) -> None:
+        window = buckets.get(key)
+        if window is None:
+            window = buckets[key] = Window()
+        window.add(per_seq, self._step)
 
     def plain(self, width: int, seconds: float, host: float | None = None) -> None:
         """A plain decode step of `width` sequences took `seconds`, start to end (since the
@@ -125,55 +144,47 @@ class HostCost:
         asynchronous engine), and a synchronous verify step would not."""
         if not self.enabled or width <= 0 or self._captures != captures():
             return
-        self._sample(self._plain.setdefault(_bucket(width), [[], None]), seconds / width)
+        self._sample(self._plain, _bucket(width), seconds / width)
         if host is not None:
-            self._sample(self._exposed.setdefault(_bucket(width), [[], None]), host / width)
+            self._sample(self._exposed, _bucket(width), host / width)
 
     def speculative(self, width: int, drafted: int, seconds: float, relative: float) -> None:
-        """A verify step of `width` sequences, `drafted` of them with drafts, took `seconds`
-        start to end: everything a drafting step costs (the drafter, planning, the verify's
-        metadata and verdicts, the commit, and in the asynchronous engine the wait for the step
-        in flight). `relative`: its rows' time on the verify cost curve (1.0: one row a
-        sequence), so that `verify_seconds` can price a plan of other depths."""
+        """A verify step of `width` sequences, `drafted` of them planned to draft, took
+        `seconds` start to end: everything a drafting step costs (the drafter, planning, the
+        verify's metadata and verdicts, the commit, and in the asynchronous engine the wait
+        for the step in flight). `relative`: its rows' time on the verify cost curve (1.0: one
+        row a sequence), so that `verify_seconds` can price a plan of other depths."""
         if not self.enabled or width <= 0 or drafted <= 0 or self._captures != captures():
             return
-        entry = self._verify.setdefault((_bucket(width), _bucket(drafted)), [[], None, 0])
-        entry[2] = self._step
-        self._sample(entry, seconds / max(relative, 1.0) / width)
+        key = (_bucket(width), _bucket(drafted))
+        self._sample(self._verify, key, seconds / max(relative, 1.0) / width)
 
     def verify_seconds(self, width: int, drafted: int) -> float | None:
-        """A whole verify step of `width` sequences, `drafted` drafting, as measured at about
-        that many, scaled to one row a sequence (times a plan's relative row cost: its step);
-        None until then."""
-        entry = self._verify.get((_bucket(width), _bucket(drafted)))
-        if not self.enabled or entry is None or entry[1] is None:
-            return None
-        return width * entry[1]
+        """A whole verify step of `width` sequences, `drafted` planned to draft, as measured at
+        about that many, scaled to one row a sequence (times a plan's relative row cost: its
+        step); None until then."""
+        return self._per_seq(self._verify, (_bucket(width), _bucket(drafted)), width)
 
     def plain_seconds(self, width: int) -> float | None:
         """A whole plain decode step of `width` sequences, as measured; None until then."""
-        return self._per_seq(self._plain, width)
+        return self._per_seq(self._plain, _bucket(width), width)
 
     def hidden_seconds(self, width: int) -> float | None:
         """The host work of a plain step of `width` sequences that the asynchronous engine
         hides behind the device, as measured; None until then, and in the synchronous engine."""
-        return self._per_seq(self._exposed, width)
-
-    def _per_seq(self, buckets: dict[int, list], width: int) -> float | None:
-        entry = buckets.get(_bucket(width))
-        if not self.enabled or entry is None or entry[1] is None:
-            return None
-        return width * entry[1]
+        return self._per_seq(self._exposed, _bucket(width), width)
 
     def seconds(self, drafted: int) -> float | None:
         """Host seconds that drafting `drafted` sequences adds to a step; None until measured
         at about that many (or when pricing is off)."""
         if drafted <= 0:
             return 0.0
-        entry = self._buckets.get(_bucket(drafted))
-        if not self.enabled or entry is None or entry[1] is None:
-            return None
-        return drafted * entry[1]
+        return self._per_seq(self._buckets, _bucket(drafted), drafted)
+
+    def _per_seq(self, buckets: dict, key, count: int) -> float | None:
+        window = buckets.get(key)
+        value = None if window is None or not self.enabled else window.value
+        return None if value is None else count * value
 
 
 def drafting_loses(plan: Plan, cost: VerifyCostModel, host: HostCost) -> bool:
