@@ -191,6 +191,61 @@ def test_a_step_that_ends_a_wave_of_requests_does_not_price_plain_steps():
     assert not drafting_loses(chosen, forward, inflated)
 
 
+def test_a_dropped_gate_reopens_only_for_an_outright_win():
+    """Near break-even the gate has two bars: an open one closes when drafting loses by more
+    than GATE_MARGIN, a closed one reopens only when drafting wins outright (each reopening pays
+    a transition no sample prices). 8 x 2.8 tokens in 2.9 plain steps: 0.97x plain."""
+    forward = VerifyCostModel.from_points({(1, 4.0): 1.0, (64, 4.0): 1.0}, {8: 1e-3})
+    host = HostCost(enabled=True)
+    for _ in range(WARMUP_SAMPLES):
+        host.plain(8, 1e-3)
+        host.speculative(8, 8, 2.9e-3, 1.0)
+    near_even = plan([PlanInput(i, 3, [0.8, 0.75, 2 / 3]) for i in range(8)], forward, 64)
+    assert near_even.expected_tokens == pytest.approx(8 * 2.8)
+    assert not drafting_loses(near_even, forward, host)
+    assert drafting_loses(near_even, forward, host, reopen=True)
+    winning = plan([PlanInput(i, 3, [0.9] * 3) for i in range(8)], forward, 64)
+    assert not drafting_loses(winning, forward, host, reopen=True)
+
+
+def test_the_controller_keeps_a_dropped_gate_closed_until_drafting_wins(
+    tiny_model_dir, monkeypatch
+):
+    """`SpeculativeDecoder` asks the gate with `reopen` set from the moment it dropped a plan
+    until a plan drafts again."""
+    from types import SimpleNamespace
+
+    import metrale.speculative.controller as controller
+
+    llm = LLM(tiny_model_dir, device="cpu", spec={"method": "ngram", "num_drafts": 3})
+    spec = llm.engine.spec
+    verdicts, asked = iter([False, True, True, False, False]), []
+
+    def gate(chosen, cost, host, reopen=False):
+        asked.append(reopen)
+        return next(verdicts)
+
+    monkeypatch.setattr(controller, "drafting_loses", gate)
+    seqs = [SimpleNamespace(slot=i, seq_id=i) for i in range(4)]
+    for _ in range(5):
+        spec._worth_drafting(seqs, [3] * 4)
+    assert asked == [False, False, True, True, False]
+
+
+def test_plain_steps_at_an_unmeasured_width_come_from_the_nearest_measured():
+    """A closed batch's tail runs at widths no plain step ran at: the nearest measured width's
+    step, scaled by the calibrated forward, not the calibrated forward alone."""
+    forward = VerifyCostModel.from_points({(1, 4.0): 1.0}, {16: 0.5e-3, 64: 1e-3})
+    host = HostCost(enabled=True)
+    assert host.plain_near(16, forward) is None
+    for _ in range(WARMUP_SAMPLES):
+        host.plain(64, 2.3e-3)
+    assert host.plain_seconds(16) is None
+    assert host.plain_near(16, forward) == pytest.approx(1.15e-3)
+    assert host.plain_near(64, forward) == pytest.approx(2.3e-3)
+    assert host.plain_near(16, VerifyCostModel.from_points({(1, 4.0): 1.0})) is None
+
+
 class SlowReplay(ReplayDrafter):
     """Perfect drafts that take `delay` seconds of host time to propose."""
 

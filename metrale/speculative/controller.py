@@ -77,6 +77,7 @@ class SpeculativeDecoder:
         self._probes = ProbeSchedule(cfg.dcut_probe_every)
         self._planned_width = 0  # sequences D-Cut planned over this step
         self._planned_drafted = 0  # and of those, the ones it planned to draft
+        self._gated = False  # whether the gate dropped the last plan that drafted
         self._verified_before = False  # whether the engine's last timed step verified
         self._waited = 0.0  # seconds of `prepare` spent in `before_drafting`
         # the running sequences of the last step D-Cut planned at depth 0 everywhere, while no
@@ -267,10 +268,13 @@ class SpeculativeDecoder:
             for s, c in zip(seqs, caps, strict=True)
         ]
         chosen = plan(inputs, self.cost, self.cfg.dcut_width_cap)
-        if drafting_loses(chosen, self.cost, self.host):
+        if drafting_loses(chosen, self.cost, self.host, reopen=self._gated):
             # Planned before drafting: the drafter's host work is still to be paid.
             self.telemetry.host_gated_plans += 1
+            self._gated = True
             return [], []
+        if any(chosen.depths):
+            self._gated = False
         keep = sorted(i for i, d in zip(chosen.order, chosen.depths, strict=True) if d > 0)
         # Drafting deeper than the plan buys nothing: the cut after drafting keeps at most this.
         depth = dict(zip(chosen.order, chosen.depths, strict=True))

@@ -54,16 +54,16 @@ class Window:
     """The median of the last `WINDOW` samples of one bucket, once it has `WARMUP_SAMPLES`,
     and the step of the newest."""
 
-    __slots__ = ("samples", "at", "_median")
+    __slots__ = ("samples", "at", "count", "_median")
 
     def __init__(self) -> None:
         self.samples: deque[float] = deque(maxlen=WINDOW)
-        self.at = 0
+        self.at = self.count = 0  # the step and the number of sequences of the newest sample
         self._median: float | None = None
 
-    def add(self, sample: float, step: int) -> None:
+    def add(self, sample: float, step: int, count: int) -> None:
         self.samples.append(sample)
-        self.at, self._median = step, None
+        self.at, self.count, self._median = step, count, None
 
     @property
     def value(self) -> float | None:
@@ -116,7 +116,7 @@ class HostCost:
         drafted, spent = self._last
         steady, self._captures = self._captures == captures(), captures()
         if self.enabled and drafted > 0 and self._drafted_before and spent > 0.0 and steady:
-            self._sample(self._buckets, _bucket(drafted), spent / drafted)
+            self._sample(self._buckets, _bucket(drafted), spent / drafted, drafted)
         self._drafted_before, self._last = drafted > 0, (0, 0.0)
         stale = False
         for buckets in (self._buckets, self._verify):
@@ -131,11 +131,11 @@ class HostCost:
         k, s = self._last
         self._last = (k if drafted is None else drafted, s + seconds)
 
-    def _sample(self, buckets: dict, key, per_seq: float) -> None:
+    def _sample(self, buckets: dict, key, per_seq: float, count: int) -> None:
         window = buckets.get(key)
         if window is None:
             window = buckets[key] = Window()
-        window.add(per_seq, self._step)
+        window.add(per_seq, self._step, count)
 
     def plain(self, width: int, seconds: float, host: float | None = None) -> None:
         """A plain decode step of `width` sequences took `seconds`, start to end (since the
@@ -144,9 +144,9 @@ class HostCost:
         asynchronous engine), and a synchronous verify step would not."""
         if not self.enabled or width <= 0 or self._captures != captures():
             return
-        self._sample(self._plain, _bucket(width), seconds / width)
+        self._sample(self._plain, _bucket(width), seconds / width, width)
         if host is not None:
-            self._sample(self._exposed, _bucket(width), host / width)
+            self._sample(self._exposed, _bucket(width), host / width, width)
 
     def speculative(self, width: int, drafted: int, seconds: float, relative: float) -> None:
         """A verify step of `width` sequences, `drafted` of them planned to draft, took
@@ -157,7 +157,7 @@ class HostCost:
         if not self.enabled or width <= 0 or drafted <= 0 or self._captures != captures():
             return
         key = (_bucket(width), _bucket(drafted))
-        self._sample(self._verify, key, seconds / max(relative, 1.0) / width)
+        self._sample(self._verify, key, seconds / max(relative, 1.0) / width, width)
 
     def verify_seconds(self, width: int, drafted: int) -> float | None:
         """A whole verify step of `width` sequences, `drafted` planned to draft, as measured at
@@ -168,6 +168,21 @@ class HostCost:
     def plain_seconds(self, width: int) -> float | None:
         """A whole plain decode step of `width` sequences, as measured; None until then."""
         return self._per_seq(self._plain, _bucket(width), width)
+
+    def plain_near(self, width: int, cost: VerifyCostModel) -> float | None:
+        """A whole plain step of `width` sequences from the nearest width whose plain steps were
+        measured, scaled by the calibrated forward between the two widths; None without either.
+        A closed batch's tail runs at widths no plain step ran at, and the calibrated forward
+        alone (timed at a 1k context) priced its plain steps at 6.5 ms where they took 5.0 ms
+        (the qwen3-8b shape, async, on the H200): D-Cut verified where it lost."""
+        forward = cost.plain_seconds(width)
+        measured = [w for w in self._plain.values() if w.value is not None]
+        if not self.enabled or forward is None or not measured:
+            return None
+        target = _bucket(width)
+        near = min(measured, key=lambda w: abs(_bucket(w.count) - target))
+        ref = cost.plain_seconds(near.count)
+        return None if not ref else near.value * near.count * forward / ref
 
     def hidden_seconds(self, width: int) -> float | None:
         """The host work of a plain step of `width` sequences that the asynchronous engine
@@ -187,16 +202,23 @@ class HostCost:
         return None if value is None else count * value
 
 
-def drafting_loses(plan: Plan, cost: VerifyCostModel, host: HostCost) -> bool:
+def drafting_loses(plan: Plan, cost: VerifyCostModel, host: HostCost, reopen: bool = False) -> bool:
     """Whether `plan` (from rows alone) emits fewer tokens per second than plain decoding, by
-    more than `GATE_MARGIN`, once the drafter's host work is paid. False while the plain step's
-    forward seconds are unknown, or both the verify steps and the host work at this many drafted
-    sequences are.
+    more than `GATE_MARGIN`, once the drafter's host work is paid; with `reopen` (the last plan
+    was dropped) whether it fails to win outright. False while the plain step's forward seconds
+    are unknown, or both the verify steps and the host work at this many drafted sequences are.
+
+    The two bars keep a gate near break-even from flipping every few steps: each reopening pays
+    a transition no sample prices (the first verify after plain steps catches up on them and,
+    with async scheduling, drains the pipeline). On the H200 (the qwen3-8b shape, async, batch
+    64, alpha 0.5: verify steps at 0.92-0.96x plain) the gate flipped on plans of 117 and 119
+    expected tokens, and every probe's plan reopened it for a few steps.
 
     Once verify steps of about this width and this many drafted have run, the plan's step is
     what they took, scaled by the verify cost curve from their rows to the plan's
-    (`verify_seconds`), against the engine's whole plain step P as measured (else F, the
-    calibrated forward): the engine's own step times, whatever the calibration's error at the
+    (`verify_seconds`), against the engine's whole plain step P as measured (at this width,
+    else at the nearest width measured, `plain_near`; else F, the calibrated forward): the
+    engine's own step times, whatever the calibration's error at the
     running context (calibrated at 1k tokens, a 64-token run's steps are half as long) or the
     engine's overlap. Before that the plan's step is priced from its parts: F T(rows) for its
     rows, the host work of a step and the drafter's H, against P (else F). In the synchronous
@@ -209,6 +231,8 @@ def drafting_loses(plan: Plan, cost: VerifyCostModel, host: HostCost) -> bool:
     if drafted == 0 or forward is None:
         return False
     plain = host.plain_seconds(width)
+    if plain is None:
+        plain = host.plain_near(width, cost)
     verify = host.verify_seconds(width, drafted)
     if verify is not None:
         step = forward if plain is None else plain
@@ -221,4 +245,5 @@ def drafting_loses(plan: Plan, cost: VerifyCostModel, host: HostCost) -> bool:
         hidden = host.hidden_seconds(width)
         host_work = step - forward if hidden is None else hidden
         speculative = forward * cost.step_time(plan.rows, width) + host_work + seconds
-    return plan.expected_tokens / speculative < (1.0 - GATE_MARGIN) * width / step
+    bar = 1.0 if reopen else 1.0 - GATE_MARGIN
+    return plan.expected_tokens / speculative < bar * width / step
