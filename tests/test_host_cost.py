@@ -14,7 +14,7 @@ from metrale.speculative.host_cost import (
     WARMUP_SAMPLES,
     WINDOW,
     HostCost,
-    _bucket,
+    count_bucket,
     drafting_loses,
 )
 from metrale.speculative.replay import ReplayDrafter
@@ -66,13 +66,13 @@ def test_a_step_that_captured_a_program_is_no_sample(monkeypatch):
     assert host.seconds(8) == pytest.approx(8e-3)
     _steps(host, [(8, 8e-3)] * 2)  # the next steady one is a sample again
     assert host.seconds(8) == pytest.approx(8e-3)
-    assert len(host._buckets[_bucket(8)].samples) == WARMUP_SAMPLES + 1  # not the capture's
+    assert len(host._buckets[count_bucket(8)].samples) == WARMUP_SAMPLES + 1  # not the capture's
     for _ in range(WARMUP_SAMPLES):
         host.plain(4, 4e-3)
     assert host.plain_seconds(4) == pytest.approx(4e-3)
     monkeypatch.setattr(program_cache, "_captures", program_cache.captures() + 1)
     host.plain(4, 80e-3)  # a plain step that captured (since this step's `begin`)
-    assert len(host._plain[_bucket(4)].samples) == WARMUP_SAMPLES
+    assert len(host._plain[count_bucket(4)].samples) == WARMUP_SAMPLES
 
 
 def test_an_estimate_with_no_sample_for_a_while_is_forgotten():
@@ -211,31 +211,83 @@ def test_a_dropped_gate_reopens_only_for_an_outright_win():
 def test_the_controller_keeps_a_dropped_gate_closed_until_drafting_wins(
     tiny_model_dir, monkeypatch
 ):
-    """`SpeculativeDecoder` asks the gate with `reopen` set from the moment it dropped a plan
-    until a plan drafts again."""
+    """`SpeculativeDecoder` asks the gate with `reopen` set, at a width where it dropped a plan,
+    until a plan with drafts passes there; a plan without drafts (acceptance estimates at 0)
+    passes the gate trivially and reopens nothing; other widths keep the ordinary bar; and a
+    probe is not wasted on a gate that even perfect drafts could not reopen (`_hopeless`)."""
     from types import SimpleNamespace
 
     import metrale.speculative.controller as controller
 
     llm = LLM(tiny_model_dir, device="cpu", spec={"method": "ngram", "num_drafts": 3})
     spec = llm.engine.spec
-    verdicts, asked = iter([False, True, True, False, False]), []
+    # rows cost: a sequence whose drafts all miss is worth no depth
+    curve = {(b, q): r for b in (1, 4) for q, r in ((1.0, 1.0), (2.0, 1.1), (4.0, 1.3))}
+    spec.cost = VerifyCostModel.from_points(curve, {1: 1e-3})
+    verdicts, asked = [], []
 
     def gate(chosen, cost, host, reopen=False):
-        asked.append(reopen)
-        return next(verdicts)
+        asked.append((len(chosen.depths), any(chosen.depths), reopen))
+        return verdicts.pop(0)
 
     monkeypatch.setattr(controller, "drafting_loses", gate)
-    seqs = [SimpleNamespace(slot=i, seq_id=i) for i in range(4)]
-    for _ in range(5):
-        spec._worth_drafting(seqs, [3] * 4)
-    assert asked == [False, False, True, True, False]
+    four = [SimpleNamespace(slot=i, seq_id=i) for i in range(4)]
+    two = four[:2]
+    verdicts += [False, True, True]  # width 4: passes, dropped, dropped again
+    for _ in range(3):
+        spec._worth_drafting(four, [3] * 4)
+    verdicts += [False]  # width 2 (another bucket): the ordinary bar
+    spec._worth_drafting(two, [3] * 2)
+    verdicts += [True]  # a perfect plan at width 4 against the reopening bar: hopeless
+    assert spec._hopeless(four, [3] * 4)
+    for seq in four:  # acceptance 0: a plan without drafts
+        for _ in range(8):
+            spec.estimator.observe(seq.seq_id, [False])
+    verdicts += [False, False]
+    spec._worth_drafting(four, [3] * 4)  # nothing drafted: the gate stays closed
+    spec._worth_drafting(four, [3] * 4)
+    assert asked == [
+        (4, True, False),
+        (4, True, False),
+        (4, True, True),
+        (2, True, False),
+        (4, True, True),
+        (4, False, True),
+        (4, False, True),
+    ]
+
+
+def test_the_gate_files_verify_steps_under_the_count_the_plan_drafts(tiny_model_dir):
+    """`prepare` records how many sequences the plan gave drafts (what `drafting_loses` looks
+    verify steps up by), not how many were planned over or drafted."""
+    llm = LLM(tiny_model_dir, device="cpu", spec={"method": "ngram", "num_drafts": 3})
+    spec = llm.engine.spec
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for prompt in PROMPTS:
+        llm.engine.add_request(str(prompt), prompt, params)
+    running = llm.engine.scheduler.running
+    for _ in range(8):  # the prompts' prefill
+        if len(running) == 4 and all(s.output_token_ids for s in running):
+            break
+        llm.engine.step()
+    running = list(running)
+    assert len(running) == 4
+
+    def planned(seqs, caps):
+        return seqs[1:3], caps[1:3], True  # two of the four
+
+    spec._planned = planned
+    spec.prepare(running)
+    assert (spec._planned_width, spec._planned_drafted) == (4, 2)
 
 
 def test_plain_steps_at_an_unmeasured_width_come_from_the_nearest_measured():
     """A closed batch's tail runs at widths no plain step ran at: the nearest measured width's
-    step, scaled by the calibrated forward, not the calibrated forward alone."""
-    forward = VerifyCostModel.from_points({(1, 4.0): 1.0}, {16: 0.5e-3, 64: 1e-3})
+    step (nearest by ratio), scaled by the calibrated forward, not the calibrated forward
+    alone; the gate prices with it."""
+    forward = VerifyCostModel.from_points(
+        {(1, 4.0): 1.0, (64, 4.0): 1.0}, {8: 0.4e-3, 16: 0.5e-3, 32: 0.75e-3, 64: 1e-3}
+    )
     host = HostCost(enabled=True)
     assert host.plain_near(16, forward) is None
     for _ in range(WARMUP_SAMPLES):
@@ -244,6 +296,19 @@ def test_plain_steps_at_an_unmeasured_width_come_from_the_nearest_measured():
     assert host.plain_near(16, forward) == pytest.approx(1.15e-3)
     assert host.plain_near(64, forward) == pytest.approx(2.3e-3)
     assert host.plain_near(16, VerifyCostModel.from_points({(1, 4.0): 1.0})) is None
+    for _ in range(WARMUP_SAMPLES):
+        host.plain(8, 0.8e-3)
+    # 31 sits between 8 and 64 by bucket; by ratio 32 is nearest to 64's side
+    assert host.plain_near(31, forward) == pytest.approx(2.3e-3 * forward.plain_seconds(31) / 1e-3)
+    assert host.plain_near(12, forward) == pytest.approx(
+        0.8e-3 * forward.plain_seconds(12) / 0.4e-3
+    )
+    # the gate: 16 sequences, 2.2 tokens each in a 2 ms verify step, against plain steps of
+    # 1.15 ms (from 64's): a win; against the 0.5 ms forward alone it looked like a loss
+    for _ in range(WARMUP_SAMPLES):
+        host.speculative(16, 16, 2e-3, 1.0)
+    mediocre = plan([PlanInput(i, 3, [0.6] * 3) for i in range(16)], forward, 64)
+    assert not drafting_loses(mediocre, forward, host)
 
 
 class SlowReplay(ReplayDrafter):
@@ -262,18 +327,22 @@ class SlowReplay(ReplayDrafter):
 def test_drafting_that_costs_more_than_it_buys_decodes_plainly(request, target):
     path = request.getfixturevalue("tiny_model_dir" if target == "dense" else "hybrid_dir")
     params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
-    plain = LLM(path, device="cpu").generate(PROMPTS, params, use_tqdm=False)
+    reference_llm = LLM(path, device="cpu")
+    start = time.perf_counter()
+    plain = reference_llm.generate(PROMPTS, params, use_tqdm=False)
+    # The drafter takes at least 20 of this machine's plain steps (80 ms, a few ms each when
+    # the machine is idle): on a loaded one plain steps of 190 ms made 80 ms cheap, and drafting
+    # rightly paid. A perfect draft buys 4 tokens a step: 20 steps' time cannot pay.
+    delay = max(0.08, 20 * (time.perf_counter() - start) / TOKENS)
     reference = [o.outputs[0].token_ids for o in plain]
     continuations = dict(zip(map(tuple, PROMPTS), reference, strict=True))
     verified = {}
-    # The same slow drafter (80 ms a step, always right) against a 1 ms and a 100 s plain
-    # forward (the engine's measured plain steps, a few ms on CPU, are a few forwards: 80 ms
-    # stays many plain steps).
+    # The same slow drafter (always right) against a 1 ms and a 100 s plain forward.
     for plain_s in (1e-3, 100.0):
         llm = LLM(
             path,
             device="cpu",
-            drafter=SlowReplay(continuations, 0.08),
+            drafter=SlowReplay(continuations, delay),
             spec={
                 "num_drafts": 3,
                 "dcut": True,
@@ -294,9 +363,9 @@ def test_drafting_that_costs_more_than_it_buys_decodes_plainly(request, target):
     assert verified[1e-3] <= WARMUP_SAMPLES + 1 + REPLAN_EVERY
     # priced at nothing, every step speculates: about TOKENS / 4 per step
     assert verified[100.0] >= TOKENS // 4 - 2
-    # the estimate holds at least the drafter's own 80 ms a step (no bound above: a busy machine
-    # only adds to it)
-    assert llm.engine.spec.host.seconds(4) >= 0.08 * 0.95
+    # the estimate holds at least the drafter's own delay a step (no bound above: a busy
+    # machine only adds to it)
+    assert llm.engine.spec.host.seconds(4) >= delay * 0.95
 
 
 class Sparse(SlowReplay):

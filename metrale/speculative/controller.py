@@ -21,7 +21,7 @@ from metrale.speculative.dcut import PlanInput, VerifyCostModel, plan
 from metrale.speculative.draft_shapes import draft_caps, grammar_drafts, pad_draft
 from metrale.speculative.drafter import Draft, Drafter, Verdict
 from metrale.speculative.estimator import AcceptanceEstimator
-from metrale.speculative.host_cost import HostCost, drafting_loses
+from metrale.speculative.host_cost import HostCost, count_bucket, drafting_loses
 from metrale.speculative.probes import ProbeSchedule
 from metrale.speculative.row_table import RowTable
 from metrale.speculative.verify_key import (
@@ -77,7 +77,9 @@ class SpeculativeDecoder:
         self._probes = ProbeSchedule(cfg.dcut_probe_every)
         self._planned_width = 0  # sequences D-Cut planned over this step
         self._planned_drafted = 0  # and of those, the ones it planned to draft
-        self._gated = False  # whether the gate dropped the last plan that drafted
+        # the width buckets (`host_cost.count_bucket`) where the gate dropped the last plan with
+        # drafts: there drafting must win outright to come back (`drafting_loses`'s `reopen`)
+        self._gated: set[int] = set()
         self._verified_before = False  # whether the engine's last timed step verified
         self._waited = 0.0  # seconds of `prepare` spent in `before_drafting`
         # the running sequences of the last step D-Cut planned at depth 0 everywhere, while no
@@ -256,9 +258,10 @@ class SpeculativeDecoder:
         if not self.host.enabled or self.cost.plain_seconds(len(seqs)) is None:
             return False
         perfect = [PlanInput(s.slot, c, [1.0] * c) for s, c in zip(seqs, caps, strict=True)]
-        return drafting_loses(
-            plan(perfect, self.cost, self.cfg.dcut_width_cap), self.cost, self.host
-        )
+        chosen = plan(perfect, self.cost, self.cfg.dcut_width_cap)
+        # (the bar a plan must clear here: a probe that could not reopen the gate is wasted)
+        reopen = count_bucket(len(seqs)) in self._gated
+        return drafting_loses(chosen, self.cost, self.host, reopen)
 
     def _worth_drafting(self, seqs: list[Sequence], caps: list[int]):
         """(indices into `seqs`, depths) of the sequences D-Cut gives a depth when every one of
@@ -268,13 +271,14 @@ class SpeculativeDecoder:
             for s, c in zip(seqs, caps, strict=True)
         ]
         chosen = plan(inputs, self.cost, self.cfg.dcut_width_cap)
-        if drafting_loses(chosen, self.cost, self.host, reopen=self._gated):
+        width = count_bucket(len(seqs))
+        if drafting_loses(chosen, self.cost, self.host, reopen=width in self._gated):
             # Planned before drafting: the drafter's host work is still to be paid.
             self.telemetry.host_gated_plans += 1
-            self._gated = True
+            self._gated.add(width)
             return [], []
         if any(chosen.depths):
-            self._gated = False
+            self._gated.discard(width)
         keep = sorted(i for i, d in zip(chosen.order, chosen.depths, strict=True) if d > 0)
         # Drafting deeper than the plan buys nothing: the cut after drafting keeps at most this.
         depth = dict(zip(chosen.order, chosen.depths, strict=True))

@@ -30,6 +30,7 @@ per sequence inside its search).
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 
@@ -74,8 +75,9 @@ class Window:
         return self._median
 
 
-def _bucket(k: int) -> int:
-    return k.bit_length()  # 1, 2-3, 4-7, ... sequences drafted
+def count_bucket(k: int) -> int:
+    """The bucket of `k` sequences: 1, 2-3, 4-7, ... (k's bit length)."""
+    return k.bit_length()
 
 
 class HostCost:
@@ -116,7 +118,7 @@ class HostCost:
         drafted, spent = self._last
         steady, self._captures = self._captures == captures(), captures()
         if self.enabled and drafted > 0 and self._drafted_before and spent > 0.0 and steady:
-            self._sample(self._buckets, _bucket(drafted), spent / drafted, drafted)
+            self._sample(self._buckets, count_bucket(drafted), spent / drafted, drafted)
         self._drafted_before, self._last = drafted > 0, (0, 0.0)
         stale = False
         for buckets in (self._buckets, self._verify):
@@ -144,9 +146,9 @@ class HostCost:
         asynchronous engine), and a synchronous verify step would not."""
         if not self.enabled or width <= 0 or self._captures != captures():
             return
-        self._sample(self._plain, _bucket(width), seconds / width, width)
+        self._sample(self._plain, count_bucket(width), seconds / width, width)
         if host is not None:
-            self._sample(self._exposed, _bucket(width), host / width, width)
+            self._sample(self._exposed, count_bucket(width), host / width, width)
 
     def speculative(self, width: int, drafted: int, seconds: float, relative: float) -> None:
         """A verify step of `width` sequences, `drafted` of them planned to draft, took
@@ -156,18 +158,18 @@ class HostCost:
         row a sequence), so that `verify_seconds` can price a plan of other depths."""
         if not self.enabled or width <= 0 or drafted <= 0 or self._captures != captures():
             return
-        key = (_bucket(width), _bucket(drafted))
+        key = (count_bucket(width), count_bucket(drafted))
         self._sample(self._verify, key, seconds / max(relative, 1.0) / width, width)
 
     def verify_seconds(self, width: int, drafted: int) -> float | None:
         """A whole verify step of `width` sequences, `drafted` planned to draft, as measured at
         about that many, scaled to one row a sequence (times a plan's relative row cost: its
         step); None until then."""
-        return self._per_seq(self._verify, (_bucket(width), _bucket(drafted)), width)
+        return self._per_seq(self._verify, (count_bucket(width), count_bucket(drafted)), width)
 
     def plain_seconds(self, width: int) -> float | None:
         """A whole plain decode step of `width` sequences, as measured; None until then."""
-        return self._per_seq(self._plain, _bucket(width), width)
+        return self._per_seq(self._plain, count_bucket(width), width)
 
     def plain_near(self, width: int, cost: VerifyCostModel) -> float | None:
         """A whole plain step of `width` sequences from the nearest width whose plain steps were
@@ -179,22 +181,21 @@ class HostCost:
         measured = [w for w in self._plain.values() if w.value is not None]
         if not self.enabled or forward is None or not measured:
             return None
-        target = _bucket(width)
-        near = min(measured, key=lambda w: abs(_bucket(w.count) - target))
+        near = min(measured, key=lambda w: abs(math.log2(w.count / width)))
         ref = cost.plain_seconds(near.count)
         return None if not ref else near.value * near.count * forward / ref
 
     def hidden_seconds(self, width: int) -> float | None:
         """The host work of a plain step of `width` sequences that the asynchronous engine
         hides behind the device, as measured; None until then, and in the synchronous engine."""
-        return self._per_seq(self._exposed, _bucket(width), width)
+        return self._per_seq(self._exposed, count_bucket(width), width)
 
     def seconds(self, drafted: int) -> float | None:
         """Host seconds that drafting `drafted` sequences adds to a step; None until measured
         at about that many (or when pricing is off)."""
         if drafted <= 0:
             return 0.0
-        return self._per_seq(self._buckets, _bucket(drafted), drafted)
+        return self._per_seq(self._buckets, count_bucket(drafted), drafted)
 
     def _per_seq(self, buckets: dict, key, count: int) -> float | None:
         window = buckets.get(key)
