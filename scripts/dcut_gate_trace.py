@@ -11,9 +11,7 @@ as the bench's do.
 
 import argparse
 import json
-import random
 import sysconfig
-import tempfile
 import time
 from pathlib import Path
 
@@ -21,11 +19,10 @@ import metrale.speculative.controller as controller
 import metrale.speculative.host_cost as host_cost
 from metrale.api import LLM
 from metrale.bench.acceptance import heldout_prompts
+from metrale.bench.e2e import random_prompts, replay_engine
 from metrale.bench.forced import ForcedAcceptance
-from metrale.bench.shapes import write_shape
 from metrale.config import SamplingParams
 from metrale.default_model import default_model_dir
-from metrale.speculative.replay import ReplayDrafter
 
 EVENTS: list[dict] = []
 
@@ -99,22 +96,16 @@ def main() -> None:
         prompts = heldout_prompts(stdlib, llm.tokenizer, args.batch, 128)
         max_tokens = 64
     else:
-        drafter = ReplayDrafter({}, args.alpha, vocab_size=2)
-        llm = LLM(
-            write_shape(args.shape, Path(tempfile.mkdtemp()) / "shape"),
-            drafter=drafter,
-            load_format="dummy",
+        llm, drafter = replay_engine(
+            args.shape,
+            args.alpha,
             max_model_len=512,
             max_num_seqs=max(args.batch, 8),
             kv_cache_memory_gb=40.0,
             spec={"num_drafts": 3, "dcut": True},
             async_scheduling=args.async_scheduling,
         )
-        drafter.vocab_size = llm.engine.vocab_size
-        rng = random.Random(args.batch)
-        prompts = [
-            [rng.randrange(llm.engine.vocab_size) for _ in range(32)] for _ in range(args.batch)
-        ]
+        prompts = random_prompts(args.batch, llm.engine.vocab_size, seed=args.batch)
         max_tokens = 32
         forced = ForcedAcceptance(args.alpha, seed=args.batch)
     engine = llm.engine

@@ -7,18 +7,14 @@ program captures and Triton compiles, so a step far above the median says why it
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 from metrale.api import LLM
+from metrale.bench.e2e import random_prompts, replay_engine
 from metrale.bench.forced import ForcedAcceptance
-from metrale.bench.shapes import write_shape
 from metrale.config import SamplingParams
 from metrale.engine.calibrate import sync
-from metrale.speculative.replay import ReplayDrafter
 
 COMPILES: list[tuple[float, str]] = []
 
@@ -85,20 +81,16 @@ def main() -> None:
     ap.add_argument("--hybrid-verify-state", default="write_on_accept")
     args = ap.parse_args()
     watch_compiles()
-    drafter = ReplayDrafter({}, args.alpha, vocab_size=2)
-    llm = LLM(
-        write_shape(args.shape, Path(tempfile.mkdtemp()) / "shape"),
-        drafter=drafter,
-        load_format="dummy",
+    llm, drafter = replay_engine(
+        args.shape,
+        args.alpha,
         max_model_len=1024 + 2 * args.max_tokens + 64,
         max_num_seqs=max(args.batch, 16),
         kv_cache_memory_gb=16.0,
         spec={"num_drafts": 3, "dcut": False},
         hybrid_verify_state=args.hybrid_verify_state,
     )
-    drafter.vocab_size = llm.engine.vocab_size
-    rng = random.Random(args.batch)
-    prompts = [[rng.randrange(llm.engine.vocab_size) for _ in range(32)] for _ in range(args.batch)]
+    prompts = random_prompts(args.batch, llm.engine.vocab_size, seed=args.batch)
     base = dict(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     plain_params = SamplingParams(**base, speculative=False)
     plain = llm.generate(prompts, plain_params, use_tqdm=False)

@@ -13,15 +13,39 @@ from __future__ import annotations
 
 import random
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 from metrale.api import LLM
 from metrale.bench.forced import ForcedAcceptance
+from metrale.bench.shapes import write_shape
 from metrale.config import SamplingParams
 from metrale.engine.calibrate import sync
 from metrale.speculative.replay import ReplayDrafter
 
 REPEATS = 3  # timed runs per measurement; the median is reported
+
+
+def replay_engine(shape: str, alpha: float, **kwargs) -> tuple[LLM, ReplayDrafter]:
+    """An engine on random weights of the named `shape` (not loaded: `load_format="dummy"`)
+    with a replay drafter at acceptance `alpha`, sized to the engine's vocabulary; `kwargs` go
+    to `LLM`. The drafter replays nothing until its continuations are `record`ed."""
+    drafter = ReplayDrafter({}, alpha, vocab_size=2)
+    llm = LLM(
+        write_shape(shape, Path(tempfile.mkdtemp()) / "shape"),
+        drafter=drafter,
+        load_format="dummy",
+        **kwargs,
+    )
+    drafter.vocab_size = llm.engine.vocab_size
+    return llm, drafter
+
+
+def random_prompts(batch: int, vocab: int, seed: int, length: int = 32) -> list[list[int]]:
+    """`batch` prompts of `length` token ids drawn uniformly below `vocab`."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(batch)]
 
 
 def timed_generate(llm: LLM, prompts, params, warm: bool = True) -> tuple[list, float]:
@@ -66,8 +90,7 @@ def end_to_end(
     alpha: float,
     forced: bool = False,
 ) -> dict:
-    rng = random.Random(batch)
-    prompts = [[rng.randrange(llm.engine.vocab_size) for _ in range(32)] for _ in range(batch)]
+    prompts = random_prompts(batch, llm.engine.vocab_size, seed=batch)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     runner = llm.engine.runner
     # plain decoding: the requests opt out of speculation, so no speculative work runs at all

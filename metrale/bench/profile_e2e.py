@@ -13,20 +13,17 @@ import argparse
 import cProfile
 import io
 import pstats
-import random
 import sysconfig
-import tempfile
 import time
 from pathlib import Path
 
 from metrale.api import LLM
 from metrale.bench.acceptance import heldout_prompts
 from metrale.bench.drafter import concurrency
+from metrale.bench.e2e import random_prompts, replay_engine
 from metrale.bench.forced import ForcedAcceptance
-from metrale.bench.shapes import write_shape
 from metrale.config import SamplingParams
 from metrale.engine.calibrate import sync
-from metrale.speculative.replay import ReplayDrafter
 
 
 class PhaseTimer:
@@ -214,19 +211,15 @@ def main() -> None:
             profiled(llm, prompts, SamplingParams(**base, speculative=False), "plain")
             profiled(llm, prompts, SamplingParams(**base), "spec")
         return
-    drafter = ReplayDrafter({}, args.alpha, vocab_size=2)
-    llm = LLM(
-        write_shape(args.shape, Path(tempfile.mkdtemp()) / "shape"),
-        drafter=drafter,
-        load_format="dummy",
+    llm, drafter = replay_engine(
+        args.shape,
+        args.alpha,
         max_model_len=512,
         max_num_seqs=max(args.batch, 8),
         kv_cache_memory_gb=8.0,
         spec={"num_drafts": 3, "dcut": args.dcut},
     )
-    drafter.vocab_size = vocab = llm.engine.vocab_size
-    rng = random.Random(0)
-    prompts = [[rng.randrange(min(1000, vocab)) for _ in range(32)] for _ in range(args.batch)]
+    prompts = random_prompts(args.batch, min(1000, llm.engine.vocab_size), seed=0)
     base = dict(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     params = SamplingParams(**base)
     plain = profiled(llm, prompts, SamplingParams(**base, speculative=False), "plain")
