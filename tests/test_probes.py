@@ -1,13 +1,23 @@
 """D-Cut's probe schedule (`speculative/probes.py`): a probe every `dcut_probe_every` steps while
 plans draft; each plan that drafts nothing doubles the interval, up to its bound; a plan that
-drafts brings the base interval back. And in the engine: with drafts that are always wrong the
-probes thin out, and once the drafts are right again speculation comes back; the output is
-plain decoding's throughout."""
+drafts brings the base interval back; probes measured dear beyond a plain step space out further.
+And in the engine: with drafts that are always wrong the probes thin out (further when drafting
+is slow), and once the drafts are right again speculation comes back; the output is plain
+decoding's throughout."""
 
 from __future__ import annotations
 
+import time
+
 from metrale import LLM, SamplingParams
-from metrale.speculative.probes import MAX_BACKOFF, PROBE_SEQS, ProbeSchedule
+from metrale.speculative.host_cost import WARMUP_SAMPLES
+from metrale.speculative.probes import (
+    MAX_BACKOFF,
+    MAX_SPACED,
+    PROBE_SEQS,
+    PROBE_SHARE,
+    ProbeSchedule,
+)
 from metrale.speculative.replay import ReplayDrafter
 
 
@@ -28,6 +38,31 @@ def test_the_interval_doubles_to_its_bound_and_comes_back():
     # a plan that drafts: back to every 4 steps from the next probe on
     back = probe_steps(ProbeSchedule(4), 400, drafts=lambda step: step > 200)
     assert [b - a for a, b in zip(back, back[1:])][-3:] == [4, 4, 4]
+
+
+def test_dear_probes_space_out_to_keep_their_share_of_the_time():
+    # a probe step costing 0.04 plain steps more than one: MAX_BACKOFF base intervals suffice
+    cheap = ProbeSchedule(4)
+    for step in range(WARMUP_SAMPLES):
+        cheap.priced(0.04, step)
+    assert cheap.bound == 4 * MAX_BACKOFF
+    # 1.6 more (13.5 ms against 5.2 ms plain): an interval of 1.6 / PROBE_SHARE steps
+    dear = ProbeSchedule(4)
+    for step in range(WARMUP_SAMPLES - 1):
+        dear.priced(1.6, step)
+    assert dear.bound == 4 * MAX_BACKOFF  # not before the warm-up
+    dear.priced(1.6, WARMUP_SAMPLES)
+    assert dear.bound == round(1.6 / PROBE_SHARE) > 4 * MAX_BACKOFF
+    got = probe_steps(dear, 2000)
+    gaps = [b - a for a, b in zip(got, got[1:])]
+    assert max(gaps) == gaps[-1] == dear.bound
+    # a plan that drafts brings the base interval back, whatever the bound
+    dear.planned(True)
+    assert dear.every == 4
+    # and no further than MAX_SPACED base intervals, however dear
+    for step in range(WARMUP_SAMPLES):
+        dear.priced(1e6, 10_000 + step)
+    assert dear.bound == 4 * MAX_SPACED
 
 
 def test_probes_take_the_sequences_in_turn():
@@ -82,6 +117,34 @@ def test_probes_back_off_while_nothing_is_accepted_and_speculation_returns(tiny_
     assert [o.outputs[0].token_ids for o in out] == ref
     # new sequences start from the prior: they speculate, and the probes are back to every 4
     assert tel.verify_steps - wrong_verifies > 20 and spec._probes.every == 4
+
+
+class SlowFlipping(Flipping):
+    delay = 0.0
+
+    def propose(self, seqs, max_drafts):
+        time.sleep(self.delay)
+        return super().propose(seqs, max_drafts)
+
+
+def test_slow_drafting_spaces_the_probes_of_a_closed_gate(tiny_model_dir):
+    """Every draft wrong and the drafter dear: the probe steps (after plain steps) are priced
+    beyond a plain step, and the probes space out past `MAX_BACKOFF` base intervals."""
+    params = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True)
+    start = time.perf_counter()
+    plain = LLM(tiny_model_dir, device="cpu").generate(PROMPTS, params, use_tqdm=False)
+    # at least 10 of this machine's plain steps: a probe is 10 plain steps dearer than one
+    step = (time.perf_counter() - start) / params.max_tokens
+    ref = [o.outputs[0].token_ids for o in plain]
+    drafter = SlowFlipping(dict(zip(map(tuple, PROMPTS), ref, strict=True)), 1.0, 200)
+    drafter.delay = max(0.03, 10 * step)
+    spec = {"num_drafts": 3, "dcut": True, "dcut_probe_every": 2}
+    llm = LLM(tiny_model_dir, device="cpu", drafter=drafter, spec=spec)
+    probes = llm.engine.spec._probes
+    out = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == ref
+    assert probes._excess.value is not None and probes._excess.value > 5
+    assert probes.bound > 2 * MAX_BACKOFF and probes.every > 2 * MAX_BACKOFF
 
 
 def test_async_steps_that_run_synchronously_are_timed(tiny_model_dir):

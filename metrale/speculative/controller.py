@@ -75,6 +75,7 @@ class SpeculativeDecoder:
         self._asked = 0
         self._steps = 0
         self._probes = ProbeSchedule(cfg.dcut_probe_every)
+        self._probing = False  # whether this step is a probe step
         self._planned_width = 0  # sequences D-Cut planned over this step
         self._planned_drafted = 0  # and of those, the ones it planned to draft
         # the width buckets (`host_cost.count_bucket`) where the gate dropped the last plan with
@@ -220,7 +221,8 @@ class SpeculativeDecoder:
         At probe steps (`probes.ProbeSchedule`) a few sequences, in turn, draft anyway, unless
         drafting cannot pay even with every draft accepted (then their acceptance does not
         matter)."""
-        if self._probes.due(self._steps) and not self._hopeless(seqs, caps):
+        self._probing = self._probes.due(self._steps) and not self._hopeless(seqs, caps)
+        if self._probing:
             # The plan's sequences, plus a few of the others in turn, drafting up to their caps
             # (the cut after drafting decides their depths; those at 0 learn their first draft).
             self._quiet = self._last_plan = self._uniform = None
@@ -345,10 +347,23 @@ class SpeculativeDecoder:
         closed gate would keep it closed."""
         verify = batch.phase is Phase.VERIFY
         steady, self._verified_before = self._verified_before, verify
-        if not verify or not steady or seconds is None or not self.cfg.dcut:
+        probing, self._probing = self._probing, False
+        if seconds is None or not self.cfg.dcut:
+            return
+        if probing and not steady:
+            self._price_probe(len(batch.entries), seconds)
+        if not verify or not steady:
             return
         relative = self.cost.step_time(batch.num_rows, len(batch.entries))
         self.host.speculative(self._planned_width, self._planned_drafted, seconds, relative)
+
+    def _price_probe(self, width: int, seconds: float) -> None:
+        """A probe step after steps that did not verify took `seconds`: what it cost beyond a
+        plain step spaces the probes (`ProbeSchedule.priced`). Not a step during which a
+        program was captured."""
+        plain = self.host.plain_seconds(width) or self.host.plain_near(width, self.cost)
+        if plain and not self.host.captured:
+            self._probes.priced(seconds / plain - 1.0, self._steps)
 
     def observe(self, verdicts: list[Verdict]) -> list[tuple[Sequence, str]]:
         """Record one step's verdicts (sequences that verified drafts and those that did not);

@@ -128,6 +128,11 @@ class HostCost:
             stale = stale or bool(old)
         return stale
 
+    @property
+    def captured(self) -> bool:
+        """Whether a program was captured during the step in flight (its time is no price)."""
+        return self._captures != captures()
+
     def spent(self, seconds: float, drafted: int | None = None) -> None:
         """Add host seconds to the step in flight (and, from `prepare`, how many it drafted)."""
         k, s = self._last
@@ -144,7 +149,7 @@ class HostCost:
         `begin` of this step); `host`: the seconds of it the host worked rather than waited for
         the device, where a plain step hides its host work behind the device's (the
         asynchronous engine), and a synchronous verify step would not."""
-        if not self.enabled or width <= 0 or self._captures != captures():
+        if not self.enabled or width <= 0 or self.captured:
             return
         self._sample(self._plain, count_bucket(width), seconds / width, width)
         if host is not None:
@@ -156,7 +161,7 @@ class HostCost:
         verify's metadata and verdicts, the commit, and in the asynchronous engine the wait
         for the step in flight). `relative`: its rows' time on the verify cost curve (1.0: one
         row a sequence), so that `verify_seconds` can price a plan of other depths."""
-        if not self.enabled or width <= 0 or drafted <= 0 or self._captures != captures():
+        if not self.enabled or width <= 0 or drafted <= 0 or self.captured:
             return
         key = (count_bucket(width), count_bucket(drafted))
         self._sample(self._verify, key, seconds / max(relative, 1.0) / width, width)
