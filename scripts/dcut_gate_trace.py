@@ -15,8 +15,8 @@ import sysconfig
 import time
 from pathlib import Path
 
-import metrale.speculative.controller as controller
 import metrale.speculative.host_cost as host_cost
+import metrale.speculative.planning as planning
 from metrale.api import LLM
 from metrale.bench.acceptance import heldout_prompts
 from metrale.bench.e2e import random_prompts, replay_engine
@@ -55,7 +55,7 @@ def trace_gate() -> None:
         )
         return loses
 
-    controller.drafting_loses = traced
+    planning.drafting_loses = traced
     for name in ("plain", "speculative"):
         sample = getattr(host_cost.HostCost, name)
 

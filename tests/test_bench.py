@@ -131,7 +131,7 @@ def test_bench_dcut_plans_with_the_measured_curve(tmp_path, capsys, monkeypatch)
     far fewer draft rows are verified than K per step. The step times are fixed here (rows cost
     more with q) so that the plan does not depend on a tiny CPU model's timing noise."""
     from metrale.bench import command as bench
-    from metrale.speculative import controller
+    from metrale.speculative import planning
 
     def fixed_step_times(llm, batch_sizes, qs, context):
         return {b: {q: 1e-3 * (1 + 0.1 * (q - 1)) for q in qs} for b in batch_sizes}
@@ -139,9 +139,9 @@ def test_bench_dcut_plans_with_the_measured_curve(tmp_path, capsys, monkeypatch)
     monkeypatch.setattr(bench, "step_times", fixed_step_times)
 
     seen = []
-    real_plan = controller.plan
+    real_plan = planning.plan
     monkeypatch.setattr(
-        controller,
+        planning,
         "plan",
         lambda i, cost, cap, **kw: seen.append(cost) or real_plan(i, cost, cap, **kw),
     )

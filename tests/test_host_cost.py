@@ -217,7 +217,7 @@ def test_the_controller_keeps_a_dropped_gate_closed_until_drafting_wins(
     probe is not wasted on a gate that even perfect drafts could not reopen (`_hopeless`)."""
     from types import SimpleNamespace
 
-    import metrale.speculative.controller as controller
+    import metrale.speculative.planning as planning
 
     llm = LLM(tiny_model_dir, device="cpu", spec={"method": "ngram", "num_drafts": 3})
     spec = llm.engine.spec
@@ -230,7 +230,7 @@ def test_the_controller_keeps_a_dropped_gate_closed_until_drafting_wins(
         asked.append((len(chosen.depths), any(chosen.depths), reopen))
         return verdicts.pop(0)
 
-    monkeypatch.setattr(controller, "drafting_loses", gate)
+    monkeypatch.setattr(planning, "drafting_loses", gate)
     four = [SimpleNamespace(slot=i, seq_id=i) for i in range(4)]
     two = four[:2]
     verdicts += [False, True, True]  # width 4: passes, dropped, dropped again

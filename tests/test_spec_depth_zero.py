@@ -9,7 +9,7 @@ import pytest
 
 from metrale import LLM, SamplingParams
 from metrale.engine.sequence import Phase
-from metrale.speculative import controller, probes
+from metrale.speculative import planning, probes
 from metrale.speculative.dcut import VerifyCostModel
 from metrale.speculative.drafter import Draft
 from metrale.speculative.replay import ReplayDrafter
@@ -74,13 +74,13 @@ def test_depth_zero_everywhere_is_the_plain_decode_step(request, target, monkeyp
     )
     llm.engine.spec.cost = VerifyCostModel.from_points({(1, 2.0): 2.0, (4, 2.0): 2.0})
     rec = Recorder(llm)
-    planned_at, spec, real_plan = set(), llm.engine.spec, controller.plan
+    planned_at, spec, real_plan = set(), llm.engine.spec, planning.plan
 
     def counting_plan(*args, **kwargs):
         planned_at.add(spec._steps)
         return real_plan(*args, **kwargs)
 
-    monkeypatch.setattr(controller, "plan", counting_plan)
+    monkeypatch.setattr(planning, "plan", counting_plan)
     outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
     # Between probes, planned again only once an estimate or the running set changed: the
@@ -227,7 +227,7 @@ def test_a_plan_stands_for_replan_every_steps_while_the_batch_is_the_same(
 ):
     """D-Cut plans at most once per `dcut_replan_every` steps while the running sequences stay
     the same (probe steps plan afresh), and the output is still plain decoding's."""
-    from metrale.speculative import controller
+    from metrale.speculative import planning
 
     prompts = [[(5 * i + 2 * j) % 200 + 3 for j in range(6 + i)] for i in range(4)]
     params = greedy(40)
@@ -239,14 +239,14 @@ def test_a_plan_stands_for_replan_every_steps_while_the_batch_is_the_same(
     spec = {"num_drafts": 3, "dcut_replan_every": replan_every, "dcut_probe_every": 1000}
     llm = LLM(tiny_model_dir, device="cpu", drafter=drafter, spec=spec)
     llm.engine.spec.cost = VerifyCostModel.from_points({(1, 4.0): 1.01, (4, 4.0): 1.01})
-    planned_at, real_plan = [], controller.plan
+    planned_at, real_plan = [], planning.plan
     dec = llm.engine.spec
 
     def plan(inputs, cost, cap, **kw):
         planned_at.append((dec._steps, tuple(sorted(x.slot for x in inputs))))
         return real_plan(inputs, cost, cap, **kw)
 
-    monkeypatch.setattr(controller, "plan", plan)
+    monkeypatch.setattr(planning, "plan", plan)
     # probes at a fixed interval here (their backoff: tests/test_probes.py)
     monkeypatch.setattr(probes, "MAX_BACKOFF", 1)
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -277,14 +277,14 @@ def test_a_depth_zero_plan_outlives_arrivals_until_the_next_probe(tiny_model_dir
     llm = LLM(tiny_model_dir, device="cpu", drafter=drafter, spec=spec, max_num_seqs=4)
     # verifying costs far more than it could buy: every plan is depth 0 everywhere
     llm.engine.spec.cost = VerifyCostModel.from_points({(1, 4.0): 40.0, (4, 4.0): 40.0})
-    dec, real_plan, planned_at = llm.engine.spec, controller.plan, []
+    dec, real_plan, planned_at = llm.engine.spec, planning.plan, []
 
     def plan(inputs, cost, cap, **kw):
         if len(inputs) >= 3:  # not the tail, where the batch halves
             planned_at.append(dec._steps)
         return real_plan(inputs, cost, cap, **kw)
 
-    monkeypatch.setattr(controller, "plan", plan)
+    monkeypatch.setattr(planning, "plan", plan)
     # probes at a fixed interval here (their backoff: tests/test_probes.py)
     monkeypatch.setattr(probes, "MAX_BACKOFF", 1)
     outs = llm.generate(prompts, params, use_tqdm=False)

@@ -145,7 +145,8 @@ def test_dcut_padding_stays_within_each_cap(monkeypatch):
     from types import SimpleNamespace
 
     from metrale.config import SpecConfig
-    from metrale.speculative import controller
+    from metrale.speculative import planning
+    from metrale.speculative.controller import SpeculativeDecoder
     from metrale.speculative.drafter import Draft
     from metrale.telemetry import SpecTelemetry
 
@@ -158,8 +159,8 @@ def test_dcut_padding_stays_within_each_cap(monkeypatch):
     seqs = [_running_seq(i, max_tokens=10, outputs=o) for i, o in enumerate([2, 7, 8, 3])]
     # caps: min(K = 4, max_tokens - outputs - 1) = 4, 2, 1, 4
     deep = SimpleNamespace(order=[0, 1, 2, 3], depths=[4, 4, 4, 4])
-    monkeypatch.setattr(controller, "plan", lambda inputs, cost, cap, **kw: deep)
-    spec = controller.SpeculativeDecoder(
+    monkeypatch.setattr(planning, "plan", lambda inputs, cost, cap, **kw: deep)
+    spec = SpeculativeDecoder(
         SpecConfig(num_drafts=4), Fixed(), SpecTelemetry(), max_model_len=64, vocab_size=32
     )
     spec.prepare(seqs)

@@ -15,14 +15,14 @@ from collections.abc import Callable
 
 from metrale.config import SpecConfig
 from metrale.engine.device_tokens import DeviceDrafts, DeviceRow
-from metrale.engine.sequence import Batch, Phase, Sequence
+from metrale.engine.sequence import Sequence
 from metrale.knobs import knobs
-from metrale.speculative.dcut import PlanInput, VerifyCostModel, plan
-from metrale.speculative.draft_shapes import draft_caps, grammar_drafts, pad_draft
+from metrale.speculative.dcut import VerifyCostModel
+from metrale.speculative.draft_shapes import draft_caps, grammar_drafts
 from metrale.speculative.drafter import Draft, Drafter, Verdict
 from metrale.speculative.estimator import AcceptanceEstimator
-from metrale.speculative.host_cost import HostCost, count_bucket, drafting_loses
-from metrale.speculative.probes import ProbeSchedule
+from metrale.speculative.host_cost import HostCost
+from metrale.speculative.planning import DepthPlanning
 from metrale.speculative.row_table import RowTable
 from metrale.speculative.verify_key import (
     canonical_assignment,
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 ACCEPT_DEBUG_EVERY = 256
 
 
-class SpeculativeDecoder:
+class SpeculativeDecoder(DepthPlanning):
     def __init__(
         self,
         cfg: SpecConfig,
@@ -74,25 +74,8 @@ class SpeculativeDecoder:
         self._sources: set[DeviceDrafts] = set()
         self._asked = 0
         self._steps = 0
-        self._probes = ProbeSchedule(cfg.dcut_probe_every)
-        self._probing = False  # whether this step is a probe step
-        self._planned_width = 0  # sequences D-Cut planned over this step
-        self._planned_drafted = 0  # and of those, the ones it planned to draft
-        # the width buckets (`host_cost.count_bucket`) where the gate dropped the last plan with
-        # drafts: there drafting must win outright to come back (`drafting_loses`'s `reopen`)
-        self._gated: set[int] = set()
-        self._verified_before = False  # whether the engine's last timed step verified
+        self._init_planning()
         self._waited = 0.0  # seconds of `prepare` spent in `before_drafting`
-        # the running sequences of the last step D-Cut planned at depth 0 everywhere, while no
-        # estimate has changed since and no probe step came (None: plan again)
-        self._quiet: frozenset[int] | None = None
-        # (running seq_ids, seq_id -> planned depth, the step it was planned at) of the last
-        # plan, reused while the running set is the same, for `dcut_replan_every` steps
-        self._last_plan: tuple[tuple[int, ...], dict[int, int], int] | None = None
-        # (depth, the step it was planned at) of the last plan wider than `dcut_width_cap`:
-        # one depth for all, which stands for `dcut_replan_every` steps while the batch stays
-        # that wide, whoever comes and goes (None: plan again)
-        self._uniform: tuple[int, int] | None = None
         # whether this step's verdicts go to `observe` (False: nothing drafted, and the drafter
         # is `stateless`, so the step is a plain decode step end to end)
         self.observing = False
@@ -207,85 +190,6 @@ class SpeculativeDecoder:
         self._sources = {d.tokens.source for _, d in live if isinstance(d.tokens, DeviceRow)}
         return failed
 
-    def _planned(self, seqs: list[Sequence], caps: list[int]):
-        """The sequences to draft this step, their caps, and whether the caps are depths D-Cut
-        chose (D-Cut on).
-
-        A step planned at depth 0 everywhere is remembered: until an estimate changes, the next
-        probe step comes, none of the sequences it planned still runs, or the batch is half as
-        wide (drafting pays more in a narrower batch), the next steps skip planning (a plain
-        step does no D-Cut work). Arrivals and departures alone do not end it: at 64 slots
-        the batch changes nearly every step, and re-planning each time put D-Cut's planning
-        (about 0.3 ms a step at batch 64 on CPU) back into steps that draft nothing.
-        Any other plan stands for `dcut_replan_every` steps while the running set is the same.
-        At probe steps (`probes.ProbeSchedule`) a few sequences, in turn, draft anyway, unless
-        drafting cannot pay even with every draft accepted (then their acceptance does not
-        matter)."""
-        self._probing = self._probes.due(self._steps) and not self._hopeless(seqs, caps)
-        if self._probing:
-            # The plan's sequences, plus a few of the others in turn, drafting up to their caps
-            # (the cut after drafting decides their depths; those at 0 learn their first draft).
-            self._quiet = self._last_plan = self._uniform = None
-            chosen = set(self._worth_drafting(seqs, caps)[0])
-            picked = sorted(chosen.union(self._probes.probed(len(seqs))))
-            return [seqs[i] for i in picked], [caps[i] for i in picked], False
-        running = tuple(s.seq_id for s in seqs)
-        quiet = self._quiet
-        # In a batch half as wide drafting may pay where it did not: plan again then too.
-        if quiet is not None and 2 * len(running) > len(quiet) and not quiet.isdisjoint(running):
-            return [], [], False
-        last = self._last_plan
-        fresh = last is not None and self._steps - last[2] < self.cfg.dcut_replan_every
-        if fresh and last[0] == running:
-            keep = [i for i, s in enumerate(seqs) if last[1].get(s.seq_id, 0) > 0]
-            depths = [min(caps[i], last[1][seqs[i].seq_id]) for i in keep]
-            return [seqs[i] for i in keep], depths, True
-        wide = len(seqs) > self.cfg.dcut_width_cap
-        uniform = self._uniform
-        if wide and uniform is not None and self._steps - uniform[1] < self.cfg.dcut_replan_every:
-            # One depth for all: an arrival or a departure moves the batch's mean estimate
-            # little, and planning 64 sequences cost about 0.3 ms a step on the H200's host.
-            return seqs, [min(c, uniform[0]) for c in caps], True
-        keep, depths = self._worth_drafting(seqs, caps)
-        self._probes.planned(bool(keep))
-        self._quiet = None if keep else frozenset(running)
-        depth_of = {seqs[i].seq_id: d for i, d in zip(keep, depths, strict=True)}
-        self._last_plan = (running, depth_of, self._steps)
-        self._uniform = (max(depths), self._steps) if wide and keep else None
-        return [seqs[i] for i in keep], depths, True
-
-    def _hopeless(self, seqs: list[Sequence], caps: list[int]) -> bool:
-        """Whether the drafter's measured host work costs more than the most tokens drafting
-        could buy: D-Cut plans depth 0 everywhere even if every draft would be accepted."""
-        if not self.host.enabled or self.cost.plain_seconds(len(seqs)) is None:
-            return False
-        perfect = [PlanInput(s.slot, c, [1.0] * c) for s, c in zip(seqs, caps, strict=True)]
-        chosen = plan(perfect, self.cost, self.cfg.dcut_width_cap)
-        # (the bar a plan must clear here: a probe that could not reopen the gate is wasted)
-        reopen = count_bucket(len(seqs)) in self._gated
-        return drafting_loses(chosen, self.cost, self.host, reopen)
-
-    def _worth_drafting(self, seqs: list[Sequence], caps: list[int]):
-        """(indices into `seqs`, depths) of the sequences D-Cut gives a depth when every one of
-        them drafts its cap at its estimated acceptance; the others are not drafted."""
-        inputs = [
-            PlanInput(slot=s.slot, max_depth=c, accept=self.estimator.estimate(s.seq_id, c))
-            for s, c in zip(seqs, caps, strict=True)
-        ]
-        chosen = plan(inputs, self.cost, self.cfg.dcut_width_cap)
-        width = count_bucket(len(seqs))
-        if drafting_loses(chosen, self.cost, self.host, reopen=width in self._gated):
-            # Planned before drafting: the drafter's host work is still to be paid.
-            self.telemetry.host_gated_plans += 1
-            self._gated.add(width)
-            return [], []
-        if any(chosen.depths):
-            self._gated.discard(width)
-        keep = sorted(i for i, d in zip(chosen.order, chosen.depths, strict=True) if d > 0)
-        # Drafting deeper than the plan buys nothing: the cut after drafting keeps at most this.
-        depth = dict(zip(chosen.order, chosen.depths, strict=True))
-        return keep, [min(caps[i], depth[i]) for i in keep]
-
     def _propose(self, seqs: list[Sequence], caps: list[int]):
         try:
             drafts = self.drafter.propose(seqs, caps)
@@ -313,57 +217,6 @@ class SpeculativeDecoder:
         if bad:
             raise ValueError(f"draft token {bad[0]} is outside the vocabulary ({self.vocab_size})")
         return draft.truncate(cap)
-
-    def _cut(self, live: list[tuple[Sequence, Draft]], cap_of: dict[int, int]) -> None:
-        """D-Cut: per-sequence depths from the acceptance estimates and the verify cost.
-
-        NOTE: the canonical deal may give a sequence more rows than it drafted (padded rows);
-        never more than its cap, or an accepted padded row would emit past `max_tokens` or
-        write KV past `max_model_len`. That sequence then breaks the canonical table: correct
-        output first."""
-        inputs = [
-            PlanInput(
-                slot=seq.slot,
-                max_depth=len(draft.tokens),
-                accept=self.estimator.estimate(seq.seq_id, len(draft.tokens)),
-            )
-            for seq, draft in live
-        ]
-        # The drafts are paid for by now: only their rows are priced.
-        chosen = plan(inputs, self.cost, self.cfg.dcut_width_cap)
-        for idx, depth in zip(chosen.order, chosen.depths, strict=True):
-            seq, draft = live[idx]
-            depth = min(depth, cap_of[seq.seq_id])
-            seq.draft = pad_draft(draft, depth, self.vocab_size) if depth else None
-
-    def timed_step(self, batch: Batch, seconds: float | None) -> None:
-        """The engine's step of `batch` took `seconds`, start to end (None: no sample, a step
-        whose batch failed and ran again one sequence at a time). Told of every step: a verify
-        step following a verify step is what D-Cut's gate prices drafting with once measured
-        (`HostCost.speculative`), filed under the width D-Cut planned over and the number it
-        planned to draft, where the gate looks them up. The first after
-        other steps is no sample: it also catches up on what they emitted (a drafter's index)
-        and, under async scheduling, waits for the step in flight; sampled, the probes of a
-        closed gate would keep it closed."""
-        verify = batch.phase is Phase.VERIFY
-        steady, self._verified_before = self._verified_before, verify
-        probing, self._probing = self._probing, False
-        if seconds is None or not self.cfg.dcut:
-            return
-        if probing and not steady:
-            self._price_probe(len(batch.entries), seconds)
-        if not verify or not steady:
-            return
-        relative = self.cost.step_time(batch.num_rows, len(batch.entries))
-        self.host.speculative(self._planned_width, self._planned_drafted, seconds, relative)
-
-    def _price_probe(self, width: int, seconds: float) -> None:
-        """A probe step after steps that did not verify took `seconds`: what it cost beyond a
-        plain step spaces the probes (`ProbeSchedule.priced`). Not a step during which a
-        program was captured."""
-        plain = self.host.plain_seconds(width) or self.host.plain_near(width, self.cost)
-        if plain and not self.host.captured:
-            self._probes.priced(seconds / plain - 1.0, self._steps)
 
     def observe(self, verdicts: list[Verdict]) -> list[tuple[Sequence, str]]:
         """Record one step's verdicts (sequences that verified drafts and those that did not);
