@@ -1,6 +1,6 @@
-"""D-Cut's depth-0 "quiet" plan (planning.DepthPlanning._planned) ends when the batch becomes half as wide:
-drafting may pay in the narrower batch, so the sequences left are planned again at once instead
-of waiting for the next probe step."""
+"""D-Cut's depth-0 "quiet" plan (`planning.DepthPlanning._planned`) ends when the batch becomes
+half as wide: drafting may pay in the narrower batch, so the sequences left are planned again at
+once instead of waiting for the next probe step."""
 
 from __future__ import annotations
 

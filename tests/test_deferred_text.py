@@ -19,10 +19,12 @@ def params(**kw) -> SamplingParams:
     return SamplingParams(**{"temperature": 0.0, "max_tokens": 40, "ignore_eos": True, **kw})
 
 
-@pytest.fixture(scope="module", params=["plain", "ngram"])
+@pytest.fixture(scope="module", params=["plain", "ngram", "plain-async", "ngram-async"])
 def llm(request, tiny_model_dir):
-    spec = {"method": "ngram", "num_drafts": 3} if request.param == "ngram" else None
-    return LLM(tiny_model_dir, device="cpu", spec=spec)
+    spec = {"method": "ngram", "num_drafts": 3} if request.param.startswith("ngram") else None
+    return LLM(
+        tiny_model_dir, device="cpu", spec=spec, async_scheduling=request.param.endswith("async")
+    )
 
 
 def _texts(outputs):
@@ -54,16 +56,17 @@ def test_every_streamed_output_is_its_deltas_added_up(llm):
 
 def test_the_text_is_made_while_the_next_forward_runs(llm):
     """Every drain but none runs inside the step's `execute` (between launching the forward and
-    waiting for it), never on its own before or after."""
+    waiting for it), never on its own before or after; with async scheduling the steps that run
+    synchronously (verify steps) too."""
     engine = llm.engine
     calls = {"inside": 0, "outside": 0}
     running = [False]
     execute, drain = engine.runner.execute, engine.emitter.drain
 
-    def spy_execute(batch):
+    def spy_execute(batch, **kw):
         running[0] = True
         try:
-            return execute(batch)
+            return execute(batch, **kw)
         finally:
             running[0] = False
 

@@ -193,7 +193,14 @@ class AheadStepper:
         engine = self.engine
         batch = Batch([e for e in batch.entries if not e.seq.is_finished])
         prompt_rows = batch.num_prompt_rows  # before the commit moves the counters
-        out = run_batch(engine, batch)
+        # the text the steps before deferred is made while this forward runs, as when the
+        # synchronous engine runs a step (a verify step ran it after the forward before)
+        runner = engine.runner
+        runner.while_forward_runs = engine.emitter.drain if engine.emitter.has_pending else None
+        try:
+            out = run_batch(engine, batch)
+        finally:
+            runner.while_forward_runs = None
         emitted = engine._commit(out, changed)
         engine._mark_errors(batch, changed)
         engine._record_step(batch, prompt_rows, emitted, start)
