@@ -5,6 +5,8 @@ checkpoint (`--model`) with its own drafter (`--drafter mtp|ngram`) on held-out 
     python -m metrale.bench.profile_e2e --shape qwen3-8b --batch 1 --max-tokens 48
     python -m metrale.bench.profile_e2e --model metrale/assets/default-model --drafter mtp --batch 8
     python -m metrale.bench.profile_e2e --shape qwen3-8b --batch 64 --alpha 0.5 --forced --dcut
+    python -m metrale.bench.profile_e2e --shape qwen3-8b --batch 64 --forced --async-scheduling \
+        --phases
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class PhaseTimer:
             (engine, "_commit"),
             (engine.emitter, "emit"),
         ]
+        if engine._ahead is not None:  # async scheduling: its launches, waits and sync steps
+            self.targets += [(engine._ahead, n) for n in ("_launch", "_settle", "_run_now")]
         if engine.spec is not None:
             self.targets += [
                 (engine.spec, "prepare"),
@@ -187,6 +191,7 @@ def main() -> None:
     )
     ap.add_argument("--dcut", action="store_true", help="--shape: D-Cut picks the depths")
     ap.add_argument("--phases", action="store_true", help="wall time per phase, not cProfile")
+    ap.add_argument("--async-scheduling", action="store_true", help="the asynchronous engine")
     ap.add_argument(
         "--kernels", action="store_true", help="device busy time and top kernels (CUDA)"
     )
@@ -203,6 +208,7 @@ def main() -> None:
             max_num_seqs=max(args.batch, 8),
             kv_cache_memory_gb=8.0,
             spec={"method": args.drafter, "num_drafts": 3},
+            async_scheduling=args.async_scheduling,
         )
         stdlib = Path(sysconfig.get_paths()["stdlib"])
         prompts = heldout_prompts(stdlib, llm.tokenizer, args.batch * args.requests_per_slot, 128)
@@ -218,6 +224,7 @@ def main() -> None:
         max_num_seqs=max(args.batch, 8),
         kv_cache_memory_gb=8.0,
         spec={"num_drafts": 3, "dcut": args.dcut},
+        async_scheduling=args.async_scheduling,
     )
     prompts = random_prompts(args.batch, min(1000, llm.engine.vocab_size), seed=0)
     base = dict(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
