@@ -198,6 +198,12 @@ class Knobs:
         bool,
         "=1: run the DFlash drafter's forward eagerly on CUDA too (A/B runs)",
     )
+    no_dflash_ahead: bool = _knob(
+        "METRALE_NO_DFLASH_AHEAD",
+        _is_one,
+        bool,
+        "=1: DFlash drafts in `propose` alone, not ahead right after a verify program (A/B runs)",
+    )
     no_gdn_triton: bool = _knob(
         "METRALE_NO_GDN_TRITON",
         _is_one,

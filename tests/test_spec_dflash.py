@@ -359,6 +359,8 @@ def test_cuda_graphs_tap_the_hidden_states(tiny_model_dir, hybrid_dir, tmp_path,
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert got == want
         runs[graphs] = llm.engine.telemetry.spec.num_accepted_tokens
+        # with programs, the drafts of most verifies were made right after the one before
+        assert (llm.engine.spec.drafter.drafted_ahead > 0) == graphs
     assert runs[True] == runs[False] > 0
 
 

@@ -196,6 +196,7 @@ def run_program(
     shape) over the padded `spans`, or None when the cache refuses it (the step runs eagerly).
     `rows`: the spans' rows of the device block tables (`ModelRunner.span_metadata`)."""
     input_ids, positions, meta = runner.span_metadata(spans, rows)
+    runner.replayed_ids = input_ids
     samples = None
     if sample_rows is not None:
         (samples,) = to_device_packed([sample_rows], runner.device)

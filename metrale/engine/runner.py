@@ -240,9 +240,13 @@ class ModelRunner:
         self.grammar_vocab = 0
         # A drafter's work that follows a target program on the device, queued before the host
         # waits for the verdicts: called with (entries, the program's shape, the target's token
-        # at each sampling row, in row order) (the MTP catch-up, `MTPDrafter._catch_up_verified`).
+        # at each sampling row, in row order) (the MTP catch-up, `MTPDrafter._catch_up_verified`;
+        # DFlash's next drafts, `DFlashDrafter._draft_ahead`, which wants only steps with drafts:
+        # `after_verify_drafts_only`).
         self.after_verify: Callable | None = None
+        self.after_verify_drafts_only = False
         self.replayed_shape = None  # the program the step replayed, if any
+        self.replayed_ids = None  # and its input ids on the device (its real rows first)
         log.info(
             "model on %s (%s): %d KV pages of %d rows",
             self.device,
@@ -408,6 +412,7 @@ class ModelRunner:
             or (isinstance(shape, RaggedShape) and len(entries) != len(batch.entries))
             or self.forced_acceptance is not None
             or self.verify_raw_argmax
+            or (self.after_verify_drafts_only and not any(e.drafts for e in entries))
         ):
             return None
         hook = self.after_verify

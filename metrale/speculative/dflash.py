@@ -20,6 +20,17 @@ the verify reads them there, and the host first at its verdicts, so the host sch
 the verify while the drafter's forward runs. On CUDA the drafter forward replays
 captured programs (`DraftGraphs`, keyed by padded sequence count and a power-of-two context
 bucket), captured at start-up up to a width (`STARTUP_CONTEXT_ROWS`), wider ones on first use.
+
+Drafting ahead (CUDA graphs): a verify step's program leaves, on the device, everything the next
+draft needs: the context rows of the accepted drafts (its forward wrote them) and the target's
+pick at each row, from which the accepted count and the bonus token follow. So right after the
+verify program, before the host waits for the verdicts (`ModelRunner.after_verify`), the next
+step's drafts are computed on the device for every sequence of the step (`_draft_ahead`), and
+their forward runs while the host reads the verdicts, emits and schedules. The next `propose`
+takes them where the sequence's context is the one they were drafted from (a copy of their
+context lengths tells, read once they are long done), and drafts the rest as above. Only when
+most of the step's sequences verified drafts (as the MTP drafter chains ahead): otherwise D-Cut
+drafts few of them next, and drafting ahead for all would be device work for nothing.
 """
 
 from __future__ import annotations
@@ -29,9 +40,10 @@ import time
 
 import torch
 
-from metrale.engine.device_tokens import DeviceClock, DeviceDrafts
+from metrale.engine.device_tokens import DeviceClock, DeviceDrafts, HostCopy
 from metrale.engine.graphs import capture
 from metrale.engine.kv_cache import DUMMY_PAGE
+from metrale.engine.program_shapes import RaggedShape
 from metrale.engine.sequence import Sequence
 from metrale.engine.staging import to_device_packed
 from metrale.knobs import knobs
@@ -60,9 +72,77 @@ class DFlashDrafter:
             # length (the programs' own length reaches past it by the lookahead and the
             # prefill programs' width, which no draft reads)
             self.graphs = DraftGraphs(self, max_seqs, runner.max_model_len - 1, graphs.pool)
+            if not knobs().no_dflash_ahead:
+                runner.after_verify = self._draft_ahead
+                runner.after_verify_drafts_only = True
+        # the drafts made ahead by the last verify (`_draft_ahead`): (their rows, a host copy
+        # of each row's context length, seq_id -> row)
+        self._ahead: tuple[DeviceDrafts, HostCopy, dict[int, int]] | None = None
+        self.drafted_ahead = 0  # drafts `propose` took from them (a count for tests and logs)
 
     def observe(self, verdicts: list[Verdict]) -> None:
         """Nothing to learn: the target's forward wrote the context rows."""
+
+    @torch.inference_mode()
+    def _draft_ahead(self, entries, shape, tokens: torch.Tensor) -> None:
+        """The next step's drafts of the sequences of a verify step the target just replayed as
+        ragged program `shape` (`entries` in row order, each sampling its 1 + k rows, `tokens`
+        the target's pick at each), queued on the device before the host reads the verdicts:
+        each sequence's accepted drafts are its leading drafts equal to the target's picks, its
+        bonus token the pick after them, its context every row up to it. Sequences that do not
+        draft, or whose rows are not exactly a decode's or a verify's, are left out."""
+        self._ahead = None
+        if self.graphs is None or not isinstance(shape, RaggedShape):
+            return
+        # A ragged program holds decode and verify rows alone (prompt chunks run in prefill
+        # programs), and each entry samples every row: its picks sit at its rows.
+        live, row = [], 0  # (seq, its first row, k)
+        for e in entries:
+            seq, k = e.seq, len(e.drafts)
+            params = seq.params
+            if (
+                params.speculative
+                and params.num_drafts != 0
+                and e.num_rows == 1 + k
+                and seq.num_computed_tokens == seq.num_tokens - 1
+            ):
+                live.append((seq, row, k))
+            row += e.num_rows
+        drafted = sum(k > 0 for *_, k in live)
+        if not live or 2 * drafted < len(live):
+            return
+        depth = max(k for *_, k in live)
+        width = max(len(seq.block_table) for seq, *_ in live)
+        pad = [[DUMMY_PAGE] * (width - len(seq.block_table)) for seq, *_ in live]
+        tables = [p for (seq, *_), extra in zip(live, pad) for p in seq.block_table + extra]
+        first_rows, ks, counts, tables_t = to_device_packed(
+            [
+                [r for _, r, _ in live],
+                [k for *_, k in live],
+                [seq.num_tokens for seq, *_ in live],  # its tokens before this step
+                tables,
+            ],
+            self.runner.device,
+        )
+        ids, lens = accepted_blocks(
+            self.runner.replayed_ids,
+            tokens,
+            first_rows,
+            ks,
+            counts,
+            depth,
+            self.cfg.mask_token_id,
+            self.cfg.block_size,
+        )
+        # queued before the drafter's forward: reading it does not wait for that
+        context = HostCopy(lens)
+        # the longest context: every draft accepted
+        longest = max(seq.num_tokens + k for seq, _, k in live)
+        out = self.graphs.run(ids, lens, tables_t.view(len(live), width), longest)
+        if out is None:
+            return
+        index = {seq.seq_id: n for n, (seq, *_) in enumerate(live)}
+        self._ahead = (DeviceDrafts(out), context, index)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> list[Draft]:
@@ -73,6 +153,9 @@ class DFlashDrafter:
             # its context complete: every row before its last token computed
             if k > 0 and seq.num_computed_tokens == seq.num_tokens - 1
         ]
+        if not live:
+            return drafts
+        live = self._take_ahead(live, drafts)
         if not live:
             return drafts
         b, device = self.cfg.block_size, self.runner.device
@@ -97,6 +180,26 @@ class DFlashDrafter:
             drafts[i] = Draft(rows.row(n, k))
         return drafts
 
+    def _take_ahead(self, live: list, drafts: list[Draft]) -> list:
+        """Fill `drafts` of the `live` (index, seq, depth) entries whose drafts the last verify
+        made ahead from the context they have now; returns the others."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return live
+        rows, lens, index = ahead
+        context, rest = None, []
+        for i, seq, k in live:
+            n = index.get(seq.seq_id)
+            if n is not None:
+                if context is None:
+                    context = lens.rows()  # long done: the verdicts waited for the step
+                if context[n] == seq.num_tokens - 1:
+                    drafts[i] = Draft(rows.row(n, k))
+                    self.drafted_ahead += 1
+                    continue
+            rest.append((i, seq, k))
+        return rest
+
     def draft_tokens(self, ids, lens, tables, context: int) -> torch.Tensor:
         """The drafts [S, B - 1] of blocks `ids` [S, B] after contexts of `lens` [S] rows (block
         tables [S, W]), gathering `context` >= max(lens) rows of K/V per sequence."""
@@ -118,7 +221,38 @@ class DFlashDrafter:
         return logits.argmax(dim=-1).view(s, b - 1)
 
     def release(self, seq: Sequence) -> None:
-        """Nothing to drop: the context rows are in the sequence's own pages."""
+        """Nothing to drop but a draft made ahead (the context rows are in the sequence's own
+        pages, and a preempted sequence computes them again)."""
+        if self._ahead is not None:
+            self._ahead[2].pop(seq.seq_id, None)
+
+
+def accepted_blocks(
+    input_ids: torch.Tensor,
+    picks: torch.Tensor,
+    first_rows: torch.Tensor,
+    ks: torch.Tensor,
+    counts: torch.Tensor,
+    depth: int,
+    mask_token: int,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """On the device, after a verify: each sequence's next block `[bonus, MASK x (B - 1)]`
+    [S, B] and its context length [S] (its tokens but the bonus).
+
+    Sequence s's rows start at row `first_rows[s]`: its last token, then its `ks[s]` drafts (in
+    `input_ids`), and at each row `picks` holds the target's token after it; it had `counts[s]`
+    tokens. Its accepted drafts are the leading ones equal to the pick before them, the bonus
+    the pick after the last accepted."""
+    step = torch.arange(depth + 1, device=picks.device)
+    rows = (first_rows[:, None] + step).clamp(max=picks.shape[0] - 1)
+    chosen = picks[rows]  # [S, depth + 1]
+    proposed = input_ids[rows][:, 1:]  # [S, depth]: the drafts
+    equal = (proposed == chosen[:, :-1]) & (step[None, :-1] < ks[:, None])
+    accepted = equal.long().cumprod(dim=1).sum(dim=1)
+    bonus = chosen.gather(1, accepted[:, None])
+    mask = bonus.new_full((bonus.shape[0], block_size - 1), mask_token)
+    return torch.cat([bonus, mask], dim=1), counts + accepted
 
 
 def context_bucket(rows: int) -> int:
