@@ -106,7 +106,7 @@ class AheadStepper:
             running = engine.scheduler.running
             for seq, message in engine.spec.prepare(running, settle_first):
                 engine._fail(seq, message)
-                changed.setdefault(seq.request_id, {})[seq.seq_id] = ("", [])
+                changed.setdefault(seq.request_id, {}).setdefault(seq.seq_id, ("", []))
             prev = in_flight[0]
         batch = engine.scheduler.schedule(hold=prev is not None)
         if batch is None:  # it would preempt or fail a sequence whose token is in flight

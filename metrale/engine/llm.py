@@ -308,7 +308,7 @@ class LLMEngine:
             if self.spec is not None:
                 for seq, message in self.spec.prepare(self.scheduler.running):
                     self._fail(seq, message)
-                    changed.setdefault(seq.request_id, {})[seq.seq_id] = ("", [])
+                    changed.setdefault(seq.request_id, {}).setdefault(seq.seq_id, ("", []))
             batch = self.scheduler.schedule()
             self._scheduled(batch, changed)
             prompt_rows = batch.num_prompt_rows
@@ -345,13 +345,13 @@ class LLMEngine:
                 self.spec.release(seq)
         for seq in batch.failed:
             self._fail(seq, seq.error or "cannot be scheduled")
-            changed.setdefault(seq.request_id, {})[seq.seq_id] = ("", [])
+            changed.setdefault(seq.request_id, {}).setdefault(seq.seq_id, ("", []))
 
     @staticmethod
     def _mark_errors(batch: Batch, changed: dict) -> None:
         for entry in batch.entries:
             if entry.seq.finish_reason == "error":
-                changed.setdefault(entry.seq.request_id, {})[entry.seq.seq_id] = ("", [])
+                changed.setdefault(entry.seq.request_id, {}).setdefault(entry.seq.seq_id, ("", []))
 
     def _record_step(self, batch: Batch, prompt_rows: int, emitted: int, start: float) -> None:
         if batch.entries:
@@ -436,7 +436,9 @@ class LLMEngine:
                 if delta is not None:  # else its tokens and text come with the next step's
                     if tokens:
                         requests.emitted(seq, len(tokens), now)
-                    changed.setdefault(seq.request_id, {})[seq.seq_id] = delta
+                    deltas = changed.setdefault(seq.request_id, {})
+                    earlier = deltas.get(seq.seq_id, ("", []))
+                    deltas[seq.seq_id] = (earlier[0] + delta[0], earlier[1] + delta[1])
                 if seq.finish_reason is not None:
                     finished.append(seq)
             if observing:
