@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from metrale import LLM, SamplingParams
 from metrale.speculative.host_cost import WARMUP_SAMPLES
 from metrale.speculative.probes import (
@@ -127,24 +129,101 @@ class SlowFlipping(Flipping):
         return super().propose(seqs, max_drafts)
 
 
-def test_slow_drafting_spaces_the_probes_of_a_closed_gate(tiny_model_dir):
-    """Every draft wrong and the drafter dear: the probe steps (after plain steps) are priced
-    beyond a plain step, and the probes space out past `MAX_BACKOFF` base intervals."""
+def probing_engine(tiny_model_dir, drafter_delay: float, probe_delay: float):
+    """(plain decoding's tokens, an engine whose drafts are all wrong, probing every 2 steps,
+    with a drafter taking `drafter_delay` seconds a call and probe steps `probe_delay` seconds
+    more beside it (as a probe that drains the asynchronous engine's pipeline does))."""
     params = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True)
-    start = time.perf_counter()
     plain = LLM(tiny_model_dir, device="cpu").generate(PROMPTS, params, use_tqdm=False)
-    # at least 10 of this machine's plain steps: a probe is 10 plain steps dearer than one
-    step = (time.perf_counter() - start) / params.max_tokens
     ref = [o.outputs[0].token_ids for o in plain]
     drafter = SlowFlipping(dict(zip(map(tuple, PROMPTS), ref, strict=True)), 1.0, 200)
-    drafter.delay = max(0.03, 10 * step)
+    drafter.delay = drafter_delay
     spec = {"num_drafts": 3, "dcut": True, "dcut_probe_every": 2}
     llm = LLM(tiny_model_dir, device="cpu", drafter=drafter, spec=spec)
+    runner, controller = llm.engine.runner, llm.engine.spec
+    execute = runner.execute
+
+    def slow_probes(batch, **kw):
+        if controller._probing:
+            time.sleep(probe_delay)
+        return execute(batch, **kw)
+
+    runner.execute = slow_probes
+    return ref, llm, params
+
+
+def plain_step_seconds(tiny_model_dir) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    start = time.perf_counter()
+    LLM(tiny_model_dir, device="cpu").generate(PROMPTS, params, use_tqdm=False)
+    return (time.perf_counter() - start) / params.max_tokens
+
+
+def test_dear_probe_steps_space_the_probes_of_a_closed_gate(tiny_model_dir):
+    """Every draft wrong and probe steps dear beyond their drafting (10 of this machine's
+    plain steps): the probes space out past `MAX_BACKOFF` base intervals."""
+    delay = max(0.03, 10 * plain_step_seconds(tiny_model_dir))
+    ref, llm, params = probing_engine(tiny_model_dir, 0.0, delay)
     probes = llm.engine.spec._probes
     out = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == ref
     assert probes._excess.value is not None and probes._excess.value > 5
     assert probes.bound > 2 * MAX_BACKOFF and probes.every > 2 * MAX_BACKOFF
+
+
+def test_a_slow_drafter_alone_does_not_space_the_probes(tiny_model_dir):
+    """The drafter's own host work is left out of a probe's price: a probe catches its
+    sequences up on every token since their last one (the n-gram index), work that grows with
+    the interval, so that spacing for it only fed itself (found by review)."""
+    delay = max(0.03, 10 * plain_step_seconds(tiny_model_dir))
+    ref, llm, params = probing_engine(tiny_model_dir, delay, 0.0)
+    probes = llm.engine.spec._probes
+    out = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == ref
+    # (10 plain steps of drafting would be an excess of 10 and the bound at its cap)
+    assert probes._excess.value is not None and probes._excess.value < 2
+    assert probes.bound < 2 * MAX_SPACED
+
+
+def test_a_probe_is_priced_with_the_step_after_it_and_never_leaks(tiny_model_dir):
+    """What a probe step (after plain steps) and the step after it cost beyond two plain steps,
+    the drafter's host work aside; a prefill or empty step is no price, and a probe flag never
+    outlives the step it was planned in (found by review: an empty probe step crashed pricing,
+    a step planning nothing inherited the flag, a probe that prefilled was priced with it)."""
+    from types import SimpleNamespace
+
+    from metrale.engine.sequence import Phase
+
+    llm = LLM(tiny_model_dir, device="cpu", spec={"method": "ngram", "num_drafts": 3})
+    spec = llm.engine.spec
+    for _ in range(3):
+        spec.host.plain(4, 0.010)
+
+    def step(phase, seconds, width=4, probing=False, drafting=0.0):
+        spec._probing = probing
+        spec.host._last = (0, drafting)
+        batch = SimpleNamespace(phase=phase, entries=list(range(width)), num_rows=width)
+        spec.timed_step(batch, seconds)
+
+    probes = spec._probes
+    for i in range(3):
+        step(Phase.DECODE, 0.010)
+        step(Phase.VERIFY, 0.050, probing=True, drafting=0.020)  # 0.030 beside the drafter
+        assert len(probes._excess.samples) == i
+        step(Phase.DECODE, 0.005)  # no step in flight to wait for
+    assert probes._excess.value == pytest.approx((0.030 + 0.005) / 0.010 - 2)
+    # the step after is a prefill: the probe alone; a prefill or empty probe is no price
+    step(Phase.VERIFY, 0.050, probing=True)
+    step(Phase.MIXED, 0.500)
+    assert probes._excess.samples[-1] == pytest.approx(0.050 / 0.010 - 1)
+    for phase, width in ((Phase.MIXED, 4), (Phase.DECODE, 0)):
+        step(phase, 0.500, width=width, probing=True)
+        step(Phase.DECODE, 0.010)
+    assert len(probes._excess.samples) == 4
+    # a step that plans nothing is no probe, whatever the step before was
+    spec._probing = True
+    spec.prepare([])
+    assert not spec._probing
 
 
 def test_async_steps_that_run_synchronously_are_timed(tiny_model_dir):

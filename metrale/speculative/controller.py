@@ -128,6 +128,7 @@ class SpeculativeDecoder(DepthPlanning):
         nothing and runs as a plain decode step (`observing` tells the engine whether its
         verdicts are wanted at all). At probe steps (`probes.ProbeSchedule`) a few sequences
         draft anyway, and the ones cut to depth 0 learn from their first draft."""
+        self._probing = False  # (`_planned` says; an engine step may plan nothing)
         seqs, caps = [], []
         for seq in running:
             seq.draft = None

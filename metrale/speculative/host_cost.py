@@ -129,6 +129,11 @@ class HostCost:
         return stale
 
     @property
+    def drafting_seconds(self) -> float:
+        """The host seconds of drafting in the step in flight so far (`spent`)."""
+        return self._last[1]
+
+    @property
     def captured(self) -> bool:
         """Whether a program was captured during the step in flight (its time is no price)."""
         return self._captures != captures()
@@ -182,7 +187,7 @@ class HostCost:
         A closed batch's tail runs at widths no plain step ran at, and the calibrated forward
         alone (timed at a 1k context) priced its plain steps at 6.5 ms where they took 5.0 ms
         (the qwen3-8b shape, async, on the H200): D-Cut verified where it lost."""
-        forward = cost.plain_seconds(width)
+        forward = cost.plain_seconds(width) if width > 0 else None
         measured = [w for w in self._plain.values() if w.value is not None]
         if not self.enabled or forward is None or not measured:
             return None

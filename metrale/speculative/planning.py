@@ -17,11 +17,14 @@ from metrale.speculative.probes import ProbeSchedule
 
 class DepthPlanning:
     """Planning state and methods of `SpeculativeDecoder` (its `cfg`, `estimator`, `cost`,
-    `host`, `telemetry` and step count `_steps`)."""
+    `host`, `telemetry`, `vocab_size` and step count `_steps`)."""
 
     def _init_planning(self) -> None:
         self._probes = ProbeSchedule(self.cfg.dcut_probe_every)
-        self._probing = False  # whether this step is a probe step
+        self._probing = False  # whether the step being prepared is a probe step
+        # (width, seconds beside the drafter's host work) of the last probe step after steps
+        # that did not verify, priced once the step after it is timed (`_price_probe`)
+        self._probe_step: tuple[int, float] | None = None
         self._planned_width = 0  # sequences D-Cut planned over this step
         self._planned_drafted = 0  # and of those, the ones it planned to draft
         # the width buckets (`host_cost.count_bucket`) where the gate dropped the last plan with
@@ -145,26 +148,46 @@ class DepthPlanning:
         whose batch failed and ran again one sequence at a time). Told of every step: a verify
         step following a verify step is what D-Cut's gate prices drafting with once measured
         (`HostCost.speculative`), filed under the width D-Cut planned over and the number it
-        planned to draft, where the gate looks them up. The first after
-        other steps is no sample: it also catches up on what they emitted (a drafter's index)
-        and, under async scheduling, waits for the step in flight; sampled, the probes of a
-        closed gate would keep it closed."""
+        planned to draft, where the gate looks them up. The first after other steps is no such
+        sample: it also catches up on what they emitted (a drafter's index) and, under async
+        scheduling, waits for the step in flight; sampled, the probes of a closed gate would
+        keep it closed. A probe step after other steps is what spaces the probes instead
+        (`_price_probe`)."""
         verify = batch.phase is Phase.VERIFY
         steady, self._verified_before = self._verified_before, verify
         probing, self._probing = self._probing, False
-        if seconds is None or not self.cfg.dcut:
+        pending, self._probe_step = self._probe_step, None
+        # a decode or verify step (a prefill's rows are no price of either), timed whole
+        timed = (
+            seconds is not None
+            and self.cfg.dcut
+            and bool(batch.entries)
+            and batch.phase in (Phase.DECODE, Phase.VERIFY)
+        )
+        if pending is not None:
+            if timed and not probing:
+                self._price_probe(pending[0], pending[1] + seconds, 2)
+            else:
+                self._price_probe(*pending, 1)
+        if not timed:
             return
         if probing and not steady:
-            self._price_probe(len(batch.entries), seconds)
+            # priced with the step after it (`_price_probe`), the drafter's own host work left
+            # out: a probe catches its sequences up on every token since their last probe (the
+            # n-gram index), work that grows with the interval and that spacing saves nothing of
+            self._probe_step = (len(batch.entries), seconds - self.host.drafting_seconds)
         if not verify or not steady:
             return
         relative = self.cost.step_time(batch.num_rows, len(batch.entries))
         self.host.speculative(self._planned_width, self._planned_drafted, seconds, relative)
 
-    def _price_probe(self, width: int, seconds: float) -> None:
-        """A probe step after steps that did not verify took `seconds`: what it cost beyond a
-        plain step spaces the probes (`ProbeSchedule.priced`). Not a step during which a
+    def _price_probe(self, width: int, seconds: float, steps: int) -> None:
+        """A probe step after steps that did not verify, and the `steps` - 1 after it, took
+        `seconds` beside the drafter's host work: what they cost beyond as many plain steps
+        spaces the probes (`ProbeSchedule.priced`). With the step after it: under async
+        scheduling a probe waits for the step in flight and runs synchronously, so the step
+        after it has none to wait for and is that much shorter. Not a step during which a
         program was captured."""
         plain = self.host.plain_seconds(width) or self.host.plain_near(width, self.cost)
         if plain and not self.host.captured:
-            self._probes.priced(seconds / plain - 1.0, self._steps)
+            self._probes.priced(seconds / plain - steps, self._steps)
