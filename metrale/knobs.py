@@ -198,11 +198,11 @@ class Knobs:
         bool,
         "=1: run the DFlash drafter's forward eagerly on CUDA too (A/B runs)",
     )
-    no_dflash_ahead: bool = _knob(
-        "METRALE_NO_DFLASH_AHEAD",
+    dflash_ahead: bool = _knob(
+        "METRALE_DFLASH_AHEAD",
         _is_one,
         bool,
-        "=1: DFlash drafts in `propose` alone, not ahead right after a verify program (A/B runs)",
+        "=1: DFlash drafts ahead, right after each verify program (off: slower on the H200 so far)",
     )
     no_gdn_triton: bool = _knob(
         "METRALE_NO_GDN_TRITON",
