@@ -55,30 +55,67 @@ def test_every_streamed_output_is_its_deltas_added_up(llm):
 
 
 def test_the_text_is_made_while_the_next_forward_runs(llm):
-    """Every drain but none runs inside the step's `execute` (between launching the forward and
-    waiting for it), never on its own before or after; with async scheduling the steps that run
-    synchronously (verify steps) too."""
+    """Every drain runs while a forward is on the device: inside the step's `execute` (between
+    launching the forward and waiting for it) or, with async scheduling, before waiting for a
+    step launched ahead (`_settle`), never on its own before or after; with async scheduling
+    the steps that run synchronously (verify steps) too."""
+    drains_while_a_forward_runs(llm, [PROMPTS], params(max_tokens=20))
+
+
+def test_a_verify_after_steps_run_ahead_makes_the_text_while_a_forward_runs(hf_qwen3_factory):
+    """One request at a time on a model whose outputs repeat at times: verify steps follow
+    several plain steps run ahead, whose text the settle makes before waiting (found by
+    review: the commit made it after the wait)."""
+    model = hf_qwen3_factory("varied", initializer_range=0.2)
+    spec = {"method": "ngram", "num_drafts": 3}
+    llm = LLM(model, device="cpu", spec=spec, async_scheduling=True)
+    drains_while_a_forward_runs(llm, [[p] for p in PROMPTS], params(max_tokens=96))
+    assert llm.engine.telemetry.spec.verify_steps > 5
+
+
+def drains_while_a_forward_runs(llm, batches, sampling) -> None:
+    """Counts the drains made while a forward runs (in `execute`, or in `_settle` before it
+    waits for its step) and the others, which must be none."""
+    from metrale.engine.step_output import StepOutput
+
     engine = llm.engine
     calls = {"inside": 0, "outside": 0}
     running = [False]
-    execute, drain = engine.runner.execute, engine.emitter.drain
+    spied = [(engine.runner, "execute"), (engine.emitter, "drain")]
+    if engine._ahead is not None:
+        spied.append((engine._ahead, "_settle"))
+    wait = StepOutput.settle
 
-    def spy_execute(batch, **kw):
-        running[0] = True
-        try:
-            return execute(batch, **kw)
-        finally:
-            running[0] = False
+    def waits(out):  # the step is done after this: its commit's drain would be on its own
+        running[0] = False
+        return wait(out)
 
-    def spy_drain():
+    def while_running(fn):
+        def spy(*args, **kw):
+            running[0] = True
+            try:
+                return fn(*args, **kw)
+            finally:
+                running[0] = False
+
+        return spy
+
+    def spy_drain(drain=engine.emitter.drain):
         calls["inside" if running[0] else "outside"] += 1
         drain()
 
-    engine.runner.execute, engine.emitter.drain = spy_execute, spy_drain
+    engine.runner.execute = while_running(engine.runner.execute)
+    engine.emitter.drain = spy_drain
+    if engine._ahead is not None:
+        engine._ahead._settle = while_running(engine._ahead._settle)
+    StepOutput.settle = waits
     try:
-        llm.generate(PROMPTS, params(max_tokens=20), use_tqdm=False)
+        for prompts in batches:
+            llm.generate(prompts, sampling, use_tqdm=False)
     finally:
-        del engine.runner.execute, engine.emitter.drain
+        StepOutput.settle = wait
+        for obj, name in spied:
+            delattr(obj, name)
     assert calls["inside"] >= 5 and calls["outside"] == 0
 
 

@@ -228,6 +228,10 @@ class AheadStepper:
         """Read a launched step's verdicts and commit them (the counters moved already)."""
         engine = self.engine
         out = launched.out
+        if engine.emitter.has_pending:
+            # the text the steps before left, made while this one still runs on the device
+            # (its commit would make it first, after the wait)
+            engine.emitter.drain()
         waited = time.perf_counter()
         out.settle()
         self._waited += time.perf_counter() - waited
