@@ -10,7 +10,9 @@ The bound is `MAX_BACKOFF` times `dcut_probe_every`, or more where a probe step 
 cost so much beyond a plain step that probes at that interval would take more than
 `PROBE_SHARE` of the decoding time (`priced`): on the H200 under async scheduling a probe step
 after plain steps took 13.5 ms against 5.2 ms (the qwen3-8b shape, batch 64), 5% of the time at
-one probe every 32 steps.
+one probe every 32 steps. A probe is priced with the step after it (`DepthPlanning._price_probe`)
+and only where D-Cut measures plain steps (a `stateless` drafter, host pricing on): elsewhere
+(MTP) the bound stays `MAX_BACKOFF` base intervals.
 """
 
 from __future__ import annotations
