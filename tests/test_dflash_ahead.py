@@ -7,6 +7,7 @@ scheduling) with most drafts taken from ahead, and the acceptance of the drafter
 
 from __future__ import annotations
 
+import inspect
 import random
 
 import pytest
@@ -170,3 +171,25 @@ def test_output_equals_plain_decoding(tiny_model_dir, echo, monkeypatch, case):
     if case == "preemption":
         assert llm.engine.telemetry.preemptions > 0
         assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
+
+
+def test_drafting_ahead_that_fails_fails_no_sequence(tiny_model_dir, echo, monkeypatch):
+    """Drafting ahead is a speed-up only: if it raises (say, out of memory capturing a new draft
+    program), `propose` drafts as usual and every sequence goes on (found by review: the verify
+    step failed, and each sequence, run alone, ended with an error)."""
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True) for _ in range(4)]
+    want = plain(tiny_model_dir, PROMPTS[:4], params)
+    llm = graphed(tiny_model_dir, echo, monkeypatch)
+    graphs = llm.engine.spec.drafter.graphs
+    run = graphs.run
+
+    def fails_ahead(*args):
+        if any(f.function in ("_draft_ahead", "_drafted_ahead") for f in inspect.stack()):
+            raise RuntimeError("CUDA out of memory")
+        return run(*args)
+
+    graphs.run = fails_ahead
+    out = llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == want
+    assert {o.outputs[0].finish_reason for o in out} == {"length"}
+    assert llm.engine.retried_batches == 0 and llm.engine.telemetry.spec.verify_steps > 3

@@ -186,10 +186,11 @@ def test_a_slow_drafter_alone_does_not_space_the_probes(tiny_model_dir):
 
 
 def test_a_probe_is_priced_with_the_step_after_it_and_never_leaks(tiny_model_dir):
-    """What a probe step (after plain steps) and the step after it cost beyond two plain steps,
-    the drafter's host work aside; a prefill or empty step is no price, and a probe flag never
-    outlives the step it was planned in (found by review: an empty probe step crashed pricing,
-    a step planning nothing inherited the flag, a probe that prefilled was priced with it)."""
+    """What a probe step (after plain steps) and the plain step after it cost beyond two plain
+    steps, the drafter's host work aside; a prefill, empty or capturing step is no price, a
+    verify after it is not the probe's, and a probe flag never outlives the step it was planned
+    in (found by review: an empty probe step crashed pricing, a step planning nothing inherited
+    the flag, a probe that prefilled was priced with it, and so was a verify after it)."""
     from types import SimpleNamespace
 
     from metrale.engine.sequence import Phase
@@ -220,6 +221,18 @@ def test_a_probe_is_priced_with_the_step_after_it_and_never_leaks(tiny_model_dir
         step(phase, 0.500, width=width, probing=True)
         step(Phase.DECODE, 0.010)
     assert len(probes._excess.samples) == 4
+    # a verify after the probe (the gate reopened): the probe alone
+    step(Phase.VERIFY, 0.050, probing=True)
+    step(Phase.VERIFY, 0.300)
+    assert probes._excess.samples[-1] == pytest.approx(0.050 / 0.010 - 1)
+    # a probe step during which a program was captured is no price
+    from metrale.engine.program_cache import captures
+
+    spec.host._captures = captures() - 1
+    step(Phase.VERIFY, 0.500, probing=True)
+    spec.host._captures = captures()
+    step(Phase.DECODE, 0.010)
+    assert len(probes._excess.samples) == 5
     # a step that plans nothing is no probe, whatever the step before was
     spec._probing = True
     spec.prepare([])

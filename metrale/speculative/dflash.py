@@ -100,6 +100,15 @@ class DFlashDrafter:
         self._ahead = None
         if self.graphs is None or not isinstance(shape, RaggedShape):
             return
+        try:
+            self._ahead = self._drafted_ahead(entries, tokens)
+        except Exception:  # noqa: BLE001 (a speed-up only: never fail the verify step for it)
+            # (`propose` drafts them as usual; a capture of a new draft program that fails,
+            # out of memory, would otherwise end every sequence of the step)
+            log.exception("DFlash drafting ahead failed; drafting in propose")
+
+    def _drafted_ahead(self, entries, tokens: torch.Tensor):
+        """`_draft_ahead`'s work: its drafts, or None."""
         # A ragged program holds decode and verify rows alone (prompt chunks run in prefill
         # programs), and each entry samples every row: its picks sit at its rows.
         live, row = [], 0  # (seq, its first row, k)
@@ -116,7 +125,7 @@ class DFlashDrafter:
             row += e.num_rows
         drafted = sum(k > 0 for *_, k in live)
         if not live or 2 * drafted < len(live):
-            return
+            return None
         depth = max(k for *_, k in live)
         width = max(len(seq.block_table) for seq, *_ in live)
         pad = [[DUMMY_PAGE] * (width - len(seq.block_table)) for seq, *_ in live]
@@ -146,9 +155,9 @@ class DFlashDrafter:
         longest = max(seq.num_tokens + k for seq, _, k in live)
         out = self.graphs.run(ids, lens, tables_t.view(len(live), width), longest)
         if out is None:
-            return
+            return None
         index = {seq.seq_id: n for n, (seq, *_) in enumerate(live)}
-        self._ahead = (DeviceDrafts(out), context, index)
+        return DeviceDrafts(out), context, index
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> list[Draft]:

@@ -102,6 +102,7 @@ class MTPDrafter:
         )
         if self.chain_graphs is not None and not (self.refeed_shift or self.refeed_debug):
             runner.after_verify = self._catch_up_verified
+            runner.after_verify_drafts_only = False  # it catches up after every step
 
     @staticmethod
     def _drafts(seq: Sequence) -> bool:

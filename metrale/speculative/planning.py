@@ -165,16 +165,19 @@ class DepthPlanning:
             and batch.phase in (Phase.DECODE, Phase.VERIFY)
         )
         if pending is not None:
-            if timed and not probing:
+            # with the step after it where that is a plain decode step (a verify after the
+            # probe reopened the gate costs drafting, no probe's price)
+            if timed and not probing and batch.phase is Phase.DECODE and not self.host.captured:
                 self._price_probe(pending[0], pending[1] + seconds, 2)
             else:
                 self._price_probe(*pending, 1)
         if not timed:
             return
-        if probing and not steady:
+        if probing and not steady and not self.host.captured:
             # priced with the step after it (`_price_probe`), the drafter's own host work left
             # out: a probe catches its sequences up on every token since their last probe (the
             # n-gram index), work that grows with the interval and that spacing saves nothing of
+            # (not a step during which a program was captured: tens of milliseconds)
             self._probe_step = (len(batch.entries), seconds - self.host.drafting_seconds)
         if not verify or not steady:
             return
@@ -186,8 +189,8 @@ class DepthPlanning:
         `seconds` beside the drafter's host work: what they cost beyond as many plain steps
         spaces the probes (`ProbeSchedule.priced`). With the step after it: under async
         scheduling a probe waits for the step in flight and runs synchronously, so the step
-        after it has none to wait for and is that much shorter. Not a step during which a
-        program was captured."""
+        after it has none to wait for and is that much shorter. Neither is a step during which
+        a program was captured (`timed_step` checks)."""
         plain = self.host.plain_seconds(width) or self.host.plain_near(width, self.cost)
-        if plain and not self.host.captured:
+        if plain:
             self._probes.priced(seconds / plain - steps, self._steps)
