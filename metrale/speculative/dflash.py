@@ -127,9 +127,7 @@ class DFlashDrafter:
         if not live or 2 * drafted < len(live):
             return None
         depth = max(k for *_, k in live)
-        width = max(len(seq.block_table) for seq, *_ in live)
-        pad = [[DUMMY_PAGE] * (width - len(seq.block_table)) for seq, *_ in live]
-        tables = [p for (seq, *_), extra in zip(live, pad) for p in seq.block_table + extra]
+        tables, width = padded_tables([seq.block_table for seq, *_ in live])
         first_rows, ks, counts, tables_t = to_device_packed(
             [
                 [r for _, r, _ in live],
@@ -175,9 +173,7 @@ class DFlashDrafter:
             return drafts
         b, device = self.cfg.block_size, self.runner.device
         lens = [seq.num_tokens - 1 for _, seq, _ in live]  # context rows: 0 .. n - 2
-        width = max(len(seq.block_table) for _, seq, _ in live)
-        pad = [[DUMMY_PAGE] * (width - len(seq.block_table)) for _, seq, _ in live]
-        tables = [p for (_, seq, _), extra in zip(live, pad) for p in seq.block_table + extra]
+        tables, width = padded_tables([seq.block_table for _, seq, _ in live])
         # each block: [last token, MASK x (B - 1)]
         mask = [self.cfg.mask_token_id] * (b - 1)
         ids = [t for (_, seq, _), n in zip(live, lens) for t in seq.tokens(n, n + 1) + mask]
@@ -240,6 +236,12 @@ class DFlashDrafter:
         pages, and a preempted sequence computes them again)."""
         if self._ahead is not None:
             self._ahead[2].pop(seq.seq_id, None)
+
+
+def padded_tables(tables: list[list[int]]) -> tuple[list[int], int]:
+    """The block tables padded to the longest with the dummy page, flat, and that width."""
+    width = max(len(t) for t in tables)
+    return [p for t in tables for p in t + [DUMMY_PAGE] * (width - len(t))], width
 
 
 def accepted_blocks(
