@@ -1,0 +1,150 @@
+"""Requests entering and leaving the engine: validation (before any engine state is touched, so a
+bad request raises a ValueError naming its field and leaves the others untouched), admission as
+sequences (seeds, detokenizers, grammars) and aborts. `LLMEngine` takes these as a mixin.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from metrale.config import SamplingParams
+from metrale.engine.ahead import runs_ahead
+from metrale.engine.sequence import Sequence
+from metrale.outputs import RequestOutput
+from metrale.tokenizer import IncrementalDetokenizer
+
+SEED_MASK = (1 << 63) - 1
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    # its output only once it finishes (vLLM's FINAL_ONLY, as offline `generate` wants), with
+    # the whole text as the delta: no per-step output to build
+    final_only: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    def whole(self) -> dict[int, tuple[str, list[int]]]:
+        """Deltas of every sequence's whole output: a final-only request's one output."""
+        return {s.seq_id: (s.text, list(s.output_token_ids)) for s in self.seqs}
+
+
+class RequestAdmission:
+    """`LLMEngine`'s request side (it holds the state these methods read and write)."""
+
+    def validate(
+        self, prompt: str | list[int], params: SamplingParams
+    ) -> tuple[str | None, list[int]]:
+        """Check a request against this engine without touching its state (so another thread,
+        such as the HTTP server's, may call it): (prompt text or None, prompt token ids)."""
+        text, token_ids = self._tokenize(prompt)
+        params.check_vocab(self.vocab_size)
+        if params.structured is not None:
+            self.grammars.check(params.structured)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens leave no room to generate under "
+                f"max_model_len={self.max_model_len}"
+            )
+        pages = self.allocator.pages_for(len(token_ids) + 1 + self.lookahead)
+        if pages > self.allocator.num_usable:
+            raise ValueError(
+                f"prompt: {len(token_ids)} tokens need {pages} KV pages; the pool has "
+                f"{self.allocator.num_usable}"
+            )
+        return text, token_ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        final_only: bool = False,
+    ) -> None:
+        """Queue a request; `final_only`: `step` returns its output once, when it finishes
+        (building each step's output copies every sequence's tokens so far)."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(
+                f"sampling_params: expected a SamplingParams, got {type(params).__name__}"
+            )
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, token_ids = self.validate(prompt, params)
+        seqs = []
+        for i in range(params.n):
+            if params.seed is None:
+                seed = self._rng.getrandbits(63)
+            else:  # children of one seeded request get distinct, reproducible seeds
+                seed = (params.seed + i * 0x9E3779B97F4A7C15) & SEED_MASK
+            seq = Sequence(
+                seq_id=self._next_seq_id,
+                request_id=request_id,
+                prompt_token_ids=list(token_ids),
+                params=params,
+                seed=seed,
+                eos_token_ids=self.eos_token_ids,
+                arrival=self._next_seq_id,
+                arrival_time=time.perf_counter(),
+            )
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens
+            )
+            if params.structured is not None:
+                seq.grammar = self.grammars.matcher(params.structured)
+                self.runner.structured_seqs += 1
+            if not runs_ahead(seq, self.spec):
+                self._sync_seq_ids.add(seq.seq_id)
+            self._next_seq_id += 1
+            seqs.append(seq)
+        self.requests[request_id] = Request(request_id, text, list(token_ids), seqs, final_only)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            # refused from its length alone, before any tokenising work
+            if len(prompt) > self.max_model_len * self.tokenizer.max_token_chars:
+                raise ValueError(
+                    f"prompt: {len(prompt)} characters cannot fit max_model_len="
+                    f"{self.max_model_len} tokens"
+                )
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"prompt: not valid Unicode text ({e.reason})") from None
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ValueError(
+                f"prompt: expected a non-empty string or list of token ids, got {prompt!r}"
+            )
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(
+                    f"prompt_token_ids: {t!r} is not a token id in [0, {self.vocab_size})"
+                )
+        return None, list(prompt)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request wherever it is (waiting, mid-prefill, decoding); its pages are freed."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        live = [s for s in request.seqs if not s.is_finished]
+        for seq in live:
+            seq.finish_reason = "abort"
+        self._finish(live)
+        changed = {request_id: {s.seq_id: ("", []) for s in request.seqs}}
+        self.emitter.take_drained(changed, request_id)  # its deferred text
+        return self.emitter.output(
+            request, request.whole() if request.final_only else changed[request_id]
+        )
