@@ -176,7 +176,7 @@ class AheadStepper:
         if not self.may_run_ahead():  # the step after waits for this one anyway: no deferral
             return None
         runner = engine.runner
-        runner.while_forward_runs = engine.emitter.drain if engine.emitter.has_pending else None
+        runner.while_forward_runs = engine.while_forward(batch)
         try:
             out = runner.execute(batch, defer=True)
         except DistributedError:
@@ -196,7 +196,7 @@ class AheadStepper:
         # the text the steps before deferred is made while this forward runs, as when the
         # synchronous engine runs a step (a verify step ran it after the forward before)
         runner = engine.runner
-        runner.while_forward_runs = engine.emitter.drain if engine.emitter.has_pending else None
+        runner.while_forward_runs = engine.while_forward(batch)
         try:
             out = run_batch(engine, batch)
         finally:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from metrale.config import EngineConfig, ModelConfig
@@ -180,9 +181,7 @@ class LLMEngine(RequestAdmission):
             self._scheduled(batch, changed)
             prompt_rows = batch.num_prompt_rows
             # The last step's deferred text is made while this step's forward runs.
-            self.runner.while_forward_runs = (
-                self.emitter.drain if self.emitter.has_pending else None
-            )
+            self.runner.while_forward_runs = self.while_forward(batch)
             out = self._run(batch)
             self.runner.while_forward_runs = None
             emitted = self._commit(out, changed)
@@ -203,6 +202,27 @@ class LLMEngine(RequestAdmission):
                 spec.host.plain(len(batch.entries), seconds)
             spec.timed_step(batch, seconds)
         return outputs
+
+    def while_forward(self, batch: Batch) -> Callable[[], None] | None:
+        """The host work a step does while its forward runs on the device
+        (`ModelRunner.while_forward_runs`): the text the steps before deferred, then the
+        drafter's catch-up on the step's sequences (`SpeculativeDecoder.while_forward`). Each
+        part that raises is logged and left to the commit and the next draft, where it runs
+        again."""
+        drain = self.emitter.drain if self.emitter.has_pending else None
+        catch_up = None
+        if self.spec is not None:
+            catch_up = self.spec.while_forward(batch.entries, len(self.scheduler.running))
+        if drain is None or catch_up is None:
+            return drain or catch_up
+
+        def both() -> None:
+            try:
+                drain()
+            finally:
+                catch_up()
+
+        return both
 
     def _scheduled(self, batch: Batch, changed: dict) -> None:
         """What the scheduler decided beside the batch: preemptions and failures."""

@@ -102,6 +102,17 @@ class SpeculativeDecoder(DepthPlanning):
         """Sequences the drafter was asked to draft for this step."""
         return self._asked
 
+    def while_forward(self, entries: list, width: int) -> Callable[[], None] | None:
+        """The drafter's host work that may run while a step's forward runs on the device
+        (`ModelRunner.while_forward_runs`): its optional `catch_up(seqs, width)` over the step's
+        sequences that may speculate (a new prompt's n-grams are indexed behind its prefill);
+        `width`: the running batch. None when there is none."""
+        catch_up = getattr(self.drafter, "catch_up", None)
+        if catch_up is None:
+            return None
+        seqs = [e.seq for e in entries if e.seq.params.speculative and e.seq.params.num_drafts != 0]
+        return (lambda: catch_up(seqs, width)) if seqs else None
+
     def prepare(
         self, running: list[Sequence], before_drafting: Callable[[], None] | None = None
     ) -> list[tuple[Sequence, str]]:

@@ -25,6 +25,11 @@ from metrale.speculative.ngram_device import DeviceNgramTable
 # the H200 (`scripts/ngram_propose_timing.py`), ms per step host / device: batch 1 0.11 / 0.15,
 # batch 8 0.20 / 0.22, batch 64 1.34 / 0.48.
 DEVICE_MIN_SEQS = 16
+# A sequence this many tokens behind its index (a new prompt, or one back from steps that drafted
+# nothing) is caught up while a step's forward runs (`catch_up`), not at its next draft: indexing a
+# 4k-token prompt takes milliseconds of host time (about 6 ms on a CI core), which the first
+# draft step of every new request paid in full.
+CATCH_UP_MIN = 16
 
 
 def lookup(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
@@ -157,13 +162,41 @@ class NgramDrafter:
             return [Draft(t) for t in self.device_table.propose(seqs, max_drafts)]
         drafts = []
         for seq, k in zip(seqs, max_drafts, strict=True):
-            index = self._indexes.get(seq.seq_id)
-            if index is None:
-                index = self._indexes[seq.seq_id] = NgramIndex(self.n_min, self.n_max, self.window)
+            index = self._index(seq)
             if index.length < seq.num_tokens:
                 index.extend(seq.tokens(index.length, seq.num_tokens))
             drafts.append(Draft(index.lookup(k)))
         return drafts
+
+    def _index(self, seq: Sequence) -> NgramIndex:
+        index = self._indexes.get(seq.seq_id)
+        if index is None:
+            index = self._indexes[seq.seq_id] = NgramIndex(self.n_min, self.n_max, self.window)
+        return index
+
+    def catch_up(self, seqs: list[Sequence], width: int) -> None:
+        """Index the tokens each sequence holds now, where it is `CATCH_UP_MIN` or more behind:
+        the engine calls this while a step's forward runs on the device
+        (`ModelRunner.while_forward_runs`), where the host would only wait. Only settled tokens:
+        a placeholder for one still in flight (`Sequence.inflight`) is left to `propose`.
+        `width`: the running batch, which picks what `propose` will draft from (the device
+        table for `DEVICE_MIN_SEQS` or more)."""
+        device = self.device_table is not None and width >= DEVICE_MIN_SEQS
+        late, totals = [], []
+        for seq in seqs:
+            if seq.is_finished:  # released already, or about to be: no index to grow
+                continue
+            total = seq.num_tokens - (seq.inflight is not None)
+            if device:
+                if self.device_table.behind(seq, total) >= CATCH_UP_MIN:
+                    late.append(seq)
+                    totals.append(total)
+                continue
+            index = self._index(seq)
+            if total - index.length >= CATCH_UP_MIN:
+                index.extend(seq.tokens(index.length, total))
+        if late:
+            self.device_table.write(late, totals)
 
     def observe(self, verdicts: list[Verdict]) -> None:
         pass  # the sequence's own tokens are the whole model; `propose` reads the new ones

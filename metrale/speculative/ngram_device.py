@@ -47,42 +47,64 @@ class DeviceNgramTable:
     def _lookup(self, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return ngram_lookup(self.table, meta, self.n_min, self.n_max, self.window, self.max_drafts)
 
+    def _stage(self, seq: Sequence, total: int, where: list[int], tokens: list[int]) -> int:
+        """Queue `seq`'s tokens up to `total` that its row lacks onto `where` / `tokens`;
+        returns its slot, or -1 where it has no row (cannot happen to a running sequence
+        under its length limit: it drafts nothing, which only costs this step's
+        speculation)."""
+        if not (0 <= seq.slot < self.table.shape[0] and total <= self.capacity):
+            return -1
+        slot, done = self._written.get(seq.seq_id, (-1, 0))
+        if slot != seq.slot:
+            slot, done = seq.slot, 0
+        if done < total:
+            start = max(done, total - (self.window + self.n_max))  # the furthest a lookup reads
+            base = slot * self.capacity
+            where.extend(range(base + start, base + total))
+            tokens.extend(seq.tokens(start, total))
+            self._written[seq.seq_id] = (slot, total)
+        return slot
+
+    def _write(self, where_t: torch.Tensor, tokens_t: torch.Tensor) -> None:
+        self.table.view(-1).index_copy_(0, where_t, tokens_t.to(torch.int32))
+
+    def write(self, seqs: list[Sequence], totals: list[int]) -> None:
+        """Write each sequence's tokens up to totals[i] that its row lacks (a new prompt),
+        ahead of its next `propose`: one packed copy, queued on the stream."""
+        where: list[int] = []
+        tokens: list[int] = []
+        for seq, total in zip(seqs, totals, strict=True):
+            self._stage(seq, total, where, tokens)
+        if where:
+            self._write(*to_device_packed([where, tokens], self.device))
+
     def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> list[list[int]]:
         """Up to max_drafts[i] tokens for seqs[i], exactly as `ngram.lookup` over its last
         `window` tokens proposes."""
-        where, tokens, slots, lengths = [], [], [], []
-        reach = self.window + self.n_max  # the furthest back a lookup reads
-        rows = self.table.shape[0]
+        where: list[int] = []
+        tokens: list[int] = []
+        slots, lengths = [], []
         for seq in seqs:
-            slot, done = self._written.get(seq.seq_id, (-1, 0))
             total = seq.num_tokens
-            if not (0 <= seq.slot < rows and total <= self.capacity):
-                # no row for it (cannot happen to a running sequence under its length limit):
-                # length 0 drafts nothing, which only costs this step's speculation
-                slots.append(0)
-                lengths.append(0)
-                continue
-            if slot != seq.slot:
-                slot, done = seq.slot, 0
-            if done < total:
-                start = max(done, total - reach)
-                base = slot * self.capacity
-                where.extend(range(base + start, base + total))
-                tokens.extend(seq.tokens(start, total))
-                self._written[seq.seq_id] = (slot, total)
-            slots.append(slot)
-            lengths.append(total)
+            slot = self._stage(seq, total, where, tokens)
+            slots.append(max(slot, 0))
+            lengths.append(total if slot >= 0 else 0)  # length 0 drafts nothing
         ks = [min(k, self.max_drafts) for k in max_drafts]
         # the kernel's arrays first: the packed buffer's start is aligned
         meta, where_t, tokens_t = to_device_packed(
             [slots + lengths + ks, where, tokens], self.device
         )
         if where:
-            self.table.view(-1).index_copy_(0, where_t, tokens_t.to(torch.int32))
+            self._write(where_t, tokens_t)
         drafts, counts = self._lookup(meta)
         # one copy back: each row's count, then its drafts
         rows = torch.cat([counts[:, None], drafts], dim=1).tolist()
         return [row[1 : 1 + row[0]] for row in rows]
+
+    def behind(self, seq: Sequence, total: int) -> int:
+        """How many of `seq`'s first `total` tokens its row still lacks."""
+        slot, done = self._written.get(seq.seq_id, (-1, 0))
+        return total - done if slot == seq.slot else total
 
     def release(self, seq: Sequence) -> None:
         self._written.pop(seq.seq_id, None)
