@@ -16,7 +16,7 @@ import torch
 from metrale.api import LLM
 from metrale.config import SamplingParams
 from metrale.speculative import ngram
-from metrale.speculative.ngram import CATCH_UP_MIN, NgramDrafter, lookup
+from metrale.speculative.ngram import CATCH_UP_MIN, HOST_BACKLOG_MAX, NgramDrafter, lookup
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -44,12 +44,14 @@ def reference(seq: Seq, k: int, window: int) -> list[int]:
     return lookup(seq.tokens(0, seq.num_tokens)[-window:], 1, 3, k)
 
 
-def _steps(drafter: NgramDrafter, width: int, seed: int) -> None:
+def _steps(drafter: NgramDrafter, width: int, seed: int, longest: int = 90) -> None:
     """Steps of a batch: new prompts, outputs growing by a few tokens, a placeholder in flight
     at some catch-ups, sequences finishing; the drafts of every step equal the reference."""
     rng = random.Random(seed)
     window = drafter.window
-    live = [Seq(i, i, [rng.randrange(5) for _ in range(rng.randrange(1, 90))]) for i in range(6)]
+    live = [
+        Seq(i, i, [rng.randrange(5) for _ in range(rng.randrange(1, longest))]) for i in range(6)
+    ]
     next_id = 6
     for step in range(30):
         inflight = step % 3 == 1
@@ -70,7 +72,8 @@ def _steps(drafter: NgramDrafter, width: int, seed: int) -> None:
         if step % 5 == 2:  # one finishes; a new prompt takes its slot
             gone = live.pop(rng.randrange(len(live)))
             drafter.release(gone)
-            live.append(Seq(next_id, gone.slot, [rng.randrange(5) for _ in range(60)]))
+            prompt = [rng.randrange(5) for _ in range(rng.randrange(1, longest))]
+            live.append(Seq(next_id, gone.slot, prompt))
             next_id += 1
 
 
@@ -79,20 +82,53 @@ def test_host_index_caught_up_drafts_as_the_scan(seed):
     _steps(NgramDrafter(1, 3, 48), 6, seed)
 
 
-@pytest.mark.skipif(
+needs_kernel = pytest.mark.skipif(
     DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
     reason="no CUDA and TRITON_INTERPRET is not set",
 )
-@pytest.mark.parametrize("seed", range(2))
-def test_device_table_caught_up_drafts_as_the_scan(seed, monkeypatch):
+
+
+def _device_drafter(window: int) -> NgramDrafter:
     pytest.importorskip("triton")
-    monkeypatch.setattr(ngram, "DEVICE_MIN_SEQS", 2)
-    drafter = NgramDrafter(1, 3, 48)
-    if not drafter.use_device(8, 400, DEVICE, 3):  # CPU: the interpreter runs the kernel
+    drafter = NgramDrafter(1, 3, window)
+    if not drafter.use_device(8, 1200, DEVICE, 3):  # CPU: the interpreter runs the kernel
         from metrale.speculative.ngram_device import DeviceNgramTable
 
-        drafter.device_table = DeviceNgramTable(8, 400, DEVICE, 1, 3, 48, 3)
-    _steps(drafter, 6, seed)
+        drafter.device_table = DeviceNgramTable(8, 1200, DEVICE, 1, 3, window, 3)
+    return drafter
+
+
+@needs_kernel
+@pytest.mark.parametrize("seed", range(2))
+def test_device_table_caught_up_drafts_as_the_scan(seed, monkeypatch):
+    monkeypatch.setattr(ngram, "DEVICE_MIN_SEQS", 2)
+    _steps(_device_drafter(48), 6, seed)
+
+
+@needs_kernel
+@pytest.mark.parametrize("seed", range(3))
+def test_narrow_steps_with_long_prompts_draft_on_the_device_as_the_scan(seed, monkeypatch):
+    """Below `DEVICE_MIN_SEQS`, prompts long enough go to the device table and short ones to the
+    host index, step by step as sequences come and go; every draft is the reference scan's."""
+    drafter = _device_drafter(1000)
+    calls = []
+    propose = drafter.device_table.propose
+    monkeypatch.setattr(
+        drafter.device_table, "propose", lambda s, k: calls.append(len(s)) or propose(s, k)
+    )
+    _steps(drafter, 6, seed, longest=2 * HOST_BACKLOG_MAX)
+    assert calls, "prompts long enough must draft on the device"
+    assert drafter._indexes, "short prompts must draft on the host"
+
+
+def test_narrow_steps_choose_by_the_host_backlog():
+    drafter = NgramDrafter(1, 3, 4096)
+    drafter.device_table = object()  # (only its presence is read here)
+    assert not drafter._on_device(1, HOST_BACKLOG_MAX - 1)
+    assert drafter._on_device(1, HOST_BACKLOG_MAX)
+    assert drafter._on_device(ngram.DEVICE_MIN_SEQS, 0)
+    drafter.device_table = None
+    assert not drafter._on_device(ngram.DEVICE_MIN_SEQS, HOST_BACKLOG_MAX)
 
 
 def test_catch_up_indexes_a_backlog_only_and_never_a_placeholder():
@@ -103,7 +139,7 @@ def test_catch_up_indexes_a_backlog_only_and_never_a_placeholder():
     done = Seq(3, 3, list(range(40)), is_finished=True)
     drafter.catch_up([prompt, short, ahead, done], 4)
     assert drafter._indexes[0].length == CATCH_UP_MIN
-    assert drafter._indexes[1].length == 0  # behind by less: left to `propose`
+    assert 1 not in drafter._indexes  # behind by less: left to `propose`
     assert drafter._indexes[2].length == 40  # not the placeholder of the token in flight
     assert 3 not in drafter._indexes  # a finished sequence gets no index (it would leak)
 
@@ -168,3 +204,41 @@ def test_a_catch_up_that_raises_is_logged_and_the_draft_does_its_work(
     assert all(o.outputs[0].finish_reason == "length" for o in spec)
     assert "overlapped with the forward failed" in caplog.text
     assert llm.engine.telemetry.spec.num_drafts > 0  # drafting went on
+
+
+@needs_kernel
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_engine_drafts_long_prompts_on_the_device_in_narrow_batches(
+    tiny_model_dir, monkeypatch, async_scheduling
+):
+    """The engine's drafter (on the device even on CPU: the interpreter) takes a narrow batch
+    of long prompts to the device table, and emits plain decoding's tokens."""
+    from metrale.knobs import knobs
+
+    monkeypatch.setenv("METRALE_FORCE_FUSED_KERNELS", "1")
+    knobs.cache_clear()
+    monkeypatch.setattr(ngram, "HOST_BACKLOG_MAX", 100)
+    try:
+        prompts = _prompts(3)
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        kw = dict(device=str(DEVICE), dtype="float32", max_num_seqs=4, max_model_len=200)
+        plain = LLM(tiny_model_dir, **kw).generate(prompts, params, use_tqdm=False)
+        llm = LLM(
+            tiny_model_dir,
+            **kw,
+            spec={"method": "ngram", "num_drafts": 3, "dcut": False},
+            async_scheduling=async_scheduling,
+        )
+        drafter = llm.engine.spec.drafter
+        assert drafter.device_table is not None
+        calls = []
+        propose = drafter.device_table.propose
+        monkeypatch.setattr(
+            drafter.device_table, "propose", lambda s, k: calls.append(len(s)) or propose(s, k)
+        )
+        spec = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        knobs.cache_clear()
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert calls and max(calls) < ngram.DEVICE_MIN_SEQS
+    assert llm.engine.telemetry.spec.num_accepted_tokens > 0
