@@ -107,18 +107,38 @@ def test_device_table_caught_up_drafts_as_the_scan(seed, monkeypatch):
 
 @needs_kernel
 @pytest.mark.parametrize("seed", range(3))
-def test_narrow_steps_with_long_prompts_draft_on_the_device_as_the_scan(seed, monkeypatch):
-    """Below `DEVICE_MIN_SEQS`, prompts long enough go to the device table and short ones to the
-    host index, step by step as sequences come and go; every draft is the reference scan's."""
+@pytest.mark.parametrize("longest", [40, 2 * HOST_BACKLOG_MAX])
+def test_narrow_steps_draft_where_the_backlog_says_as_the_scan(seed, longest, monkeypatch):
+    """Below `DEVICE_MIN_SEQS`, a batch of long prompts drafts from the device table and one of
+    short prompts (6 of at most 39 tokens lag less than `HOST_BACKLOG_MAX` all told) from the
+    host index, as sequences come and go; every draft is the reference scan's."""
     drafter = _device_drafter(1000)
     calls = []
     propose = drafter.device_table.propose
     monkeypatch.setattr(
         drafter.device_table, "propose", lambda s, k: calls.append(len(s)) or propose(s, k)
     )
-    _steps(drafter, 6, seed, longest=2 * HOST_BACKLOG_MAX)
-    assert calls, "prompts long enough must draft on the device"
-    assert drafter._indexes, "short prompts must draft on the host"
+    _steps(drafter, 6, seed, longest=longest)
+    if longest > HOST_BACKLOG_MAX:
+        assert calls, "prompts long enough must draft on the device"
+    else:
+        assert not calls and drafter._indexes, "short prompts must draft on the host"
+
+
+@needs_kernel
+def test_a_batch_of_prompts_long_all_told_is_caught_up_in_the_table():
+    """Eight prompts of a third of `HOST_BACKLOG_MAX` each: the batch lags more than it all
+    told, so the catch-up writes the table (as `propose` will draft from it), not eight host
+    indexes."""
+    drafter = _device_drafter(1000)
+    n = HOST_BACKLOG_MAX // 3
+    seqs = [Seq(i, i, [(i + j) % 7 for j in range(n)]) for i in range(8)]
+    drafter.catch_up(seqs, len(seqs))
+    assert not drafter._indexes
+    assert all(drafter.device_table.behind(s, n) == 0 for s in seqs)
+    got = [d.tokens for d in drafter.propose(seqs, [3] * 8)]
+    assert got == [reference(s, 3, 1000) for s in seqs]
+    assert not drafter._indexes
 
 
 def test_narrow_steps_choose_by_the_host_backlog():

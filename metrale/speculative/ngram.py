@@ -205,13 +205,17 @@ class NgramDrafter:
         a placeholder for one still in flight (`Sequence.inflight`) is left to `propose`.
         `width`: the running batch, which, with each sequence's lag, picks what `propose` will
         draft from (`_on_device`)."""
-        late, totals = [], []
+        live = []
         for seq in seqs:
             if seq.is_finished:  # released already, or about to be: no index to grow
                 continue
             total = seq.num_tokens - (seq.inflight is not None)
-            backlog = self._host_backlog(seq, total)
-            if self._on_device(width, backlog):
+            live.append((seq, total, self._host_backlog(seq, total)))
+        late, totals = [], []
+        # the step's backlog all told, as `propose` judges it
+        device = self._on_device(width, sum(backlog for _, _, backlog in live))
+        for seq, total, backlog in live:
+            if device:
                 if self.device_table.behind(seq, total) >= CATCH_UP_MIN:
                     late.append(seq)
                     totals.append(total)
