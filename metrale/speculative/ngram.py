@@ -5,10 +5,9 @@ Model-free. The search covers at most the last `window` tokens. `lookup` is the 
 on the host the drafter keeps an `NgramIndex` per sequence, grown by its new tokens, so a step
 costs a few dictionary look-ups per sequence however long the sequence grows. On a GPU, batches of
 `DEVICE_MIN_SEQS` sequences or more draft on the device instead (`ngram_device`): one launch for
-the batch, the same drafts; so do narrower steps whose host indexes lag `HOST_BACKLOG_MAX` tokens
-(long prompts: a copy into the table, not milliseconds of indexing). A new prompt is indexed, or
-written to the table, while its prefill's forward runs (`catch_up`). Code and chat that quote
-their context (identifiers, repeated lines, edits of a given text) are where it shines.
+the batch, the same drafts. A new prompt is indexed, or written to the table, while its prefill's
+forward runs (`catch_up`). Code and chat that quote their context (identifiers, repeated lines,
+edits of a given text) are where it shines.
 """
 
 from __future__ import annotations
@@ -32,12 +31,6 @@ DEVICE_MIN_SEQS = 16
 # 4k-token prompt takes milliseconds of host time (about 6 ms on a CI core), which the first
 # draft step of every new request paid in full.
 CATCH_UP_MIN = 16
-# Where the drafter has a device table, a step whose sequences' host indexes lag this many tokens
-# all told (new prompts, mostly) drafts on the device even when narrow: writing a prompt into the
-# table is one copy, while indexing it on the host took about 4 us a token on the H200's host
-# (3.8-6.3 ms in the first draft step of a batch of 8 prompts of 128 tokens, against a 0.9 ms
-# plain step). A sequence whose prompt went to the table keeps drafting there.
-HOST_BACKLOG_MAX = 256
 
 
 def lookup(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
@@ -165,25 +158,9 @@ class NgramDrafter:
         )
         return True
 
-    def _host_backlog(self, seq: Sequence, total: int) -> int:
-        """Tokens of `seq`'s first `total` its host index lacks (as many as a lookup reads)."""
-        index = self._indexes.get(seq.seq_id)
-        return min(total - (0 if index is None else index.length), self.window + self.n_max)
-
-    def _on_device(self, width: int, backlog: int) -> bool:
-        """Whether a step of `width` sequences whose host indexes lag `backlog` tokens drafts
-        from the device table (`DEVICE_MIN_SEQS`, `HOST_BACKLOG_MAX`)."""
-        return self.device_table is not None and (
-            width >= DEVICE_MIN_SEQS or backlog >= HOST_BACKLOG_MAX
-        )
-
     def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> list[Draft]:
-        if self.device_table is not None:
-            backlog = 0
-            if len(seqs) < DEVICE_MIN_SEQS:
-                backlog = sum(self._host_backlog(seq, seq.num_tokens) for seq in seqs)
-            if self._on_device(len(seqs), backlog):
-                return [Draft(t) for t in self.device_table.propose(seqs, max_drafts)]
+        if self.device_table is not None and len(seqs) >= DEVICE_MIN_SEQS:
+            return [Draft(t) for t in self.device_table.propose(seqs, max_drafts)]
         drafts = []
         for seq, k in zip(seqs, max_drafts, strict=True):
             index = self._index(seq)
@@ -203,23 +180,21 @@ class NgramDrafter:
         the engine calls this while a step's forward runs on the device
         (`ModelRunner.while_forward_runs`), where the host would only wait. Only settled tokens:
         a placeholder for one still in flight (`Sequence.inflight`) is left to `propose`.
-        `width`: the running batch, which, with each sequence's lag, picks what `propose` will
-        draft from (`_on_device`)."""
-        live = []
+        `width`: the running batch, which picks what `propose` will draft from (the device
+        table for `DEVICE_MIN_SEQS` or more)."""
+        device = self.device_table is not None and width >= DEVICE_MIN_SEQS
+        late, totals = [], []
         for seq in seqs:
             if seq.is_finished:  # released already, or about to be: no index to grow
                 continue
             total = seq.num_tokens - (seq.inflight is not None)
-            live.append((seq, total, self._host_backlog(seq, total)))
-        late, totals = [], []
-        # the step's backlog all told, as `propose` judges it
-        device = self._on_device(width, sum(backlog for _, _, backlog in live))
-        for seq, total, backlog in live:
             if device:
                 if self.device_table.behind(seq, total) >= CATCH_UP_MIN:
                     late.append(seq)
                     totals.append(total)
-            elif backlog >= CATCH_UP_MIN:
+                continue
+            index = self._indexes.get(seq.seq_id)
+            if total - (0 if index is None else index.length) >= CATCH_UP_MIN:
                 index = self._index(seq)
                 index.extend(seq.tokens(index.length, total))
         if late:

@@ -47,7 +47,9 @@ class DeviceNgramTable:
     def _lookup(self, meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return ngram_lookup(self.table, meta, self.n_min, self.n_max, self.window, self.max_drafts)
 
-    def _stage(self, seq: Sequence, total: int, where: list[int], tokens: list[int]) -> int:
+    def _stage(
+        self, seq: Sequence, total: int, where: list[int], tokens: list[int], staged: dict
+    ) -> int:
         """Queue `seq`'s tokens up to `total` that its row lacks onto `where` / `tokens`;
         returns its slot, or -1 where it has no row (cannot happen to a running sequence
         under its length limit: it drafts nothing, which only costs this step's
@@ -62,7 +64,7 @@ class DeviceNgramTable:
             base = slot * self.capacity
             where.extend(range(base + start, base + total))
             tokens.extend(seq.tokens(start, total))
-            self._written[seq.seq_id] = (slot, total)
+            staged[seq.seq_id] = (slot, total)  # recorded once the copy is queued
         return slot
 
     def _write(self, where_t: torch.Tensor, tokens_t: torch.Tensor) -> None:
@@ -73,10 +75,12 @@ class DeviceNgramTable:
         ahead of its next `propose`: one packed copy, queued on the stream."""
         where: list[int] = []
         tokens: list[int] = []
+        staged: dict = {}
         for seq, total in zip(seqs, totals, strict=True):
-            self._stage(seq, total, where, tokens)
+            self._stage(seq, total, where, tokens, staged)
         if where:
             self._write(*to_device_packed([where, tokens], self.device))
+        self._written.update(staged)
 
     def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> list[list[int]]:
         """Up to max_drafts[i] tokens for seqs[i], exactly as `ngram.lookup` over its last
@@ -84,9 +88,10 @@ class DeviceNgramTable:
         where: list[int] = []
         tokens: list[int] = []
         slots, lengths = [], []
+        staged: dict = {}
         for seq in seqs:
             total = seq.num_tokens
-            slot = self._stage(seq, total, where, tokens)
+            slot = self._stage(seq, total, where, tokens, staged)
             slots.append(max(slot, 0))
             lengths.append(total if slot >= 0 else 0)  # length 0 drafts nothing
         ks = [min(k, self.max_drafts) for k in max_drafts]
@@ -96,6 +101,7 @@ class DeviceNgramTable:
         )
         if where:
             self._write(where_t, tokens_t)
+        self._written.update(staged)
         drafts, counts = self._lookup(meta)
         # one copy back: each row's count, then its drafts
         rows = torch.cat([counts[:, None], drafts], dim=1).tolist()
