@@ -176,7 +176,17 @@ def test_an_engine_indexes_each_prompt_behind_its_prefill(
         return propose(seqs, caps)
 
     monkeypatch.setattr(drafter, "propose", spied)
+    caught: list[bool] = []  # per sequence caught up: whether it was prefilling
+    catch_up = drafter.catch_up
+
+    def spied_catch_up(seqs, width):
+        caught.extend(seq.is_prefilling for seq in seqs)
+        return catch_up(seqs, width)
+
+    monkeypatch.setattr(drafter, "catch_up", spied_catch_up)
     spec = llm.generate(prompts, params, use_tqdm=False)
+    # only prompt chunks: a decode or verify step does no catch-up work over its batch
+    assert caught and all(caught)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     assert len(first_backlog) == len(prompts)
     # the prompt was indexed during the prefill: the first draft registers only the tokens of

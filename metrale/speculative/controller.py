@@ -105,12 +105,20 @@ class SpeculativeDecoder(DepthPlanning):
     def while_forward(self, entries: list, width: int) -> Callable[[], None] | None:
         """The drafter's host work that may run while a step's forward runs on the device
         (`ModelRunner.while_forward_runs`): its optional `catch_up(seqs, width)` over the step's
-        sequences that may speculate (a new prompt's n-grams are indexed behind its prefill);
-        `width`: the running batch. None when there is none."""
+        prompt chunks (a new prompt, or a recompute after a preemption) of sequences that may
+        speculate, so their n-grams are indexed behind the forward, not at their first draft.
+        Decode and verify rows add nothing: `propose` grows the index by their few tokens.
+        `width`: the running batch. None when there is nothing to do."""
         catch_up = getattr(self.drafter, "catch_up", None)
         if catch_up is None:
             return None
-        seqs = [e.seq for e in entries if e.seq.params.speculative and e.seq.params.num_drafts != 0]
+        seqs = [
+            e.seq
+            for e in entries
+            if e.num_rows > 1 + len(e.drafts)
+            and e.seq.params.speculative
+            and e.seq.params.num_drafts != 0
+        ]
         return (lambda: catch_up(seqs, width)) if seqs else None
 
     def prepare(
