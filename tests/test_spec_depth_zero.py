@@ -241,12 +241,22 @@ def test_a_plan_stands_for_replan_every_steps_while_the_batch_is_the_same(
     llm.engine.spec.cost = VerifyCostModel.from_points({(1, 4.0): 1.01, (4, 4.0): 1.01})
     planned_at, real_plan = [], planning.plan
     dec = llm.engine.spec
+    ahead = [0]  # 1 while planning ahead: for the step after the one running
 
     def plan(inputs, cost, cap, **kw):
-        planned_at.append((dec._steps, tuple(sorted(x.slot for x in inputs))))
+        planned_at.append((dec._steps + ahead[0], tuple(sorted(x.slot for x in inputs))))
         return real_plan(inputs, cost, cap, **kw)
 
+    def plan_ahead(self, running):
+        ahead[0] = 1
+        try:
+            real_ahead(self, running)
+        finally:
+            ahead[0] = 0
+
+    real_ahead = planning.DepthPlanning.plan_ahead
     monkeypatch.setattr(planning, "plan", plan)
+    monkeypatch.setattr(planning.DepthPlanning, "plan_ahead", plan_ahead)
     # probes at a fixed interval here (their backoff: tests/test_probes.py)
     monkeypatch.setattr(probes, "MAX_BACKOFF", 1)
     outs = llm.generate(prompts, params, use_tqdm=False)

@@ -206,21 +206,21 @@ class LLMEngine(RequestAdmission):
     def while_forward(self, batch: Batch) -> Callable[[], None] | None:
         """The host work a step does while its forward runs on the device
         (`ModelRunner.while_forward_runs`): the text the steps before deferred, then the
-        drafter's catch-up on the step's sequences (`SpeculativeDecoder.while_forward`). Each
-        part that raises is logged and left to the commit and the next draft, where it runs
-        again."""
+        speculative side's (`SpeculativeDecoder.while_forward`: the drafter's catch-up, D-Cut's
+        next choice). Each part that raises is logged and left to the commit and the next step,
+        where it runs again."""
         drain = self.emitter.drain if self.emitter.has_pending else None
-        catch_up = None
+        speculative = None
         if self.spec is not None:
-            catch_up = self.spec.while_forward(batch.entries, len(self.scheduler.running))
-        if drain is None or catch_up is None:
-            return drain or catch_up
+            speculative = self.spec.while_forward(batch.entries, self.scheduler.running)
+        if drain is None or speculative is None:
+            return drain or speculative
 
         def both() -> None:
             try:
                 drain()
             finally:
-                catch_up()
+                speculative()
 
         return both
 

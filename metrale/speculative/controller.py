@@ -102,24 +102,38 @@ class SpeculativeDecoder(DepthPlanning):
         """Sequences the drafter was asked to draft for this step."""
         return self._asked
 
-    def while_forward(self, entries: list, width: int) -> Callable[[], None] | None:
-        """The drafter's host work that may run while a step's forward runs on the device
-        (`ModelRunner.while_forward_runs`): its optional `catch_up(seqs, width)` over the step's
-        prompt chunks (a new prompt, or a recompute after a preemption) of sequences that may
-        speculate, so their n-grams are indexed behind the forward, not at their first draft.
-        Decode and verify rows add nothing: `propose` grows the index by their few tokens.
-        `width`: the running batch. None when there is nothing to do."""
+    def while_forward(self, entries: list, running: list[Sequence]) -> Callable[[], None] | None:
+        """The speculative side's host work that may run while a step's forward runs on the
+        device (`ModelRunner.while_forward_runs`), or None:
+        - the drafter's optional `catch_up(seqs, width)` over the step's prompt chunks (a new
+          prompt, or a recompute after a preemption) of sequences that may speculate, so their
+          n-grams are indexed behind the forward, not at their first draft (decode and verify
+          rows are a few tokens that `propose` indexes anyway); `width`: the running batch;
+        - in a verify step, D-Cut's choice for the next step where it plans afresh
+          (`DepthPlanning.plan_ahead`)."""
         catch_up = getattr(self.drafter, "catch_up", None)
-        if catch_up is None:
+        seqs, verify = [], False
+        for e in entries:
+            if e.drafts:
+                verify = True
+            elif (
+                catch_up is not None
+                and e.num_rows > 1
+                and e.seq.params.speculative
+                and e.seq.params.num_drafts != 0
+            ):
+                seqs.append(e.seq)
+        ahead = verify and self.cfg.dcut
+        if not seqs and not ahead:
             return None
-        seqs = [
-            e.seq
-            for e in entries
-            if e.num_rows > 1 + len(e.drafts)
-            and e.seq.params.speculative
-            and e.seq.params.num_drafts != 0
-        ]
-        return (lambda: catch_up(seqs, width)) if seqs else None
+
+        def work() -> None:
+            if seqs:
+                catch_up(seqs, len(running))
+            if ahead:
+                self.plan_ahead(running)
+
+        return work
 
     def prepare(
         self, running: list[Sequence], before_drafting: Callable[[], None] | None = None
@@ -162,6 +176,7 @@ class SpeculativeDecoder(DepthPlanning):
         planned = False  # caps are depths D-Cut already chose
         if self.cfg.dcut and seqs:
             seqs, caps, planned = self._planned(seqs, caps)
+        self._ahead = None  # (a choice made ahead is for the step after it alone)
         # What the gate looks verify steps up by: the plan's count, not how many drafted (an
         # n-gram drafter finds nothing for some; filed by those, the samples of a batch of 64
         # were never found under the plan's 64 and the gate priced from parts all along).

@@ -61,6 +61,10 @@ class ProbeSchedule:
         self._probes += 1
         return True
 
+    def is_due(self, step: int) -> bool:
+        """Whether step `step` will probe (`due` without asking)."""
+        return step >= self._next
+
     def planned(self, drafts: bool) -> None:
         """A plan was made: drafting pays for some sequence (back to the base interval, the
         next probe included), or for none (the interval doubles, up to its bound)."""

@@ -1,0 +1,107 @@
+"""D-Cut's choice for the next step made while a verify step's forward runs
+(`DepthPlanning.plan_ahead`, through `SpeculativeDecoder.while_forward`): the next step takes it
+when it plans afresh for the same sequences and caps, never a later step, and never for other
+sequences or caps; an engine that plans ahead emits plain decoding's tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from metrale import LLM, SamplingParams
+from metrale.speculative import planning
+from metrale.speculative.dcut import VerifyCostModel
+from tests.test_dcut_plan_stands import EvenSlots, _decoding
+
+
+def _decoder(tiny_model_dir):
+    dec = LLM(
+        tiny_model_dir,
+        device="cpu",
+        drafter=EvenSlots(),
+        spec={"num_drafts": 3, "dcut_prior": 0.9, "dcut_probe_every": 1000},
+    ).engine.spec
+    dec.cost = VerifyCostModel.from_points({(1, 4.0): 1.0, (8, 4.0): 1.0})  # rows are free
+    dec._steps = 1  # not a probe step
+    choices = []
+    real = dec._choice
+    dec._choice = lambda seqs, caps: choices.append(len(seqs)) or real(seqs, caps)
+    return dec, choices
+
+
+def test_the_next_step_takes_the_choice_made_ahead(tiny_model_dir):
+    dec, choices = _decoder(tiny_model_dir)
+    seqs = _decoding(8)
+    dec._prepare(seqs)  # plans: the plan stands for `dcut_replan_every` steps
+    assert choices == [8]
+    for _ in range(dec.cfg.dcut_replan_every - 1):
+        dec.plan_ahead(seqs)  # the plan in use does not expire yet: nothing to do
+        assert dec._ahead is None
+        dec._prepare(seqs)
+    assert choices == [8]
+    dec.plan_ahead(seqs)  # it expires at the next step: chosen now
+    assert dec._ahead is not None and choices == [8, 8]
+    dec._prepare(seqs)
+    assert choices == [8, 8]  # taken: no choice on the step's own path
+    assert dec._ahead is None
+    assert [len(s.draft.tokens) if s.draft else 0 for s in seqs] == [3, 0] * 4
+
+
+def test_a_choice_for_other_sequences_or_caps_is_not_taken(tiny_model_dir):
+    dec, choices = _decoder(tiny_model_dir)
+    seqs = _decoding(8)
+    dec._last_plan = None  # the next step plans afresh
+    dec.plan_ahead(seqs)
+    dec._prepare(seqs[:6])  # two finished meanwhile
+    assert choices == [8, 6]
+    dec._last_plan = None
+    dec.plan_ahead(seqs)
+    seqs[0].params = SamplingParams(max_tokens=len(seqs[0].output_token_ids) + 2)  # cap 1
+    dec._prepare(seqs)
+    assert choices == [8, 6, 8, 8]
+
+
+def test_a_choice_made_ahead_is_for_the_step_after_it_alone(tiny_model_dir):
+    dec, choices = _decoder(tiny_model_dir)
+    seqs = _decoding(8)
+    dec._prepare(seqs)
+    dec._ahead = (((-1,), (3,)), None)  # a choice nobody takes
+    dec._prepare(seqs)  # the plan in use stands: no choice taken
+    assert dec._ahead is None
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_engine_planning_ahead_emits_plain_decoding(
+    tiny_model_dir, monkeypatch, async_scheduling
+):
+    rng = random.Random(5)
+    prompts = [[rng.randrange(6) + 10 for _ in range(rng.randrange(8, 30))] * 3 for _ in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    kw = dict(device="cpu", dtype="float32", max_num_seqs=6, max_model_len=200)
+    plain = LLM(tiny_model_dir, **kw).generate(prompts, params, use_tqdm=False)
+    llm = LLM(
+        tiny_model_dir,
+        **kw,
+        spec={"method": "ngram", "num_drafts": 3, "dcut": True},
+        async_scheduling=async_scheduling,
+    )
+    taken, made = [], []
+    plan_ahead, worth = planning.DepthPlanning.plan_ahead, planning.DepthPlanning._worth_drafting
+
+    def spied_ahead(self, running):
+        plan_ahead(self, running)
+        made.append(self._ahead is not None)
+
+    def spied_worth(self, seqs, caps):
+        taken.append(
+            self._ahead is not None
+            and self._ahead[0] == (tuple(s.seq_id for s in seqs), tuple(caps))
+        )
+        return worth(self, seqs, caps)
+
+    monkeypatch.setattr(planning.DepthPlanning, "plan_ahead", spied_ahead)
+    monkeypatch.setattr(planning.DepthPlanning, "_worth_drafting", spied_worth)
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert any(made) and any(taken)
