@@ -12,6 +12,7 @@ import pytest
 from metrale import LLM, SamplingParams
 from metrale.speculative import planning
 from metrale.speculative.dcut import VerifyCostModel
+from metrale.speculative.drafter import Draft
 from tests.test_dcut_plan_stands import EvenSlots, _decoding
 
 
@@ -105,3 +106,50 @@ def test_an_engine_planning_ahead_emits_plain_decoding(
     spec = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     assert any(made) and any(taken)
+
+
+class DraftsAll:
+    name, needs_hidden, stateless = "all", False, True
+
+    def propose(self, seqs, caps):
+        return [Draft([5] * c) for c in caps]
+
+    def observe(self, verdicts) -> None:
+        pass
+
+    def release(self, seq) -> None:
+        pass
+
+
+def test_the_plan_after_a_probe_sees_the_probes_verdicts(tiny_model_dir):
+    """A probe's verdicts bring back the sequences it cut to depth 0: the plan after it is
+    never made ahead, during the probe's forward, before they are observed (found in review:
+    4-7 came back only at the next probe)."""
+    dec = LLM(
+        tiny_model_dir,
+        device="cpu",
+        drafter=DraftsAll(),
+        spec={"num_drafts": 3, "dcut_prior": 0.05, "dcut_probe_every": 4},
+    ).engine.spec
+    dec.cost = VerifyCostModel.from_points({(1, 4.0): 1.6, (8, 4.0): 1.6})
+    seqs = _decoding(8)
+    for s in seqs[:4]:  # 0-3 accept well
+        for _ in range(10):
+            dec.estimator.observe(s.seq_id, [True, True, True])
+    for s in seqs[4:]:  # 4-7: their first drafts were rejected
+        for _ in range(2):
+            dec.estimator.observe(s.seq_id, [False])
+    for _ in range(3):  # the plan drafts 0-3 only
+        dec._prepare(seqs)
+        assert [bool(s.draft) for s in seqs] == [True] * 4 + [False] * 4
+    dec._prepare(seqs)  # a probe: 0-3 verify, 4-7 cut to depth 0
+    assert dec._probing and [bool(s.draft) for s in seqs] == [True] * 4 + [False] * 4
+    dec.plan_ahead(seqs)  # during the probe's forward
+    for s in seqs[:4]:  # its verdicts: 4-7's first drafts were the tokens emitted
+        dec.estimator.observe(s.seq_id, [True, True, True])
+    for s in seqs[4:]:
+        dec.estimator.observe(s.seq_id, [True])
+    dec._quiet = None
+    dec._probing = False  # (`timed_step` resets it after the step)
+    dec._prepare(seqs)
+    assert any(s.draft for s in seqs[4:])

@@ -110,7 +110,12 @@ class DepthPlanning:
         `_worth_drafting` to take where its sequences and caps are the same. The host waits for
         the forward anyway; the choice (about 0.3 ms at batch 8 on the H200's host) was on the
         critical path of every fourth verify step. Its estimates miss this step's verdicts: the
-        plan in use, reused for `dcut_replan_every` steps, is older still."""
+        plan in use, reused for `dcut_replan_every` steps, is older still. Not from a probe
+        step, whose verdicts the next plan is for."""
+        if self._probing:
+            # a probe's verdicts are what the plan after it must see (they bring back the
+            # sequences it cut to depth 0): that plan waits for them (found in review)
+            return
         step = self._steps + 1
         last = self._last_plan
         expiring = last is None or step - last[2] >= self.cfg.dcut_replan_every
