@@ -153,3 +153,13 @@ def test_the_plan_after_a_probe_sees_the_probes_verdicts(tiny_model_dir):
     dec._probing = False  # (`timed_step` resets it after the step)
     dec._prepare(seqs)
     assert any(s.draft for s in seqs[4:])
+
+
+def test_no_choice_is_made_ahead_for_a_batch_wider_than_the_cap(tiny_model_dir):
+    import dataclasses
+
+    dec, choices = _decoder(tiny_model_dir)
+    dec.cfg = dataclasses.replace(dec.cfg, dcut_width_cap=4)
+    dec._last_plan = None
+    dec.plan_ahead(_decoding(8))
+    assert dec._ahead is None and not choices

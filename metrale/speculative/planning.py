@@ -127,7 +127,9 @@ class DepthPlanning:
             if cap > 0:
                 seqs.append(seq)
                 caps.append(cap)
-        if seqs:
+        # Above `dcut_width_cap` one depth stands for all, whoever comes and goes, and is
+        # cheap to choose; a choice made ahead is then taken only if nobody came or went.
+        if seqs and len(seqs) <= self.cfg.dcut_width_cap:
             key = (tuple(s.seq_id for s in seqs), tuple(caps))
             self._ahead = (key, self._choice(seqs, caps))
 
