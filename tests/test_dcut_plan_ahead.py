@@ -13,18 +13,14 @@ from metrale import LLM, SamplingParams
 from metrale.speculative import planning
 from metrale.speculative.dcut import VerifyCostModel
 from metrale.speculative.drafter import Draft
+from tests import test_dcut_plan_stands as plan_stands
 from tests.test_dcut_plan_stands import EvenSlots, _decoding
 
 
 def _decoder(tiny_model_dir):
-    dec = LLM(
-        tiny_model_dir,
-        device="cpu",
-        drafter=EvenSlots(),
-        spec={"num_drafts": 3, "dcut_prior": 0.9, "dcut_probe_every": 1000},
-    ).engine.spec
-    dec.cost = VerifyCostModel.from_points({(1, 4.0): 1.0, (8, 4.0): 1.0})  # rows are free
-    dec._steps = 1  # not a probe step
+    """`test_dcut_plan_stands`'s decoder (rows free, not a probe step), counting D-Cut's
+    choices."""
+    dec, _ = plan_stands._decoder(tiny_model_dir, EvenSlots())
     choices = []
     real = dec._choice
     dec._choice = lambda seqs, caps: choices.append(len(seqs)) or real(seqs, caps)

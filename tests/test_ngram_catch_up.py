@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -17,27 +16,9 @@ from metrale.api import LLM
 from metrale.config import SamplingParams
 from metrale.speculative import ngram
 from metrale.speculative.ngram import CATCH_UP_MIN, NgramDrafter, lookup
+from tests.ngram_helpers import Seq
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-@dataclass
-class Seq:
-    """The fields of `engine.sequence.Sequence` the drafter reads."""
-
-    seq_id: int
-    slot: int
-    prompt_token_ids: list[int]
-    output_token_ids: list[int] = field(default_factory=list)
-    inflight: object = None  # a token in flight: `output_token_ids` ends with its placeholder
-    is_finished: bool = False
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    def tokens(self, start: int, stop: int) -> list[int]:
-        return (self.prompt_token_ids + self.output_token_ids)[start:stop]
 
 
 def reference(seq: Seq, k: int, window: int) -> list[int]:

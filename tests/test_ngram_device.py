@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -21,27 +20,11 @@ from metrale.knobs import knobs  # noqa: E402
 from metrale.speculative import ngram  # noqa: E402
 from metrale.speculative.ngram import NgramDrafter, lookup  # noqa: E402
 from metrale.speculative.ngram_device import DeviceNgramTable  # noqa: E402
+from tests.ngram_helpers import Seq  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no CUDA and TRITON_INTERPRET is not set", allow_module_level=True)
-
-
-@dataclass
-class Seq:
-    """The fields of `engine.sequence.Sequence` the drafter reads."""
-
-    seq_id: int
-    slot: int
-    prompt_token_ids: list[int]
-    output_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    def tokens(self, start: int, stop: int) -> list[int]:
-        return (self.prompt_token_ids + self.output_token_ids)[start:stop]
 
 
 def reference(seq: Seq, k: int, n_min: int, n_max: int, window: int) -> list[int]:

@@ -112,6 +112,8 @@ class SpeculativeDecoder(DepthPlanning):
         - in a verify step, D-Cut's choice for the next step where it plans afresh
           (`DepthPlanning.plan_ahead`)."""
         catch_up = getattr(self.drafter, "catch_up", None)
+        if catch_up is None and not self.cfg.dcut:
+            return None  # nothing to look for: no pass over the batch
         seqs, verify = [], False
         for e in entries:
             if e.drafts:

@@ -26,10 +26,10 @@ from metrale.speculative.ngram_device import DeviceNgramTable
 # the H200 (`scripts/ngram_propose_timing.py`), ms per step host / device: batch 1 0.11 / 0.15,
 # batch 8 0.20 / 0.22, batch 64 1.34 / 0.48.
 DEVICE_MIN_SEQS = 16
-# A sequence this many tokens behind its index (a new prompt, or one back from steps that drafted
-# nothing) is caught up while a step's forward runs (`catch_up`), not at its next draft: indexing a
-# 4k-token prompt takes milliseconds of host time (about 6 ms on a CI core), which the first
-# draft step of every new request paid in full.
+# A sequence of a prompt chunk this many tokens behind its index (a new prompt, or a recompute
+# after a preemption) is caught up while that step's forward runs (`catch_up`), not at its next
+# draft: indexing a 4k-token prompt takes milliseconds of host time (about 6 ms on a CI core),
+# which the first draft step of every new request paid in full.
 CATCH_UP_MIN = 16
 
 
