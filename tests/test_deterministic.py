@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from metrale import LLM, SamplingParams
 from metrale.config import EngineConfig
+from metrale.kernels import paged_attention
 from metrale.kernels.batch_invariant import (
     InvariantLinear,
     config_for,
@@ -171,16 +172,41 @@ def row_alone(q, k, v, cache, meta, seq, row, backend):
     return backend.forward(q[at : at + 1], k[at : at + 1], v[at : at + 1], cache, one, 0.25)
 
 
-def test_invariant_paged_attention_row_is_alone():
-    """A verify row and a prefill row give the bits of the same position decoded alone."""
-    # the prompt chunk's rows reach three 128-key splits, merged in registers; decoded alone,
-    # the same position's splits are merged by the combine kernel
+def decode_path(monkeypatch, fused: bool) -> None:
+    """Route the next steps' decode and verify sequences through one program per sequence and
+    KV head (`fused`, as for a batch that fills the GPU) or one per split group and a combine."""
+    monkeypatch.setattr(paged_attention, "_multiprocessors", lambda *args: 1 if fused else 10**6)
+
+
+# (the step's decode path, the path of each row decoded alone): every pairing gives one answer
+PATHS = [(False, False), (True, False), (False, True)]
+
+
+@pytest.mark.parametrize("step_fused, alone_fused", PATHS)
+@pytest.mark.parametrize("small_splits", [False, True])
+def test_invariant_paged_attention_row_is_alone(monkeypatch, step_fused, alone_fused, small_splits):
+    """A verify row and a prefill row give the bits of the same position decoded alone, whether
+    the decode rows' split groups merge in one program or through the combine kernel."""
+    # the prompt chunk's rows reach three 128-key splits; with small splits, ten 32-key splits of
+    # two tiles each in four groups (two groups of three splits, two of two)
+    if small_splits:
+        from metrale.kernels import invariant_attention as ia
+
+        for name, value in (("SPLIT_TOKENS", 32), ("GROUPS", 4), ("TILE_KEYS", 16)):
+            monkeypatch.setattr(ia, name, value)
     q, k, v, cache, meta = _paged_case([4, 37, 1], [21, 300, 130], seed=1)
     backend = TritonPagedAttention(invariant=True)
+    decode_path(monkeypatch, step_fused)
     full = backend.forward(q, k, v, cache, meta, 0.25)  # writes every row's K/V first
+    decode_path(monkeypatch, alone_fused)
     for seq, row, at in ((0, 2, 2), (1, 20, 24), (1, 36, 40), (2, 0, 41)):
         alone = row_alone(q, k, v, cache, meta, seq, row, backend)
         assert torch.equal(alone[0], full[at]), (seq, row)
+    decode_path(monkeypatch, step_fused)
+    verify = _paged_case([4, 2, 1], [21, 300, 130], seed=1)  # no prompt chunk: decode paths only
+    out = backend.forward(*verify[:3], verify[3], verify[4], 0.25)
+    decode_path(monkeypatch, not step_fused)
+    assert torch.equal(backend.forward(*verify[:3], verify[3], verify[4], 0.25), out)
 
 
 # ---- GPU: bitwise on the device ----------------------------------------------------------------
@@ -204,11 +230,14 @@ def test_cuda_invariant_linear_rows_are_bitwise_alone(n, k, dtype):
 
 
 @pytest.mark.gpu
-def test_cuda_invariant_paged_attention_row_is_alone_bf16():
+@pytest.mark.parametrize("step_fused, alone_fused", PATHS)
+def test_cuda_invariant_paged_attention_row_is_alone_bf16(monkeypatch, step_fused, alone_fused):
     q, k, v, cache, meta = _paged_case([4, 37, 1, 8], [21, 300, 130, 64], heads=8, dim=128)
     q, k, v, cache = (t.to(torch.bfloat16) for t in (q, k, v, cache))
     backend = TritonPagedAttention(invariant=True)
+    decode_path(monkeypatch, step_fused)
     full = backend.forward(q, k, v, cache, meta, 0.25)
+    decode_path(monkeypatch, alone_fused)
     for seq, row, at in ((0, 3, 3), (1, 0, 4), (1, 36, 40), (2, 0, 41), (3, 5, 47)):
         alone = row_alone(q, k, v, cache, meta, seq, row, backend)
         assert torch.equal(alone[0], full[at]), (seq, row)

@@ -149,7 +149,7 @@ def test_invariant_kernels_are_not_specialised_on_what_changes_per_step():
         pytest.skip(done.stdout.strip())
     assert done.returncode == 0, done.stderr[-4000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
-    expected = {"_invariant_matmul_kernel", "_prompt_tile_kernel", "_decode_group_kernel",
+    expected = {"_invariant_matmul_kernel", "_tile_kernel", "_decode_group_kernel",
                 "_combine_kernel"}  # fmt: skip
     assert set(seen) == expected, seen
     for name, got in seen.items():
@@ -165,7 +165,7 @@ def test_cuda_invariant_kernels_compile_once_across_steps():
     from metrale.kernels import batch_invariant as bi
     from metrale.kernels import invariant_attention as ia
 
-    kernels = [bi._invariant_matmul_kernel, ia._prompt_tile_kernel, ia._decode_group_kernel,
+    kernels = [bi._invariant_matmul_kernel, ia._tile_kernel, ia._decode_group_kernel,
                ia._combine_kernel]  # fmt: skip
     dev = torch.cuda.current_device()
 

@@ -146,7 +146,7 @@ def test_attention_partials_fit_int32_offsets(monkeypatch, heads, kv_heads, max_
         sizes.append(shape[0] if len(shape) == 1 else None)
         return real_empty(0, **kw)
 
-    for name in ("_decode_group_kernel", "_combine_kernel", "_prompt_tile_kernel"):
+    for name in ("_decode_group_kernel", "_combine_kernel", "_tile_kernel"):
         monkeypatch.setattr(ia, name, _Launch(grids))
     page, dim, seqs, rows = 16, 128, 65, 512
     width = -(-max_model_len // page) + 1  # GraphRunner's block table width

@@ -4,21 +4,23 @@ A row's output must not depend on the rows and sequences beside it, nor on wheth
 decode row, a verify row or a row of a prompt chunk. So the keys are cut into splits at fixed
 positions (SPLIT_TOKENS each, counted from the sequence's first token, never from the batch):
 
-- each split's partial softmax (running max m, normaliser l, unnormalised output acc) is one
-  online softmax over the split's pages, first to last, in [tile rows, D] matrix products;
-- split s belongs to group s % GROUPS; a group's partial is its splits' partials merged in split
-  order by `_merge`, and the row's output is the groups' partials merged in group order, then
+- split s belongs to group s % GROUPS; a group's partial (running max m, normaliser l,
+  unnormalised output acc) is one online softmax over its splits' keys in key order, a tile of
+  TILE_KEYS keys at a time, in [tile rows, keys] matrix products;
+- the row's output is the groups' partials merged in group order by `_merge`, then
   out = acc / l. The order is a function of positions alone.
 
-Decode and verify sequences (at most MAX_KERNEL_ROWS rows) run one program per (sequence, KV
-head, group), which writes its group's partial; `_combine_kernel` merges them (parallel over
-groups, as flash-decoding: a batch-1 step still spreads over the GPU, and a fixed number of
-groups bounds the programs and the partials' memory at any context length). Prompt chunks run
+Decode and verify sequences (at most MAX_KERNEL_ROWS rows) of a small batch run one program
+per (sequence, KV head, group), which writes its group's partial; `_combine_kernel` merges them
+(parallel over groups, as flash-decoding: a batch-1 step still spreads over the GPU, and a fixed
+number of groups bounds the programs and the partials' memory at any context length). Prompt
+chunks, and the decode and verify sequences of a batch that fills the GPU alone (`fused`), run
 one program per (sequence, KV head, tile of rows), which computes the same group partials and
-merges them in registers with the same `_merge`. A page past a row's position, or a split past
-it, is an exact no-op of the online softmax and of the merge (its weights are exp(-inf) = 0), so
-a verify row sees the bits of the same position decoded alone, and a prompt row the bits it
-would get decoded.
+merges them in registers with the same `_merge`: the same arithmetic in the same order, so which
+of the two runs a row never changes its bits, and the choice may follow the batch. A page past a
+row's position, or a split past it, is an exact no-op of the online softmax and of the merge (its
+weights are exp(-inf) = 0), so a verify row sees the bits of the same position decoded alone,
+and a prompt row the bits it would get decoded.
 
 Two details keep the arithmetic independent of the tile's shape (decode tiles follow the rows
 per sequence): the row sums of the softmax are float32 products with a ones matrix, whose FMA
@@ -34,6 +36,8 @@ from __future__ import annotations
 
 import torch
 
+from metrale.kernels import kv_tiles
+from metrale.kernels.kv_tiles import load_kv_tile
 from metrale.models.attention import AttentionMetadata
 
 try:
@@ -44,6 +48,9 @@ except ImportError:  # CPU machines: the deterministic mode then runs the torch 
 
 # Keys per split: a fixed count, so a position's split never depends on the batch.
 SPLIT_TOKENS = 128
+# Keys per step of a group's loop (a split holds whole tiles): a whole split, the H200's best
+# of 64-256-key splits and 64-128-key tiles at batch 1-64 (`scripts/attention_kernel_bench.py`).
+TILE_KEYS = 128
 # Split groups: split s belongs to group s % GROUPS; a decode program computes one group (its
 # splits merged in order) and the combine merges the groups in order. A fixed count bounds the
 # programs and the partials' memory at any context length, and keeps the merge order a function
@@ -72,45 +79,33 @@ if triton is not None:
         return m_new, l_run * a + l_s * b, acc * a[:, None] + acc_s * b[:, None]
 
     @triton.jit
-    def _split_partial(
-        q, k_ptr, v_ptr, tables_ptr, seq, kvh, first, end, pos, row_ok, seq_len, scale,
-        stride_cp, stride_co, stride_ch, stride_bt,
-        M: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    def _tile_step(
+        q, m_i, l_i, acc, k_ptr, v_ptr, tables_ptr, seq, kvh, p, end, pos, row_ok, seq_len,
+        scale, stride_cp, stride_co, stride_ch, stride_bt,
+        D: tl.constexpr, PAGE: tl.constexpr, TILE_PAGES: tl.constexpr,
         PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     ):  # fmt: skip
-        """One split's online softmax over pages first .. end - 1 for the tile's M rows."""
-        n = tl.arange(0, PAGE)
-        d = tl.arange(0, D)
-        ones = tl.full([PAGE, 16], 1.0, tl.float32)
-        m_i = tl.full([M], float("-inf"), tl.float32)
-        l_i = tl.zeros([M], tl.float32)
-        acc = tl.zeros([M, D], tl.float32)
-        for p in range(first, end):
-            page = tl.load(tables_ptr + seq * stride_bt + p)
-            base = page * stride_cp + kvh * stride_ch
-            key_pos = p * PAGE + n
-            k = tl.load(k_ptr + base + n[:, None] * stride_co + d[None, :])
-            # values past the sequence's end zeroed: a stale NaN there would pass 0 * NaN
-            v = tl.load(
-                v_ptr + base + n[:, None] * stride_co + d[None, :],
-                mask=(key_pos < seq_len)[:, None],
-                other=0.0,
-            )
-            if DOT_F32:  # the interpreter's bf16 dot is wrong; float32 operands are exact
-                k, v = k.to(tl.float32), v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
-            s = tl.where((key_pos[None, :] <= pos[:, None]) & row_ok[:, None], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            probs = tl.exp(s - m_safe[:, None])
-            # the row sum as a float32 product: reduced in key order whatever the layout
-            row_sum = tl.max(tl.dot(probs, ones, input_precision="ieee"), axis=1)
-            l_i = l_i * alpha + row_sum
-            pv = tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
-            acc = acc * alpha[:, None] + pv.to(tl.float32)
-            m_i = m_new
-        return m_i, l_i, acc
+        """The online softmax (m_i, l_i, acc) of the tile's rows taken on over pages
+        p .. p + TILE_PAGES - 1 (those before `end`)."""
+        k, v, key_pos, real = load_kv_tile(
+            k_ptr, v_ptr, tables_ptr, seq, kvh, p, end, seq_len,
+            stride_cp, stride_co, stride_ch, stride_bt, D, PAGE, TILE_PAGES,
+        )  # fmt: skip
+        if DOT_F32:  # the interpreter's bf16 dot is wrong; float32 operands are exact
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+        visible = (key_pos[None, :] <= pos[:, None]) & real[None, :] & row_ok[:, None]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        probs = tl.exp(s - m_safe[:, None]).to(v.dtype)
+        # the row sum as a product with ones, of the very weights the values get: a matrix
+        # product reduces in key order whatever the layout (a `tl.sum` in the layout's order)
+        ones = tl.full([TILE_PAGES * PAGE, 16], 1.0, v.dtype)
+        row_sum = tl.max(tl.dot(probs, ones, input_precision=PRECISION).to(tl.float32), axis=1)
+        pv = tl.dot(probs, v, input_precision=PRECISION)
+        return m_new, l_i * alpha + row_sum, acc * alpha[:, None] + pv.to(tl.float32)
 
     @triton.jit
     def _tile_rows(seq, kvh, first_row, starts_ptr, lens_ptr, BLOCK_Q: tl.constexpr,
@@ -127,24 +122,67 @@ if triton is not None:
 
     @triton.jit
     def _group_partial(
-        q, k_ptr, v_ptr, tables_ptr, seq, kvh, group, num_pages, pos, row_ok, seq_len, scale,
+        q, k_ptr, v_ptr, tables_ptr, seq, kvh, group, end, pos, row_ok, seq_len, scale,
         stride_cp, stride_co, stride_ch, stride_bt,
-        M: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, SPLIT_PAGES: tl.constexpr,
-        GROUPS: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+        M: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, TILE_PAGES: tl.constexpr,
+        SPLIT_PAGES: tl.constexpr, GROUPS: tl.constexpr, PRECISION: tl.constexpr,
+        DOT_F32: tl.constexpr,
     ):  # fmt: skip
-        """Group `group`'s partial: its splits (group, group + GROUPS, ...) over the first
-        num_pages pages, each an online softmax of its own, merged in split order."""
+        """Group `group`'s partial: one online softmax over the tiles of its splits (group,
+        group + GROUPS, ...) of the first `end` pages, in key order, in one flat loop (a loop
+        per split would leave each too short for the loads to run ahead)."""
         m = tl.full([M], float("-inf"), tl.float32)
         l_run = tl.zeros([M], tl.float32)
         acc = tl.zeros([M, D], tl.float32)
-        for s in range(group, tl.cdiv(num_pages, SPLIT_PAGES), GROUPS):
-            first = s * SPLIT_PAGES
-            m_s, l_s, acc_s = _split_partial(
-                q, k_ptr, v_ptr, tables_ptr, seq, kvh, first,
-                tl.minimum(first + SPLIT_PAGES, num_pages), pos, row_ok, seq_len, scale,
-                stride_cp, stride_co, stride_ch, stride_bt, M, D, PAGE, PRECISION, DOT_F32,
+        per_split: tl.constexpr = SPLIT_PAGES // TILE_PAGES
+        count = tl.cdiv(tl.maximum(tl.cdiv(end, SPLIT_PAGES) - group, 0), GROUPS)
+        for f in range(0, count * per_split):
+            p = (group + GROUPS * (f // per_split)) * SPLIT_PAGES + (f % per_split) * TILE_PAGES
+            m, l_run, acc = _tile_step(
+                q, m, l_run, acc, k_ptr, v_ptr, tables_ptr, seq, kvh, p, end, pos, row_ok,
+                seq_len, scale, stride_cp, stride_co, stride_ch, stride_bt,
+                D, PAGE, TILE_PAGES, PRECISION, DOT_F32,
             )  # fmt: skip
-            m, l_run, acc = _merge(m, l_run, acc, m_s, l_s, acc_s)
+        return m, l_run, acc
+
+    @triton.jit
+    def _all_groups(
+        q, k_ptr, v_ptr, tables_ptr, seq, kvh, end, pos, row_ok, seq_len, scale,
+        stride_cp, stride_co, stride_ch, stride_bt,
+        M: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, TILE_PAGES: tl.constexpr,
+        SPLIT_PAGES: tl.constexpr, GROUPS: tl.constexpr, PRECISION: tl.constexpr,
+        DOT_F32: tl.constexpr,
+    ):  # fmt: skip
+        """Every group's partial (as `_group_partial` computes it), merged in group order as
+        `_combine_kernel` merges them, in one flat loop over the tiles in group order."""
+        m = tl.full([M], float("-inf"), tl.float32)
+        l_run = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, D], tl.float32)
+        m_g, l_g, acc_g = m, l_run, acc
+        per_split: tl.constexpr = SPLIT_PAGES // TILE_PAGES
+        splits = tl.cdiv(end, SPLIT_PAGES)
+        # groups 0 .. full - 1 hold `most` splits each, the rest one fewer
+        most = tl.cdiv(splits, GROUPS)
+        full = splits - GROUPS * (most - 1)
+        fewer = tl.maximum(most - 1, 1)
+        for f in range(0, splits * per_split):
+            i = f // per_split  # the split's rank in group order
+            first = i < full * most
+            later = i - full * most
+            g = tl.where(first, i // most, full + later // fewer)
+            j = tl.where(first, i % most, later % fewer)  # its rank within its group
+            p = (g + GROUPS * j) * SPLIT_PAGES + (f % per_split) * TILE_PAGES
+            m_g, l_g, acc_g = _tile_step(
+                q, m_g, l_g, acc_g, k_ptr, v_ptr, tables_ptr, seq, kvh, p, end, pos, row_ok,
+                seq_len, scale, stride_cp, stride_co, stride_ch, stride_bt,
+                D, PAGE, TILE_PAGES, PRECISION, DOT_F32,
+            )  # fmt: skip
+            last_split = j == tl.where(first, most, most - 1) - 1
+            if last_split and f % per_split == per_split - 1:  # the group's last tile
+                m, l_run, acc = _merge(m, l_run, acc, m_g, l_g, acc_g)
+                m_g = tl.full([M], float("-inf"), tl.float32)
+                l_g = tl.zeros([M], tl.float32)
+                acc_g = tl.zeros([M, D], tl.float32)
         return m, l_run, acc
 
     @triton.jit
@@ -173,7 +211,8 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, part_ptr, tables_ptr, starts_ptr, lens_ptr, scale,
         stride_qt, stride_qh, stride_cp, stride_co, stride_ch, stride_bt,
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
-        BLOCK_Q: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, SPLIT_PAGES: tl.constexpr,
+        BLOCK_Q: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, TILE_PAGES: tl.constexpr,
+        SPLIT_PAGES: tl.constexpr,
         GROUPS: tl.constexpr, MAX_ROWS: tl.constexpr, ROW_BY_START: tl.constexpr,
         PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     ):  # fmt: skip
@@ -190,7 +229,7 @@ if triton is not None:
             m, l_run, acc = _group_partial(
                 q, k_ptr, v_ptr, tables_ptr, seq, kvh, group, num_pages, pos, row_ok, seq_len,
                 scale, stride_cp, stride_co, stride_ch, stride_bt,
-                BLOCK_Q * GROUP_P, D, PAGE, SPLIT_PAGES, GROUPS, PRECISION, DOT_F32,
+                BLOCK_Q * GROUP_P, D, PAGE, TILE_PAGES, SPLIT_PAGES, GROUPS, PRECISION, DOT_F32,
             )  # fmt: skip
             part = _part_offsets(seq, start, row, head, group, NUM_HEADS, BLOCK_Q, GROUPS, D,
                                  ROW_BY_START)  # fmt: skip
@@ -203,7 +242,8 @@ if triton is not None:
     def _combine_kernel(
         part_ptr, out_ptr, starts_ptr, lens_ptr, stride_ot, stride_oh,
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
-        BLOCK_Q: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, SPLIT_PAGES: tl.constexpr,
+        BLOCK_Q: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, TILE_PAGES: tl.constexpr,
+        SPLIT_PAGES: tl.constexpr,
         GROUPS: tl.constexpr, MAX_ROWS: tl.constexpr, ROW_BY_START: tl.constexpr,
     ):  # fmt: skip
         """A decode or verify sequence's group partials merged in group order; out = acc / l."""
@@ -238,33 +278,32 @@ if triton is not None:
             )
 
     @triton.jit(do_not_specialize=_STEP_ARGS)
-    def _prompt_tile_kernel(
+    def _tile_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, starts_ptr, lens_ptr, scale,
         stride_qt, stride_qh, stride_cp, stride_co, stride_ch, stride_bt, stride_ot, stride_oh,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_Q: tl.constexpr, D: tl.constexpr,
-        PAGE: tl.constexpr, SPLIT_PAGES: tl.constexpr, GROUPS: tl.constexpr,
-        MAX_ROWS: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+        PAGE: tl.constexpr, TILE_PAGES: tl.constexpr, SPLIT_PAGES: tl.constexpr,
+        GROUPS: tl.constexpr, MAX_ROWS: tl.constexpr, PRECISION: tl.constexpr,
+        DOT_F32: tl.constexpr, DECODE: tl.constexpr,
     ):  # fmt: skip
-        """A tile of a prompt chunk's rows: the same group partials, merged in registers in the
-        same order."""
+        """A tile of a sequence's rows: the same group partials as `_decode_group_kernel`'s,
+        merged in registers in `_combine_kernel`'s order. Prompt chunks (more than MAX_ROWS
+        rows), or with DECODE the decode and verify sequences, all of a sequence's rows in
+        one tile (a large batch fills the GPU without splitting the keys over programs)."""
         seq, kvh, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         start, q_len, seq_len, row, head, row_ok, pos = _tile_rows(
             seq, kvh, tile * BLOCK_Q, starts_ptr, lens_ptr, BLOCK_Q, GROUP, GROUP_P
         )
-        if q_len > MAX_ROWS and tile * BLOCK_Q < q_len:
+        mine = q_len <= MAX_ROWS if DECODE else q_len > MAX_ROWS
+        if mine and tile * BLOCK_Q < q_len:
             q = _load_q(q_ptr, start, row, head, row_ok, stride_qt, stride_qh, D, DOT_F32)
             # causal: the pages up to the tile's last row
             end = tl.cdiv(seq_len - q_len + tl.minimum(tile * BLOCK_Q + BLOCK_Q, q_len), PAGE)
-            m = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
-            l_run = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
-            acc = tl.zeros([BLOCK_Q * GROUP_P, D], tl.float32)
-            for g in range(0, tl.minimum(tl.cdiv(end, SPLIT_PAGES), GROUPS)):
-                m_s, l_s, acc_s = _group_partial(
-                    q, k_ptr, v_ptr, tables_ptr, seq, kvh, g, end, pos, row_ok, seq_len, scale,
-                    stride_cp, stride_co, stride_ch, stride_bt,
-                    BLOCK_Q * GROUP_P, D, PAGE, SPLIT_PAGES, GROUPS, PRECISION, DOT_F32,
-                )  # fmt: skip
-                m, l_run, acc = _merge(m, l_run, acc, m_s, l_s, acc_s)
+            m, l_run, acc = _all_groups(
+                q, k_ptr, v_ptr, tables_ptr, seq, kvh, end, pos, row_ok, seq_len, scale,
+                stride_cp, stride_co, stride_ch, stride_bt,
+                BLOCK_Q * GROUP_P, D, PAGE, TILE_PAGES, SPLIT_PAGES, GROUPS, PRECISION, DOT_F32,
+            )  # fmt: skip
             out = acc / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
             d = tl.arange(0, D)
             tl.store(
@@ -279,43 +318,56 @@ if triton is not None:
 
 def invariant_attention(
     q, k_cache, v_cache, meta: AttentionMetadata, scale: float, *, max_rows: int,
-    prompt_tile_rows: int, interpreted: bool,
+    prompt_tile_rows: int, interpreted: bool, fused: bool = False,
 ) -> torch.Tensor:  # fmt: skip
-    """Attention of every row of the step (K/V already written), batch-invariantly."""
+    """Attention of every row of the step (K/V already written), batch-invariantly.
+
+    `fused`: a decode or verify sequence's groups run in one program and merge in registers
+    (for steps whose sequences fill the GPU); otherwise one program per group and a combine.
+    The arithmetic, and so every bit of the output, is the same either way."""
     heads, kv_heads, dim = q.shape[1], k_cache.shape[2], q.shape[2]
     page = k_cache.shape[1]
     group = heads // kv_heads
     group_p = triton.next_power_of_2(group)
     seqs = meta.num_seqs
     out = torch.empty_like(q)
+    split_pages = max(1, SPLIT_TOKENS // page)
     common = dict(
-        GROUP=group, GROUP_P=group_p, D=dim, PAGE=page, SPLIT_PAGES=max(1, SPLIT_TOKENS // page),
-        GROUPS=GROUPS, MAX_ROWS=max_rows,
+        GROUP=group, GROUP_P=group_p, D=dim, PAGE=page, SPLIT_PAGES=split_pages,
+        TILE_PAGES=kv_tiles.tile_pages(page, TILE_KEYS, split_pages), GROUPS=GROUPS,
+        MAX_ROWS=max_rows,
     )  # fmt: skip
-    precision = "ieee" if q.dtype == torch.float32 or interpreted else "tf32"
+    launch = dict(
+        PRECISION="ieee" if q.dtype == torch.float32 or interpreted else "tf32",
+        DOT_F32=interpreted, num_warps=kv_tiles.NUM_WARPS, num_stages=kv_tiles.NUM_STAGES,
+    )  # fmt: skip
     strides = (
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         meta.block_tables.stride(0),
     )  # fmt: skip
     tables, starts, lens = meta.block_tables, meta.query_start_loc, meta.seq_lens
+    tile_args = (q, k_cache, v_cache, out, tables, starts, lens, scale, *strides,
+                 out.stride(0), out.stride(1))  # fmt: skip
     if meta.max_query_len > max_rows:  # prompt chunks in the step
         block_q = max(prompt_tile_rows // group_p, 1)
         tiles = -(-meta.max_query_len // block_q)
-        _prompt_tile_kernel[(seqs, kv_heads, tiles)](
-            q, k_cache, v_cache, out, tables, starts, lens, scale, *strides,
-            out.stride(0), out.stride(1), BLOCK_Q=block_q, PRECISION=precision,
-            DOT_F32=interpreted, **common,
+        _tile_kernel[(seqs, kv_heads, tiles)](
+            *tile_args, BLOCK_Q=block_q, DECODE=False, **launch, **common
         )  # fmt: skip
     # decode and verify sequences (every one, in a step without prompt chunks); tl.dot needs
     # 16+ tile rows, so few heads per group pad the query rows
     block_q = max(triton.next_power_of_2(min(meta.max_query_len, max_rows)), max(1, 16 // group_p))
+    if fused:
+        _tile_kernel[(seqs, kv_heads, 1)](
+            *tile_args, BLOCK_Q=block_q, DECODE=True, **launch, **common
+        )  # fmt: skip
+        return out
     by_start = q.shape[0] < seqs * block_q
     rows = q.shape[0] if by_start else seqs * block_q
     part = torch.empty(rows * heads * GROUPS * (dim + 2), dtype=torch.float32, device=q.device)
     shared = dict(NUM_HEADS=heads, BLOCK_Q=block_q, ROW_BY_START=by_start, **common)
     _decode_group_kernel[(seqs, kv_heads, GROUPS)](
-        q, k_cache, v_cache, part, tables, starts, lens, scale, *strides, PRECISION=precision,
-        DOT_F32=interpreted, **shared,
+        q, k_cache, v_cache, part, tables, starts, lens, scale, *strides, **launch, **shared
     )  # fmt: skip
     _combine_kernel[(seqs, kv_heads)](
         part, out, starts, lens, out.stride(0), out.stride(1), **shared

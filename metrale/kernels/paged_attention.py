@@ -25,7 +25,9 @@ import os
 
 import torch
 
+from metrale.kernels import kv_tiles
 from metrale.kernels.invariant_attention import invariant_attention
+from metrale.kernels.kv_tiles import load_kv_tile
 from metrale.models.attention import AttentionMetadata, TorchPagedAttention, write_kv
 
 try:
@@ -73,6 +75,7 @@ if triton is not None:
         BLOCK_Q: tl.constexpr,
         D: tl.constexpr,
         PAGE: tl.constexpr,
+        TILE_PAGES: tl.constexpr,
         SPLITS: tl.constexpr,
         Q_TILED: tl.constexpr,
         PRECISION: tl.constexpr,
@@ -102,7 +105,6 @@ if triton is not None:
         m_i = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
         acc = tl.zeros([BLOCK_Q * GROUP_P, D], tl.float32)
-        n = tl.arange(0, PAGE)
         num_pages = tl.cdiv(seq_len, PAGE)
         if Q_TILED:
             # causal: the pages up to the tile's last row (none for a tile past the rows)
@@ -110,26 +112,20 @@ if triton is not None:
             first = 0
             end = tl.where(first_row < q_len, tl.cdiv(seq_len - q_len + last_row, PAGE), 0)
         else:
-            # This program's share of the sequence's pages (all of them when SPLITS == 1).
-            per_split = tl.cdiv(num_pages, SPLITS)
+            # This program's share of the sequence's pages (all of them when SPLITS == 1), whole
+            # tiles but the last.
+            per_split = tl.cdiv(tl.cdiv(num_pages, SPLITS), TILE_PAGES) * TILE_PAGES
             first = split * per_split
             end = tl.minimum(first + per_split, num_pages)
-        for p in range(first, end):
-            page = tl.load(tables_ptr + seq * stride_bt + p)
-            base = page * stride_cp + kvh * stride_ch
-            k = tl.load(k_ptr + base + n[:, None] * stride_co + d[None, :])  # [PAGE, D]
-            # Keys past the sequence's end are masked out of the scores; their values must be
-            # zeroed too, or a stale NaN there (an old occupant's page, the dummy page) would
-            # reach the output through 0 * NaN.
-            in_seq = (p * PAGE + n) < seq_len
-            v = tl.load(
-                v_ptr + base + n[:, None] * stride_co + d[None, :], mask=in_seq[:, None], other=0.0
-            )
+        for p in range(first, end, TILE_PAGES):
+            k, v, key_pos, real = load_kv_tile(
+                k_ptr, v_ptr, tables_ptr, seq, kvh, p, end, seq_len,
+                stride_cp, stride_co, stride_ch, stride_bt, D, PAGE, TILE_PAGES,
+            )  # fmt: skip
             if DOT_F32:  # the interpreter's bf16 dot is wrong; float32 operands are exact
                 k, v = k.to(tl.float32), v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
-            key_pos = p * PAGE + n
-            visible = (key_pos[None, :] <= pos[:, None]) & row_ok[:, None]
+            visible = (key_pos[None, :] <= pos[:, None]) & real[None, :] & row_ok[:, None]
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -259,6 +255,9 @@ class TritonPagedAttention(TorchPagedAttention):
                 max_rows=MAX_KERNEL_ROWS,
                 prompt_tile_rows=PREFILL_TILE_ROWS,
                 interpreted=INTERPRETED,
+                # the same bits either way; once the sequences' heads outnumber the
+                # multiprocessors, splitting their keys over programs costs more than it hides
+                fused=meta.num_seqs * k.shape[1] >= _multiprocessors(q.device),
             )
         heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
         group = heads // kv_heads
@@ -304,10 +303,13 @@ class TritonPagedAttention(TorchPagedAttention):
             BLOCK_Q=block_q,
             D=dim,
             PAGE=k_cache.shape[1],
+            TILE_PAGES=kv_tiles.tile_pages(k_cache.shape[1], kv_tiles.TILE_KEYS),
             SPLITS=splits,
             Q_TILED=tiled,
             PRECISION="ieee" if q.dtype == torch.float32 or INTERPRETED else "tf32",
             DOT_F32=INTERPRETED,
+            num_warps=kv_tiles.NUM_WARPS,
+            num_stages=kv_tiles.NUM_STAGES,
         )
         if splits > 1:
             _combine_splits_kernel[(rows, heads)](

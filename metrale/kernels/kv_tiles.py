@@ -1,0 +1,62 @@
+"""Tiles of a sequence's paged keys and values, shared by the paged attention kernels.
+
+A page holds PAGE rows of one layer's cache ([pages, PAGE, KV heads, D]); a tile is TILE_PAGES
+consecutive pages of one sequence and one KV head, gathered through the block table into one
+[TILE_PAGES * PAGE, D] block. Reading several pages per step of the attention loop keeps more
+bytes in flight per program and makes the matrix products wider than one 16-row page (with
+one page per step the H200's decode attention read the cache at about 60% of its bandwidth).
+
+`tile_pages` picks how many pages a tile spans: a number of keys (TILE_KEYS for the default
+kernel), never more than a split of the invariant kernel holds, so its tiles start at positions
+fixed by the sequence alone.
+"""
+
+from __future__ import annotations
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU machines: the attention kernels are not built
+    triton = None
+
+# Keys gathered per step of the default kernel's loop (a power of two; the H200's best of
+# 16-128 at batch 1-64, `scripts/attention_kernel_bench.py`).
+TILE_KEYS = 64
+# Launch options of the attention kernels (Triton's defaults; kept here so a sweep can set them).
+NUM_WARPS = 4
+NUM_STAGES = 3
+
+
+def tile_pages(page: int, keys: int, limit_pages: int | None = None) -> int:
+    """Pages per tile for pages of `page` rows: `keys` keys (one page when a page holds more),
+    at most `limit_pages`, a power of two."""
+    pages = max(1, keys // page)
+    if limit_pages is not None:
+        pages = min(pages, limit_pages)
+    return 1 << (pages.bit_length() - 1)
+
+
+load_kv_tile = None  # the kernel helper below, where Triton is installed
+if triton is not None:
+
+    @triton.jit
+    def load_kv_tile(
+        k_ptr, v_ptr, tables_ptr, seq, kvh, p0, end, seq_len,
+        stride_cp, stride_co, stride_ch, stride_bt,
+        D: tl.constexpr, PAGE: tl.constexpr, TILE_PAGES: tl.constexpr,
+    ):  # fmt: skip
+        """Pages p0 .. p0 + TILE_PAGES - 1 of the sequence's KV head, those before `end`:
+        (keys, values, each key's position, whether it is one of the sequence's keys). Values
+        that are not are zeroed: a stale NaN there (an old occupant's page, the dummy page)
+        would otherwise reach the output through 0 * NaN. Their keys are the caller's to mask."""
+        j = tl.arange(0, TILE_PAGES * PAGE)
+        page_idx = p0 + j // PAGE
+        in_range = page_idx < end
+        page = tl.load(tables_ptr + seq * stride_bt + page_idx, mask=in_range, other=0)
+        key_pos = page_idx * PAGE + j % PAGE
+        real = in_range & (key_pos < seq_len)
+        row = page.to(tl.int64) * stride_cp + kvh * stride_ch + (j % PAGE) * stride_co
+        d = tl.arange(0, D)
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=in_range[:, None], other=0.0)
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=real[:, None], other=0.0)
+        return k, v, key_pos, real
