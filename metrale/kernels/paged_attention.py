@@ -2,10 +2,11 @@
 
 Decode and verify: one program per (sequence, KV head) reads that head's pages once, for all of
 the sequence's query rows (a decode row, or the last token plus its drafts) and all query heads
-sharing the KV head (GQA): the tile is [BLOCK_Q rows x GROUP heads, D] against each [PAGE, D]
-page, with an online softmax, and row r sees keys up to its own position (causal within the
-verify rows). When few sequences run, each (sequence, head) is split over its pages into
-`num_splits` programs (flash-decoding) and a second kernel combines their partial softmaxes.
+sharing the KV head (GQA): the tile is [BLOCK_Q rows x GROUP heads, D] against each
+[TILE_KEYS, D] block of keys gathered over pages (`kernels/kv_tiles.py`), with an online
+softmax, and row r sees keys up to its own position (causal within the verify rows). When few
+sequences run, each (sequence, head) is split over its pages into `num_splits` programs
+(flash-decoding) and a second kernel combines their partial softmaxes.
 
 Prefill chunks (more than MAX_KERNEL_ROWS rows in a sequence) tile the query rows instead: the
 third program axis picks a tile of PREFILL_TILE_ROWS rows, which reads the pages up to its last
