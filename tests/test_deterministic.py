@@ -153,6 +153,19 @@ def test_invariant_paged_attention_matches_reference():
     torch.testing.assert_close(out, ref, rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.parametrize("split_tokens", [48, 96])
+def test_invariant_splits_of_any_size_read_every_key(monkeypatch, split_tokens):
+    """Splits of 3 or 6 pages: the tile divides the split, so no page of a split is skipped."""
+    from metrale.kernels import invariant_attention as ia
+
+    monkeypatch.setattr(ia, "SPLIT_TOKENS", split_tokens)
+    q, k, v, cache, meta = _paged_case([1, 4, 37], [300, 130, 200], seed=2)
+    torch_ref = TorchPagedAttention()
+    ref = torch_ref.forward(q, k, v, cache.clone(), torch_ref.prepare(meta), 0.25)
+    out = TritonPagedAttention(invariant=True).forward(q, k, v, cache.clone(), meta, 0.25)
+    torch.testing.assert_close(out, ref, rtol=2e-4, atol=2e-4)
+
+
 def row_alone(q, k, v, cache, meta, seq, row, backend):
     """The position of sequence `seq`'s row `row` decoded alone, its table cut to its pages
     (the keys of the rows after it are not visible to it anyway)."""

@@ -460,3 +460,21 @@ def test_attention_ignores_nan_past_the_sequence_and_rows_without_keys(splits, m
     out = kernel.forward(q, k, v, clean.clone(), kernel.prepare(meta([1, 5])), dim**-0.5)
     assert torch.isfinite(out).all()
     assert out[0].abs().max() == 0
+
+
+def test_attention_tiles_fit_shared_memory_and_divide_the_split():
+    """Tiles of keys: as wide as asked where the program fits the device's shared memory,
+    halved where it would not (a wide GQA group with D = 256, a consumer GPU's 99 KiB), and a
+    divisor of the invariant kernel's split."""
+    from metrale.kernels.kv_tiles import tile_pages
+
+    h200, consumer = 227 * 1024, 99 * 1024
+    qwen3_8b = dict(rows=64, dim=128, elem_bytes=2)
+    assert tile_pages(16, 128, **qwen3_8b, shared=h200, split_pages=8) == 8
+    assert tile_pages(16, 64, **qwen3_8b, shared=h200) == 4
+    assert tile_pages(16, 128, rows=128, dim=256, elem_bytes=2, shared=h200) == 8
+    assert tile_pages(16, 128, rows=256, dim=256, elem_bytes=2, shared=h200) == 4
+    assert tile_pages(16, 128, rows=128, dim=256, elem_bytes=2, shared=consumer) == 1
+    assert tile_pages(16, 128, **qwen3_8b, shared=h200, split_pages=6) == 2
+    assert tile_pages(16, 128, **qwen3_8b, shared=h200, split_pages=3) == 1
+    assert tile_pages(256, 64, **qwen3_8b, shared=h200) == 1  # a page wider than the tile

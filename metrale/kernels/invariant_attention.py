@@ -332,10 +332,18 @@ def invariant_attention(
     seqs = meta.num_seqs
     out = torch.empty_like(q)
     split_pages = max(1, SPLIT_TOKENS // page)
+    prompt_block_q = max(prompt_tile_rows // group_p, 1)
+    decode_block_q = max(triton.next_power_of_2(max_rows), max(1, 16 // group_p))
+    # The tile follows the model and the device alone, never the step (a row's bits follow
+    # its tiles): sized for the widest tile of rows any step can bring.
+    tile = kv_tiles.tile_pages(
+        page, TILE_KEYS, rows=max(prompt_block_q, decode_block_q) * group_p, dim=dim,
+        elem_bytes=k_cache.element_size(), shared=kv_tiles.shared_budget(q.device),
+        split_pages=split_pages,
+    )  # fmt: skip
     common = dict(
         GROUP=group, GROUP_P=group_p, D=dim, PAGE=page, SPLIT_PAGES=split_pages,
-        TILE_PAGES=kv_tiles.tile_pages(page, TILE_KEYS, split_pages), GROUPS=GROUPS,
-        MAX_ROWS=max_rows,
+        TILE_PAGES=tile, GROUPS=GROUPS, MAX_ROWS=max_rows,
     )  # fmt: skip
     launch = dict(
         PRECISION="ieee" if q.dtype == torch.float32 or interpreted else "tf32",
@@ -349,10 +357,9 @@ def invariant_attention(
     tile_args = (q, k_cache, v_cache, out, tables, starts, lens, scale, *strides,
                  out.stride(0), out.stride(1))  # fmt: skip
     if meta.max_query_len > max_rows:  # prompt chunks in the step
-        block_q = max(prompt_tile_rows // group_p, 1)
-        tiles = -(-meta.max_query_len // block_q)
+        tiles = -(-meta.max_query_len // prompt_block_q)
         _tile_kernel[(seqs, kv_heads, tiles)](
-            *tile_args, BLOCK_Q=block_q, DECODE=False, **launch, **common
+            *tile_args, BLOCK_Q=prompt_block_q, DECODE=False, **launch, **common
         )  # fmt: skip
     # decode and verify sequences (every one, in a step without prompt chunks); tl.dot needs
     # 16+ tile rows, so few heads per group pad the query rows

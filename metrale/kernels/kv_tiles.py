@@ -7,11 +7,17 @@ bytes in flight per program and makes the matrix products wider than one 16-row 
 one page per step the H200's decode attention read the cache at about 60% of its bandwidth).
 
 `tile_pages` picks how many pages a tile spans: a number of keys (TILE_KEYS for the default
-kernel), never more than a split of the invariant kernel holds, so its tiles start at positions
-fixed by the sequence alone.
+kernel), halved until a program's shared memory fits the device (the query tile plus a K and a
+V tile), and for the invariant kernel a divisor of its split, so its tiles start at positions
+fixed by the sequence alone. `models/attention.TorchPagedAttention` is the reference of the
+kernels that use these tiles.
 """
 
 from __future__ import annotations
+
+import torch
+
+from metrale.kernels.batch_invariant import shared_bytes
 
 try:
     import triton
@@ -27,13 +33,34 @@ NUM_WARPS = 4
 NUM_STAGES = 3
 
 
-def tile_pages(page: int, keys: int, limit_pages: int | None = None) -> int:
+# Shared memory a program needs beyond its query, key and value tiles (measured with ptxas:
+# 0-8 KiB on sm_80-sm_90), with room to spare.
+SHARED_MARGIN = 16 * 1024
+# What interpreted runs (CPU tests) plan their tiles for: an H100/H200's 227 KiB.
+INTERPRETED_SHARED = 227 * 1024
+
+
+def shared_budget(device: torch.device) -> int:
+    """The shared memory one program may use on `device`."""
+    return shared_bytes(device) if device.type == "cuda" else INTERPRETED_SHARED
+
+
+def tile_pages(
+    page: int, keys: int, *, rows: int, dim: int, elem_bytes: int, shared: int,
+    split_pages: int | None = None,
+) -> int:  # fmt: skip
     """Pages per tile for pages of `page` rows: `keys` keys (one page when a page holds more),
-    at most `limit_pages`, a power of two."""
+    a power of two, halved while a program of `rows` tile rows would not fit `shared` bytes or
+    (invariant kernel) the tile does not divide a split of `split_pages` pages."""
     pages = max(1, keys // page)
-    if limit_pages is not None:
-        pages = min(pages, limit_pages)
-    return 1 << (pages.bit_length() - 1)
+    pages = 1 << (pages.bit_length() - 1)
+
+    def fits(n: int) -> bool:
+        return (rows + 2 * n * page) * dim * elem_bytes + SHARED_MARGIN <= shared
+
+    while pages > 1 and (not fits(pages) or (split_pages is not None and split_pages % pages)):
+        pages //= 2
+    return pages
 
 
 load_kv_tile = None  # the kernel helper below, where Triton is installed
