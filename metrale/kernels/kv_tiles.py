@@ -63,11 +63,11 @@ def tile_pages(
     return pages
 
 
-load_kv_tile = None  # the kernel helper below, where Triton is installed
+tile_scores = None  # the kernel helpers below, where Triton is installed
 if triton is not None:
 
     @triton.jit
-    def load_kv_tile(
+    def _load_kv_tile(
         k_ptr, v_ptr, tables_ptr, seq, kvh, p0, end, seq_len,
         stride_cp, stride_co, stride_ch, stride_bt,
         D: tl.constexpr, PAGE: tl.constexpr, TILE_PAGES: tl.constexpr,
@@ -87,3 +87,28 @@ if triton is not None:
         k = tl.load(k_ptr + row[:, None] + d[None, :], mask=in_range[:, None], other=0.0)
         v = tl.load(v_ptr + row[:, None] + d[None, :], mask=real[:, None], other=0.0)
         return k, v, key_pos, real
+
+    @triton.jit
+    def tile_scores(
+        q, m_i, k_ptr, v_ptr, tables_ptr, seq, kvh, p, end, pos, row_ok, seq_len, scale,
+        stride_cp, stride_co, stride_ch, stride_bt,
+        D: tl.constexpr, PAGE: tl.constexpr, TILE_PAGES: tl.constexpr,
+        PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    ):  # fmt: skip
+        """The online softmax's step over the tile of pages p .. p + TILE_PAGES - 1 (those
+        before `end`) for rows at positions `pos` with running max m_i: (the tile's values,
+        each row's float32 weights of its visible keys against the new max, the rescale of
+        what came before, the new max). Summing the weights and weighting the values is the
+        caller's: the kernels sum them differently."""
+        k, v, key_pos, real = _load_kv_tile(
+            k_ptr, v_ptr, tables_ptr, seq, kvh, p, end, seq_len,
+            stride_cp, stride_co, stride_ch, stride_bt, D, PAGE, TILE_PAGES,
+        )  # fmt: skip
+        if DOT_F32:  # the interpreter's bf16 dot is wrong; float32 operands are exact
+            k, v = k.to(tl.float32), v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+        visible = (key_pos[None, :] <= pos[:, None]) & real[None, :] & row_ok[:, None]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        return v, tl.exp(s - m_safe[:, None]), tl.exp(m_i - m_safe), m_new

@@ -28,7 +28,7 @@ import torch
 
 from metrale.kernels import kv_tiles
 from metrale.kernels.invariant_attention import invariant_attention
-from metrale.kernels.kv_tiles import load_kv_tile
+from metrale.kernels.kv_tiles import tile_scores
 from metrale.models.attention import AttentionMetadata, TorchPagedAttention, write_kv
 
 try:
@@ -119,19 +119,11 @@ if triton is not None:
             first = split * per_split
             end = tl.minimum(first + per_split, num_pages)
         for p in range(first, end, TILE_PAGES):
-            k, v, key_pos, real = load_kv_tile(
-                k_ptr, v_ptr, tables_ptr, seq, kvh, p, end, seq_len,
-                stride_cp, stride_co, stride_ch, stride_bt, D, PAGE, TILE_PAGES,
+            v, probs, alpha, m_new = tile_scores(
+                q, m_i, k_ptr, v_ptr, tables_ptr, seq, kvh, p, end, pos, row_ok, seq_len,
+                scale, stride_cp, stride_co, stride_ch, stride_bt,
+                D, PAGE, TILE_PAGES, PRECISION, DOT_F32,
             )  # fmt: skip
-            if DOT_F32:  # the interpreter's bf16 dot is wrong; float32 operands are exact
-                k, v = k.to(tl.float32), v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
-            visible = (key_pos[None, :] <= pos[:, None]) & real[None, :] & row_ok[:, None]
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            probs = tl.exp(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(probs, axis=1)
             pv = tl.dot(probs.to(v.dtype), v, input_precision=PRECISION)
             acc = acc * alpha[:, None] + pv.to(tl.float32)
