@@ -12,26 +12,17 @@ import json
 import random
 import statistics
 import time
-from dataclasses import dataclass, field
 
 import torch
 
+from metrale.config import SamplingParams
+from metrale.engine.sequence import Sequence
 from metrale.speculative.ngram import NgramDrafter
 
 
-@dataclass
-class Seq:
-    seq_id: int
-    slot: int
-    prompt_token_ids: list[int]
-    output_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    def tokens(self, start: int, stop: int) -> list[int]:
-        return (self.prompt_token_ids + self.output_token_ids)[start:stop]
+def seq(seq_id: int, slot: int, prompt: list[int]) -> Sequence:
+    """A running sequence as the engine holds it (the drafter reads its tokens and slot)."""
+    return Sequence(seq_id, str(seq_id), prompt, SamplingParams(), 0, (), seq_id, slot=slot)
 
 
 def stream(rng: random.Random, n: int) -> list[int]:
@@ -45,7 +36,7 @@ def stream(rng: random.Random, n: int) -> list[int]:
 
 def run(drafter: NgramDrafter, batch: int, steps: int, device: bool) -> float:
     rng = random.Random(batch)
-    seqs = [Seq(i, i, stream(rng, 128)) for i in range(batch)]
+    seqs = [seq(i, i, stream(rng, 128)) for i in range(batch)]
     next_id, times = batch, []
     for step in range(steps):
         start = time.perf_counter()
@@ -59,7 +50,7 @@ def run(drafter: NgramDrafter, batch: int, steps: int, device: bool) -> float:
         if step % 2 == 1:
             gone = seqs.pop(rng.randrange(len(seqs)))
             drafter.release(gone)
-            seqs.append(Seq(next_id, gone.slot, stream(rng, 128)))
+            seqs.append(seq(next_id, gone.slot, stream(rng, 128)))
             next_id += 1
     return statistics.median(times[steps // 10 :]) * 1e3
 

@@ -1,8 +1,11 @@
-"""Helpers of the n-gram drafter's tests: a stand-in for the fields of a sequence it reads."""
+"""Helpers of the n-gram drafter's tests: a stand-in for the fields of a sequence it reads, and
+a plain engine's output beside an n-gram engine to compare with it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from metrale import LLM, SamplingParams
 
 
 @dataclass
@@ -22,3 +25,22 @@ class Seq:
 
     def tokens(self, start: int, stop: int) -> list[int]:
         return (self.prompt_token_ids + self.output_token_ids)[start:stop]
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def plain_and_ngram(model_dir, prompts, *, max_tokens, max_num_seqs, dcut, async_scheduling):
+    """Greedy plain decoding's tokens for `prompts`, and an n-gram engine (K = 3) of the same
+    model and sizes, with the sampling parameters both use."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    kw = dict(device="cpu", dtype="float32", max_num_seqs=max_num_seqs, max_model_len=200)
+    plain = token_ids(LLM(model_dir, **kw).generate(prompts, params, use_tqdm=False))
+    llm = LLM(
+        model_dir,
+        **kw,
+        spec={"method": "ngram", "num_drafts": 3, "dcut": dcut},
+        async_scheduling=async_scheduling,
+    )
+    return plain, llm, params

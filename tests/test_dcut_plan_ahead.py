@@ -14,6 +14,7 @@ from metrale.speculative import planning
 from metrale.speculative.dcut import VerifyCostModel
 from metrale.speculative.drafter import Draft
 from tests import test_dcut_plan_stands as plan_stands
+from tests.ngram_helpers import plain_and_ngram, token_ids
 from tests.test_dcut_plan_stands import EvenSlots, _decoding
 
 
@@ -74,15 +75,10 @@ def test_an_engine_planning_ahead_emits_plain_decoding(
 ):
     rng = random.Random(5)
     prompts = [[rng.randrange(6) + 10 for _ in range(rng.randrange(8, 30))] * 3 for _ in range(6)]
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    kw = dict(device="cpu", dtype="float32", max_num_seqs=6, max_model_len=200)
-    plain = LLM(tiny_model_dir, **kw).generate(prompts, params, use_tqdm=False)
-    llm = LLM(
-        tiny_model_dir,
-        **kw,
-        spec={"method": "ngram", "num_drafts": 3, "dcut": True},
+    plain, llm, params = plain_and_ngram(
+        tiny_model_dir, prompts, max_tokens=40, max_num_seqs=6, dcut=True,
         async_scheduling=async_scheduling,
-    )
+    )  # fmt: skip
     taken, made = [], []
     plan_ahead, worth = planning.DepthPlanning.plan_ahead, planning.DepthPlanning._worth_drafting
 
@@ -100,7 +96,7 @@ def test_an_engine_planning_ahead_emits_plain_decoding(
     monkeypatch.setattr(planning.DepthPlanning, "plan_ahead", spied_ahead)
     monkeypatch.setattr(planning.DepthPlanning, "_worth_drafting", spied_worth)
     spec = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert token_ids(spec) == plain
     assert any(made) and any(taken)
 
 

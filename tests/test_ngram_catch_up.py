@@ -16,7 +16,7 @@ from metrale.api import LLM
 from metrale.config import SamplingParams
 from metrale.speculative import ngram
 from metrale.speculative.ngram import CATCH_UP_MIN, NgramDrafter, lookup
-from tests.ngram_helpers import Seq
+from tests.ngram_helpers import Seq, plain_and_ngram, token_ids
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -137,15 +137,10 @@ def test_an_engine_indexes_each_prompt_behind_its_prefill(
     """Every sequence's first draft finds its prompt indexed already, and the output is plain
     decoding's."""
     prompts = _prompts(1)
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    kw = dict(device="cpu", dtype="float32", max_num_seqs=4, max_model_len=200)
-    plain = LLM(tiny_model_dir, **kw).generate(prompts, params, use_tqdm=False)
-    llm = LLM(
-        tiny_model_dir,
-        **kw,
-        spec={"method": "ngram", "num_drafts": 3, "dcut": False},
+    plain, llm, params = plain_and_ngram(
+        tiny_model_dir, prompts, max_tokens=20, max_num_seqs=4, dcut=False,
         async_scheduling=async_scheduling,
-    )
+    )  # fmt: skip
     drafter = llm.engine.spec.drafter
     first_backlog: dict[int, int] = {}
     propose = drafter.propose
@@ -168,7 +163,7 @@ def test_an_engine_indexes_each_prompt_behind_its_prefill(
     spec = llm.generate(prompts, params, use_tqdm=False)
     # only prompt chunks: a decode or verify step does no catch-up work over its batch
     assert caught and all(caught)
-    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert token_ids(spec) == plain
     assert len(first_backlog) == len(prompts)
     # the prompt was indexed during the prefill: the first draft registers only the tokens of
     # the steps since (the first token, and one in flight under async scheduling)
