@@ -1,7 +1,8 @@
 """Device time of the paged attention kernels (the default split-KV one and the deterministic
 mode's invariant one) on decode and verify steps, with the cache read rate they reach; a sweep
 over the tile width (keys gathered per loop step), the launch options and the default kernel's
-programs per multiprocessor. Each timing replays a CUDA graph of 20 calls.
+programs per multiprocessor. Each timing is the median of 5 replays of a CUDA graph of 20
+calls (`bench.timing.graph_time_us`).
 
   python scripts/attention_kernel_bench.py --batch 1,8,64 --context 1024,4096 --q 1,4
 """
@@ -13,6 +14,7 @@ import json
 
 import torch
 
+from metrale.bench.timing import graph_time_us
 from metrale.kernels import invariant_attention, kv_tiles, paged_attention
 from metrale.models.attention import AttentionMetadata, TorchPagedAttention
 
@@ -42,30 +44,6 @@ def step(batch, context, q_len, device, dtype=torch.bfloat16, seed=0):
         t(pages), q_len, seq_len, PAGE,
     )  # fmt: skip
     return q, cache, meta, batch * seq_len * KV_HEADS * DIM * 2 * cache.element_size()
-
-
-def timed(fn, calls=20, reps=5):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / calls)
-    return sorted(times)[reps // 2]
 
 
 def main():
@@ -120,7 +98,7 @@ def main():
 
                 try:
                     out = call().float()
-                    ms = timed(call)
+                    ms = graph_time_us(call) / 1e3
                 except Exception as e:  # a tile that does not fit: say so, go on
                     print(f"B{batch} ctx{context} q{q_len} inv={invariant} keys={keys} "
                           f"w{warps} s{stages}: {type(e).__name__}: {str(e)[:120]}")  # fmt: skip

@@ -1,5 +1,6 @@
 """The roofline's two numbers: the memory bandwidth measured by a device copy, and the weight
-bytes one batch-1 step reads. (Step timing is the engine's own: `engine/calibrate.py`.)"""
+bytes one batch-1 step reads; and the time of a kernel call replayed in a CUDA graph, for the
+kernel scripts. (Step timing is the engine's own: `engine/calibrate.py`.)"""
 
 from __future__ import annotations
 
@@ -30,3 +31,29 @@ def weight_bytes(model: torch.nn.Module) -> int:
             size = size * hybrid.num_experts_per_tok // hybrid.num_experts
         total += size
     return total
+
+
+def graph_time_us(fn, calls: int = 20, replays: int = 5) -> float:
+    """Microseconds per call of `fn` (CUDA work, no host sync): the median over `replays`
+    replays of a CUDA graph of `calls` calls, after a warm-up on a side stream."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return sorted(times)[replays // 2]
