@@ -6,7 +6,9 @@ consecutive pages of one sequence and one KV head, gathered through the block ta
 bytes in flight per program and makes the matrix products wider than one 16-row page (with
 one page per step the H200's decode attention read the cache at about 60% of its bandwidth).
 
-`tile_pages` picks how many pages a tile spans: a number of keys (TILE_KEYS for the default
+`tile_scores` is the online softmax's step over one tile (load, scores, causal mask, new max,
+weights), which both kernels take on with their own row sums. `tile_pages` picks how many pages
+a tile spans: a number of keys (TILE_KEYS for the default
 kernel), halved until a program's shared memory fits the device (the query tile plus a K and a
 V tile), and for the invariant kernel a divisor of its split, so its tiles start at positions
 fixed by the sequence alone. `models/attention.TorchPagedAttention` is the reference of the
