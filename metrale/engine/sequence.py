@@ -30,7 +30,10 @@ class Phase(enum.Enum):
     VERIFY = "verify"  # last token + drafts per sequence (speculative decoding)
 
 
-@dataclass
+# eq=False: a sequence is itself alone (identity, hashable). A field-by-field __eq__ made every
+# `seq in scheduler.running` and `running.remove(seq)` build and compare tuples of all fields of
+# every sequence before it: quadratic Python at each finish of a wide batch.
+@dataclass(eq=False)
 class Sequence:
     seq_id: int
     request_id: str
