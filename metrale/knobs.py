@@ -204,6 +204,12 @@ class Knobs:
         bool,
         "=1: DFlash drafts ahead, right after each verify program (off: slower on the H200 so far)",
     )
+    no_ngram_ahead: bool = _knob(
+        "METRALE_NO_NGRAM_AHEAD",
+        _is_one,
+        bool,
+        "=1: the n-gram drafter drafts in `propose` only, not right after each verify program",
+    )
     no_gdn_triton: bool = _knob(
         "METRALE_NO_GDN_TRITON",
         _is_one,

@@ -5,22 +5,28 @@ Model-free. The search covers at most the last `window` tokens. `lookup` is the 
 on the host the drafter keeps an `NgramIndex` per sequence, grown by its new tokens, so a step
 costs a few dictionary look-ups per sequence however long the sequence grows. On a GPU, batches of
 `DEVICE_MIN_SEQS` sequences or more draft on the device instead (`ngram_device`): one launch for
-the batch, the same drafts. A new prompt is indexed, or written to the table, while its prefill's
-forward runs (`catch_up`). Code and chat that quote their context (identifiers, repeated lines,
-edits of a given text) are where it shines.
+the batch, the same drafts. With CUDA graphs such a batch's next drafts are made on the device
+right after each verify program, behind its forward (`draft_ahead`), so its next `propose`
+launches and waits for nothing. A new prompt is indexed, or written to the table, while its
+prefill's forward runs (`catch_up`). Code and chat that quote their context (identifiers, repeated
+lines, edits of a given text) are where it shines.
 """
 
 from __future__ import annotations
 
+import logging
 from array import array
 
 import numpy as np
 import torch
 
+from metrale.engine.program_shapes import PrefillShape, RaggedShape
 from metrale.engine.sequence import Sequence
 from metrale.kernels.ngram_lookup import device_lookup_supported
 from metrale.speculative.drafter import Draft, Verdict
 from metrale.speculative.ngram_device import DeviceNgramTable
+
+log = logging.getLogger(__name__)
 
 # Below this many sequences the host index is cheaper than a launch and a copy back. Measured on
 # the H200 (`scripts/ngram_propose_timing.py`), ms per step host / device: batch 1 0.11 / 0.15,
@@ -144,6 +150,7 @@ class NgramDrafter:
         self.n_min, self.n_max, self.window = n_min, n_max, window
         self._indexes: dict[int, NgramIndex] = {}  # seq_id -> its n-grams
         self.device_table: DeviceNgramTable | None = None
+        self.drafted_ahead = 0  # sequence-drafts `propose` took from `draft_ahead`
 
     def use_device(
         self, num_slots: int, capacity: int, device: torch.device, max_drafts: int
@@ -158,15 +165,60 @@ class NgramDrafter:
         )
         return True
 
+    def attach(self, runner) -> None:
+        """Draft ahead after each verify program of `runner` (`draft_ahead`), on the device
+        table; needs `use_device` first."""
+        if self.device_table is None:
+            raise ValueError("ngram: drafting ahead needs the device table (use_device)")
+
+        def hook(entries, shape, tokens) -> None:
+            self.draft_ahead(entries, shape, tokens, runner.replayed_ids)
+
+        runner.after_verify = hook
+        runner.after_verify_drafts_only = True  # a step without drafts may run ahead
+
+    def draft_ahead(self, entries, shape, tokens: torch.Tensor, input_ids) -> None:
+        """`ModelRunner.after_verify` of a verify step whose program just ran (`entries` in row
+        order, `tokens` the target's pick at each sampled row, `input_ids` the program's, real
+        rows first: a dense target's ragged or prefill program, a hybrid's ragged one): the next
+        drafts of its sequences, made on the device behind the forward
+        (`DeviceNgramTable.draft_ahead`) when they are `DEVICE_MIN_SEQS` or more. A speed-up
+        only: if it raises, `propose` drafts as usual."""
+        table = self.device_table
+        if not isinstance(shape, (RaggedShape, PrefillShape)):
+            table.drop_ahead()
+            return
+        try:
+            table.draft_ahead(entries, tokens, input_ids, DEVICE_MIN_SEQS)
+        except Exception:  # noqa: BLE001 (never fail the verify step for it)
+            table.drop_ahead()
+            log.exception("n-gram drafting ahead failed; drafting in propose")
+
     def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> list[Draft]:
-        if self.device_table is not None and len(seqs) >= DEVICE_MIN_SEQS:
-            return [Draft(t) for t in self.device_table.propose(seqs, max_drafts)]
+        table = self.device_table
+        device = table is not None and len(seqs) >= DEVICE_MIN_SEQS
+        if table is not None and table.has_ahead:
+            found = table.take_ahead(seqs, max_drafts)
+            rest = [i for i, d in enumerate(found) if d is None]
+            self.drafted_ahead += len(seqs) - len(rest)
+            if rest:
+                more = self._propose([seqs[i] for i in rest], [max_drafts[i] for i in rest], device)
+                for i, draft in zip(rest, more, strict=True):
+                    found[i] = draft
+            return [Draft(t) for t in found]
+        return [Draft(t) for t in self._propose(seqs, max_drafts, device)]
+
+    def _propose(self, seqs: list[Sequence], max_drafts: list[int], device: bool):
+        """Each sequence's drafts as a token list: from the device table (`device`, one
+        launch), else from its host index."""
+        if device:
+            return self.device_table.propose(seqs, max_drafts)
         drafts = []
         for seq, k in zip(seqs, max_drafts, strict=True):
             index = self._index(seq)
             if index.length < seq.num_tokens:
                 index.extend(seq.tokens(index.length, seq.num_tokens))
-            drafts.append(Draft(index.lookup(k)))
+            drafts.append(index.lookup(k))
         return drafts
 
     def _index(self, seq: Sequence) -> NgramIndex:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from metrale.config import EngineConfig, SpecConfig
+from metrale.knobs import knobs
 from metrale.speculative.controller import SpeculativeDecoder
 from metrale.speculative.dflash import DFlashDrafter
 from metrale.speculative.drafter import Drafter
@@ -43,7 +44,11 @@ def speculative_decoder(
         if spec.method == "ngram":
             drafter = NgramDrafter(spec.ngram_min, spec.ngram_max, spec.ngram_window)
             # a scheduler slot per running sequence, at most max_model_len tokens each
-            drafter.use_device(config.max_num_seqs, max_model_len, runner.device, spec.num_drafts)
+            on_device = drafter.use_device(
+                config.max_num_seqs, max_model_len, runner.device, spec.num_drafts
+            )
+            if on_device and runner.graphs is not None and not knobs().no_ngram_ahead:
+                drafter.attach(runner)  # its next drafts right after each verify program
         elif spec.method == "dflash":
             block = runner.dflash.config.block_size
             if spec.num_drafts > block - 1:
