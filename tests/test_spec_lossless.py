@@ -170,3 +170,36 @@ def test_failing_drafter_fails_only_its_sequence(tiny_model_dir, prompts, refere
     for i in (0, 1, 2, 4, 5):
         assert outs[i].outputs[0].token_ids == reference[i]
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
+
+
+class OutOfVocabDrafter(FlakyDrafter):
+    """Proposes a token past the vocabulary for one request; `own_tokens` set as a drafter of
+    the sequence's own tokens would set it, when `claims` is true."""
+
+    name = "out-of-vocab"
+
+    def __init__(self, claims: bool) -> None:
+        if claims:
+            self.own_tokens = "yes"  # not True: only `own_tokens is True` skips the check
+
+    def propose(self, seqs, max_drafts):
+        return [
+            Draft([10**6] * k if s.request_id == "req-2" else [7] * k)
+            for s, k in zip(seqs, max_drafts, strict=True)
+        ]
+
+
+@pytest.mark.parametrize("claims", [False, True])
+def test_a_draft_outside_the_vocabulary_fails_only_its_sequence(
+    tiny_model_dir, prompts, reference, claims
+):
+    """A plugged-in drafter's draft token outside the vocabulary ends its sequence with an
+    error naming it; the others are plain decoding's. Only the n-gram drafter, whose drafts are
+    the sequence's own tokens, is exempt from the check (`own_tokens is True`)."""
+    llm = LLM(tiny_model_dir, drafter=OutOfVocabDrafter(claims), device="cpu")
+    outs = llm.generate(prompts[:4], [params_for(i) for i in range(4)], use_tqdm=False)
+    assert outs[2].outputs[0].finish_reason == "error"
+    assert "outside the vocabulary" in outs[2].outputs[0].error
+    for i in (0, 1, 3):
+        assert outs[i].outputs[0].token_ids == reference[i]
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable

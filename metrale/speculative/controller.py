@@ -67,6 +67,7 @@ class SpeculativeDecoder(DepthPlanning):
             max_positions=max(cfg.num_drafts, 1), prior=cfg.dcut_prior, pooled_prior=True
         )
         self._debug = knobs().mtp_accept_debug
+        self._own_tokens = getattr(drafter, "own_tokens", False) is True
         # seq_id -> (real drafts verified this step, the drafts proposed): padding is kept out of
         # the estimates, and a sequence cut to depth 0 still learns from its first draft.
         self._proposed: dict[int, tuple[int, list[int] | DeviceRow | None]] = {}
@@ -259,9 +260,10 @@ class SpeculativeDecoder(DepthPlanning):
         return drafts, failed
 
     def _checked(self, draft: Draft, cap: int) -> Draft:
-        if isinstance(draft.tokens, DeviceRow):
-            # a device drafter's picks from the target's head: in the vocabulary by
-            # construction, and reading them here would wait for its forward
+        if self._own_tokens or isinstance(draft.tokens, DeviceRow):
+            # the sequence's own tokens, or a device drafter's picks from the target's head: in
+            # the vocabulary by construction (and reading the latter here would wait for its
+            # forward)
             return draft.truncate(cap)
         bad = [t for t in draft.tokens if not 0 <= t < self.vocab_size]
         if bad:

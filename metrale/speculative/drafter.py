@@ -66,6 +66,8 @@ class Drafter(Protocol):
     # Optional (default False): a drafter that learns nothing from `observe` may say so with
     # `stateless = True`; the engine then skips `observe` on steps where nothing was drafted, so
     # those steps are plain decode steps. Any other drafter sees every step's verdicts.
+    # Optional (default False): `own_tokens = True` says every draft is made of the sequence's
+    # own tokens (prompt lookup), so in the vocabulary: the controller skips checking each one.
     # Optional (default None): a drafter that keeps K/V rows in the target's pages says which
     # sequences it writes them for with `page_kv` (`prefix_cache.DraftKV`), so a prefix-cache
     # hit maps only pages whose drafter rows it can read.

@@ -143,6 +143,7 @@ class NgramDrafter:
     name = "ngram"
     needs_hidden = False
     stateless = True  # learns nothing from verdicts: steps that draft nothing skip `observe`
+    own_tokens = True  # drafts are the sequence's own tokens: no vocabulary check
 
     def __init__(self, n_min: int = 1, n_max: int = 4, window: int = 4096) -> None:
         if not 1 <= n_min <= n_max:
