@@ -304,3 +304,47 @@ def test_on_cuda_graphs_drafts_ahead_and_output_is_plain_decodings(case):
     assert len(verified) > 100 and all(verified)  # the drafts made on the device are right
     assert llm.engine.spec.drafter.drafted_ahead > 0.5 * len(verified)
     assert runner.graph_refusals == 0
+
+
+@cpu_engine
+def test_the_start_up_calibration_leaves_no_rows_behind(tiny_model_dir, monkeypatch):
+    """D-Cut's start-up calibration runs synthetic verify steps through the programs, so the
+    hook drafts ahead for their sequences: released like finished ones, they leave nothing in
+    the table's books (found in review: a later sequence of the same id and slot was taken for
+    one whose row was written, and drafted from the calibration's random tokens)."""
+    from metrale.engine.calibrate import measured_cost_model
+
+    llm = ahead_engine(tiny_model_dir, monkeypatch)
+    engine = llm.engine
+    table = engine.spec.drafter.device_table
+    hooked = len(llm.ahead_shapes)
+    engine.spec.cost = measured_cost_model(engine, 3, 6, 32)  # as `_calibrate_dcut` on CUDA
+    assert len(llm.ahead_shapes) > hooked  # the hook saw the synthetic steps
+    assert not table._written and (table._ahead is None or not table._ahead[1])
+
+
+@cpu_engine
+def test_verify_telemetry_survives_a_catch_up_that_raises(tiny_model_dir, monkeypatch):
+    """The overlap window records each verify step's shape first: a drafter's catch-up that
+    raises there (logged, redone by `propose`) loses no verify step from the telemetry."""
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=20 + 3 * i, ignore_eos=True) for i in range(8)
+    ]
+    llm = ahead_engine(tiny_model_dir, monkeypatch)
+
+    def fails(seqs, width):
+        raise RuntimeError("catch-up failed")
+
+    monkeypatch.setattr(llm.engine.spec.drafter, "catch_up", fails)
+    runner, verifies = llm.engine.runner, [0]
+    execute = runner.execute
+
+    def counted(batch, **kw):
+        verifies[0] += any(e.drafts for e in batch.entries)
+        return execute(batch, **kw)
+
+    runner.execute = counted
+    assert token_ids(llm.generate(PROMPTS[:8], params, use_tqdm=False)) == plain(
+        tiny_model_dir, PROMPTS[:8], params
+    )
+    assert llm.engine.telemetry.spec.verify_steps == verifies[0] > 10

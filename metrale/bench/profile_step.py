@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from metrale.api import LLM
 from metrale.bench.shapes import write_shape
 from metrale.bench.timing import weight_bytes
-from metrale.engine.calibrate import median_time, synthetic_batch
+from metrale.engine.calibrate import median_time, release_synthetic, synthetic_batch
 from metrale.engine.program_shapes import decode_bucket, ragged_shape
 from metrale.engine.replay import replay_decode
 from metrale.knobs import knobs
@@ -191,8 +191,7 @@ def step_launches(llm: LLM, batch_size: int = 1, context: int = 64) -> dict:
                     if e.device_type == torch.autograd.DeviceType.CUDA:
                         counts[e.key] += e.count
     finally:
-        for e in batch.entries:
-            llm.engine.allocator.free(e.seq)
+        release_synthetic(llm.engine, batch)
     return {"kernels": sum(counts.values()), "by_name": dict(counts.most_common())}
 
 
@@ -235,8 +234,7 @@ def main() -> None:
         }
         result["batches"].append(row)
         print(json.dumps(row), flush=True)
-        for e in batch.entries:
-            llm.engine.allocator.free(e.seq)
+        release_synthetic(llm.engine, batch)
     (out / "profile.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result))
 

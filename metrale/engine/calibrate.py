@@ -73,9 +73,19 @@ def step_times(engine, batch_sizes, qs, context: int, reps: int = 7) -> dict[int
                     lambda batch=batch: runner.execute(batch), device, reps=reps
                 )
             finally:
-                for e in batch.entries:
-                    engine.allocator.free(e.seq)
+                release_synthetic(engine, batch)
     return out
+
+
+def release_synthetic(engine, batch: Batch) -> None:
+    """Give back what a `synthetic_batch` held: its pages, and whatever the drafter keeps for
+    its sequences (a step run through the programs lets the drafter's after-verify hook see
+    them: left there, the n-gram table would take a later sequence of the same id and slot
+    for one whose row is written)."""
+    for e in batch.entries:
+        engine.allocator.free(e.seq)
+        if engine.spec is not None:
+            engine.spec.release(e.seq)
 
 
 def measured_cost_model(engine, num_drafts: int, max_seqs: int, context: int) -> VerifyCostModel:

@@ -129,12 +129,12 @@ class SpeculativeDecoder(DepthPlanning):
             return None
 
         def work() -> None:
+            if verified:  # first: nothing else records it if a later part raises
+                self._record_verify(verified)
             if seqs:
                 catch_up(seqs, len(running))
             if ahead:
                 self.plan_ahead(running)
-            if verified:
-                self._record_verify(verified)
 
         return work
 
