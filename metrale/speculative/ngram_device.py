@@ -205,17 +205,15 @@ class DeviceNgramTable:
             return [None] * len(seqs)
         copy, index = ahead
         rows = copy.rows()  # long done: the verdicts waited for the step
+        still: dict[int, list[int]] = {}  # seq_id -> its row, where it is still there
         for n, seq, slot in index.values():
             if seq.slot == slot and seq.num_tokens == rows[n][1]:
                 self._written[seq.seq_id] = (slot, rows[n][1])
+                still[seq.seq_id] = rows[n]
         out: list[list[int] | None] = []
         for seq, k in zip(seqs, max_drafts, strict=True):
-            found = index.get(seq.seq_id)
-            row = None if found is None else rows[found[0]]
-            if row is None or seq.slot != found[2] or seq.num_tokens != row[1]:
-                out.append(None)
-            else:
-                out.append(row[2 : 2 + min(row[0], k)])
+            row = still.get(seq.seq_id)
+            out.append(None if row is None else row[2 : 2 + min(row[0], k)])
         return out
 
     def behind(self, seq: Sequence, total: int) -> int:
