@@ -17,6 +17,7 @@ from metrale import LLM, SamplingParams
 from metrale.engine.program_shapes import RaggedShape
 from metrale.speculative import dflash as dflash_mod
 from metrale.speculative.dflash import accepted_blocks
+from tests.ahead_helpers import ahead_case
 from tests.test_spec_dflash import PROMPTS, EagerProgram, plain, ragged_programs, write_dflash
 
 
@@ -146,24 +147,8 @@ def test_drafts_made_ahead_are_the_drafters_own(request, tiny_model_dir, monkeyp
 def test_output_equals_plain_decoding(tiny_model_dir, echo, monkeypatch, case):
     """Seeded sampling, preemption (a preempted sequence's drafts made ahead are dropped),
     async scheduling, and a batch where some requests do not speculate."""
-    kw, n = {}, 8
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=10 + 3 * i, ignore_eos=True) for i in range(n)
-    ]
-    if case == "seeded":
-        params = [
-            SamplingParams(temperature=0.9, top_p=0.9, max_tokens=20, ignore_eos=True, seed=i)
-            for i in range(n)
-        ]
-    elif case == "preemption":
-        kw["num_kv_pages"] = 9
-    elif case == "async":
-        kw["async_scheduling"] = True
-    else:
-        for i in range(0, n, 3):
-            params[i] = SamplingParams(
-                temperature=0.0, max_tokens=10 + 3 * i, ignore_eos=True, speculative=False
-            )
+    n = 8
+    params, kw = ahead_case(case, n, max_tokens=10, kv_pages=9)
     want = plain(tiny_model_dir, PROMPTS[:n], params)
     llm = graphed(tiny_model_dir, echo, monkeypatch, **kw)
     assert tokens_of(llm, PROMPTS[:n], params) == want

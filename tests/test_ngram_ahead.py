@@ -24,6 +24,7 @@ from metrale.kernels.ngram_lookup import ngram_commit_lookup  # noqa: E402
 from metrale.speculative import ngram  # noqa: E402
 from metrale.speculative.ngram import lookup  # noqa: E402
 from metrale.speculative.ngram_device import DeviceNgramTable  # noqa: E402
+from tests.ahead_helpers import ahead_case  # noqa: E402
 from tests.ngram_helpers import Seq, token_ids  # noqa: E402
 from tests.test_spec_dflash import ragged_programs  # noqa: E402
 
@@ -191,26 +192,8 @@ def plain(model_dir, prompts, params, **kw) -> list[list[int]]:
 @cpu_engine
 @pytest.mark.parametrize("case", ["greedy", "seeded", "preemption", "async", "mixed", "dcut"])
 def test_output_equals_plain_decoding(tiny_model_dir, monkeypatch, case):
-    kw, n = {}, 8
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=14 + 3 * i, ignore_eos=True) for i in range(n)
-    ]
-    if case == "seeded":
-        params = [
-            SamplingParams(temperature=0.9, top_p=0.9, max_tokens=20, ignore_eos=True, seed=i)
-            for i in range(n)
-        ]
-    elif case == "preemption":
-        kw["num_kv_pages"] = 12
-    elif case == "async":
-        kw["async_scheduling"] = True
-    elif case == "dcut":
-        kw["spec"] = {"dcut": True}
-    elif case == "mixed":
-        for i in range(0, n, 3):
-            params[i] = SamplingParams(
-                temperature=0.0, max_tokens=14 + 3 * i, ignore_eos=True, speculative=False
-            )
+    n = 8
+    params, kw = ahead_case(case, n, max_tokens=14, kv_pages=12)
     want = plain(tiny_model_dir, PROMPTS[:n], params)
     llm = ahead_engine(tiny_model_dir, monkeypatch, **kw)
     assert token_ids(llm.generate(PROMPTS[:n], params, use_tqdm=False)) == want
