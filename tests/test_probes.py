@@ -175,14 +175,18 @@ def test_a_slow_drafter_alone_does_not_space_the_probes(tiny_model_dir):
     """The drafter's own host work is left out of a probe's price: a probe catches its
     sequences up on every token since their last one (the n-gram index), work that grows with
     the interval, so that spacing for it only fed itself (found by review)."""
-    delay = max(0.03, 10 * plain_step_seconds(tiny_model_dir))
+    plain = plain_step_seconds(tiny_model_dir)
+    delay = max(0.05, 20 * plain)
     ref, llm, params = probing_engine(tiny_model_dir, delay, 0.0)
     probes = llm.engine.spec._probes
     out = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == ref
-    # (10 plain steps of drafting would be an excess of 10 and the bound at its cap)
-    assert probes._excess.value is not None and probes._excess.value < 2
-    assert probes.bound < 2 * MAX_SPACED
+    # Priced with the drafter's time, the excess would be at least its `delay / plain` (20
+    # plain steps). Left out, what remains is the probe's own cost and this machine's noise:
+    # under CI's load a plain step of a few ms wobbles by one or two, which is why the bound
+    # (at its cap from an excess of 1.3) is not what this asserts (CI failed on that once).
+    assert probes._excess.value is not None
+    assert probes._excess.value < 0.25 * delay / plain
 
 
 def test_a_probe_is_priced_with_the_step_after_it_and_never_leaks(tiny_model_dir):
