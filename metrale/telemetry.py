@@ -163,12 +163,18 @@ class SpecTelemetry:
         self.num_drafts += 1
         self.num_draft_tokens += k
         self.num_accepted_tokens += num_accepted
-        for counts in (self.accepted_per_pos, self.matched_per_pos, self.drafted_per_pos):
-            counts.extend([0] * (k - len(counts)))
-        for j, matched in enumerate(matches):
-            self.drafted_per_pos[j] += 1
-            self.matched_per_pos[j] += matched
-            self.accepted_per_pos[j] += j < num_accepted
+        # NOTE: runs for every verified sequence every step (a share of a batch-64 step)
+        drafted, matched = self.drafted_per_pos, self.matched_per_pos
+        accepted = self.accepted_per_pos
+        if k > len(drafted):
+            for counts in (accepted, matched, drafted):
+                counts.extend([0] * (k - len(counts)))
+        for j in range(k):
+            drafted[j] += 1
+            if matches[j]:
+                matched[j] += 1
+        for j in range(min(num_accepted, k)):
+            accepted[j] += 1
         bucket = self.by_width.setdefault(width_bucket(width), [0, 0, 0])
         bucket[0] += 1
         bucket[1] += k

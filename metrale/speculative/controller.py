@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 # Sequence-verifies between two per-width acceptance lines (METRALE_MTP_ACCEPT_DEBUG).
 ACCEPT_DEBUG_EVERY = 256
+# Verify steps' shapes (slots and depths) whose telemetry `_record_verify` keeps worked out.
+SHAPES_REMEMBERED = 1024
 
 
 class SpeculativeDecoder(DepthPlanning):
@@ -75,6 +77,8 @@ class SpeculativeDecoder(DepthPlanning):
         self._sources: set[DeviceDrafts] = set()
         self._asked = 0
         self._steps = 0
+        # (slots, depths, canonical arm) of a verify step -> its verify key and row table
+        self._shapes: dict[tuple, tuple[tuple, RowTable]] = {}
         self._init_planning()
         self._waited = 0.0  # seconds of `prepare` spent in `before_drafting`
         # whether this step's verdicts go to `observe` (False: nothing drafted, and the drafter
@@ -142,14 +146,21 @@ class SpeculativeDecoder(DepthPlanning):
         """The telemetry of a verify step's shape, from its entries with drafts: its verify
         key (`verify_key`) and the runs of its row table. Work of the overlap window: about
         0.05 ms at batch 64, which `observe` paid after the host sync of every verify step."""
-        slots = [e.seq.slot for e in verified]
-        ks = [len(e.drafts) for e in verified]
-        order, depths = verify_batch_order(slots, ks, canonical_assignment(len(verified)))
-        pairs = [(slots[i], d + 1) for i, d in zip(order, depths, strict=True)]
-        table = RowTable.from_dispatch([s for s, _ in pairs], [rows for _, rows in pairs])
-        # Verify never uses WY tables here (the recurrent form runs the verify rows).
-        key = verify_graph_key(pairs, True, self.write_on_accept)
-        self.telemetry.record_key(key, table)
+        slots = tuple(e.seq.slot for e in verified)
+        ks = tuple(len(e.drafts) for e in verified)
+        canonical = canonical_assignment(len(verified))
+        # A plan stands for a few steps, and with it the step's shape: worked out once.
+        found = self._shapes.get((slots, ks, canonical))
+        if found is None:
+            order, depths = verify_batch_order(slots, ks, canonical)
+            pairs = [(slots[i], d + 1) for i, d in zip(order, depths, strict=True)]
+            table = RowTable.from_dispatch([s for s, _ in pairs], [rows for _, rows in pairs])
+            # Verify never uses WY tables here (the recurrent form runs the verify rows).
+            key = verify_graph_key(pairs, True, self.write_on_accept)
+            if len(self._shapes) >= SHAPES_REMEMBERED:
+                self._shapes.clear()
+            found = self._shapes[slots, ks, canonical] = (key, table)
+        self.telemetry.record_key(*found)
 
     def prepare(
         self, running: list[Sequence], before_drafting: Callable[[], None] | None = None
@@ -211,34 +222,43 @@ class SpeculativeDecoder(DepthPlanning):
             return []
         self._asked = len(seqs)
         drafts, failed = self._propose(seqs, caps)
-        live = []
+        # (one pass per sequence: this runs for every drafting sequence every step)
+        live, sources, short = [], set(), False
         for seq, draft, cap in zip(seqs, drafts, caps, strict=True):
-            if draft is not None and seq.grammar is not None:
+            if draft is None:
+                continue
+            if seq.grammar is not None:
                 draft = grammar_drafts(seq, draft, cap)
-            if draft is not None and draft.tokens:
-                live.append((seq, draft))
-        for seq, draft in live:
+            tokens = draft.tokens
+            if not tokens:
+                continue
+            live.append((seq, draft))
+            short = short or len(tokens) != cap
             if draft.probs is not None:
                 seq.fresh_noise = True  # from now on, for good: see `SamplingRow.fresh_noise`
-        cap_of = {s.seq_id: c for s, c in zip(seqs, caps, strict=True)}
-        if planned and (self.any_depths or all(len(d.tokens) == cap_of[s.seq_id] for s, d in live)):
+            if isinstance(tokens, DeviceRow):
+                sources.add(tokens.source)
+        if planned and (self.any_depths or not short):
             # Every sequence drafted as deep as planned, or not at all (it decodes plainly, as
             # it would at depth 0; dropping it keeps the others' depths in the deal's order):
             # the plan stands, no second planning; with `any_depths`, whatever they drafted (a
             # second plan, 0.15 ms a step at batch 8 on the H200's host, could only cut rows).
+            proposed = {}
             for seq, draft in live:
                 seq.draft = draft
-        elif self.cfg.dcut and live:
-            self._cut(live, cap_of)
+                proposed[seq.seq_id] = (len(draft.tokens), draft.tokens)
         else:
-            for seq, draft in live:
-                seq.draft = draft
-        # (the proposed tokens, not their first: drafts on the device are read at the verdicts)
-        self._proposed = {
-            s.seq_id: (min(len(d.tokens), len(s.draft.tokens) if s.draft else 0), d.tokens)
-            for s, d in live
-        }
-        self._sources = {d.tokens.source for _, d in live if isinstance(d.tokens, DeviceRow)}
+            if self.cfg.dcut and live:
+                self._cut(live, {s.seq_id: c for s, c in zip(seqs, caps, strict=True)})
+            else:
+                for seq, draft in live:
+                    seq.draft = draft
+            # (the proposed tokens, not their first: drafts on the device are read at the verdicts)
+            proposed = {
+                s.seq_id: (min(len(d.tokens), len(s.draft.tokens) if s.draft else 0), d.tokens)
+                for s, d in live
+            }
+        self._proposed, self._sources = proposed, sources
         return failed
 
     def _propose(self, seqs: list[Sequence], caps: list[int]):
@@ -286,21 +306,30 @@ class SpeculativeDecoder(DepthPlanning):
 
     def _observe(self, verdicts: list[Verdict]) -> list[tuple[Sequence, str]]:
         width = sum(1 for v in verdicts if v.drafts)
+        # (per verified sequence per step: the look-ups hoisted out of the loop)
+        proposed_of = self._proposed.get
+        record, learn = self.telemetry.record, self.estimator.observe
+        learned = False
         for v in verdicts:
-            real, proposed = self._proposed.get(v.seq.seq_id, (len(v.drafts), None))
-            first = None if proposed is None else proposed[0]
+            seq_id = v.seq.seq_id
             if v.drafts:
+                found = proposed_of(seq_id)
+                real = len(v.drafts) if found is None else found[0]
                 matches = v.matches[:real]
-                self.telemetry.record(width, matches, min(v.num_accepted, real))
-                self.estimator.observe(v.seq.seq_id, matches)
-                self._quiet = None
+                record(width, matches, min(v.num_accepted, real))
+                learn(seq_id, matches)
+                learned = True
                 if self._debug and self.telemetry.num_drafts % ACCEPT_DEBUG_EVERY == 0:
                     for line in self.telemetry.width_lines():
                         log.info("spec accept %s", line)
-            elif first is not None and v.emitted:
-                # Cut to depth 0: whether its first draft was the token it emitted anyway.
-                self.estimator.observe(v.seq.seq_id, [first == v.emitted[0]])
-                self._quiet = None
+            elif v.emitted:
+                found = proposed_of(seq_id)
+                if found is not None:
+                    # Cut to depth 0: whether its first draft was the token it emitted anyway.
+                    learn(seq_id, [found[1][0] == v.emitted[0]])
+                    learned = True
+        if learned:
+            self._quiet = None
         shadow = knobs().mtp_shadow_topk
         if shadow > 0:
             for v in (v for v in verdicts if v.drafts):

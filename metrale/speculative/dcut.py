@@ -175,17 +175,15 @@ class VerifyCostModel:
             cached = self._memo[key] = self._step_time(rows, width)
         return cached
 
-    def step_times(self, width: int, count: int) -> np.ndarray:
-        """[count] relative times of verifies of `width` sequences and width + r rows, r = 0 ..
+    def step_times(self, width: int, count: int) -> tuple[float, ...]:
+        """Relative times of verifies of `width` sequences and width + r rows, r = 0 ..
         count - 1 (the planner prices every r of a batch at once; kept per width and count)."""
         key = (-width, count)  # beside the (rows, width) points, never equal to one
         table = self._memo.get(key)
         if table is None:
             if len(self._memo) >= MEMO_POINTS:
                 self._memo.clear()
-            table = self._memo[key] = np.array(
-                [self.step_time(width + r, width) for r in range(count)]
-            )
+            table = self._memo[key] = tuple(self.step_time(width + r, width) for r in range(count))
         return table
 
     def _step_time(self, rows: int, width: int) -> float:
@@ -252,10 +250,15 @@ def expected_tokens(inp: PlanInput, depth: int) -> float:
 
 def _best_extra_rows(extra_tokens: Sequence[float], n: int, cost: VerifyCostModel) -> int:
     """The r maximising (n + extra_tokens[r]) / T(n + r), the fewest rows on a tie; r = 0 is
-    all plain decode and always a candidate. -inf marks an r no plan reaches."""
-    value = (n + np.asarray(extra_tokens, dtype=float)) / cost.step_times(n, len(extra_tokens))
+    all plain decode and always a candidate. -inf marks an r no plan reaches.
+
+    NOTE: plain Python, not numpy: a few dozen values, priced at most steps of a small batch,
+    where numpy's per-call overhead was most of the plan's time on the host."""
+    times = cost.step_times(n, len(extra_tokens))
+    value = [(n + e) / t for e, t in zip(extra_tokens, times, strict=True)]
     # the first r within float noise of the best: noise in a sum must not buy a row
-    return int(np.argmax(value * (1.0 + _TIE) >= value.max()))
+    bar = max(value)
+    return next(r for r, v in enumerate(value) if v * (1.0 + _TIE) >= bar)
 
 
 def _free_depths(gains: list[list[float]], cost: VerifyCostModel, spare: int) -> list[int]:

@@ -37,6 +37,9 @@ DEVICE_MIN_SEQS = 16
 # draft: indexing a 4k-token prompt takes milliseconds of host time (about 6 ms on a CI core),
 # which the first draft step of every new request paid in full.
 CATCH_UP_MIN = 16
+# New n-gram starts of one n up to which `NgramIndex` slices each n-gram instead of zipping n
+# shifted slices (the zip's set-up costs more for the few tokens of a decode step).
+FEW_STARTS = 4
 
 
 def lookup(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
@@ -111,7 +114,12 @@ class NgramIndex:
         last = len(tokens) - 1  # an n-gram starting at i is followed once i + n <= last
         for n, latest, prev in zip(range(self.n_min, self.n_max + 1), self.latest, self.prev):
             first, stop = len(prev), last - n + 1  # starts first .. stop - 1 are new
-            if first >= stop:
+            if stop - first <= FEW_STARTS:
+                # a decode step's few tokens: a slice each costs less than setting up a zip
+                for i in range(first, stop):
+                    gram = tuple(tokens[i : i + n])
+                    prev.append(latest.get(gram, -1))
+                    latest[gram] = base + i
                 continue
             # the n-grams as tuples, built in C by zipping n shifted slices
             grams = zip(*(tokens[first + j : stop + j] for j in range(n)))
