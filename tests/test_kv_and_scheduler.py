@@ -136,3 +136,20 @@ def test_paged_attention_matches_dense_causal_attention():
         expected.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
     torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=1e-5)
     assert cache[:, 0].abs().sum() == 0  # nothing was written to the dummy page
+
+
+def test_a_batch_phase_follows_the_entries_the_scheduler_appends():
+    """`Batch.phase` is kept once worked out (it is read several times a step), yet follows the
+    entry list as the scheduler builds it, and a new list."""
+    from metrale.engine.sequence import Batch, Phase, ScheduledSeq
+
+    decoding, prompt = make_seq(0, 4), make_seq(1, 6)
+    decoding.num_computed_tokens = 3
+    batch = Batch(entries=[ScheduledSeq(decoding, 1)])
+    assert batch.phase is Phase.DECODE
+    batch.entries.append(ScheduledSeq(prompt, 6))
+    assert batch.phase is Phase.MIXED
+    batch.entries = [ScheduledSeq(prompt, 3)]
+    assert batch.phase is Phase.PREFILL
+    batch.entries = [ScheduledSeq(decoding, 3, [7, 8])]
+    assert batch.phase is Phase.VERIFY

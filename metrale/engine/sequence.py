@@ -169,9 +169,22 @@ class Batch:
     preempted: list[Sequence] = field(default_factory=list)
     # sequences the scheduler ended (e.g. one that can never fit the page pool)
     failed: list[Sequence] = field(default_factory=list)
+    # (the entry list's identity and length, its phase): `phase` is read several times a step
+    # (runner, engine, D-Cut's timing), a pass over every entry each time
+    _phase: tuple[tuple[int, int], Phase] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     @property
     def phase(self) -> Phase:
+        # worked out again only when the list changed (the scheduler appends to it while it
+        # builds the batch; nothing changes an entry once made)
+        key = (id(self.entries), len(self.entries))
+        if self._phase is None or self._phase[0] != key:
+            self._phase = (key, self._phase_of_entries())
+        return self._phase[1]
+
+    def _phase_of_entries(self) -> Phase:
         if all(e.samples and e.num_rows == 1 + len(e.drafts) for e in self.entries):
             return Phase.VERIFY if any(e.drafts for e in self.entries) else Phase.DECODE
         if not any(e.samples for e in self.entries):
