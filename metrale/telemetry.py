@@ -157,28 +157,40 @@ class SpecTelemetry:
     contiguous_runs: int = 0
 
     def record(self, width: int, matches: list[bool], num_accepted: int) -> None:
-        k = len(matches)
-        if k == 0:
-            return
-        self.num_drafts += 1
-        self.num_draft_tokens += k
-        self.num_accepted_tokens += num_accepted
-        # NOTE: runs for every verified sequence every step (a share of a batch-64 step)
+        """One sequence-verify of a step of `width` verifying sequences."""
+        self.record_verifies(width, [(matches, num_accepted)])
+
+    def record_verifies(self, width: int, verifies: list[tuple[list[bool], int]]) -> None:
+        """A step's sequence-verifies, (matches, accepted drafts) each, `width` of them
+        verifying. NOTE: one call a step, not one a sequence (a share of a batch-64 step)."""
         drafted, matched = self.drafted_per_pos, self.matched_per_pos
         accepted = self.accepted_per_pos
-        if k > len(drafted):
-            for counts in (accepted, matched, drafted):
-                counts.extend([0] * (k - len(counts)))
-        for j in range(k):
-            drafted[j] += 1
-            if matches[j]:
-                matched[j] += 1
-        for j in range(min(num_accepted, k)):
-            accepted[j] += 1
+        count = drafts = accepts = 0
+        for matches, num_accepted in verifies:
+            k = len(matches)
+            if k == 0:
+                continue
+            count += 1
+            drafts += k
+            accepts += num_accepted
+            if k > len(drafted):
+                for counts in (accepted, matched, drafted):
+                    counts.extend([0] * (k - len(counts)))
+            for j in range(k):
+                drafted[j] += 1
+                if matches[j]:
+                    matched[j] += 1
+            for j in range(min(num_accepted, k)):
+                accepted[j] += 1
+        if not count:
+            return
+        self.num_drafts += count
+        self.num_draft_tokens += drafts
+        self.num_accepted_tokens += accepts
         bucket = self.by_width.setdefault(width_bucket(width), [0, 0, 0])
-        bucket[0] += 1
-        bucket[1] += k
-        bucket[2] += num_accepted
+        bucket[0] += count
+        bucket[1] += drafts
+        bucket[2] += accepts
 
     def record_key(self, key: tuple, table: RowTable | None = None) -> None:
         self.verify_steps += 1

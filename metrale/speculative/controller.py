@@ -306,29 +306,31 @@ class SpeculativeDecoder(DepthPlanning):
 
     def _observe(self, verdicts: list[Verdict]) -> list[tuple[Sequence, str]]:
         width = sum(1 for v in verdicts if v.drafts)
-        # (per verified sequence per step: the look-ups hoisted out of the loop)
+        # (gathered, then recorded in one call each: this runs for every verified sequence)
         proposed_of = self._proposed.get
-        record, learn = self.telemetry.record, self.estimator.observe
-        learned = False
+        verifies, learned = [], []
         for v in verdicts:
             seq_id = v.seq.seq_id
             if v.drafts:
                 found = proposed_of(seq_id)
                 real = len(v.drafts) if found is None else found[0]
                 matches = v.matches[:real]
-                record(width, matches, min(v.num_accepted, real))
-                learn(seq_id, matches)
-                learned = True
-                if self._debug and self.telemetry.num_drafts % ACCEPT_DEBUG_EVERY == 0:
-                    for line in self.telemetry.width_lines():
-                        log.info("spec accept %s", line)
+                verifies.append((matches, min(v.num_accepted, real)))
+                learned.append((seq_id, matches))
             elif v.emitted:
                 found = proposed_of(seq_id)
                 if found is not None:
                     # Cut to depth 0: whether its first draft was the token it emitted anyway.
-                    learn(seq_id, [found[1][0] == v.emitted[0]])
-                    learned = True
+                    learned.append((seq_id, [found[1][0] == v.emitted[0]]))
+        if verifies:
+            telemetry = self.telemetry
+            before = telemetry.num_drafts // ACCEPT_DEBUG_EVERY
+            telemetry.record_verifies(width, verifies)
+            if self._debug and telemetry.num_drafts // ACCEPT_DEBUG_EVERY > before:
+                for line in telemetry.width_lines():
+                    log.info("spec accept %s", line)
         if learned:
+            self.estimator.observe_many(learned)
             self._quiet = None
         shadow = knobs().mtp_shadow_topk
         if shadow > 0:
