@@ -243,22 +243,19 @@ class SpeculativeDecoder(DepthPlanning):
             # it would at depth 0; dropping it keeps the others' depths in the deal's order):
             # the plan stands, no second planning; with `any_depths`, whatever they drafted (a
             # second plan, 0.15 ms a step at batch 8 on the H200's host, could only cut rows).
-            proposed = {}
             for seq, draft in live:
                 seq.draft = draft
-                proposed[seq.seq_id] = (len(draft.tokens), draft.tokens)
+        elif self.cfg.dcut and live:
+            self._cut(live, {s.seq_id: c for s, c in zip(seqs, caps, strict=True)})
         else:
-            if self.cfg.dcut and live:
-                self._cut(live, {s.seq_id: c for s, c in zip(seqs, caps, strict=True)})
-            else:
-                for seq, draft in live:
-                    seq.draft = draft
-            # (the proposed tokens, not their first: drafts on the device are read at the verdicts)
-            proposed = {
-                s.seq_id: (min(len(d.tokens), len(s.draft.tokens) if s.draft else 0), d.tokens)
-                for s, d in live
-            }
-        self._proposed, self._sources = proposed, sources
+            for seq, draft in live:
+                seq.draft = draft
+        # (the proposed tokens, not their first: drafts on the device are read at the verdicts)
+        self._proposed = {
+            s.seq_id: (min(len(d.tokens), len(s.draft.tokens) if s.draft else 0), d.tokens)
+            for s, d in live
+        }
+        self._sources = sources
         return failed
 
     def _propose(self, seqs: list[Sequence], caps: list[int]):
@@ -305,7 +302,6 @@ class SpeculativeDecoder(DepthPlanning):
             self.host.spent(time.perf_counter() - start + device)
 
     def _observe(self, verdicts: list[Verdict]) -> list[tuple[Sequence, str]]:
-        width = sum(1 for v in verdicts if v.drafts)
         # (gathered, then recorded in one call each: this runs for every verified sequence)
         proposed_of = self._proposed.get
         verifies, learned = [], []
@@ -325,7 +321,7 @@ class SpeculativeDecoder(DepthPlanning):
         if verifies:
             telemetry = self.telemetry
             before = telemetry.num_drafts // ACCEPT_DEBUG_EVERY
-            telemetry.record_verifies(width, verifies)
+            telemetry.record_verifies(len(verifies), verifies)  # the step's verify width
             if self._debug and telemetry.num_drafts // ACCEPT_DEBUG_EVERY > before:
                 for line in telemetry.width_lines():
                     log.info("spec accept %s", line)
