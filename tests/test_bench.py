@@ -80,6 +80,7 @@ def test_bench_e2e_drafter_on_the_default_model(tmp_path, capsys):
     printed = capsys.readouterr().out
     result = json.loads(printed.strip().splitlines()[-1])
     assert "steady state (2 requests per slot)" in printed
+    assert "req_tpot_x" in printed
     assert result == json.loads((out / "drafter_e2e.json").read_text())
     assert result["model"] == str(default_model_dir())
     assert [r["batch"] for r in result["e2e"]] == [1, 2]
@@ -87,6 +88,9 @@ def test_bench_e2e_drafter_on_the_default_model(tmp_path, capsys):
         assert row["identical_outputs"] == 1.0
         assert 1.0 < row["mean_acceptance_length"] <= 4.0  # the trained head is sometimes right
         assert row["tokens_per_s_plain"] > 0 and row["tokens_per_s_spec"] > 0
+        # each request's own time per output token, from the engine's request telemetry
+        assert row["request_tpot_ms_plain"] > 0 and row["request_tpot_ms_spec"] > 0
+        assert not any(key.startswith("request_") for key in row["steady"])
         # steady state: twice as many requests as slots, streamed through them
         assert row["steady"]["requests"] == 2 * row["batch"]
         assert 1.0 < row["steady"]["mean_acceptance_length"] <= 4.0

@@ -10,6 +10,15 @@ prefill subtracted), the mean acceptance length, and how many outputs equal the 
 ones (bf16 verify rows round differently from decode rows, so near-ties may flip; float32 never
 does).
 
+Time per output token is given two ways. `tpot_ms_*` and `decode_x` time the batch: its decode
+phase, first token to the last sequence's last, over the tokens of one sequence.
+`request_tpot_ms_*` and `req_tpot_x` are what vLLM's and SGLang's serving benchmarks call TPOT:
+each request's own time from its first token to its last over its tokens after the first,
+averaged over the requests (the engine's request telemetry, as tokens reach the caller). A
+closed batch tells them apart: plain decoding ends every sequence at the same step, while with
+speculation a sequence whose drafts are often accepted ends early, and the batch's time is its
+slowest sequence's.
+
 Those runs are closed batches: the batch ends with its slowest sequence, and a sequence whose
 drafts are seldom accepted keeps the others' slots idle while it finishes. A serving engine sees
 arrivals instead, so each batch size is also run in steady state (`--steady-requests-per-slot`
@@ -69,16 +78,21 @@ def timed_pair(llm: LLM, prompts, plain_params, spec_params, width: int | None =
             tel.host_gated_plans,
         ]
 
+    decode = engine.telemetry.request.decode  # each request's first token to its last
     times: dict[bool, list[float]] = {False: [], True: []}
+    per_request: dict[bool, list[float]] = {False: [], True: []}
     outs, spec_counts = {}, [0] * 5
     for _ in range(REPEATS):
         for speculative, params in ((False, plain_params), (True, spec_params)):
             before = counters()
+            total, count = decode.total, decode.count
             sync(device)
             start = time.perf_counter()
             outs[speculative] = llm.generate(prompts, params, use_tqdm=False)
             sync(device)
             times[speculative].append(time.perf_counter() - start)
+            finished = decode.count - count
+            per_request[speculative].append((decode.total - total) / max(finished, 1))
             if speculative:  # the counters of the speculative runs alone
                 spec_counts = [c + a - b for c, a, b in zip(spec_counts, counters(), before)]
     drafts, accepted, verify_steps, steps, gated = spec_counts
@@ -89,6 +103,8 @@ def timed_pair(llm: LLM, prompts, plain_params, spec_params, width: int | None =
         "host_ms_drafting_batch": None if host is None else host * 1e3,
         "host_gated_plans": gated,
     }
+    for speculative, name in ((False, "plain"), (True, "spec")):
+        figures[f"request_decode_s_{name}"] = statistics.median(per_request[speculative])
     t_plain, t_spec = (statistics.median(times[m]) for m in (False, True))
     return outs[False], t_plain, outs[True], t_spec, figures
 
@@ -114,6 +130,8 @@ def steady_state(llm: LLM, prompts: list[list[int]], slots: int, max_tokens: int
             llm, prompts, params(False), params(True), width=slots
         )
     tokens = sum(lengths)
+    for name in ("plain", "spec"):  # lengths vary here: no time per token from them
+        figures.pop(f"request_decode_s_{name}")
     return {
         "requests": len(prompts),
         "output_tokens": tokens,
@@ -173,6 +191,10 @@ def drafter_e2e(args) -> dict:
                 "tpot_ms_plain": decode_plain / steps * 1e3,
                 "tpot_ms_spec": decode_spec / steps * 1e3,
                 "decode_speedup": decode_plain / decode_spec,
+                # time per output token as a serving benchmark counts it: each request's own
+                # (first token to last), averaged over the requests
+                "request_tpot_ms_plain": figures.pop("request_decode_s_plain") / steps * 1e3,
+                "request_tpot_ms_spec": figures.pop("request_decode_s_spec") / steps * 1e3,
                 **figures,
                 "identical_outputs": sum(
                     a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -211,13 +233,14 @@ def format_drafter_e2e(result: dict) -> str:
         f"{result['drafter']} K={result['num_drafts']} on {result['model']} "
         f"({result['device']}, {result['dtype']})",
         "batch  plain_tok_s  spec_tok_s  speedup  tpot_plain_ms  tpot_spec_ms  decode_x  "
-        "accept_len  identical  verify_share  host_ms  gated",
+        "req_tpot_x  accept_len  identical  verify_share  host_ms  gated",
     ]
     for r in result["e2e"]:
+        request_x = r["request_tpot_ms_plain"] / r["request_tpot_ms_spec"]
         lines.append(
             f"{r['batch']:5d}  {r['tokens_per_s_plain']:11.1f}  {r['tokens_per_s_spec']:10.1f}  "
             f"{r['speedup']:7.2f}  {r['tpot_ms_plain']:13.3f}  {r['tpot_ms_spec']:12.3f}  "
-            f"{r['decode_speedup']:8.2f}  {r['mean_acceptance_length']:10.2f}  "
+            f"{r['decode_speedup']:8.2f}  {request_x:10.2f}  {r['mean_acceptance_length']:10.2f}  "
             f"{r['identical_outputs']:9.2f}  {_spec_columns(r)}"
         )
     steady = [r for r in result["e2e"] if "steady" in r]
