@@ -113,6 +113,28 @@ def test_ties_pick_the_lower_index_and_weights_renormalise():
     assert ids.tolist() == [[0, 1], [1, 2], [0, 1]]
 
 
+def test_picks_follow_the_float_order_across_signs_zeros_and_infinities():
+    """The kernel sorts each row by an integer made of the logit's bits: negative logits, -0.0
+    against 0.0 (equal: the lower index first), -inf and magnitudes far apart order as floats
+    do, and every weight is the reference's softmax probability."""
+    inf = float("inf")
+    logits = torch.tensor(
+        [
+            [-0.0, 0.0, -0.0, 0.0, -1.0, -2.0],
+            [-3.5, -3.25, -1e30, 1e30, -inf, -inf],
+            [-inf, -2.0, -inf, -1.5, -2.0, -7.0],
+            [1e-38, -1e-38, 0.0, -0.0, 2e-38, -2e-38],
+        ],
+        device=DEVICE,
+    )
+    for k in (1, 3, 4):
+        plan = moe_routing.route(logits, k, norm_topk_prob=False)
+        ids, weights = moe_routing.route_reference(logits, k, False)
+        assert plan.ids.long().tolist() == ids.tolist(), k
+        torch.testing.assert_close(plan.weights, weights, rtol=1e-6, atol=0.0)
+    assert plan.ids.tolist()[0] == [0, 1, 2, 3]
+
+
 def test_plan_from_given_ids():
     """An expert-parallel rank's picks (others' masked to expert 0): the plan alone."""
     ids = torch.tensor([[0, 2], [0, 0], [3, 1]], device=DEVICE)

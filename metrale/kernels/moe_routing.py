@@ -168,11 +168,14 @@ if triton is not None:
         K: tl.constexpr,
         BR: tl.constexpr,
         BE: tl.constexpr,
+        BKK: tl.constexpr,
         SHARED: tl.constexpr,
+        DISTINCT: tl.constexpr,
     ):
         """Scatter block blk's pairs to their sorted positions: pair (r, j) of expert e goes to
         the start of e's group + e's pairs in earlier rows + e's picks in row r before slot j
-        (an expert-parallel rank's masked picks repeat an expert within a row)."""
+        (an expert-parallel rank's masked picks repeat an expert within a row). DISTINCT: no
+        row picks an expert twice (picks made here), so each pair's place is one gather."""
         cols = tl.arange(0, BE)
         rows = blk * BR + tl.arange(0, BR)
         r_ok = rows < N
@@ -183,12 +186,19 @@ if triton is not None:
             idx = tl.load(ids_ptr + rows * K + j, mask=r_ok, other=0)
             count += ((cols[None, :] == idx[:, None]) & r_ok[:, None]).to(tl.int32)
         at = tl.cumsum(count, axis=0) - count + base[None, :]
-        for j in tl.static_range(K):
-            idx = tl.load(ids_ptr + rows * K + j, mask=r_ok, other=0)
-            hit = cols[None, :] == idx[:, None]
-            pos = tl.sum(tl.where(hit, at, 0), axis=1)
-            tl.store(order_ptr + pos, rows * K + j, mask=r_ok)
-            at += hit.to(tl.int32)  # a repeat of e in this row goes after this one
+        if DISTINCT:
+            slot = tl.arange(0, BKK)
+            ok = r_ok[:, None] & (slot[None, :] < K)
+            pair = rows[:, None] * K + slot[None, :]
+            idx = tl.load(ids_ptr + pair, mask=ok, other=0)
+            tl.store(order_ptr + tl.gather(at, idx, axis=1), pair, mask=ok)
+        else:
+            for j in tl.static_range(K):
+                idx = tl.load(ids_ptr + rows * K + j, mask=r_ok, other=0)
+                hit = cols[None, :] == idx[:, None]
+                pos = tl.sum(tl.where(hit, at, 0), axis=1)
+                tl.store(order_ptr + pos, rows * K + j, mask=r_ok)
+                at += hit.to(tl.int32)  # a repeat of e in this row goes after this one
         if SHARED:
             tl.store(order_ptr + N * K + rows, N * K + rows, mask=r_ok)
 
@@ -252,6 +262,7 @@ if triton is not None:
         BH: tl.constexpr,
         NORM: tl.constexpr,
         SHARED: tl.constexpr,
+        DISTINCT: tl.constexpr,
         PHASE: tl.constexpr,  # 0: route, 1: plan (a program per block); 2: both, one program
     ):
         if PHASE == 2:
@@ -262,7 +273,9 @@ if triton is not None:
                 )  # fmt: skip
             tl.debug_barrier()  # the counts and ids other threads stored, visible below
             for blk in range(NB):
-                _plan_block(blk, ids_ptr, counts_ptr, order_ptr, N, NB, K, BR, BE, SHARED)
+                _plan_block(
+                    blk, ids_ptr, counts_ptr, order_ptr, N, NB, K, BR, BE, BKK, SHARED, DISTINCT
+                )
             _tile_map(counts_ptr, tiles_ptr, N, E, NB, MAX_TILES, K, BE, BM, 64, SHARED)
         elif PHASE == 0:
             _route_block(
@@ -271,7 +284,9 @@ if triton is not None:
             )  # fmt: skip
         else:
             blk = tl.program_id(0)
-            _plan_block(blk, ids_ptr, counts_ptr, order_ptr, N, NB, K, BR, BE, SHARED)
+            _plan_block(
+                blk, ids_ptr, counts_ptr, order_ptr, N, NB, K, BR, BE, BKK, SHARED, DISTINCT
+            )
             if blk == 0:
                 _tile_map(counts_ptr, tiles_ptr, N, E, NB, MAX_TILES, K, BE, BM, 64, SHARED)
 
@@ -372,6 +387,7 @@ def route(
         BH=128,
         NORM=norm_topk_prob,
         SHARED=shared,
+        DISTINCT=from_logits,  # picks made here: a row's experts are distinct
     )
     if from_logits and logits.stride(1) != 1:
         raise ValueError("router logits need unit column stride")
