@@ -7,8 +7,9 @@ I 512, a shared expert of 512, bf16) on one GPU, per layer, each timed as a repl
   torch     the block's torch path (`METRALE_NO_FUSED_KERNELS=1` would give it on CUDA)
 
 against the weight bytes the batch reads over the copy bandwidth (the block's roofline). `--sweep`
-times the grouped kernels' block shapes (BM, BN, BK, warps; one shape serves every batch size, a
-row's rounding must not depend on it: pick one). Run from the repository root:
+times the grouped kernels' block shapes (BN, BK, warps; gate/up's, then down's, the other kernel
+at its default; one shape serves every batch size, a row's rounding must not depend on it: pick
+one). Run from the repository root:
 `PYTHONPATH=. python benchmarks/moe_kernels.py [--sweep]`; one JSON document on stdout.
 """
 
@@ -71,11 +72,11 @@ def _block():
     return block.cuda().bfloat16()
 
 
-SWEEP = [
-    (bm, shape)
-    for bm in (16, 32, 64)
-    for shape in ((16, 128, 4), (32, 128, 4), (64, 128, 4), (64, 64, 4), (128, 64, 8))
-]
+# (BN, BK, warps) of each grouped kernel, swept one kernel at a time (the other at its default)
+SWEEP = {
+    "gate_up": [(bn, bk, w) for bn in (16, 32, 64) for bk in (64, 128, 256) for w in (4, 8)],
+    "down": [(bn, bk, w) for bn in (32, 64, 128) for bk in (64, 128, 256) for w in (4, 8)],
+}
 
 
 def _measure(n: int, block, norm, bw: float, sweep: bool) -> dict:
@@ -102,14 +103,16 @@ def _measure(n: int, block, norm, bw: float, sweep: bool) -> dict:
     qwen3_next_moe.hybrid_kernels_enabled = fused
     row["block_x_roofline"] = row["block_us"] / row["roofline_us"]
     if sweep:
-        times, defaults = {}, (moe.GATE_UP_BLOCKS, moe.DOWN_BLOCKS)
-        for bm, (bn, bk, warps) in SWEEP:
-            moe.GATE_UP_BLOCKS = moe.DOWN_BLOCKS = (bn, bk, warps)
-            p = moe_routing.route(logits, K, shared=True, block_m=bm)
-            times[f"BM{bm}-BN{bn}-BK{bk}-W{warps}"] = _time(
-                lambda p=p: moe.grouped_experts(x, p, exp.gate_up_proj, exp.down_proj, shared)
-            )
-        moe.GATE_UP_BLOCKS, moe.DOWN_BLOCKS = defaults
+        times = {}
+        for kernel, shapes in SWEEP.items():
+            name = "GATE_UP_BLOCKS" if kernel == "gate_up" else "DOWN_BLOCKS"
+            default = getattr(moe, name)
+            for bn, bk, warps in shapes:
+                setattr(moe, name, (bn, bk, warps))
+                times[f"{kernel}-BN{bn}-BK{bk}-W{warps}"] = _time(
+                    lambda: moe.grouped_experts(x, plan, exp.gate_up_proj, exp.down_proj, shared)
+                )
+            setattr(moe, name, default)
         row["experts_sweep_us"] = times
     return row
 
