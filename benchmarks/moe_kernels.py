@@ -7,9 +7,9 @@ I 512, a shared expert of 512, bf16) on one GPU, per layer, each timed as a repl
   torch     the block's torch path (`METRALE_NO_FUSED_KERNELS=1` would give it on CUDA)
 
 against the weight bytes the batch reads over the copy bandwidth (the block's roofline). `--sweep`
-times the grouped kernels' block shapes (BN, BK, warps; gate/up's, then down's, the other kernel
-at its default; one shape serves every batch size, a row's rounding must not depend on it: pick
-one). Run from the repository root:
+times the grouped kernels' block shapes (BN, BK, warps, stages; gate/up's, then down's, the other
+kernel at its default; one shape serves every batch size, a row's rounding must not depend on
+it: pick one). Run from the repository root:
 `PYTHONPATH=. python benchmarks/moe_kernels.py [--sweep]`; one JSON document on stdout.
 """
 
@@ -20,6 +20,7 @@ import json
 import math
 
 import torch
+import triton
 
 from metrale.bench.shapes import experts_read
 from metrale.config import ModelConfig
@@ -72,10 +73,11 @@ def _block():
     return block.cuda().bfloat16()
 
 
-# (BN, BK, warps) of each grouped kernel, swept one kernel at a time (the other at its default)
+# (BN, BK, warps, stages) of each grouped kernel near the chosen ones, swept one kernel at a time
+# (the other at its default)
 SWEEP = {
-    "gate_up": [(bn, bk, w) for bn in (16, 32, 64) for bk in (64, 128, 256) for w in (4, 8)],
-    "down": [(bn, bk, w) for bn in (32, 64, 128) for bk in (64, 128, 256) for w in (4, 8)],
+    "gate_up": [(bn, bk, 4, st) for bn in (32, 64) for bk in (128, 256) for st in (2, 3, 4, 5)],
+    "down": [(bn, bk, 4, st) for bn in (64, 128) for bk in (64, 128) for st in (2, 3, 4, 5)],
 }
 
 
@@ -107,11 +109,17 @@ def _measure(n: int, block, norm, bw: float, sweep: bool) -> dict:
         for kernel, shapes in SWEEP.items():
             name = "GATE_UP_BLOCKS" if kernel == "gate_up" else "DOWN_BLOCKS"
             default = getattr(moe, name)
-            for bn, bk, warps in shapes:
-                setattr(moe, name, (bn, bk, warps))
-                times[f"{kernel}-BN{bn}-BK{bk}-W{warps}"] = _time(
-                    lambda: moe.grouped_experts(x, plan, exp.gate_up_proj, exp.down_proj, shared)
-                )
+            for bn, bk, warps, stages in shapes:
+                setattr(moe, name, (bn, bk, warps, stages))
+                try:
+                    us = _time(
+                        lambda: moe.grouped_experts(
+                            x, plan, exp.gate_up_proj, exp.down_proj, shared
+                        )
+                    )
+                except triton.runtime.errors.OutOfResources:  # shared memory: no such shape
+                    us = None
+                times[f"{kernel}-BN{bn}-BK{bk}-W{warps}-S{stages}"] = us
             setattr(moe, name, default)
         row["experts_sweep_us"] = times
     return row

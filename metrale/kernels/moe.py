@@ -29,13 +29,14 @@ import torch
 from metrale.kernels.fused import triton
 from metrale.kernels.moe_routing import MoEPlan
 
-# (BN, BK, num_warps) per kernel; BM is the plan's block_m. Fixed per process: a row's rounding
-# must not depend on the batch (see the module docstring). The best of
+# (BN, BK, num_warps, num_stages) per kernel; BM is the plan's block_m. Fixed per process: a
+# row's rounding must not depend on the batch (see the module docstring). The best of
 # `benchmarks/moe_kernels.py --sweep` on the H200 over 1, 16, 64 and 256 rows (gate/up: 29.4 /
 # 102.6 / 114.0 / 200.5 us for the three launches against 31.4 / 105.5 / 123.3 / 245.4 with the
-# (32, 128, 8) before it; down: (64, 128, 4) 1-4% faster than (64, 64, 8)).
-GATE_UP_BLOCKS = (32, 128, 4)
-DOWN_BLOCKS = (64, 128, 4)
+# (32, 128, 8) before it; down: (64, 128, 4) 1-4% faster than (64, 64, 8)). Pipeline stages 2-5
+# and wider tiles near these were within 1% (Triton's default 3 kept).
+GATE_UP_BLOCKS = (32, 128, 4, 3)
+DOWN_BLOCKS = (64, 128, 4, 3)
 COMBINE_BLOCK = 1024
 BLOCK_M = 16  # tl.dot's smallest M on the GPU
 
@@ -265,17 +266,17 @@ def grouped_experts(
     dots = _dot_args(x)
     ws_up = gate_up_proj if shared is None else shared.gate_up
     ws_down = down_proj if shared is None else shared.down
-    bn, bk, warps = GATE_UP_BLOCKS
+    bn, bk, warps, stages = GATE_UP_BLOCKS
     _gate_up_kernel[(tiles, triton.cdiv(iw, bn))](
         x, x.stride(0), gate_up_proj, ws_up, plan.order, plan.tiles, h,
         nk, n, tiles, num_experts, hidden, inter, inter_s, iw,
-        K=plan.top_k, BM=plan.block_m, BN=bn, BK=bk, **dots, num_warps=warps,
+        K=plan.top_k, BM=plan.block_m, BN=bn, BK=bk, **dots, num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    bn, bk, warps = DOWN_BLOCKS
+    bn, bk, warps, stages = DOWN_BLOCKS
     _down_kernel[(tiles, triton.cdiv(hidden, bn))](
         h, down_proj, ws_down, plan.order, plan.tiles, y,
         n, tiles, num_experts, hidden, inter, inter_s, iw,
-        BM=plan.block_m, BN=bn, BK=bk, **dots, num_warps=warps,
+        BM=plan.block_m, BN=bn, BK=bk, **dots, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     # the norm needs a whole row per program
     block_h = triton.next_power_of_2(hidden) if add_norm else min(COMBINE_BLOCK, hidden)
