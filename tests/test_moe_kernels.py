@@ -135,6 +135,43 @@ def test_picks_follow_the_float_order_across_signs_zeros_and_infinities():
     assert plan.ids.tolist()[0] == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("launches", [1, 2])
+def test_rows_of_minus_infinity_or_nan_keep_their_picks_distinct(launches, monkeypatch):
+    """A row whose logits run out (-inf) or are NaN still picks k distinct experts below E, so
+    the plan is a permutation of the pairs and every tile holds real pairs (found in review:
+    the same expert picked twice left a hole in `order` that a tile covered, an index out of
+    bounds for the down kernel); the other rows route as the reference does."""
+    if launches == 2:
+        monkeypatch.setattr(moe_routing, "SINGLE_MAX_BLOCKS", 0)
+    inf, nan = float("inf"), float("nan")
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, 8, generator=gen)
+    logits[1] = torch.tensor([0.0, -inf, -inf, -inf, 2.0, -inf, -inf, -inf])
+    logits[2] = nan
+    logits[3, ::2] = nan
+    logits[4] = -inf
+    logits = logits.to(DEVICE)
+    good = [0, 5]
+    for k in (2, 5, 8):
+        for shared in (False, True):
+            plan = moe_routing.route(logits, k, shared=shared, block_m=4)
+            ids = plan.ids.long()
+            assert int(ids.min()) >= 0 and int(ids.max()) < 8
+            assert all(len(set(row)) == k for row in ids.tolist())
+            pairs = 6 * k + (6 if shared else 0)
+            assert sorted(plan.order.tolist()) == list(range(pairs))
+            order, tiles = _plan_reference(ids, 8, shared, 4)
+            assert plan.order.tolist() == order
+            assert [tuple(t) for t in plan.tiles.T.tolist()][: len(tiles)] == tiles
+            want_ids, want_w = moe_routing.route_reference(logits[good], k, True)
+            assert torch.equal(ids[good], want_ids)
+            torch.testing.assert_close(plan.weights[good], want_w, rtol=1e-6, atol=1e-7)
+            assert ids[1].tolist()[:2] == [4, 0]  # then the -inf columns, lowest first
+            assert ids[4].tolist() == list(range(k))
+    with pytest.raises(ValueError, match="top_k"):
+        moe_routing.route(logits, 9)
+
+
 def test_plan_from_given_ids():
     """An expert-parallel rank's picks (others' masked to expert 0): the plan alone."""
     ids = torch.tensor([[0, 2], [0, 0], [3, 1]], device=DEVICE)

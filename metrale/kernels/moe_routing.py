@@ -120,13 +120,17 @@ if triton is not None:
             top = tl.max(logit, axis=1)
             total = tl.sum(tl.exp(logit - top[:, None]), axis=1)
             taken = cols[None, :] >= E
+            # A NaN logit is never picked before a number; its row's weights are NaN (total).
+            pickable = tl.where(logit == logit, logit, float("-inf"))
             vals = tl.zeros([BR, BKK], tl.float32)
             picks = tl.zeros([BR, BKK], tl.int32)
             for j in tl.static_range(K):
-                cur = tl.where(taken, float("-inf"), logit)
+                cur = tl.where(taken, float("-inf"), pickable)
                 best = tl.max(cur, axis=1)
-                # the lowest index among the largest: the tie rule
-                idx = tl.min(tl.where(cur == best[:, None], cols[None, :], BE), axis=1)
+                # the lowest index among the largest not yet taken: the tie rule, and a row's
+                # picks stay distinct when what is left is all -inf (the plan relies on it)
+                at_best = (cur == best[:, None]) & ~taken
+                idx = tl.min(tl.where(at_best, cols[None, :], BE), axis=1)
                 taken = taken | (cols[None, :] == idx[:, None])
                 val = tl.exp(best - top) / total  # its softmax probability, bit for bit
                 vals = tl.where(slot[None, :] == j, val[:, None], vals)
@@ -341,6 +345,8 @@ def route(
     from_logits = ids is None
     n = logits.shape[0] if from_logits else ids.shape[0]
     e = (router.shape[0] if from_hidden else logits.shape[1]) if from_logits else num_experts
+    if from_logits and not 0 < top_k <= e:
+        raise ValueError(f"top_k must be in [1, {e}] (the experts), got {top_k}")
     ref = logits if from_logits else ids
     device = ref.device
     dtype = dtype or (logits.dtype if from_logits else weights.dtype)
