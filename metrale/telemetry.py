@@ -115,13 +115,16 @@ class RequestTelemetry:
         seq.last_token_time = now
 
     def finished(self, seq, now: float) -> None:
+        """The request's split into queue, prefill and decode time, at the engine's clock: its
+        prefill ends with the step that made its first token (the caller may get that token a
+        step later, with deferred text: `ttft` is the caller's view)."""
         self.e2e.observe(now - seq.arrival_time)
         scheduled = seq.first_scheduled_time
         if scheduled is not None:
             self.queue.observe(scheduled - seq.arrival_time)
-            if seq.first_token_time is not None:
-                self.prefill.observe(seq.first_token_time - scheduled)
-                self.decode.observe(now - seq.first_token_time)
+            if seq.first_commit_time is not None:
+                self.prefill.observe(seq.first_commit_time - scheduled)
+                self.decode.observe(now - seq.first_commit_time)
         self.prompt_tokens.observe(len(seq.prompt_token_ids))
         self.generation_tokens.observe(len(seq.output_token_ids))
 

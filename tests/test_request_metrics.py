@@ -50,6 +50,34 @@ def test_ttft_and_inter_token_gaps_follow_the_step_time(tiny_model_dir, spec):
     assert req.generation_tokens.total == n and req.prompt_tokens.total == len(prompt)
 
 
+def test_decode_time_starts_at_the_step_that_made_the_first_token(tiny_model_dir):
+    """With deferred text the caller gets the first token a step late (`ttft` measures that);
+    the request's prefill / decode split is the engine's: decode time starts when the first
+    token is committed, so a slow second step counts as decode (found in review: the bench's
+    per-request time per token missed a step)."""
+    llm = LLM(tiny_model_dir, device="cpu")
+    engine = llm.engine
+    execute = engine.runner.execute
+    calls = []
+
+    def second_is_slow(batch):
+        calls.append(1)
+        if len(calls) == 2:
+            time.sleep(0.2)  # before the step that returns the first token
+        return execute(batch)
+
+    engine.runner.execute = second_is_slow
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7, 8], params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    req = engine.telemetry.request
+    assert len(calls) == 3 and req.decode.count == 1
+    assert req.decode.total >= 0.2  # the second step is decode: the first token came before it
+    assert req.ttft.total >= 0.2  # and the caller got the first token after it
+    assert req.e2e.total >= req.queue.total + req.prefill.total + req.decode.total - 1e-6
+
+
 def test_the_server_exports_them_with_a_model_name(tiny_model_dir):
     from tests.test_server import Server
 

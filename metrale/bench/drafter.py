@@ -14,7 +14,8 @@ Time per output token is given two ways. `tpot_ms_*` and `decode_x` time the bat
 phase, first token to the last sequence's last, over the tokens of one sequence.
 `request_tpot_ms_*` and `req_tpot_x` are what vLLM's and SGLang's serving benchmarks call TPOT:
 each request's own time from its first token to its last over its tokens after the first,
-averaged over the requests (the engine's request telemetry, as tokens reach the caller). A
+averaged over the requests (the engine's request telemetry: from the step that made its first
+token to the one that made its last, whenever the caller got their text). A
 closed batch tells them apart: plain decoding ends every sequence at the same step, while with
 speculation a sequence whose drafts are often accepted ends early, and the batch's time is its
 slowest sequence's.

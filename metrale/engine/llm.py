@@ -320,6 +320,8 @@ class LLMEngine(RequestAdmission):
                 delta = self.emitter.emit(seq, v.tokens)
                 tokens = seq.output_token_ids[before:]
                 emitted += len(tokens)
+                if tokens and seq.first_commit_time is None:
+                    seq.first_commit_time = now
                 if delta is not None:  # else its tokens and text come with the next step's
                     if tokens:
                         requests.emitted(seq, len(tokens), now)

@@ -71,11 +71,14 @@ class Sequence:
     draft: Any = None
     # its `structured.grammar.SequenceGrammar` when its output is constrained
     grammar: Any = None
-    # request timing (time.perf_counter()): arrival, first scheduled, first and last token
+    # request timing (time.perf_counter()): arrival, first scheduled, first and last token as
+    # the caller gets them (with deferred text a step after they are made), and the step that
+    # committed its first token (the engine's clock: where its prefill ends and decode begins)
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float = 0.0
+    first_commit_time: float | None = None
     # Prefix caching (`engine/prefix_cache.py`). Chain hashes of its full pages, computed once
     # (its tokens never change, so they outlive a preemption); the pages of its block table
     # already offered to the cache; the tokens its last admission took from the cache; the
