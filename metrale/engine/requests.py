@@ -144,7 +144,10 @@ class RequestAdmission:
             seq.finish_reason = "abort"
         self._finish(live)
         changed = {request_id: {s.seq_id: ("", []) for s in request.seqs}}
-        self.emitter.take_drained(changed, request_id)  # its deferred text
+        now = time.perf_counter()
+        # its deferred text: those tokens reach the caller now, as a step's would (`_outputs`)
+        for seq, count in self.emitter.take_drained(changed, request_id):
+            self.telemetry.request.emitted(seq, count, now)
         return self.emitter.output(
             request, request.whole() if request.final_only else changed[request_id]
         )
