@@ -80,6 +80,22 @@ def tiny_model_dir(hf_qwen3_factory) -> Path:
 
 
 @pytest.fixture
+def knob_env(monkeypatch):
+    """Set `METRALE_*` knobs for one test: `knob_env(METRALE_X="1", ...)`. The knobs are read
+    afresh then (`knobs()` is cached per process), and again after the test, with the
+    environment as it was."""
+
+    def set_knobs(**env: str) -> None:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        knobs.cache_clear()
+
+    yield set_knobs
+    monkeypatch.undo()
+    knobs.cache_clear()
+
+
+@pytest.fixture
 def canonical_arm(request, monkeypatch):
     """Run a test with the canonical verify-key arm at every width, or never."""
     if request.param:

@@ -255,15 +255,9 @@ from tests.test_hybrid_engine import hybrid_dir  # noqa: E402,F401
 
 
 @pytest.fixture
-def fused(monkeypatch):
+def fused(knob_env):
     """The hybrid target's fused (CUDA) paths, forced under the interpreter."""
-    from metrale.knobs import knobs
-
-    monkeypatch.setenv("METRALE_FORCE_FUSED_KERNELS", "1")
-    knobs.cache_clear()
-    yield
-    monkeypatch.undo()
-    knobs.cache_clear()
+    knob_env(METRALE_FORCE_FUSED_KERNELS="1")
 
 
 class _LinearSpy:

@@ -16,7 +16,6 @@ pytest.importorskip("triton")
 
 from metrale.api import LLM  # noqa: E402
 from metrale.config import SamplingParams  # noqa: E402
-from metrale.knobs import knobs  # noqa: E402
 from metrale.speculative import ngram  # noqa: E402
 from metrale.speculative.ngram import NgramDrafter, lookup  # noqa: E402
 from metrale.speculative.ngram_device import DeviceNgramTable  # noqa: E402
@@ -102,12 +101,9 @@ def test_the_drafter_uses_the_device_for_wide_batches_only(monkeypatch):
 
 
 @pytest.fixture
-def forced_device(monkeypatch):
+def forced_device(knob_env):
     """The engine's n-gram drafter on the device even on CPU (the interpreter)."""
-    monkeypatch.setenv("METRALE_FORCE_FUSED_KERNELS", "1")
-    knobs.cache_clear()
-    yield
-    knobs.cache_clear()
+    knob_env(METRALE_FORCE_FUSED_KERNELS="1")
 
 
 def test_an_engine_drafting_on_the_device_emits_plain_decoding(

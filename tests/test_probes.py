@@ -104,24 +104,13 @@ def flipping_engine(model_dir, params, **options):
     return ref, LLM(model_dir, device="cpu", drafter=drafter, spec=spec, **options), drafter
 
 
-@pytest.fixture
-def no_host_pricing(monkeypatch):
-    """D-Cut without its host-cost gate: plans follow the acceptance estimates alone."""
-    from metrale.knobs import knobs
-
-    monkeypatch.setenv("METRALE_NO_DCUT_HOST_COST", "1")
-    knobs.cache_clear()
-    yield
-    monkeypatch.undo()
-    knobs.cache_clear()
-
-
 def test_probes_back_off_while_nothing_is_accepted_and_speculation_returns(
-    tiny_model_dir, no_host_pricing
+    tiny_model_dir, knob_env
 ):
     """Host pricing off: with it on, a loaded machine's step times could close D-Cut's gate
     on some plans of the second run (a full suite on a 2-core machine counted 19 verify steps
     there, against more than 20 asked), which is the gate's business, not the probes'."""
+    knob_env(METRALE_NO_DCUT_HOST_COST="1")  # plans follow the acceptance estimates alone
     prompts = PROMPTS
     params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
     ref, llm, drafter = flipping_engine(tiny_model_dir, params)
