@@ -57,3 +57,47 @@ def test_a_quiet_plan_ends_when_the_batch_halves(tiny_model_dir):
         picked, _, _ = dec._planned(seqs[:1], [3])
         starved += not picked
     assert starved == 0, f"sequence 0 was not drafted for {starved} steps while alone"
+
+
+def test_quiet_steps_skip_the_caps_and_the_plan_until_a_probe(tiny_model_dir, monkeypatch):
+    """While the depth-0 plan stands, `prepare` is a plain step's: no sequence's caps, no plan,
+    no drafter; the probe step plans again, and so does a batch half as wide."""
+    import metrale.speculative.controller as controller
+
+    probe_every = 6
+    llm = LLM(
+        tiny_model_dir,
+        device="cpu",
+        drafter=ReplayDrafter({}, 0.9, 200),
+        spec={"num_drafts": 3, "dcut_probe_every": probe_every, "dcut_prior": 0.9},
+    )
+    dec = llm.engine.spec
+    dec.cost = VerifyCostModel.from_points({(1, 4.0): 1.0, (8, 4.0): 40.0})
+    caps, plans = [], []
+    real_caps = controller.draft_caps
+    monkeypatch.setattr(controller, "draft_caps", lambda *a: caps.append(1) or real_caps(*a))
+    real_planned = dec._planned
+    monkeypatch.setattr(dec, "_planned", lambda *a: plans.append(1) or real_planned(*a))
+    seqs = [_seq(i) for i in range(8)]
+    for s in seqs:
+        s.num_computed_tokens = 2  # decoding: its last token is the next row
+        s.draft = "stale"  # whatever a step before left: every quiet step clears it
+    assert dec.prepare(seqs) == [] and dec.asked == 0  # step 1 plans: depth 0 everywhere
+    assert len(plans) == 1 and len(caps) == 8
+    quiet_steps = 0
+    while not dec._probes.is_due(dec._steps + 1):
+        caps.clear()
+        assert dec.prepare(seqs) == []
+        assert caps == [] and len(plans) == 1 and dec.asked == 0 and not dec.observing
+        assert all(s.draft is None for s in seqs)
+        quiet_steps += 1
+    assert quiet_steps >= probe_every - 2
+    dec.prepare(seqs)  # the probe step: caps and a plan again
+    assert len(caps) == 8 and len(plans) == 2
+    # after the probe: quiet again, until the batch halves
+    dec._quiet, dec._last_plan = frozenset(s.seq_id for s in seqs), None
+    caps.clear()
+    dec.prepare(seqs[:5])
+    assert caps == [] and len(plans) == 2
+    dec.prepare(seqs[:4])  # half as wide: planned again
+    assert len(caps) == 4 and len(plans) == 3

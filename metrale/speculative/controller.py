@@ -189,6 +189,16 @@ class SpeculativeDecoder(DepthPlanning):
         verdicts are wanted at all). At probe steps (`probes.ProbeSchedule`) a few sequences
         draft anyway, and the ones cut to depth 0 learn from their first draft."""
         self._probing = False  # (`_planned` says; an engine step may plan nothing)
+        self._steps += 1
+        if self.cfg.dcut and self._stays_quiet(running):
+            # planned at depth 0 everywhere, as the step before: a plain step, nothing priced
+            # per sequence (the caps of 64 sequences cost about 0.05 ms a step)
+            for seq in running:
+                seq.draft = None
+            self._proposed, self._sources, self._asked = {}, set(), 0
+            self._planned_width, self._planned_drafted, self._ahead = len(running), 0, None
+            self.observing = not getattr(self.drafter, "stateless", False)
+            return []
         seqs, caps = [], []
         for seq in running:
             seq.draft = None
@@ -198,7 +208,6 @@ class SpeculativeDecoder(DepthPlanning):
                 caps.append(cap)
         self._proposed, self._sources = {}, set()
         self._asked = 0  # sequences the drafter is asked for (what its host work scales with)
-        self._steps += 1
         self._planned_width = len(seqs)  # what D-Cut plans over (`timed_step` files under it)
         planned = False  # caps are depths D-Cut already chose
         if self.cfg.dcut and seqs:

@@ -68,9 +68,7 @@ class DepthPlanning:
             picked = sorted(chosen.union(self._probes.probed(len(seqs))))
             return [seqs[i] for i in picked], [caps[i] for i in picked], False
         running = tuple(s.seq_id for s in seqs)
-        quiet = self._quiet
-        # In a batch half as wide drafting may pay where it did not: plan again then too.
-        if quiet is not None and 2 * len(running) > len(quiet) and not quiet.isdisjoint(running):
+        if self._quiet_over(running):
             return [], [], False
         last = self._last_plan
         fresh = last is not None and self._steps - last[2] < self.cfg.dcut_replan_every
@@ -91,6 +89,21 @@ class DepthPlanning:
         self._last_plan = (running, depth_of, self._steps)
         self._uniform = (max(depths), self._steps) if wide and keep else None
         return [seqs[i] for i in keep], depths, True
+
+    def _quiet_over(self, seq_ids) -> bool:
+        """Whether the depth-0 plan of an earlier step still stands for these sequences: no
+        estimate changed since, some of its sequences still run, and the batch is not half as
+        wide (there drafting may pay where it did not: plan again)."""
+        quiet = self._quiet
+        return quiet is not None and 2 * len(seq_ids) > len(quiet) and not quiet.isdisjoint(seq_ids)
+
+    def _stays_quiet(self, running: list[Sequence]) -> bool:
+        """`_quiet_over` the running sequences, with no probe due: the step skips planning and
+        the caps of its sequences alike (`SpeculativeDecoder._prepare`). Counts the prefilling
+        sequences, which have no caps, as running."""
+        if self._quiet is None or self._probes.is_due(self._steps):
+            return False
+        return self._quiet_over([s.seq_id for s in running])
 
     def _hopeless(self, seqs: list[Sequence], caps: list[int]) -> bool:
         """Whether the drafter's measured host work costs more than the most tokens drafting
