@@ -100,6 +100,35 @@ def test_the_drafter_uses_the_device_for_wide_batches_only(monkeypatch):
     assert narrow[0].tokens == wide[0].tokens
 
 
+def test_a_few_sequences_draft_where_their_tokens_already_are(monkeypatch):
+    """A probe of a wide batch asks for a few sequences whose tokens the device table holds
+    (`catch_up` wrote their prompts there) and whose host indexes were never grown: they draft
+    on the device, not by indexing hundreds of tokens on the host; a few whose host indexes are
+    current stay on the host. The drafts are the reference scan's either way."""
+    slots = ngram.DEVICE_MIN_SEQS
+    drafter = NgramDrafter(1, 3, 512)
+    table = DeviceNgramTable(slots, 512, DEVICE, 1, 3, 512, 3)
+    monkeypatch.setattr(drafter, "device_table", table, raising=False)
+    calls = []
+    propose = table.propose
+    monkeypatch.setattr(table, "propose", lambda s, k: calls.append(len(s)) or propose(s, k))
+    rng = random.Random(5)
+    seqs = [Seq(i, i, [rng.randrange(5) for _ in range(200)]) for i in range(slots)]
+    drafter.catch_up(seqs, width=len(seqs))  # a wide batch's prompts: into the table
+    assert calls == [] and not drafter._indexes
+    few = seqs[:3]
+    got = drafter.propose(few, [3, 3, 3])
+    assert calls == [3], "the few drafted on the device"
+    assert [d.tokens for d in got] == [reference(s, 3, 1, 3, 512) for s in few]
+    assert not drafter._indexes, "and indexed nothing on the host"
+    # host indexes as current as the table: a few look-ups on the host, no launch
+    for s in few:
+        drafter._index(s).extend(s.tokens(0, s.num_tokens))
+    again = drafter.propose(few, [3, 3, 3])
+    assert calls == [3]
+    assert [d.tokens for d in again] == [d.tokens for d in got]
+
+
 @pytest.fixture
 def forced_device(knob_env):
     """The engine's n-gram drafter on the device even on CPU (the interpreter)."""

@@ -37,6 +37,10 @@ DEVICE_MIN_SEQS = 16
 # draft: indexing a 4k-token prompt takes milliseconds of host time (about 6 ms on a CI core),
 # which the first draft step of every new request paid in full.
 CATCH_UP_MIN = 16
+# Tokens by which a few sequences' host indexes may lag their rows in the device table before
+# they draft there instead (`NgramDrafter._on_device`): indexing costs about 1 us a token on the
+# H200's host, a launch and its copy back about 0.1 ms more than a few host look-ups.
+HOST_LAG_MAX = 128
 # New n-gram starts of one n up to which `NgramIndex` slices each n-gram instead of zipping n
 # shifted slices (the zip's set-up costs more for the few tokens of a decode step).
 FEW_STARTS = 4
@@ -205,7 +209,7 @@ class NgramDrafter:
 
     def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> list[Draft]:
         table = self.device_table
-        device = table is not None and len(seqs) >= DEVICE_MIN_SEQS
+        device = table is not None and self._on_device(seqs)
         if table is not None and table.has_ahead:
             found = table.take_ahead(seqs, max_drafts)
             rest = [i for i, d in enumerate(found) if d is None]
@@ -216,6 +220,22 @@ class NgramDrafter:
                     found[i] = draft
             return [Draft(t) for t in found]
         return [Draft(t) for t in self._propose(seqs, max_drafts, device)]
+
+    def _on_device(self, seqs: list[Sequence]) -> bool:
+        """Whether `seqs` draft from the device table: `DEVICE_MIN_SEQS` or more, or a few whose
+        host indexes lag the table by `HOST_LAG_MAX` tokens or more. A few sequences of a wide
+        batch (a D-Cut probe, a plan that drafts a handful) have rows in the table, which
+        `catch_up` and the wide steps keep current, and host indexes that nothing grew: indexing
+        their prompts and outputs at the probe cost about 1.8 ms at batch 64 on the H200's host
+        (eight sequences of 190 tokens), against one launch and a copy back."""
+        if len(seqs) >= DEVICE_MIN_SEQS:
+            return True
+        table, lag = self.device_table, 0
+        for seq in seqs:
+            index = self._indexes.get(seq.seq_id)
+            total = seq.num_tokens
+            lag += total - (0 if index is None else index.length) - table.behind(seq, total)
+        return lag >= HOST_LAG_MAX
 
     def _propose(self, seqs: list[Sequence], max_drafts: list[int], device: bool):
         """Each sequence's drafts as a token list: from the device table (`device`, one
