@@ -101,3 +101,46 @@ def test_quiet_steps_skip_the_caps_and_the_plan_until_a_probe(tiny_model_dir, mo
     assert caps == [] and len(plans) == 2
     dec.prepare(seqs[:4])  # half as wide: planned again
     assert len(caps) == 4 and len(plans) == 3
+
+
+def _decoding(seq: Sequence) -> Sequence:
+    seq.num_computed_tokens = seq.num_tokens - 1
+    return seq
+
+
+def _lone_survivor_drafts(tiny_model_dir, neighbours) -> int:
+    """Steps, of 20, in which the last of 8 sequences planned at depth 0 drafts once the other
+    7 have left, `neighbours` (which cannot draft) running beside it."""
+    llm = LLM(
+        tiny_model_dir,
+        device="cpu",
+        drafter=ReplayDrafter({}, 0.9, 200),
+        spec={"num_drafts": 3, "dcut_probe_every": 50, "dcut_prior": 0.9},
+    )
+    dec = llm.engine.spec
+    dec.cost = VerifyCostModel.from_points({(1, 4.0): 1.0, (8, 4.0): 40.0})
+    spec = [_decoding(_seq(i)) for i in range(8)]
+    assert dec.prepare(spec + neighbours) == [] and dec.asked == 0  # quiet at width 8
+    drafted = 0
+    for _ in range(20):
+        dec.prepare(spec[:1] + neighbours)
+        drafted += dec.asked > 0
+    return drafted
+
+
+def test_sequences_that_cannot_draft_do_not_keep_a_halved_batch_quiet(tiny_model_dir):
+    """The half-width rule counts the sequences that may draft (found in review: the quiet fast
+    path counted every running one, so non-speculative neighbours, or new arrivals still
+    prefilling long prompts, kept the last drafting sequence at depth 0 until a probe)."""
+    plain = []
+    for i in range(8):
+        s = _decoding(_seq(100 + i))
+        s.params = SamplingParams(max_tokens=100, speculative=False)
+        plain.append(s)
+    assert _lone_survivor_drafts(tiny_model_dir, plain) == 20
+    prefilling = []
+    for i in range(7):
+        s = _seq(200 + i)
+        s.prompt_token_ids = list(range(1, 4001))  # a long prompt, its first chunk to come
+        prefilling.append(s)
+    assert _lone_survivor_drafts(tiny_model_dir, prefilling) == 20

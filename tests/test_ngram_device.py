@@ -107,7 +107,7 @@ def test_a_few_sequences_draft_where_their_tokens_already_are(monkeypatch):
     current stay on the host. The drafts are the reference scan's either way."""
     slots = ngram.DEVICE_MIN_SEQS
     drafter = NgramDrafter(1, 3, 512)
-    table = DeviceNgramTable(slots, 512, DEVICE, 1, 3, 512, 3)
+    table = DeviceNgramTable(slots + 1, 512, DEVICE, 1, 3, 512, 3)
     monkeypatch.setattr(drafter, "device_table", table, raising=False)
     calls = []
     propose = table.propose
@@ -127,6 +127,15 @@ def test_a_few_sequences_draft_where_their_tokens_already_are(monkeypatch):
     again = drafter.propose(few, [3, 3, 3])
     assert calls == [3]
     assert [d.tokens for d in again] == [d.tokens for d in got]
+    # a long sequence the host indexed and the table lacks does not make the others index on
+    # the host (its lag is no credit against theirs; found in review)
+    long = Seq(99, slots, [rng.randrange(5) for _ in range(500)])
+    drafter._index(long).extend(long.tokens(0, long.num_tokens))
+    mixed = [long, *seqs[3:6]]
+    got = drafter.propose(mixed, [3] * 4)
+    assert calls == [3, 4], "the table is where the three lagging ones' tokens are"
+    assert [d.tokens for d in got] == [reference(s, 3, 1, 3, 512) for s in mixed]
+    assert set(drafter._indexes) == {0, 1, 2, 99}
 
 
 @pytest.fixture

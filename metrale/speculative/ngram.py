@@ -234,7 +234,9 @@ class NgramDrafter:
         for seq in seqs:
             index = self._indexes.get(seq.seq_id)
             total = seq.num_tokens
-            lag += total - (0 if index is None else index.length) - table.behind(seq, total)
+            # (never below 0: a sequence the host indexed and the table lacks costs the device
+            # one packed copy, not the others' host indexing; found in review)
+            lag += max(0, total - (0 if index is None else index.length) - table.behind(seq, total))
         return lag >= HOST_LAG_MAX
 
     def _propose(self, seqs: list[Sequence], max_drafts: list[int], device: bool):

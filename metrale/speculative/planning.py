@@ -98,12 +98,21 @@ class DepthPlanning:
         return quiet is not None and 2 * len(seq_ids) > len(quiet) and not quiet.isdisjoint(seq_ids)
 
     def _stays_quiet(self, running: list[Sequence]) -> bool:
-        """`_quiet_over` the running sequences, with no probe due: the step skips planning and
-        the caps of its sequences alike (`SpeculativeDecoder._prepare`). Counts the prefilling
-        sequences, which have no caps, as running."""
+        """`_quiet_over` the running sequences that may draft, with no probe due: the step
+        skips planning and the caps of its sequences alike (`SpeculativeDecoder._prepare`).
+        Those that may draft are those `_planned` plans over (caps above 0), without working
+        the caps out: prefilling or non-speculative ones never draft, and the caps that
+        `max_tokens` or `max_model_len` close last a sequence's final step. (Counted as
+        running, they kept a batch that had halved from planning again: found in review.)"""
         if self._quiet is None or self._probes.is_due(self._steps):
             return False
-        return self._quiet_over([s.seq_id for s in running])
+        return self._quiet_over(
+            [
+                s.seq_id
+                for s in running
+                if s.params.speculative and s.params.num_drafts != 0 and not s.is_prefilling
+            ]
+        )
 
     def _hopeless(self, seqs: list[Sequence], caps: list[int]) -> bool:
         """Whether the drafter's measured host work costs more than the most tokens drafting
