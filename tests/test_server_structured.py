@@ -106,6 +106,16 @@ def test_json_object_and_text_formats(client):
         ({"structured_outputs": {"regex": "(["}}, "structured_outputs"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
         ({"guided_json": "{oops"}, "guided_json"),
+        ({"guided_json": {"x-guidance": 1}}, "guided_json"),  # a 500 before (review)
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"schema": {"x-guidance": "x"}},
+                }
+            },
+            "response_format",
+        ),
         ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
         ({"guided_regex": ""}, "guided_regex"),
         ({"guided_grammar": "  "}, "guided_grammar"),

@@ -208,3 +208,22 @@ def test_device_acceptance_from_tokens_equals_accept(temperature):
         assert got[len(depths) :].tolist() == [1, 0]  # padding rows of equal tokens "match"
         accepted += sum(acc.num_accepted.tolist())
     assert accepted > 20  # drafts were accepted, in part
+
+
+GREEDY_REVIEW = dict(temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("method", ["mtp", "dflash"])
+def test_device_drafts_left_no_row_by_the_budget(method):
+    """Three non-speculative requests decode ahead of a speculative one under a 4-row budget:
+    the last is left 1 row, so it verifies no draft (found in review: its device drafts were
+    cut to a 0-length row, and packing the step raised IndexError, failing the request)."""
+    prompts = ["def fibonacci(n):", "import os\n", "class Stack:", "x = "]
+    params = [SamplingParams(**GREEDY_REVIEW, max_tokens=40, speculative=False)] * 3 + [
+        SamplingParams(**GREEDY_REVIEW, max_tokens=12)
+    ]
+    want = LLM(device="cpu").generate(prompts, params, use_tqdm=False)
+    llm = LLM(device="cpu", spec={"method": method, "num_drafts": 3}, max_num_batched_tokens=4)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in got] == ["length"] * 4, got[3].outputs[0].error
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

@@ -187,6 +187,8 @@ def test_each_verify_row_is_masked_in_the_state_after_the_drafts_before_it():
         ({"json": {"type": "object"}, "regex": "a"}, "exactly one"),
         ({"json": "{not json"}, "not valid JSON"),
         ({"json": [1]}, "JSON object"),
+        ({"json": {"x-guidance": "x"}}, "x-guidance must be an object"),
+        ({"json": {"x-guidance": [1]}}, "x-guidance must be an object"),
         ({"choice": []}, "1 to"),
         ({"choice": "yes"}, "list of strings"),
         ({"regex": ""}, "non-empty"),

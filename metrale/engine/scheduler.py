@@ -70,7 +70,9 @@ class Scheduler:
 
     def _drafts_for(self, seq: Sequence, budget: int) -> list[int]:
         """The drafts a decoding sequence verifies this step, cut to the row budget."""
-        if seq.draft is None or seq.num_tokens - seq.num_computed_tokens != 1:
+        if seq.draft is None or seq.num_tokens - seq.num_computed_tokens != 1 or budget < 2:
+            # (a budget of one row leaves no draft: a device drafter's row cut to length 0 made
+            # an empty fill that failed the step's packing; found in review)
             return []
         return seq.draft.tokens[: budget - 1]
 

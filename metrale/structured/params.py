@@ -48,6 +48,9 @@ class StructuredOutput:
                     raise ValueError(f"structured.json: not valid JSON: {e}") from None
             if not isinstance(schema, dict):
                 raise ValueError(f"structured.json: a schema is a JSON object, got {schema!r}")
+            options = schema.get("x-guidance", {})
+            if not isinstance(options, dict):  # (merged into a dict: a 500 before, in review)
+                raise ValueError(f"structured.json: x-guidance must be an object, got {options!r}")
             object.__setattr__(self, "json", schema)
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
             raise ValueError(f"structured.regex must be a non-empty string, got {self.regex!r}")
