@@ -164,3 +164,75 @@ def test_an_engine_drafting_on_the_device_emits_plain_decoding(
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     assert llm.engine.telemetry.spec.num_draft_tokens > 0
     assert widths and max(widths) >= 3  # the device drafted for batches of several sequences
+
+
+def test_lagging_host_indexes_catch_up_in_a_narrow_batch(monkeypatch):
+    """The tail of a wide batch: a few sequences whose tokens the table holds and whose host
+    indexes lag draft on the device once, and their host indexes are caught up behind the next
+    forwards (`catch_up`, a budget of tokens a call), after which they draft on the host with
+    no launch; a sequence longer than the window is indexed from the window's start. The drafts
+    are the reference scan's throughout. In a wide batch the table serves them: no host work."""
+    monkeypatch.setattr(ngram, "LAG_CATCH_UP_TOKENS", 150)
+    window = 256
+    drafter = NgramDrafter(1, 3, window)
+    table = DeviceNgramTable(20, 700, DEVICE, 1, 3, window, 3)
+    monkeypatch.setattr(drafter, "device_table", table, raising=False)
+    calls = []
+    propose = table.propose
+    monkeypatch.setattr(table, "propose", lambda s, k: calls.append(len(s)) or propose(s, k))
+    rng = random.Random(11)
+    seqs = [Seq(i, i, [rng.randrange(4) for _ in range(n)]) for i, n in enumerate([200, 600])]
+    table.write(seqs, [s.num_tokens for s in seqs])  # what a wide batch's steps left there
+    want = [reference(s, 3, 1, 3, window) for s in seqs]
+    assert [d.tokens for d in drafter.propose(seqs, [3, 3])] == want
+    assert calls == [2] and drafter.lagging
+    drafter.catch_up(seqs, width=ngram.DEVICE_MIN_SEQS)  # wide: nothing indexed
+    assert not drafter.lagging and not drafter._indexes
+    drafter.propose(seqs, [3, 3])
+    assert calls == [2, 2] and drafter.lagging
+    for _ in range(3):  # 200 + 259 tokens (the window and n_max) at 150 a call: 4 calls
+        drafter.catch_up([], width=2)
+    assert drafter.lagging
+    drafter.catch_up([], width=2)
+    assert not drafter.lagging
+    assert [drafter._indexes[s.seq_id].length for s in seqs] == [200, 600]
+    assert drafter._indexes[1].offset == 600 - window - 3
+    for s in seqs:
+        s.output_token_ids += [rng.randrange(4) for _ in range(5)]
+    got = drafter.propose(seqs, [3, 3])
+    assert calls == [2, 2], "drafted on the host"
+    assert [d.tokens for d in got] == [reference(s, 3, 1, 3, window) for s in seqs]
+
+
+def test_an_engine_whose_batch_narrows_catches_its_host_indexes_up(
+    tiny_model_dir, forced_device, monkeypatch
+):
+    """A batch drafting on the device narrows below `DEVICE_MIN_SEQS` as its sequences finish:
+    the ones left draft on the device for their lag only until their host indexes are caught up
+    behind the forwards, and then on the host; the output is plain decoding's."""
+    monkeypatch.setattr(ngram, "DEVICE_MIN_SEQS", 4)
+    monkeypatch.setattr(ngram, "HOST_LAG_MAX", 8)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(6) + 10 for _ in range(rng.randrange(20, 40))] * 2 for _ in range(5)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (6, 8, 10, 40, 40)
+    ]
+    kw = dict(device=str(DEVICE), dtype="float32", max_num_seqs=5, max_model_len=160)
+    plain = LLM(tiny_model_dir, **kw).generate(prompts, params, use_tqdm=False)
+    llm = LLM(tiny_model_dir, **kw, spec={"method": "ngram", "num_drafts": 3, "dcut": False})
+    drafter = llm.engine.spec.drafter
+    narrow = []
+    propose = drafter.device_table.propose
+
+    def spied(seqs, ks):
+        if len(seqs) < 4:
+            narrow.append(len(seqs))
+        return propose(seqs, ks)
+
+    monkeypatch.setattr(drafter.device_table, "propose", spied)
+    spec = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    assert llm.engine.telemetry.spec.num_draft_tokens > 0
+    # the two left draft 30-odd steps alone: on the device once or twice, then on the host
+    assert 1 <= len(narrow) <= 3, narrow
+    assert not drafter.lagging and not drafter._indexes

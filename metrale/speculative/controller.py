@@ -114,6 +114,7 @@ class SpeculativeDecoder(DepthPlanning):
           prompt, or a recompute after a preemption) of sequences that may speculate, so their
           n-grams are indexed behind the forward, not at their first draft (decode and verify
           rows are a few tokens that `propose` indexes anyway); `width`: the running batch;
+          also, with no prompt chunk, while the drafter says its indexes lag (`lagging`);
         - in a verify step, D-Cut's choice for the next step where it plans afresh
           (`DepthPlanning.plan_ahead`), and the telemetry of the step's verify shape."""
         catch_up = getattr(self.drafter, "catch_up", None)
@@ -129,13 +130,15 @@ class SpeculativeDecoder(DepthPlanning):
             ):
                 seqs.append(e.seq)
         ahead = bool(verified) and self.cfg.dcut
-        if not seqs and not verified:
+        # (a drafter's host indexes that lag its device table: `NgramDrafter.lagging`)
+        lagging = catch_up is not None and getattr(self.drafter, "lagging", False)
+        if not seqs and not verified and not lagging:
             return None
 
         def work() -> None:
             if verified:  # first: nothing else records it if a later part raises
                 self._record_verify(verified)
-            if seqs:
+            if seqs or lagging:
                 catch_up(seqs, len(running))
             if ahead:
                 self.plan_ahead(running)

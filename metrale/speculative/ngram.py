@@ -41,6 +41,9 @@ CATCH_UP_MIN = 16
 # they draft there instead (`NgramDrafter._on_device`): indexing costs about 1 us a token on the
 # H200's host, a launch and its copy back about 0.1 ms more than a few host look-ups.
 HOST_LAG_MAX = 128
+# Tokens of lagging host indexes (`NgramDrafter.lagging`) indexed in one overlap window, about
+# 0.5 ms of host time on the H200 (1 us a token): about a narrow step's forward.
+LAG_CATCH_UP_TOKENS = 512
 # New n-gram starts of one n up to which `NgramIndex` slices each n-gram instead of zipping n
 # shifted slices (the zip's set-up costs more for the few tokens of a decode step).
 FEW_STARTS = 4
@@ -100,6 +103,12 @@ class NgramIndex:
     def length(self) -> int:
         """Tokens indexed so far (the sequence's positions 0..length-1)."""
         return self.offset + len(self.tokens)
+
+    def reset_to(self, start: int) -> None:
+        """Forget every token: the next `extend` brings the sequence's tokens from `start` (one
+        that lookups need nothing before: what a rebuild in `extend` keeps starts there too)."""
+        self.offset, self.tokens = start, []
+        self._reset()
 
     def extend(self, new: list[int]) -> None:
         if len(self.tokens) + len(new) > 2 * self.window + self.n_max:
@@ -164,6 +173,10 @@ class NgramDrafter:
         self._indexes: dict[int, NgramIndex] = {}  # seq_id -> its n-grams
         self.device_table: DeviceNgramTable | None = None
         self.drafted_ahead = 0  # sequence-drafts `propose` took from `draft_ahead`
+        # seq_id -> sequence: those that drafted on the device because their host indexes lag
+        # the table (`_on_device`), to index on the host while a narrow batch's forward runs
+        # (`catch_up`): otherwise each of their steps paid a launch and a copy back for good
+        self._lagging: dict[int, Sequence] = {}
 
     def use_device(
         self, num_slots: int, capacity: int, device: torch.device, max_drafts: int
@@ -239,10 +252,17 @@ class NgramDrafter:
             lag += max(0, total - (0 if index is None else index.length) - table.behind(seq, total))
         return lag >= HOST_LAG_MAX
 
+    @property
+    def lagging(self) -> bool:
+        """Whether sequences wait for their host indexes to be caught up (`catch_up`)."""
+        return bool(self._lagging)
+
     def _propose(self, seqs: list[Sequence], max_drafts: list[int], device: bool):
         """Each sequence's drafts as a token list: from the device table (`device`, one
         launch), else from its host index."""
         if device:
+            if len(seqs) < DEVICE_MIN_SEQS:  # on the device for their lag alone
+                self._lagging.update((seq.seq_id, seq) for seq in seqs)
             return self.device_table.propose(seqs, max_drafts)
         drafts = []
         for seq, k in zip(seqs, max_drafts, strict=True):
@@ -264,7 +284,13 @@ class NgramDrafter:
         (`ModelRunner.while_forward_runs`), where the host would only wait. Only settled tokens:
         a placeholder for one still in flight (`Sequence.inflight`) is left to `propose`.
         `width`: the running batch, which picks what `propose` will draft from (the device
-        table for `DEVICE_MIN_SEQS` or more)."""
+        table for `DEVICE_MIN_SEQS` or more).
+
+        In a batch narrower than that, the host indexes of sequences that drafted on the device
+        for their lag (`lagging`: the batch was wide until lately, or a probe) are caught up
+        too, `LAG_CATCH_UP_TOKENS` a call: the tail of a wide closed batch otherwise drafted on
+        the device to its end, a launch and a copy back a step (about 0.3 ms on the H200,
+        half a plain step of the shipped model)."""
         device = self.device_table is not None and width >= DEVICE_MIN_SEQS
         late, totals = [], []
         for seq in seqs:
@@ -282,11 +308,38 @@ class NgramDrafter:
                 index.extend(seq.tokens(index.length, total))
         if late:
             self.device_table.write(late, totals)
+        if self._lagging:
+            if device:  # wide again: the table serves them
+                self._lagging.clear()
+            else:
+                self._catch_up_lagging()
+
+    def _catch_up_lagging(self) -> None:
+        """Grow the lagging host indexes by up to `LAG_CATCH_UP_TOKENS` tokens in all, oldest
+        first; a sequence leaves the set once its index holds its settled tokens."""
+        budget = LAG_CATCH_UP_TOKENS
+        for seq_id, seq in list(self._lagging.items()):
+            if budget <= 0:
+                break
+            total = seq.num_tokens - (seq.inflight is not None)
+            index = None if seq.is_finished else self._index(seq)
+            if index is not None and index.length < total:
+                # (never past the window that `extend` keeps: older tokens are dropped anyway)
+                start = max(index.length, total - self.window - self.n_max)
+                stop = min(total, start + budget)
+                if start > index.length:
+                    index.reset_to(start)
+                index.extend(seq.tokens(start, stop))
+                budget -= stop - start
+                if stop < total:
+                    continue
+            del self._lagging[seq_id]
 
     def observe(self, verdicts: list[Verdict]) -> None:
         pass  # the sequence's own tokens are the whole model; `propose` reads the new ones
 
     def release(self, seq: Sequence) -> None:
         self._indexes.pop(seq.seq_id, None)
+        self._lagging.pop(seq.seq_id, None)
         if self.device_table is not None:
             self.device_table.release(seq)
