@@ -18,7 +18,7 @@ class SpecConfig:
     acceptance and the verify cost; above `dcut_width_cap` sequences every depth is equal. The
     depths are planned before anything is drafted: only sequences given a depth are drafted
     (and a few others every `dcut_probe_every` steps, to re-measure their acceptance); a plan
-    stands for `dcut_replan_every` steps while the running sequences do not change.
+    stands for `dcut_replan_every` steps while no sequence joins the running ones.
     """
 
     method: str | None = None
@@ -36,7 +36,7 @@ class SpecConfig:
     # While no plan drafts, the interval doubles after each probe, to 4x this
     # (`speculative/probes.py`).
     dcut_probe_every: int = 8
-    # A plan is kept for up to this many steps while the running sequences stay the same (the
+    # A plan is kept for up to this many steps while no sequence joins the running ones (the
     # estimates move slowly, and planning costs ~0.2 ms of host time per step at batch 8);
     # 1 plans every step.
     dcut_replan_every: int = 4

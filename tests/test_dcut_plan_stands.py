@@ -116,3 +116,38 @@ def test_a_plan_wider_than_the_width_cap_stands_while_sequences_come_and_go(tiny
         # uniform plan goes no deeper than the shallowest cap
         assert depths == depths_wanted
     assert len(plans) == 2  # steps 1 and 4: the plan of step 1 stood for steps 2 and 3
+
+
+def test_a_plan_stands_while_sequences_leave_and_none_joins(tiny_model_dir):
+    """Under `dcut_width_cap` a plan stands for `dcut_replan_every` steps while sequences only
+    leave (the tail of a closed batch re-planned at every departure) and the batch stays more
+    than half as wide; the depths of those left are the plan's, non-increasing along their
+    slots. An arrival, or a batch that halved, plans again."""
+    dec, _ = _decoder(tiny_model_dir, EvenSlots())
+    dec.cost = VerifyCostModel.from_points({(1, 4.0): 1.6, (8, 4.0): 1.6})  # rows cost
+    plans = []
+    real = dec._worth_drafting
+    dec._worth_drafting = lambda *args: (plans.append(args), real(*args))[1]
+    seqs = _decoding(8)
+    for i, s in enumerate(seqs):  # acceptance falling with the slot: deeper at low slots
+        dec.estimator.observe_many([(s.seq_id, [True] * (3 - i // 3) + [False])] * 20)
+
+    def step(n: int, running) -> dict[int, int]:
+        dec._steps = n
+        picked, depths, planned = dec._planned(running, [3] * len(running))
+        assert planned
+        return {s.seq_id: d for s, d in zip(picked, depths, strict=True)}
+
+    first = step(1, seqs)
+    assert len(plans) == 1 and len(set(first.values())) > 1, first
+    left = [s for s in seqs if s.seq_id not in (1, 6)]
+    assert step(2, left) == {i: d for i, d in first.items() if i not in (1, 6)}
+    assert len(plans) == 1, "two left: the plan stands"
+    by_slot = [first.get(s.seq_id, 0) for s in sorted(left, key=lambda s: s.slot)]
+    assert by_slot == sorted(by_slot, reverse=True)
+    step(3, [*left, _decoding(9)[8]])  # one joins: planned again (7 sequences)
+    assert len(plans) == 2
+    step(4, left[:4])  # and stands while they leave ...
+    assert len(plans) == 2
+    step(5, left[:3])  # ... until the batch is no more than half as wide
+    assert len(plans) == 3
