@@ -43,11 +43,6 @@ MEMO_POINTS = 1 << 16
 _TIE = 1e-12
 
 
-def _prob(a: float) -> float:
-    """A probability from an estimate; NaN (a broken drafter's confidence) counts as never."""
-    return min(float(a), 1.0) if a > 0.0 else 0.0
-
-
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     """Piecewise-linear through (xs, ys), len >= 2; the last segment extends past the end."""
     i = min(max(bisect.bisect_right(xs, x), 1), len(xs) - 1)
@@ -238,7 +233,10 @@ def _gains(inp: PlanInput) -> list[float]:
         )
     out, g = [], 1.0
     for a in inp.accept[: inp.max_depth]:
-        g *= _prob(a)
+        # a probability (NaN, a broken drafter's confidence, counts as never); inline: this
+        # runs for every draft of every plan
+        a = float(a)
+        g *= (a if a < 1.0 else 1.0) if a > 0.0 else 0.0
         out.append(g)
     return out
 
@@ -362,8 +360,10 @@ def _choose(
     if n > width_cap:
         top = min(min(len(g) for g in gains), spare // n)
         extra = [-math.inf] * (n * top + 1)
-        for d in range(top + 1):
-            extra[n * d] = sum(sum(g[:d]) for g in gains)
+        extra[0] = total = 0.0
+        for d in range(1, top + 1):  # level d adds every sequence's d-th gain
+            total += sum(g[d - 1] for g in gains)
+            extra[n * d] = total
         return [_best_extra_rows(extra, n, cost) // n] * n
     if canonical:
         return _monotone_depths(gains, sorted(range(n), key=slots.__getitem__), cost, spare)
