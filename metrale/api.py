@@ -72,12 +72,22 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt, batched continuously; outputs come back in input order."""
         if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(
+                "prompts must be a string, a list of token ids, or a list of either, got "
+                f"{type(prompts).__name__}"
+            )
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, (SamplingParams, dict)):
             params_list = [_params(sampling_params)] * len(prompts)
+        elif not isinstance(sampling_params, (list, tuple)):
+            raise ValueError(
+                "sampling_params must be a SamplingParams, a dict of its fields, or a list of "
+                f"them (one per prompt), got {type(sampling_params).__name__}"
+            )
         else:
             params_list = [_params(p) for p in sampling_params]
             if len(params_list) != len(prompts):
@@ -119,7 +129,7 @@ class LLM:
         """Yield the request's output each time it grows; `delta_text` holds the new text.
 
         Closing the iterator early aborts the request and frees its pages."""
-        request_id = self._add(prompt, sampling_params or SamplingParams())
+        request_id = self._add(prompt, sampling_params)
         finished = False
         try:
             while not finished:
@@ -137,7 +147,12 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         stream: bool = False,
     ) -> RequestOutput | Iterator[RequestOutput]:
-        """Apply the chat template and generate the assistant's reply."""
+        """Apply the chat template and generate the assistant's reply. `messages` are checked
+        as the server checks a body's: a message's content is a string or a list of OpenAI's
+        text parts (joined by newlines), null only on an assistant turn."""
+        if not isinstance(stream, bool):
+            raise ValueError(f"stream must be a bool, got {type(stream).__name__}")
+        messages = _chat_messages(messages)
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         if stream:
@@ -158,3 +173,23 @@ def _params(params: SamplingParams | dict | None) -> SamplingParams:
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling_params: expected a SamplingParams, got {type(params).__name__}")
     return params
+
+
+def _chat_messages(messages) -> list[dict]:
+    """`messages` as chat templates take them, through the server's own model of a message (a
+    ValueError naming the first field at fault: `messages[0].content: ...`)."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from metrale.server.schemas import ChatMessage, error_path
+
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(
+            f"messages must be a non-empty list of {{role, content}} dicts, got {messages!r:.80}"
+        )
+    try:
+        checked = TypeAdapter(list[ChatMessage]).validate_python(list(messages))
+    except ValidationError as e:
+        error = e.errors()[0]
+        message = error["msg"].removeprefix("Value error, ")
+        raise ValueError(f"{error_path(['messages', *error['loc']])}: {message}") from None
+    return [m.for_template() for m in checked]

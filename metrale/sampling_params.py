@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from typing import Any
 
 from metrale.structured.params import StructuredOutput
+
+
+def _float32(value: float) -> float:
+    """`value` as the sampler holds it."""
+    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 def _check_number(name: str, value: Any, lo: float, hi: float, lo_open=False, hi_open=False):
@@ -14,6 +20,10 @@ def _check_number(name: str, value: Any, lo: float, hi: float, lo_open=False, hi
         raise ValueError(f"{name} must be a number, got {value!r}")
     too_low = value <= lo if lo_open else value < lo
     too_high = value >= hi if hi_open else value > hi
+    # An open bound holds in float32 too, where the sampler uses the value: top_p = 1e-320 is 0
+    # there, which kept no token (token 0 came out, in review).
+    if lo_open and not too_low and _float32(value) <= lo:
+        raise ValueError(f"{name} must be > {lo}, got {value!r}: {_float32(value)} in float32")
     if too_low or too_high:
         lb = "(" if lo_open else "["
         rb = ")" if hi_open else "]"
@@ -73,7 +83,10 @@ class SamplingParams:
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or >= 0, got {self.top_k}")
         _check_number("min_p", self.min_p, 0.0, 1.0)
-        _check_number("repetition_penalty", self.repetition_penalty, 0.0, 1e4, lo_open=True)
+        # HF's penalty divides positive logits by it, in float32: at most by 1 / 1e4, as it
+        # multiplies the negative ones by at most 1e4 (1e-39 overflowed them to inf, the
+        # softmax gave NaN, and token 0 came out, in review)
+        _check_number("repetition_penalty", self.repetition_penalty, 1e-4, 1e4)
         _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if self.seed is not None and (
@@ -130,6 +143,11 @@ class SamplingParams:
         if self.logit_bias is not None:
             bias = {}
             for tok, value in self.logit_bias.items():
+                if isinstance(tok, str) and len(tok) > 20:
+                    # more digits than any id has (int() refuses over 4300, in its own words)
+                    raise ValueError(
+                        f"logit_bias: a key of {len(tok)} characters is not a token id"
+                    )
                 plain_digits = isinstance(tok, str) and tok.isascii() and tok.isdigit()
                 if isinstance(tok, bool) or not (isinstance(tok, int) or plain_digits):
                     raise ValueError(f"logit_bias: key {tok!r} is not a token id")

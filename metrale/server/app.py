@@ -169,7 +169,7 @@ def create_app(
             ids = engine.validate(prompt, params)[1]
         except ValueError as e:
             field = str(e).split(":", 1)[0].split(" ", 1)[0]
-            if field == "structured":  # the output constraint does not compile
+            if field.split(".", 1)[0] == "structured":  # the output constraint does not compile
                 field = body.structured_field() or "tools"  # (else a tool_choice's grammar)
                 message = f"{field}: {str(e).split(':', 1)[1].strip()}"
                 raise APIError(message, field) from None

@@ -5,23 +5,48 @@ semantics, unsupported keywords refused rather than ignored) was measured agains
 project's tokenizers; the comparison is in the README. A matcher holds a sequence's committed
 state only: the masks of a verify's draft rows are computed from it without advancing it, so there
 is nothing to roll back after a verify, and each step's emitted tokens advance it.
+
+The copies of one compiled grammar share its lexer, and with it llguidance's limits on the lexer's
+work (states, fuel): a copy that runs the lexer out fails every other copy, those made later too,
+though none says so until it is used (`is_error()` is False on them). So a grammar whose forced
+output from the start runs the lexer out is refused when it compiles, and a compiled grammar one
+of whose sequences failed is dropped from the cache, so the next request compiles it afresh and
+fares as the first one did.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 
 import llguidance
 
 from metrale.structured.params import StructuredOutput
 
+# Errors without llguidance's dump of the parser state and grammar (a long text, and the schema
+# of one request in the logs and answers of another)
+LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+# How much of a forced run `forced` tokenises: its tokens are a few drafts a step, while a counted
+# repetition forces as many bytes as its count (a{100000}: tokenising all of it each step made
+# the whole batch ~5x slower, in review).
+FORCED_BYTES = 512
+# llguidance's marker of a special token in forced bytes (never a byte of UTF-8 text)
+SPECIAL_MARKER = b"\xff"
+
 
 class SequenceGrammar:
     """A sequence's grammar state: the tokens it has emitted, as the matcher saw them."""
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    def __init__(
+        self,
+        matcher: llguidance.LLMatcher,
+        tokenizer: llguidance.LLTokenizer,
+        on_error: Callable[[], None],
+    ) -> None:
         self.matcher = matcher
+        self._tokenizer = tokenizer
+        self._on_error = on_error  # drops the compiled grammar whose lexer this copy shares
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens` (drafts after the committed state) the grammar allows in order."""
@@ -29,12 +54,27 @@ class SequenceGrammar:
 
     def forced(self, limit: int) -> list[int]:
         """Up to `limit` tokens the grammar forces next (a JSON schema's keys and punctuation):
-        the target can emit nothing else, so they are drafts that are always accepted."""
-        return self.matcher.compute_ff_tokens()[:limit] if limit > 0 else []
+        the target can emit nothing else, so they are drafts it accepts (llguidance's own
+        tokens of the run; of a long run's head, the tokenizer's)."""
+        if limit <= 0:
+            return []
+        run = self.matcher.compute_ff_bytes()  # walked once: llguidance keeps it as tokens go
+        if len(run) <= FORCED_BYTES:
+            return self.matcher.compute_ff_tokens()[:limit]
+        # A long run: its head alone, without the last token (the cut may split it); checked,
+        # as a special token's marker or a token across the cut could make it one the grammar
+        # refuses.
+        head = run[:FORCED_BYTES].split(SPECIAL_MARKER, 1)[0]
+        tokens = self._tokenizer.tokenize_bytes(head)[:-1][:limit]
+        return tokens[: self.valid_prefix(tokens)]
 
     def advance(self, tokens: list[int]) -> bool:
-        """Commit emitted tokens; False if the grammar refuses one (the state is then an error)."""
-        return all(self.matcher.consume_token(t) for t in tokens)
+        """Commit emitted tokens; False if the grammar refuses one or the matcher failed (the
+        state is then an error, and the compiled grammar is dropped: see the module's note)."""
+        ok = all(self.matcher.consume_token(t) for t in tokens) and not self.matcher.is_error()
+        if not ok:
+            self._on_error()
+        return ok
 
     @property
     def finished(self) -> bool:
@@ -42,7 +82,8 @@ class SequenceGrammar:
         return self.matcher.is_stopped()
 
 
-# Compiled grammars kept (a pristine matcher each): requests of one client share a schema.
+# Compiled grammars kept (a pristine matcher each, or the reason it was refused): requests of one
+# client share a schema.
 CACHE_SIZE = 256
 
 
@@ -62,7 +103,8 @@ class GrammarCompiler:
         self.vocab_size = max(vocab_size, tokenizer.vocab_size)
         self.eos_token_ids = eos_token_ids
         self._tokenizer: llguidance.LLTokenizer | None = None
-        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        # a grammar's text -> its pristine matcher, or why it was refused
+        self._compiled: OrderedDict[str, llguidance.LLMatcher | str] = OrderedDict()
         self._lock = threading.Lock()
 
     @property
@@ -80,26 +122,52 @@ class GrammarCompiler:
         self._pristine(structured)
 
     def matcher(self, structured: StructuredOutput) -> SequenceGrammar:
-        pristine = self._pristine(structured)
+        text, pristine = self._pristine(structured)
         with self._lock:
-            return SequenceGrammar(pristine.deep_copy())
+            copy = pristine.deep_copy()
+        return SequenceGrammar(copy, self.tokenizer, lambda: self._forget(text, pristine))
 
-    def _pristine(self, structured: StructuredOutput) -> llguidance.LLMatcher:
+    def _forget(self, text: str, pristine: llguidance.LLMatcher) -> None:
+        with self._lock:
+            if self._compiled.get(text) is pristine:  # (not one compiled again since)
+                del self._compiled[text]
+
+    def _pristine(self, structured: StructuredOutput) -> tuple[str, llguidance.LLMatcher]:
         text = structured.grammar_text()
         with self._lock:
             cached = self._compiled.get(text)
             if cached is not None:
                 self._compiled.move_to_end(text)
-                return cached
+                if isinstance(cached, str):  # refused before: at once, in the same words
+                    raise ValueError(f"{structured.field}: {cached}")
+                return text, cached
             tokenizer = self.tokenizer
-        error = llguidance.LLMatcher.validate_grammar(text, tokenizer)
+        error = llguidance.LLMatcher.validate_grammar(text, tokenizer, limits=LIMITS)
+        matcher = refused = None
         if error:
-            raise ValueError(f"structured: {error.strip().splitlines()[0]}")
-        matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"structured: {matcher.get_error()}")
+            refused = error.strip().splitlines()[0]
+        else:
+            matcher = llguidance.LLMatcher(tokenizer, text, log_level=0, limits=LIMITS)
+            error = matcher.get_error() or _forced_start_error(matcher)
+            refused = f"too complex: {error.splitlines()[0]}" if error else None
         with self._lock:
-            self._compiled[text] = matcher
+            # a refusal is kept too: finding it again can hold the GIL for half a second
+            self._compiled[text] = refused or matcher
             if len(self._compiled) > CACHE_SIZE:
                 self._compiled.popitem(last=False)
-        return matcher
+        if refused:
+            raise ValueError(f"{structured.field}: {refused}")
+        return text, matcher
+
+
+def _forced_start_error(matcher: llguidance.LLMatcher) -> str:
+    """The error of following the output `matcher`'s grammar forces from its start ("" if none):
+    llguidance walks that run whole (a{1000000}: a million lexer states), which can spend the
+    lexer its copies share. The walk is kept on `matcher` (its copies start past it) and the
+    first forced token taken on a copy, where a spent lexer shows."""
+    forced = matcher.compute_ff_tokens()
+    if not forced:
+        return ""
+    probe = matcher.deep_copy()
+    probe.consume_token(forced[0])
+    return probe.get_error()

@@ -82,19 +82,35 @@ class StructuredOutput:
             return cls(**value)
         raise ValueError(f"structured: expected a StructuredOutput or a dict, got {value!r}")
 
+    @property
+    def field(self) -> str:
+        """The field holding the constraint, as its errors name it: "structured.regex"."""
+        if self.json_object:
+            return "structured.json_object"
+        return "structured." + next(
+            name
+            for name in ("json", "regex", "choice", "grammar")
+            if getattr(self, name) is not None
+        )
+
     def grammar_text(self) -> str:
-        """The llguidance grammar (JSON text) for this constraint."""
+        """The llguidance grammar (JSON text) for this constraint; a ValueError naming the
+        field when llguidance cannot convert it."""
         import llguidance
 
-        if self.json is not None or self.json_object:
-            schema = dict(self.json) if self.json is not None else {"type": "object"}
-            schema["x-guidance"] = {**COMPACT, **schema.get("x-guidance", {})}
-            return llguidance.LLMatcher.grammar_from_json_schema(schema)
-        if self.regex is not None:
-            return llguidance.LLMatcher.grammar_from_regex(self.regex)
-        if self.choice is not None:
-            return llguidance.grammar_from("choice", jsonlib.dumps(list(self.choice)))
-        try:  # GBNF/EBNF or Lark: llguidance tells them apart
-            return llguidance.grammar_from("grammar", self.grammar)
-        except ValueError as e:
-            raise ValueError(f"structured: grammar: {e}") from None
+        try:
+            if self.json is not None or self.json_object:
+                schema = dict(self.json) if self.json is not None else {"type": "object"}
+                schema["x-guidance"] = {**COMPACT, **schema.get("x-guidance", {})}
+                text = llguidance.LLMatcher.grammar_from_json_schema(schema)
+            elif self.regex is not None:
+                text = llguidance.LLMatcher.grammar_from_regex(self.regex)
+            elif self.choice is not None:
+                text = llguidance.grammar_from("choice", jsonlib.dumps(list(self.choice)))
+            else:  # GBNF/EBNF or Lark: llguidance tells them apart
+                text = llguidance.grammar_from("grammar", self.grammar)
+            # llguidance takes UTF-8: a lone surrogate (a JSON "\udcff" escape) cannot reach it
+            text.encode("utf-8")
+        except ValueError as e:  # (UnicodeEncodeError is one; a schema's value not JSON too)
+            raise ValueError(f"{self.field}: {e}") from None
+        return text

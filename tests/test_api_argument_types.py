@@ -1,0 +1,68 @@
+"""The Python API's arguments of the wrong type (review finding): `generate("x", 5)`,
+`generate(None)`, a chat message whose content is an int were TypeErrors or AttributeErrors from
+deep inside; they are ValueErrors naming the argument, and leave the engine as it was. A chat
+message's content may be a list of OpenAI text parts, as the server takes it."""
+
+from __future__ import annotations
+
+import pytest
+
+from metrale import LLM, SamplingParams
+
+USER = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(tiny_model_dir, device="cpu", max_model_len=64)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda llm: llm.generate("x", 5), "^sampling_params must be"),
+        (lambda llm: llm.generate(["x"], "greedy"), "^sampling_params must be"),
+        (lambda llm: llm.generate(None), "^prompts must be"),
+        (lambda llm: llm.generate(5), "^prompts must be"),
+        (lambda llm: llm.generate(b"hello"), "^prompts must be"),
+        (lambda llm: llm.generate({"prompt": "x"}), "^prompts must be"),
+        (lambda llm: llm.stream("x", 5), "^sampling_params"),
+        (lambda llm: llm.chat(None), "^messages must be"),
+        (lambda llm: llm.chat("hello"), "^messages must be"),
+        (lambda llm: llm.chat([]), "^messages must be"),
+        (lambda llm: llm.chat(["hello"]), r"^messages\[0\]"),
+        (lambda llm: llm.chat([{"content": "hi"}]), r"^messages\[0\]\.role"),
+        (lambda llm: llm.chat([{"role": "user", "content": 5}]), r"^messages\[0\]\.content"),
+        (lambda llm: llm.chat([{"role": "user", "content": None}]), r"^messages\[0\]\.content"),
+        (
+            lambda llm: llm.chat([{"role": "user", "content": [{"type": "image_url"}]}]),
+            r"^messages\[0\]\.content",
+        ),
+        (lambda llm: llm.chat(USER, 5), "^sampling_params must be"),
+        (lambda llm: llm.chat(USER, stream="yes"), "^stream must be a bool"),
+    ],
+)
+def test_arguments_of_the_wrong_type_are_value_errors_naming_them(llm, call, match):
+    with pytest.raises(ValueError, match=match):
+        out = call(llm)
+        if hasattr(out, "__next__"):  # a stream checks its arguments when first read
+            next(out)
+    engine = llm.engine
+    assert not engine.requests and not engine.has_unfinished_requests()
+    assert engine.allocator.num_free == engine.allocator.num_usable
+
+
+def test_chat_content_as_text_parts_is_the_text_joined(llm):
+    params = SamplingParams(max_tokens=4, temperature=0)
+    parts = [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]
+    got = llm.chat([{"role": "user", "content": parts}], params)
+    want = llm.chat([{"role": "user", "content": "hello\nthere"}], params)
+    assert got.prompt_token_ids == want.prompt_token_ids
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_chat_keeps_an_assistant_turn_of_tool_calls(llm):
+    call = {"function": {"name": "f", "arguments": '{"x": 1}'}}
+    messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]}, *USER]
+    out = llm.chat(messages, SamplingParams(max_tokens=2, temperature=0))
+    assert len(out.outputs[0].token_ids) == 2
