@@ -135,8 +135,10 @@ class Emitter:
     def _record(self, seq: Sequence, token: SampledToken) -> None:
         seq.output_token_ids.append(token.token_id)
         if seq.grammar is not None and not seq.grammar.advance([token.token_id]):
-            # the step's masks allow only what the grammar does: nothing should get here
-            seq.error = f"structured: the grammar refused token {token.token_id}"
+            # the step's masks allow only what the grammar does: a token gets here only when
+            # llguidance ran out of its limits following the grammar (its error says which)
+            why = seq.grammar.matcher.get_error() or f"the grammar refused token {token.token_id}"
+            seq.error = f"structured: {why.splitlines()[0]}"
 
     def _append(self, seq: Sequence, token: SampledToken) -> str:
         self._record(seq, token)
