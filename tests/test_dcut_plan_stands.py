@@ -151,3 +151,28 @@ def test_a_plan_stands_while_sequences_leave_and_none_joins(tiny_model_dir):
     assert len(plans) == 2
     step(5, left[:3])  # ... until the batch is no more than half as wide
     assert len(plans) == 3
+
+
+def test_a_sequence_back_on_another_slot_is_planned_anew(tiny_model_dir):
+    """A sequence preempted (a departure: the plan stands) that comes back on a lower slot
+    joins anew: its old depth there would break the depths' order along the slots (found in
+    review)."""
+    dec, _ = _decoder(tiny_model_dir, EvenSlots())
+    dec.cost = VerifyCostModel.from_points({(1, 4.0): 1.6, (8, 4.0): 1.6})
+    seqs = _decoding(8)
+    for i, s in enumerate(seqs):  # acceptance falling with the slot: deeper at low slots
+        dec.estimator.observe_many([(s.seq_id, [True] * (3 - i // 3) + [False])] * 20)
+    dec._steps = 1
+    first = dict((s.seq_id, d) for s, d in zip(*dec._planned(seqs, [3] * 8)[:2], strict=True))
+    assert first[0] > first[6] > 0, first
+    running = [s for s in seqs if s.seq_id not in (0, 6)]  # 0 finished, 6 preempted
+    dec._steps = 2
+    dec._planned(running, [3] * len(running))
+    seqs[6].slot = 0  # back on the slot 0 left
+    back = [seqs[6], *running]
+    dec._steps = 3
+    picked, depths, planned = dec._planned(back, [3] * len(back))
+    assert planned
+    depth_of = dict((s.seq_id, d) for s, d in zip(picked, depths, strict=True))
+    by_slot = [depth_of.get(s.seq_id, 0) for s in sorted(back, key=lambda s: s.slot)]
+    assert by_slot == sorted(by_slot, reverse=True), by_slot

@@ -34,10 +34,10 @@ class DepthPlanning:
         # the running sequences of the last step D-Cut planned at depth 0 everywhere, while no
         # estimate has changed since and no probe step came (None: plan again)
         self._quiet: frozenset[int] | None = None
-        # (running seq_ids, seq_id -> planned depth, the step it was planned at) of the last
-        # plan, reused while no sequence joins the running set (`_plan_covers`), for
+        # ((seq_id, slot) of the running sequences, seq_id -> planned depth, the step it was
+        # planned at) of the last plan, reused while no sequence joins (`_plan_covers`), for
         # `dcut_replan_every` steps
-        self._last_plan: tuple[tuple[int, ...], dict[int, int], int] | None = None
+        self._last_plan: tuple[tuple[tuple[int, int], ...], dict[int, int], int] | None = None
         # (depth, the step it was planned at) of the last plan wider than `dcut_width_cap`:
         # one depth for all, which stands for `dcut_replan_every` steps while the batch stays
         # that wide, whoever comes and goes (None: plan again)
@@ -74,7 +74,8 @@ class DepthPlanning:
             return [], [], False
         last = self._last_plan
         fresh = last is not None and self._steps - last[2] < self.cfg.dcut_replan_every
-        if fresh and self._plan_covers(last, running):
+        placed = tuple((s.seq_id, s.slot) for s in seqs)
+        if fresh and self._plan_covers(last, placed):
             keep = [i for i, s in enumerate(seqs) if last[1].get(s.seq_id, 0) > 0]
             depths = [min(caps[i], last[1][seqs[i].seq_id]) for i in keep]
             return [seqs[i] for i in keep], depths, True
@@ -88,24 +89,26 @@ class DepthPlanning:
         self._probes.planned(bool(keep))
         self._quiet = None if keep else frozenset(running)
         depth_of = {seqs[i].seq_id: d for i, d in zip(keep, depths, strict=True)}
-        self._last_plan = (running, depth_of, self._steps)
+        self._last_plan = (placed, depth_of, self._steps)
         self._uniform = (max(depths), self._steps) if wide and keep else None
         return [seqs[i] for i in keep], depths, True
 
     @staticmethod
-    def _plan_covers(last, running: tuple[int, ...]) -> bool:
-        """Whether the last plan (`_last_plan`) stands for the running sequences: the same ones,
-        or some of them left and none came, as long as the batch is more than half as wide
-        (drafting pays more in a narrower one: plan again). Its depths, cut to those left, are
-        still non-increasing along their slots: the canonical deal keeps them. (Departures
+    def _plan_covers(last, placed: tuple[tuple[int, int], ...]) -> bool:
+        """Whether the last plan (`_last_plan`) stands for the running sequences, `placed` as
+        (seq_id, slot): the same ones on the same slots, or some of them left and none came, as
+        long as the batch is more than half as wide (drafting pays more in a narrower one: plan
+        again). Its depths, cut to those left, are still non-increasing along their slots: the
+        canonical deal keeps them. A sequence preempted and back on another slot joins anew
+        (its old depth at a lower slot broke that order: found in review). (Departures
         re-planned the tail of every closed batch: about 0.3 ms a plan at batch 8 on the
         H200's host, against a 0.6 ms plain step.)"""
         planned = last[0]
-        if planned == running:
+        if planned == placed:
             return True
-        if 2 * len(running) <= len(planned) or len(running) >= len(planned):
+        if 2 * len(placed) <= len(planned) or len(placed) >= len(planned):
             return False
-        return set(planned).issuperset(running)
+        return set(planned).issuperset(placed)
 
     def _quiet_over(self, seq_ids) -> bool:
         """Whether the depth-0 plan of an earlier step still stands for these sequences: no
