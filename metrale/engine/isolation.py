@@ -2,7 +2,8 @@
 at a time, so only the sequence that caused it ends (`finish_reason="error"`) and the others go
 on. On a hybrid target the failed forward may have advanced some GDN layers' state, so each
 sequence's state is rebuilt first, by re-running its computed rows from where its state started:
-its first token, or the prefix-cache snapshot it resumed from.
+its first token, or the prefix-cache snapshot it resumed from. A sequence whose rebuild needs
+scratch pages the pool cannot lend is preempted instead (recomputed later), never failed.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 import torch
 
 from metrale.distributed.parallel import DistributedError
-from metrale.engine.sequence import Batch, ScheduledSeq
+from metrale.engine.sequence import Batch, ScheduledSeq, Sequence
 from metrale.engine.step_output import StepOutput
 
 log = logging.getLogger(__name__)
@@ -51,8 +52,9 @@ def run_batch(engine, batch: Batch) -> StepOutput:
 
 def rebuild_state(engine, entry: ScheduledSeq) -> bool:
     """Rebuild a hybrid sequence's state by re-running its computed rows from where its state
-    started, in chunks of the step budget. False when that fails too (the sequence is then
-    ended).
+    started, in chunks of the step budget. False when it does not run this step: its rebuild
+    failed too (the sequence is then ended), or needs more scratch pages than are free (it is
+    then preempted: the step's failure was not its own).
 
     NOTE: with prefix caching, rows it computed may sit in pages other sequences read (cached
     or shared ones): the re-run writes those rows into scratch pages instead, thrown away after,
@@ -65,16 +67,23 @@ def rebuild_state(engine, entry: ScheduledSeq) -> bool:
         return True
     allocator, table, scratch = engine.allocator, seq.block_table, []
     chunk = engine.config.max_num_batched_tokens  # the step budget bounds each re-run
+    rows, shared = [], []
+    if allocator.cache is not None:
+        # Pages others may read (cached, or mapped by another sequence) get scratch pages;
+        # its private pages are rewritten in place, so a full pool rarely stops a rebuild.
+        keep = start // allocator.page_size  # its snapshot sits on a page boundary
+        need = allocator.pages_for(done)
+        rows = table[keep:need]
+        shared = [
+            i for i, p in enumerate(rows) if allocator.cache.holds(p) or allocator.refs(p) > 1
+        ]
+        if len(shared) > allocator.num_free:
+            # Recomputed from its tokens later, as a preemption is (its admission maps the
+            # cached pages again and resumes from its snapshot): no scratch needed then.
+            _preempt(engine, seq)
+            return False
     try:
-        if allocator.cache is not None:
-            # Pages others may read (cached, or mapped by another sequence) get scratch pages;
-            # its private pages are rewritten in place, so a full pool rarely stops a rebuild.
-            keep = start // allocator.page_size  # its snapshot sits on a page boundary
-            need = allocator.pages_for(done)
-            rows = table[keep:need]
-            shared = [
-                i for i, p in enumerate(rows) if allocator.cache.holds(p) or allocator.refs(p) > 1
-            ]
+        if shared:
             scratch = allocator.take_scratch(len(shared))
             for i, page in zip(shared, scratch, strict=True):
                 rows[i] = page
@@ -95,3 +104,10 @@ def rebuild_state(engine, entry: ScheduledSeq) -> bool:
         allocator.free_scratch(scratch)
     seq.num_computed_tokens = done
     return True
+
+
+def _preempt(engine, seq: Sequence) -> None:
+    """Preempt running `seq` as the scheduler's preemptions are (`LLMEngine._scheduled`: the
+    count, and the drafter's state of it released)."""
+    engine.scheduler.preempt(seq)
+    engine._scheduled(Batch(entries=[], preempted=[seq]), {})

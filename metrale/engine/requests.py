@@ -53,7 +53,9 @@ class RequestAdmission:
                 f"prompt: {len(token_ids)} tokens leave no room to generate under "
                 f"max_model_len={self.max_model_len}"
             )
-        pages = self.allocator.pages_for(len(token_ids) + 1 + self.lookahead)
+        # what plain decoding needs to go on past its first token: speculation's lookahead is
+        # cut to what the pool holds (`Scheduler._reach`), so it never refuses a request
+        pages = self.allocator.pages_for(len(token_ids) + 1)
         if pages > self.allocator.num_usable:
             raise ValueError(
                 f"prompt: {len(token_ids)} tokens need {pages} KV pages; the pool has "

@@ -5,7 +5,9 @@ first (a decode costs one row, an unfinished prefill the rest of its chunk), the
 sequences in arrival order while rows, `max_num_seqs` and free pages last. When a running
 sequence cannot get the pages its rows need, the newest running sequence is preempted: its pages
 are freed and it goes back to the waiting queue to be recomputed from its tokens later. Pages are
-reserved for every row a step will write, plus `lookahead` rows for sequences that sample.
+reserved for every row a step will write, plus `lookahead` rows for sequences that sample, cut
+to the rows the sequence can ever write and the pool holds (`_reach`): speculation never makes a
+sequence need more pages than plain decoding does, it drafts fewer (or none) instead.
 
 With prefix caching, a sequence being admitted first maps the cached pages its tokens start with
 (`PrefixCache.match`) and prefills only the rest; on a hybrid target its prefill chunks are cut
@@ -35,6 +37,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.lookahead = lookahead
+        # Where lookahead rows stop for every sequence: the pool's rows.
+        self._row_limit = allocator.num_usable * allocator.page_size
         self.waiting: list[Sequence] = []  # sorted by arrival
         self.running: list[Sequence] = []  # in admission order; the last is the newest
         self.num_preemptions = 0
@@ -57,7 +61,18 @@ class Scheduler:
         return self._reach(seq, seq.num_computed_tokens + num_rows)
 
     def _reach(self, seq: Sequence, end: int) -> int:
-        return end + (self.lookahead if end >= seq.num_tokens - 1 else 0)
+        """Rows reserved when a step's rows end at `end`: the lookahead only as far as the
+        sequence can ever write (with `max_tokens`, its last verify row is one short of its
+        last token, as plain decoding's last row is) and the pool holds. Never below `end`:
+        the step's own rows (a draft row past the pool is dropped by `schedule`, and a row
+        past `max_tokens` of a step launched ahead is written all the same)."""
+        if not self.lookahead or end < seq.num_tokens - 1:
+            return end
+        limit = self._row_limit
+        max_tokens = seq.params.max_tokens
+        if max_tokens is not None:
+            limit = min(limit, seq.num_prompt_tokens + max_tokens - 1)
+        return max(end, min(end + self.lookahead, limit))
 
     @staticmethod
     def _chunk(seq: Sequence, start: int, budget: int) -> int:
@@ -89,6 +104,13 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Send running `seq` back to the waiting queue, to be recomputed later (a failed
+        batch's state rebuild that the pool cannot lend scratch pages to:
+        `isolation.rebuild_state`)."""
+        self.running.remove(seq)
+        self._preempt(seq)
 
     def _never_fits(self, seq: Sequence, need: int) -> bool:
         """A sequence whose rows exceed the whole pool can never run: it fails, alone."""
