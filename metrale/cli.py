@@ -41,6 +41,37 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence tokens")
 
 
+def _arg_type(convert, check, expected: str):
+    """An argparse type: a bad value is a usage error naming the flag (exit 2), at parse time,
+    rather than a failure after the model has loaded."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except (ValueError, RuntimeError):  # RuntimeError: torch.device's refusal
+            value = None
+        if value is None or not check(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    parse.__name__ = expected  # argparse names the type in some messages
+    return parse
+
+
+_PORT = _arg_type(int, lambda v: 0 <= v <= 65535, "a port in 0..65535")
+_POSITIVE = _arg_type(int, lambda v: v > 0, "a positive integer")
+_SECONDS = _arg_type(float, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
+
+
+def _device(text: str) -> str:
+    import torch
+
+    return text if text == "auto" else str(torch.device(text))
+
+
+_DEVICE = _arg_type(_device, lambda v: True, "auto or a torch device (cpu, cuda, cuda:1 ...)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="metrale", description="metrale: LLM inference built around speculative decoding"
@@ -59,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, ...)")
     _add_engine_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
-    srv.add_argument("--port", type=int, default=8000, help="TCP port")
+    srv.add_argument("--port", type=_PORT, default=8000, help="TCP port")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     srv.add_argument("--no-access-log", action="store_true", help="no stderr line per request")
     srv.add_argument(
@@ -69,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="CORS: origins allowed to call the API from a browser (off by default)",
     )
     srv.add_argument(
-        "--max-body-bytes", type=int, default=32 << 20, help="larger request bodies get a 413"
+        "--max-body-bytes", type=_POSITIVE, default=32 << 20, help="larger request bodies get a 413"
     )
     srv.add_argument(
         "--reasoning-parser",
@@ -79,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument(
         "--shutdown-grace",
-        type=float,
+        type=_SECONDS,
         default=30.0,
         help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before being aborted",
     )
@@ -94,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of a checkpoint, random bf16 weights of a published shape: qwen3-8b | "
         "qwen3-1.7b | qwen3-0.6b | qwen3-next-a3b-64e | qwen3-next-tiny | tiny",
     )
-    bench.add_argument("--device", default="auto", help="torch device")
+    bench.add_argument("--device", type=_DEVICE, default="auto", help="torch device")
     bench.add_argument("--dtype", default="auto", help="auto: bf16 on GPU, float32 on CPU")
     bench.add_argument("--batch-sizes", type=_int_list, default=[1, 4], help="e.g. 1,8,64,256")
     bench.add_argument(
@@ -318,7 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     }[args.command]
     try:
         return handler(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
+        # OSError: an --out path that exists as a file, a directory without write permission,
+        # ... (FileNotFoundError is one); a clear message, not a traceback
         print(f"metrale {args.command}: error: {e}", file=sys.stderr)
         return 2
 

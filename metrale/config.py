@@ -15,7 +15,7 @@ import torch
 
 from metrale.hybrid_config import HybridConfig, hybrid_from_hf
 from metrale.sampling_params import SamplingParams
-from metrale.spec_config import SPEC_METHODS, SpecConfig
+from metrale.spec_config import SPEC_METHODS, SpecConfig, is_real, require_bools
 
 __all__ = [
     "SPEC_METHODS",
@@ -74,24 +74,31 @@ class RopeConfig:
     high_freq_factor: float = 4.0
 
 
-def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
-    params = dict(cfg.get("rope_parameters") or {})
-    legacy = cfg.get("rope_scaling") or {}
+def _rope_from_hf(cfg: dict[str, Any], source: str = "config.json") -> RopeConfig:
+    params, legacy = cfg.get("rope_parameters") or {}, cfg.get("rope_scaling") or {}
+    for key, value in (("rope_parameters", params), ("rope_scaling", legacy)):
+        if not isinstance(value, dict):
+            raise ValueError(f"{source}: field {key!r} must be an object, got {value!r}")
     params = {**legacy, **params}
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+    def num(key: str, default: Any = None) -> float | None:
+        # float() of a string or list would raise a message that names no field
+        value = params.get(key, default)
+        if value is not None and not is_real(value):
+            name = f"rope_scaling.{key}" if key in params else key
+            raise ValueError(f"{source}: field {name!r} must be a number, got {value!r}")
+        return None if value is None else float(value)
+
+    theta = num("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
-            f"config.json: rope_scaling.rope_type {rope_type!r} is not supported; "
+            f"{source}: rope_scaling.rope_type {rope_type!r} is not supported; "
             f"expected one of {SUPPORTED_ROPE_TYPES}"
         )
-
-    def opt_float(key: str) -> float | None:
-        return None if params.get(key) is None else float(params[key])
-
-    factor = float(params.get("factor") or 1.0)
+    factor = num("factor") or 1.0
     if rope_type != "default" and factor <= 0:
-        raise ValueError(f"config.json: rope_scaling.factor must be > 0, got {factor}")
+        raise ValueError(f"{source}: rope_scaling.factor must be > 0, got {factor}")
     original = params.get("original_max_position_embeddings")
     if rope_type in ("yarn", "llama3") and original is None:
         original = cfg.get("max_position_embeddings")
@@ -99,15 +106,17 @@ def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
         rope_type=rope_type,
         theta=theta,
         factor=factor,
-        original_max_position_embeddings=None if original is None else int(original),
-        attention_factor=opt_float("attention_factor"),
-        beta_fast=float(params.get("beta_fast") or 32.0),
-        beta_slow=float(params.get("beta_slow") or 1.0),
-        mscale=opt_float("mscale"),
-        mscale_all_dim=opt_float("mscale_all_dim"),
+        original_max_position_embeddings=(
+            None if original is None else int(num("original_max_position_embeddings", original))
+        ),
+        attention_factor=num("attention_factor"),
+        beta_fast=num("beta_fast") or 32.0,
+        beta_slow=num("beta_slow") or 1.0,
+        mscale=num("mscale"),
+        mscale_all_dim=num("mscale_all_dim"),
         truncate=bool(params.get("truncate", True)),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        low_freq_factor=num("low_freq_factor", 1.0),
+        high_freq_factor=num("high_freq_factor", 4.0),
     )
 
 
@@ -147,6 +156,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        if not isinstance(cfg, dict):  # e.g. a JSON list: .get below would raise AttributeError
+            raise ValueError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -211,7 +222,7 @@ class ModelConfig:
             ),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
-            rope=_rope_from_hf(cfg),
+            rope=_rope_from_hf(cfg, source),
             dtype=dtype,
             eos_token_ids=tuple(eos_list),
             bos_token_id=bos,
@@ -320,8 +331,21 @@ class EngineConfig:
             raise ValueError(f"spec must be a SpecConfig or a dict, got {spec!r}")
         object.__setattr__(self, "spec", spec)
         util = self.gpu_memory_utilization
-        if util is not None and (isinstance(util, bool) or not 0.0 < util <= 1.0):
+        if util is not None and (not is_real(util) or not 0.0 < util <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
+        # inf would overflow the page count, nan compares False everywhere
+        if not is_real(self.kv_cache_memory_gb) or not self.kv_cache_memory_gb > 0:
+            raise ValueError(
+                f"kv_cache_memory_gb must be a finite number > 0, got {self.kv_cache_memory_gb!r}"
+            )
+        flags = ("cuda_graphs", "expert_parallel", "prefix_caching", "deterministic")
+        require_bools(self, (*flags, "async_scheduling"))
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.device, str):
+            raise ValueError(
+                f"device must be a string such as 'auto' or 'cuda:0', got {self.device!r}"
+            )
         timeout = self.distributed_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"distributed_timeout_s must be a positive number, got {timeout!r}")
@@ -329,27 +353,18 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_model_len is not None and (
-            not isinstance(self.max_model_len, int) or self.max_model_len < 2
+        for name, lo in (
+            ("max_model_len", 2),
+            ("num_kv_pages", 2),
+            ("graph_max_rows", 1),
+            ("graph_prefill_rows", 0),
+            ("prefix_cache_snapshots", 0),
         ):
-            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
-        if self.num_kv_pages is not None and (
-            not isinstance(self.num_kv_pages, int) or self.num_kv_pages < 2
-        ):
-            raise ValueError(f"num_kv_pages must be an integer >= 2, got {self.num_kv_pages!r}")
-        if self.graph_max_rows is not None and (
-            not isinstance(self.graph_max_rows, int) or self.graph_max_rows < 1
-        ):
-            raise ValueError(
-                f"graph_max_rows must be None or an integer >= 1, got {self.graph_max_rows!r}"
-            )
-        if self.graph_prefill_rows is not None and (
-            not isinstance(self.graph_prefill_rows, int) or self.graph_prefill_rows < 0
-        ):
-            raise ValueError(
-                "graph_prefill_rows must be None or an integer >= 0, "
-                f"got {self.graph_prefill_rows!r}"
-            )
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < lo
+            ):
+                raise ValueError(f"{name} must be None or an integer >= {lo}, got {value!r}")
         if not isinstance(self.num_lookahead_rows, int) or self.num_lookahead_rows < 0:
             raise ValueError(
                 f"num_lookahead_rows must be an integer >= 0, got {self.num_lookahead_rows!r}"
@@ -360,13 +375,6 @@ class EngineConfig:
             raise ValueError(
                 f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}"
             )
-        snaps = self.prefix_cache_snapshots
-        if snaps is not None and (
-            isinstance(snaps, bool) or not isinstance(snaps, int) or snaps < 0
-        ):
-            raise ValueError(
-                f"prefix_cache_snapshots must be None or an integer >= 0, got {snaps!r}"
-            )
         if self.deterministic and self.tensor_parallel_size > 1:
             # an all-reduce may sum a row's shards in an order that follows the message size
             raise ValueError("deterministic: not supported with tensor_parallel_size > 1")
@@ -375,8 +383,6 @@ class EngineConfig:
                 f"hybrid_verify_state must be one of {HYBRID_VERIFY_STATES}, "
                 f"got {self.hybrid_verify_state!r}"
             )
-        if not (self.kv_cache_memory_gb > 0):
-            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

@@ -3,9 +3,24 @@ D-Cut plans the depths. Validated here, once, with a ValueError that names the b
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 SPEC_METHODS = ("ngram", "mtp", "dflash")
+
+
+def require_bools(obj, names: tuple[str, ...], prefix: str = "") -> None:
+    """A flag must be a real bool: `"no"` or `0.5` are truthy, so they would silently switch a
+    feature on."""
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, bool):
+            raise ValueError(f"{prefix}{name} must be True or False, got {value!r}")
+
+
+def is_real(value) -> bool:
+    """A finite int or float that is not a bool (None, strings, inf and nan are not)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -52,6 +67,16 @@ class SpecConfig:
             raise ValueError(
                 f"spec.method must be one of {SPEC_METHODS} or None, got {self.method!r}"
             )
+        # only DFlash loads a drafter checkpoint of its own; a model given to another drafter
+        # would be ignored, so the run would not be the one asked for (vLLM refuses it too)
+        if self.model is not None and self.method != "dflash":
+            raise ValueError(
+                f"spec.model: the {self.method!r} drafter takes no checkpoint of its own, "
+                f"got {self.model!r}"
+            )
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"spec.model must be a path string, got {self.model!r}")
+        require_bools(self, ("dcut", "verify_raw_argmax"), prefix="spec.")
         for name, lo in (
             ("num_drafts", 1),
             ("ngram_min", 1),
@@ -74,7 +99,7 @@ class SpecConfig:
             raise ValueError(
                 f"spec.mtp_max_seqs must be an integer >= 1, got {self.mtp_max_seqs!r}"
             )
-        if not 0.0 <= self.dcut_prior <= 1.0:
+        if not is_real(self.dcut_prior) or not 0.0 <= self.dcut_prior <= 1.0:
             raise ValueError(f"spec.dcut_prior must be in [0, 1], got {self.dcut_prior!r}")
 
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import re
 from collections.abc import Iterable, Sequence
 from datetime import datetime
@@ -22,7 +23,10 @@ import jinja2.nodes
 import jinja2.sandbox
 import tokenizers
 
+from metrale.sampling_params import SamplingParams
+
 _REPLACEMENT = "\ufffd"
+logger = logging.getLogger(__name__)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -33,6 +37,26 @@ def _read_json(path: Path) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from e
     return data if isinstance(data, dict) else {}
+
+
+def _valid_sampling_defaults(gen: dict[str, Any]) -> dict[str, float | int]:
+    """generation_config.json's sampling fields that a request could carry itself. An invalid
+    one is dropped with a warning (as vLLM ignores it): applied to every request that leaves the
+    field out, it would make each of them fail with a 400 about a field the client never sent."""
+    defaults: dict[str, float | int] = {}
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        value = gen.get(name)
+        if value is None:
+            continue
+        try:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"expected a number, got {value!r}")
+            SamplingParams(**{name: value})
+        except ValueError as e:
+            logger.warning("generation_config.json: ignoring %s=%r (%s)", name, value, e)
+            continue
+        defaults[name] = value
+    return defaults
 
 
 def _token_content(value: Any) -> str | None:
@@ -125,11 +149,7 @@ class Tokenizer:
         gen = generation_config or {}
         # the checkpoint's recommended sampling (generation_config.json), which the server
         # applies to requests that leave those fields out, as vLLM does
-        self.sampling_defaults: dict[str, float | int] = {
-            name: gen[name]
-            for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-            if isinstance(gen.get(name), (int, float)) and not isinstance(gen.get(name), bool)
-        }
+        self.sampling_defaults = _valid_sampling_defaults(gen)
         if gen.get("do_sample") is False:  # greedy by the checkpoint's own choice
             self.sampling_defaults["temperature"] = 0.0
         self.chat_template = (
@@ -171,7 +191,10 @@ class Tokenizer:
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
             raise FileNotFoundError(f"{tok_file}: no tokenizer.json in the model directory")
-        tok = tokenizers.Tokenizer.from_file(str(tok_file))
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(tok_file))
+        except Exception as e:  # noqa: BLE001 - the Rust binding raises a bare Exception
+            raise ValueError(f"{tok_file}: not a readable tokenizer ({e})") from None
         cfg = _read_json(path / "tokenizer_config.json")
         gen = _read_json(path / "generation_config.json")
         # transformers 5 saves the template beside the config instead of inside it; the separate

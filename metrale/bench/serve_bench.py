@@ -172,6 +172,17 @@ async def run_load(args, tokenizer=None) -> tuple[dict, dict]:
     return report, {(r["client"], r["turn"]): r.get("text") for r in results}
 
 
+async def served_model(http: httpx.AsyncClient) -> str:
+    """The first model `/v1/models` lists, or a ValueError naming the way out."""
+    reply = await http.get("/v1/models")
+    try:
+        return reply.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ValueError(
+            f"{reply.url}: no model listed (HTTP {reply.status_code}); give --served-model"
+        ) from None
+
+
 async def _random_load(args):
     if not args.request_rate > 0 or (args.max_concurrency is not None and args.max_concurrency < 1):
         raise ValueError("--request-rate must be > 0 and --max-concurrency >= 1")
@@ -187,7 +198,7 @@ async def _random_load(args):
         base_url=args.base_url, headers=headers, timeout=timeout, limits=limits
     ) as http:
         if args.served_model is None:
-            args.served_model = (await http.get("/v1/models")).json()["data"][0]["id"]
+            args.served_model = await served_model(http)
         before = await spec_counters(http)
 
         async def launch(prompt: str) -> dict:
@@ -316,7 +327,11 @@ def add_serve_bench_args(p) -> None:
 def main(args) -> int:
     from metrale.bench.serve_launch import format_comparison, run
 
-    report = run(args)
+    try:
+        report = run(args)
+    except httpx.TransportError as e:  # refused, unresolvable, timed out: no traceback
+        url = getattr(args, "base_url", None) or "the launched server"
+        raise ValueError(f"cannot reach the server at {url}: {e!r}") from None
     compared = "with_prefix_caching" in report
     print(format_comparison(report) if compared else format_report(report))
     text = json.dumps(report)

@@ -143,6 +143,20 @@ def startup_banner(loop, host: str, port: int, keyed: bool) -> str:
     )
 
 
+def check_serve_options(port, max_body_bytes, shutdown_grace) -> None:
+    """Refuse bad listener settings before the model loads (minutes, on a large one): uvicorn
+    would only fail on them at bind time, or accept a negative body limit or grace period."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port must be an integer in [0, 65535], got {port!r}")
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int):
+        raise ValueError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
+    if max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
+    grace = shutdown_grace
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < 1e9:
+        raise ValueError(f"shutdown_grace must be a finite number of seconds >= 0, got {grace!r}")
+
+
 def serve(
     model=None,
     host: str = "127.0.0.1",
@@ -158,6 +172,7 @@ def serve(
     """Serve until SIGINT or SIGTERM, then drain and return (exit status 0): new requests get a
     503, in-flight ones have `shutdown_grace` seconds to finish, then each remaining one ends
     with finish_reason "abort" in a well-formed response or final chunk."""
+    check_serve_options(port, max_body_bytes, shutdown_grace)
     import uvicorn
 
     class Server(uvicorn.Server):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import fields
 
 
@@ -21,13 +22,26 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _int_list(text: str | None) -> tuple[int, ...] | None:
-    if text is None:
-        return None
+def _int_list(text: str) -> tuple[int, ...]:
+    # an argparse type, so that a bad list is a usage error naming the flag (exit 2)
     try:
-        return tuple(int(v) for v in text.split(",") if v.strip())
+        values = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers like 1,3,5, got {text!r}") from None
+        values = ()
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected integers like 1,3,5, got {text!r}")
+    return values
+
+
+def _finite_float(text: str) -> float:
+    # inf or nan (which float() accepts) would train NaN weights and still report success
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
 
 
 def _add_corpus_args(p: argparse.ArgumentParser) -> None:
@@ -50,7 +64,7 @@ def _add_corpus_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--heldout-fraction",
-        type=float,
+        type=_finite_float,
         default=0.02,
         help="share of files held out for evaluation, chosen by a stable hash of the path",
     )
@@ -60,13 +74,19 @@ def _add_optim_args(p: argparse.ArgumentParser, steps: int, lr: float) -> None:
     p.add_argument("--steps", type=_positive_int, default=steps, help="optimizer steps")
     p.add_argument("--batch-size", type=_positive_int, default=16, help="windows per step")
     p.add_argument("--seq-len", type=_positive_int, default=512, help="tokens per window")
-    p.add_argument("--lr", type=float, default=lr, help="peak learning rate (AdamW)")
-    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor, as lr * ratio")
+    p.add_argument("--lr", type=_finite_float, default=lr, help="peak learning rate (AdamW)")
+    p.add_argument(
+        "--min-lr-ratio", type=_finite_float, default=0.1, help="cosine floor, as lr * ratio"
+    )
     p.add_argument("--warmup-steps", type=int, default=100, help="linear warmup steps")
-    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay of matrices")
-    p.add_argument("--beta1", type=float, default=0.9, help="AdamW beta1")
-    p.add_argument("--beta2", type=float, default=0.95, help="AdamW beta2")
-    p.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0 = off)")
+    p.add_argument(
+        "--weight-decay", type=_finite_float, default=0.1, help="AdamW decay of matrices"
+    )
+    p.add_argument("--beta1", type=_finite_float, default=0.9, help="AdamW beta1")
+    p.add_argument("--beta2", type=_finite_float, default=0.95, help="AdamW beta2")
+    p.add_argument(
+        "--grad-clip", type=_finite_float, default=1.0, help="max gradient norm (0 = off)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seeds the init and the data windows")
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda:1 ...")
     p.add_argument("--compile", action="store_true", help="torch.compile the training step")
@@ -82,11 +102,14 @@ def _add_optim_args(p: argparse.ArgumentParser, steps: int, lr: float) -> None:
         "--stop-at", type=_positive_int, default=None, help="stop after this step (state saved)"
     )
     p.add_argument(
-        "--time-limit", type=float, default=None, help="stop after this many seconds (state saved)"
+        "--time-limit",
+        type=_finite_float,
+        default=None,
+        help="stop after this many seconds (state saved)",
     )
     p.add_argument(
         "--max-seconds",
-        type=float,
+        type=_finite_float,
         default=None,
         help="end the run here as if its steps were done (checkpoint written)",
     )
@@ -118,7 +141,7 @@ def add_train_parsers(sub) -> None:
     tgt.add_argument(
         "--untie-embeddings", action="store_true", help="own lm_head (default: tied to input)"
     )
-    tgt.add_argument("--rope-theta", type=float, default=1_000_000.0, help="rotary base")
+    tgt.add_argument("--rope-theta", type=_finite_float, default=1_000_000.0, help="rotary base")
     tgt.add_argument(
         "--max-position-embeddings",
         type=_positive_int,
@@ -137,7 +160,10 @@ def add_train_parsers(sub) -> None:
     _add_corpus_args(mtp)
     mtp.add_argument("--depths", type=_positive_int, default=3, help="chained depths trained (K)")
     mtp.add_argument(
-        "--depth-decay", type=float, default=0.8, help="loss weight of depth d: decay**(d-1)"
+        "--depth-decay",
+        type=_finite_float,
+        default=0.8,
+        help="loss weight of depth d: decay**(d-1)",
     )
     mtp.add_argument(
         "--num-mtp-layers", type=_positive_int, default=1, help="MTP decoder layers (cycled)"
@@ -156,11 +182,15 @@ def add_train_parsers(sub) -> None:
     )
     dfl.add_argument(
         "--target-layers",
+        type=_int_list,
         default=None,
         help="target layers read, e.g. 1,3,5 (default: --num-taps evenly spaced)",
     )
     dfl.add_argument(
-        "--gamma", type=float, default=4.0, help="loss decay over block rows: exp(-(j-1)/gamma)"
+        "--gamma",
+        type=_finite_float,
+        default=4.0,
+        help="loss decay over block rows: exp(-(j-1)/gamma)",
     )
     dfl.add_argument(
         "--anchor-stride", type=_positive_int, default=16, help="one block every this many tokens"
@@ -219,7 +249,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 block_size=args.block_size,
                 num_layers=args.num_draft_layers,
                 num_taps=args.num_taps,
-                target_layers=_int_list(args.target_layers),
+                target_layers=args.target_layers,
                 gamma=args.gamma,
                 anchor_stride=args.anchor_stride,
                 out_dir=args.out,

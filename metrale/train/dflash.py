@@ -23,6 +23,7 @@ The drafter is saved in the published layout under `<out>/dflash/`, where the en
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -94,11 +95,18 @@ def train_dflash(
         raise FileNotFoundError(f"{target_dir}: no config.json (run `metrale train target`)")
     if block_size < 2 or block_size + 1 > opts.seq_len:
         raise ValueError(f"block_size must be in [2, seq_len - 1], got {block_size}")
-    if not gamma > 0 or anchor_stride < 1 or num_taps < 1:
+    if not 0 < gamma < math.inf or anchor_stride < 1 or num_taps < 1:
         raise ValueError("gamma must be > 0, anchor_stride and num_taps >= 1")
     if teacher not in TEACHERS:
         raise ValueError(f"teacher must be one of {TEACHERS}, got {teacher!r}")
     tcfg = ModelConfig.from_hf(target_dir)
+    layers = tcfg.num_hidden_layers
+    # the drafter reads one hidden state per tap: a repeated layer or more taps than layers
+    # (which evenly_spaced_layers would quietly cut down) is not the drafter that was asked for
+    if target_layers and len(set(target_layers)) < len(target_layers):
+        raise ValueError(f"target_layers {list(target_layers)}: a layer is listed twice")
+    if not target_layers and num_taps > layers:
+        raise ValueError(f"num_taps {num_taps}: the target has only {layers} layers")
     target_raw = json.loads((target_dir / "config.json").read_text())
     out = (Path(out_dir) if out_dir is not None else target_dir) / DFLASH_DIR
     cfg = DFlashConfig(

@@ -76,6 +76,12 @@ class TrainOptions:
         for name in ("warmup_steps", "eval_every", "save_every", "weight_decay", "grad_clip"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        # inf or nan would train NaN weights and still report success
+        floats = ("lr", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip")
+        for name in (*floats, "time_limit", "max_seconds"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -186,6 +192,22 @@ def _save_state(path: Path, state: dict) -> None:
     os.replace(tmp, path)
 
 
+def _unreadable(path: Path, e: BaseException) -> ValueError:
+    return ValueError(f"state file {path} is unreadable ({e!r}); remove it to start over")
+
+
+def _load_state(path: Path) -> dict:
+    """The saved state, or a ValueError naming the file: a truncated or foreign file makes
+    torch.load raise any of RuntimeError, EOFError, UnpicklingError, BadZipFile ..."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch.load has no single error type
+        raise _unreadable(path, e) from None
+    if not isinstance(state, dict) or not isinstance(state.get("identity"), dict):
+        raise _unreadable(path, TypeError("not a metrale training state"))
+    return state
+
+
 def run_training(
     module: nn.Module,
     loss_fn: LossFn,
@@ -224,7 +246,7 @@ def run_training(
                 f"{state_path} holds an earlier run's state; pass --resume to continue it, or "
                 "remove it to start over"
             )
-        state = torch.load(state_path, map_location="cpu", weights_only=True)
+        state = _load_state(state_path)
         differ = sorted(
             k
             for k in identity.keys() | state["identity"].keys()
@@ -235,12 +257,15 @@ def run_training(
                 f"{k}: saved {state['identity'].get(k)!r}, now {identity.get(k)!r}" for k in differ
             )
             raise ValueError(f"{state_path}: cannot resume with different settings ({detail})")
-        module.load_state_dict(state["module"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        gen.set_state(state["generator"])
-        step, tokens, wall = state["step"], state["tokens"], state["wall_time"]
-        history, evals = state["history"], state["evals"]
+        try:
+            module.load_state_dict(state["module"])
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            gen.set_state(state["generator"])
+            step, tokens, wall = state["step"], state["tokens"], state["wall_time"]
+            history, evals = state["history"], state["evals"]
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise _unreadable(state_path, e) from None
         _log(f"{stage}: resuming from step {step} of {opts.steps} ({state_path})")
     elif opts.resume:
         _log(f"{stage}: no {state_name} in {out_dir}; starting at step 0")

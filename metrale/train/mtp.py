@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import shutil
 import time
@@ -159,7 +160,7 @@ def train_mtp(
         raise ValueError(f"depths must be >= 1, got {depths}")
     if depths + 1 > opts.seq_len:
         raise ValueError(f"depths {depths} needs seq_len >= {depths + 1}, got {opts.seq_len}")
-    if not depth_decay > 0:
+    if not 0 < depth_decay < math.inf:  # inf would weigh the depths as NaN
         raise ValueError(f"depth_decay must be > 0, got {depth_decay}")
     cfg = ModelConfig.from_hf(target_dir)
     if opts.seq_len > cfg.max_position_embeddings:
