@@ -1,7 +1,10 @@
 """Every step of a closed batch of the shipped model, plain then speculative: how many sequences
 run and draft, the step's wall time, and the host phases inside it (schedule, prepare with D-Cut's
 planning and the drafter's propose, execute, commit with observe). Of the third of three runs;
-one JSON per drafter and batch, the totals printed. Where a speculative step's time goes, step by
+one JSON per drafter and batch, the totals printed. Each step also names the batches the runner
+ran ("verify 8x20": 8 sequences, 20 rows; "ahead": launched before the step before was settled)
+and what D-Cut's host-cost gate weighed (`gates`: each plan's expected tokens and priced step,
+against the plain step) and dropped. Where a speculative step's time goes, step by
 step: a closed batch's tail, the probes, the re-plans.
 
     python benchmarks/step_trace.py ngram 8 trace-ngram-b8.json
@@ -19,6 +22,7 @@ from metrale.api import LLM
 from metrale.bench.acceptance import heldout_prompts
 from metrale.bench.drafter import concurrency
 from metrale.config import SamplingParams
+from metrale.speculative import planning
 
 
 def _timed(obj, name: str, times: dict[str, float]) -> None:
@@ -67,15 +71,50 @@ def main() -> None:
     ]:
         _timed(obj, name, times)
     steps: list[dict] = []
-    step = engine.step
+    step, execute = engine.step, engine.runner.execute
+    batches: list[str] = []
+
+    def executed(batch, *args, **kwargs):
+        # the kind of each batch the runner ran: "verify 8x18" (sequences x rows), "decode 8"
+        kind = batch.phase.name.lower()
+        batches.append(f"{kind} {len(batch.entries)}x{batch.num_rows}" + " ahead" * bool(kwargs))
+        return execute(batch, *args, **kwargs)
+
+    engine.runner.execute = executed
+    spec = engine.spec
+    gates: list[dict] = []
+    loses = planning.drafting_loses
+
+    def gate(plan, cost, host, reopen=False):
+        # what the host-cost gate weighed: the plan's expected tokens against its priced step
+        width = len(plan.depths)
+        drafted = sum(d > 0 for d in plan.depths)
+        dropped = loses(plan, cost, host, reopen)
+        verify = host.verify_seconds(width, drafted)
+        plain = host.plain_seconds(width) or host.plain_near(width, cost)
+        gates.append({
+            "width": width, "drafted": drafted, "tokens": round(plan.expected_tokens, 1),
+            "rows": plan.rows, "reopen": reopen, "dropped": dropped,
+            "verify_ms": verify and round(verify * cost.step_time(plan.rows, width) * 1e3, 3),
+            "plain_ms": plain and round(plain * 1e3, 3),
+        })  # fmt: skip
+        return dropped
+
+    planning.drafting_loses = gate
 
     def traced():
         times.clear()
+        batches.clear()
+        gates.clear()
+        gated = spec.telemetry.host_gated_plans
         running = list(engine.scheduler.running)
         start = time.perf_counter()
         out = step()
         record = {"width": len(running), "drafted": sum(s.draft is not None for s in running)}
         record["ms"] = (time.perf_counter() - start) * 1e3
+        record["batches"] = list(batches)
+        record["gated"] = spec.telemetry.host_gated_plans - gated
+        record["gates"] = list(gates)
         steps.append(record | times)
         return out
 

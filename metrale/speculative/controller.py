@@ -91,7 +91,9 @@ class SpeculativeDecoder(DepthPlanning):
         # and its probe steps (few drafting, the slow path) would misprice it: on the H200 the
         # shipped model's MTP at batch 64 fell from 0.94x to 0.59x when priced.
         priced = getattr(drafter, "stateless", False) and not knobs().no_dcut_host_cost
-        self.host = HostCost(bool(priced))
+        # (whole steps scaled between widths by the calibrated forward, looked up when asked:
+        # the engine calibrates `cost` after this)
+        self.host = HostCost(bool(priced), forward=lambda width: self.cost.plain_seconds(width))
 
     @property
     def needs_verdicts(self) -> bool:

@@ -22,6 +22,14 @@ verify steps of about 12 ms against 7 priced, so D-Cut speculated at 0.77x plain
 steps are also timed whole (`HostCost.speculative`), and once a width and a number drafted have
 been measured, that prices the plan instead, against the plain step as measured.
 
+Whole steps are measured at one width and priced at another (a bucket spans a factor of two, and
+a closed batch narrows through every width): a sample is kept over the calibrated forward at its
+width, and priced at a width by the forward there (`HostCost.shape`), not per sequence. A step of
+a small model is mostly fixed host work: per sequence, plain steps measured at batch 33 priced
+a plain step at batch 59 at 3.5 ms where it took 2.7 (the shipped model on the H200), and verify
+steps measured elsewhere in their bucket priced theirs apart from it, so the gate dropped plans
+that won by 25% in the steps before and after.
+
 The gate is all or nothing on the plan D-Cut makes from rows alone: a plan cut down to fewer
 sequences would be a new verify shape, and a batch flipping between half-drafted plans paid more
 than either (measured: n-gram at batch 8 fell from 1.02x to 0.80x when D-Cut priced the host work
@@ -33,6 +41,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Callable
 
 from metrale.engine.program_cache import captures
 from metrale.speculative.dcut import Plan, VerifyCostModel
@@ -93,20 +102,28 @@ class HostCost:
     either kind.
     """
 
-    def __init__(self, enabled: bool, stale_after: int = 256) -> None:
+    def __init__(
+        self,
+        enabled: bool,
+        stale_after: int = 256,
+        forward: Callable[[int], float | None] | None = None,
+    ) -> None:
+        """`forward`: the calibrated plain forward's seconds at a width (None where not
+        calibrated), which `shape` scales whole steps by."""
         self.enabled = enabled
         self.stale_after = stale_after
+        self._forward = forward
         self._step = 0
         # bucket -> seconds per sequence drafted
         self._buckets: dict[int, Window] = {}
         self._last = (0, 0.0)  # (sequences drafted, seconds) of the step in flight
-        # bucket -> a whole plain decode step's seconds per sequence (`plain`)
+        # bucket -> a whole plain decode step's seconds over its `shape` (`plain`)
         self._plain: dict[int, Window] = {}
         # the same of its host work alone (the asynchronous engine's, whose plain steps hide it
         # behind the device: `plain`'s `host`)
         self._exposed: dict[int, Window] = {}
-        # (width bucket, drafted bucket) -> a whole verify step's seconds per sequence, over its
-        # rows' relative cost (`speculative`)
+        # (width bucket, drafted bucket) -> a whole verify step's seconds over its `shape` and
+        # its rows' relative cost (`speculative`)
         self._verify: dict[tuple[int, int], Window] = {}
         self._drafted_before = False
         self._captures = captures()  # programs captured before the step in flight
@@ -143,6 +160,14 @@ class HostCost:
         k, s = self._last
         self._last = (k if drafted is None else drafted, s + seconds)
 
+    def shape(self, width: int) -> float:
+        """How a whole step's seconds grow with its width: the calibrated forward's seconds
+        there, else the width itself (per sequence, where nothing was calibrated). On a model
+        whose step is mostly fixed host work the forward barely grows with the width, and
+        neither does the step; on a large one the forward is most of the step."""
+        forward = self._forward(width) if self._forward is not None and width > 0 else None
+        return forward if forward else float(width)
+
     def _sample(self, buckets: dict, key, per_seq: float, count: int) -> None:
         window = buckets.get(key)
         if window is None:
@@ -156,9 +181,10 @@ class HostCost:
         asynchronous engine), and a synchronous verify step would not."""
         if not self.enabled or width <= 0 or self.captured:
             return
-        self._sample(self._plain, count_bucket(width), seconds / width, width)
+        shape = self.shape(width)
+        self._sample(self._plain, count_bucket(width), seconds / shape, width)
         if host is not None:
-            self._sample(self._exposed, count_bucket(width), host / width, width)
+            self._sample(self._exposed, count_bucket(width), host / shape, width)
 
     def speculative(self, width: int, drafted: int, seconds: float, relative: float) -> None:
         """A verify step of `width` sequences, `drafted` of them planned to draft, took
@@ -169,17 +195,17 @@ class HostCost:
         if not self.enabled or width <= 0 or drafted <= 0 or self.captured:
             return
         key = (count_bucket(width), count_bucket(drafted))
-        self._sample(self._verify, key, seconds / max(relative, 1.0) / width, width)
+        self._sample(self._verify, key, seconds / max(relative, 1.0) / self.shape(width), width)
 
     def verify_seconds(self, width: int, drafted: int) -> float | None:
         """A whole verify step of `width` sequences, `drafted` planned to draft, as measured at
         about that many, scaled to one row a sequence (times a plan's relative row cost: its
         step); None until then."""
-        return self._per_seq(self._verify, (count_bucket(width), count_bucket(drafted)), width)
+        return self._shaped(self._verify, (count_bucket(width), count_bucket(drafted)), width)
 
     def plain_seconds(self, width: int) -> float | None:
         """A whole plain decode step of `width` sequences, as measured; None until then."""
-        return self._per_seq(self._plain, count_bucket(width), width)
+        return self._shaped(self._plain, count_bucket(width), width)
 
     def plain_near(self, width: int, cost: VerifyCostModel) -> float | None:
         """A whole plain step of `width` sequences from the nearest width whose plain steps were
@@ -193,12 +219,13 @@ class HostCost:
             return None
         near = min(measured, key=lambda w: abs(math.log2(w.count / width)))
         ref = cost.plain_seconds(near.count)
-        return None if not ref else near.value * near.count * forward / ref
+        # (`near.value` is over the `shape` of its own width: back to seconds there first)
+        return None if not ref else near.value * self.shape(near.count) * forward / ref
 
     def hidden_seconds(self, width: int) -> float | None:
         """The host work of a plain step of `width` sequences that the asynchronous engine
         hides behind the device, as measured; None until then, and in the synchronous engine."""
-        return self._per_seq(self._exposed, count_bucket(width), width)
+        return self._shaped(self._exposed, count_bucket(width), width)
 
     def seconds(self, drafted: int) -> float | None:
         """Host seconds that drafting `drafted` sequences adds to a step; None until measured
@@ -208,9 +235,16 @@ class HostCost:
         return self._per_seq(self._buckets, count_bucket(drafted), drafted)
 
     def _per_seq(self, buckets: dict, key, count: int) -> float | None:
-        window = buckets.get(key)
-        value = None if window is None or not self.enabled else window.value
+        value = self._value(buckets, key)
         return None if value is None else count * value
+
+    def _shaped(self, buckets: dict, key, width: int) -> float | None:
+        value = self._value(buckets, key)
+        return None if value is None else self.shape(width) * value
+
+    def _value(self, buckets: dict, key) -> float | None:
+        window = buckets.get(key)
+        return None if window is None or not self.enabled else window.value
 
 
 def drafting_loses(plan: Plan, cost: VerifyCostModel, host: HostCost, reopen: bool = False) -> bool:
