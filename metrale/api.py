@@ -1,7 +1,8 @@
 """The offline Python API: `LLM(model, **engine_options).generate(prompts, SamplingParams)`.
 
-Shaped like vLLM's `LLM`: prompts are strings or token-id lists, the result is one RequestOutput
-per prompt in input order. `stream()` yields a growing RequestOutput for a single request, and
+Shaped like vLLM's `LLM`: prompts are strings or token-id lists, or vLLM's prompt dicts
+(`{"prompt": text}`, `{"prompt_token_ids": ids}`); the result is one RequestOutput per prompt in
+input order. `stream()` yields a growing RequestOutput for a single request, and
 `chat()` applies the model's chat template first.
 """
 
@@ -11,6 +12,7 @@ import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TypedDict
 
 from tqdm.auto import tqdm
 
@@ -19,7 +21,27 @@ from metrale.engine.llm import LLMEngine
 from metrale.outputs import RequestOutput
 from metrale.speculative.drafter import Drafter
 
-Prompt = str | list[int]
+
+class TextPrompt(TypedDict):
+    """vLLM's text prompt dict."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's token-id prompt dict."""
+
+    prompt_token_ids: list[int]
+
+
+class _PromptError(ValueError):
+    """A dict prompt's error, naming its field already (`prompts[0].prompt: ...`)."""
+
+
+Prompt = str | list[int] | TextPrompt | TokensPrompt
+# the dict prompts' keys: vLLM's others (multi_modal_data, cache_salt, ...) mean something
+# metrale does not do, so they are refused rather than dropped
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 def engine_config_from(options: dict) -> EngineConfig:
@@ -59,9 +81,29 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    def _add(self, prompt: Prompt, params: SamplingParams | dict, final_only: bool = False) -> str:
+    def _add(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | dict,
+        final_only: bool = False,
+        where: str = "prompt",
+    ) -> str:
+        """Queue one request. A dict prompt's errors name its key under `where`
+        (`prompts[1].prompt_token_ids: ...`); a plain prompt's are the engine's own."""
         request_id = f"req-{next(self._ids)}"
-        self.engine.add_request(request_id, prompt, _params(params), final_only)
+        if not isinstance(prompt, dict):
+            self.engine.add_request(request_id, prompt, _params(params), final_only)
+            return request_id
+        key, plain = _from_dict(prompt, where)
+        try:
+            self.engine.add_request(request_id, plain, _params(params), final_only)
+        except ValueError as e:
+            # the engine names a prompt `prompt` or `prompt_token_ids`: name the dict's key
+            message = str(e)
+            for name in _PROMPT_KEYS:
+                if message.startswith(f"{name}: "):
+                    raise _PromptError(f"{where}.{key}: {message[len(name) + 2 :]}") from None
+            raise
         return request_id
 
     def generate(
@@ -71,14 +113,14 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt, batched continuously; outputs come back in input order."""
-        if isinstance(prompts, str) or (
+        if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise ValueError(
-                "prompts must be a string, a list of token ids, or a list of either, got "
-                f"{type(prompts).__name__}"
+                "prompts must be a string, a list of token ids, a prompt dict, or a list of "
+                f"them, got {type(prompts).__name__}"
             )
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, (SamplingParams, dict)):
@@ -96,12 +138,14 @@ class LLM:
                 )
         ids: list[str] = []
         try:
-            for prompt, params in zip(prompts, params_list, strict=True):
-                ids.append(self._add(prompt, params, final_only=True))
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+                ids.append(self._add(prompt, params, final_only=True, where=f"prompts[{i}]"))
         except (ValueError, TypeError) as e:
             # Nothing half-queued: drop what this call added, then name the bad prompt.
             for request_id in ids:
                 self.engine.abort_request(request_id)
+            if isinstance(e, _PromptError):  # a dict prompt's field, named already
+                raise ValueError(str(e)) from None
             raise ValueError(f"prompts[{len(ids)}]: {e}") from None
         finals = self._run(set(ids), use_tqdm and len(ids) > 1)
         return [finals[i] for i in ids]
@@ -127,6 +171,7 @@ class LLM:
         self, prompt: Prompt, sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
         """Yield the request's output each time it grows; `delta_text` holds the new text.
+        `prompt` is one prompt, of any form `generate` takes.
 
         Closing the iterator early aborts the request and frees its pages."""
         request_id = self._add(prompt, sampling_params)
@@ -173,6 +218,36 @@ def _params(params: SamplingParams | dict | None) -> SamplingParams:
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling_params: expected a SamplingParams, got {type(params).__name__}")
     return params
+
+
+def _from_dict(prompt: dict, where: str) -> tuple[str, str | list[int]]:
+    """A vLLM prompt dict as (its key, the plain prompt it holds); ValueError naming the field
+    at fault (`prompts[0].prompt_token_ids: ...`). Checks the engine makes of a plain prompt
+    (empty text, ids outside the vocabulary) are left to it."""
+    unknown = [k for k in prompt if k not in _PROMPT_KEYS]
+    if unknown:
+        raise _PromptError(
+            f"{where}.{unknown[0]}: not supported (a prompt dict holds one of "
+            f"{', '.join(_PROMPT_KEYS)})"
+        )
+    if len(prompt) != 1:
+        raise _PromptError(
+            f"{where}: a prompt dict holds exactly one of {', '.join(_PROMPT_KEYS)}, got "
+            f"{sorted(prompt) or 'neither'}"
+        )
+    key, value = next(iter(prompt.items()))
+    if key == "prompt":
+        if not isinstance(value, str):
+            raise _PromptError(f"{where}.prompt: expected a string, got {type(value).__name__}")
+        return key, value
+    if not isinstance(value, (list, tuple)) or not value:
+        raise _PromptError(
+            f"{where}.prompt_token_ids: expected a non-empty list of token ids, got {value!r:.80}"
+        )
+    bad = [t for t in value if isinstance(t, bool) or not isinstance(t, int)]
+    if bad:  # (the engine checks the ids' range)
+        raise _PromptError(f"{where}.prompt_token_ids: {bad[0]!r:.80} is not a token id")
+    return key, list(value)
 
 
 def _chat_messages(messages) -> list[dict]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from metrale.structured.params import StructuredOutput
@@ -28,6 +29,42 @@ def _check_number(name: str, value: Any, lo: float, hi: float, lo_open=False, hi
         lb = "(" if lo_open else "["
         rb = ")" if hi_open else "]"
         raise ValueError(f"{name} must be in {lb}{lo}, {hi}{rb}, got {value!r}")
+
+
+def _unused_field() -> Any:
+    """A vLLM field metrale does not implement: keyword-only, left out of repr and ==, as only
+    its "not used" value is accepted."""
+    return field(default=None, kw_only=True, repr=False, compare=False)
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _empty(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and not value
+
+
+# vLLM's SamplingParams fields that metrale does not implement: (whether the value is one that
+# changes nothing, what is accepted). A vLLM user's code that passes them gets a ValueError
+# naming the field rather than a TypeError, or the field silently ignored.
+_VLLM_UNSUPPORTED: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
+    "best_of": (lambda v, p: v is None or (_int(v) and v == p.n), "only best_of = n"),
+    "use_beam_search": (lambda v, p: v is None or v is False, "only False"),
+    "length_penalty": (lambda v, p: v is None or (_number(v) and v == 1), "only 1"),
+    "early_stopping": (lambda v, p: v is None or v is False, "only False"),
+    "prompt_logprobs": (lambda v, p: v is None, "only None"),
+    "bad_words": (lambda v, p: v is None or _empty(v), "only None"),
+    "allowed_token_ids": (lambda v, p: v is None, "only None"),
+    "logits_processors": (lambda v, p: v is None or _empty(v), "only None"),
+    "truncate_prompt_tokens": (lambda v, p: v is None, "only None"),
+    "guided_decoding": (lambda v, p: v is None, "use structured= for constrained output"),
+    "detokenize": (lambda v, p: v is None or v is True, "only True"),
+}
 
 
 @dataclass(frozen=True)
@@ -65,6 +102,19 @@ class SamplingParams:
     num_drafts: int | None = None
     # The output must match a JSON schema, regex, choice or grammar (a dict of its fields works).
     structured: StructuredOutput | dict | None = None
+    # vLLM's fields metrale does not implement (`_VLLM_UNSUPPORTED`): only their "not used"
+    # value is accepted, so vLLM code that passes it as such runs unchanged
+    best_of: int | None = _unused_field()
+    use_beam_search: bool | None = _unused_field()
+    length_penalty: float | None = _unused_field()
+    early_stopping: bool | None = _unused_field()
+    prompt_logprobs: int | None = _unused_field()
+    bad_words: list[str] | None = _unused_field()
+    allowed_token_ids: list[int] | None = _unused_field()
+    logits_processors: list | None = _unused_field()
+    truncate_prompt_tokens: int | None = _unused_field()
+    guided_decoding: Any = _unused_field()
+    detokenize: bool | None = _unused_field()
 
     MAX_LOGPROBS = 20
     MAX_N = 128  # OpenAI's bound: one request cannot flood the engine with sequences
@@ -186,6 +236,12 @@ class SamplingParams:
             raise ValueError(
                 f"logprobs must be an integer in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}"
             )
+        for name, (unused, accepted) in _VLLM_UNSUPPORTED.items():
+            value = getattr(self, name)
+            if not unused(value, self):
+                raise ValueError(
+                    f"{name}: not supported by metrale ({accepted}), got {value!r:.80}"
+                )
 
     @property
     def greedy(self) -> bool:

@@ -25,7 +25,7 @@ def llm(tiny_model_dir):
         (lambda llm: llm.generate(None), "^prompts must be"),
         (lambda llm: llm.generate(5), "^prompts must be"),
         (lambda llm: llm.generate(b"hello"), "^prompts must be"),
-        (lambda llm: llm.generate({"prompt": "x"}), "^prompts must be"),
+        (lambda llm: llm.generate({"prompt": 5}), r"^prompts\[0\]\.prompt: "),
         (lambda llm: llm.stream("x", 5), "^sampling_params"),
         (lambda llm: llm.chat(None), "^messages must be"),
         (lambda llm: llm.chat("hello"), "^messages must be"),

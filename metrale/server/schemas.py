@@ -64,6 +64,10 @@ _SAMPLING_FIELDS = (
     "logit_bias",
 )
 
+# the roles a chat message may have: what chat templates render. OpenAI's "developer" is not
+# among them: the shipped template writes a role out as it is, so it would not act as "system"
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
 # template variables a request may not set: the template's own inputs
 _TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt")
 
@@ -155,11 +159,19 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    role: StrictStr
+    role: StrictStr = Field(json_schema_extra={"enum": list(CHAT_ROLES)})
     content: (
         Annotated[StrictStr | list[TextPart], _one_of("a string or a list of text parts")] | None
     ) = Field(None, validate_default=True, description="null only for an assistant turn")
     tool_calls: list[ToolCall] | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, value: str) -> str:
+        # any other reached the template: a turn of its own, a template's error, or dropped
+        if value not in CHAT_ROLES:
+            raise ValueError(f"expected one of {', '.join(CHAT_ROLES)}, got {value!r:.40}")
+        return value
 
     @field_validator("content")
     @classmethod
