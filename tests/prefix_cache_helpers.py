@@ -1,8 +1,9 @@
-"""Helpers of the prefix-caching tests: prompts that share prefixes, and a watch that checks the
-cache's invariants after every engine step."""
+"""Helpers of the prefix-caching tests: prompts that share prefixes, a watch that checks the
+cache's invariants after every engine step, and a forward that fails one request's steps."""
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import Counter
 
@@ -91,3 +92,28 @@ class Watch:
             else:
                 self._seen[page] = (name, [t.clone() for t in now])
         self.checks += 1
+
+
+def fail_request(monkeypatch, llm: LLM, request_id: str, after: int) -> None:
+    """Make a hybrid target's forward raise part-way (in layer 2's `forward_fold`, after the
+    layers before it advanced their state) in every step whose batch holds `request_id`, from
+    the `after`-th call of that layer in such steps on: the request fails mid-generation, then
+    whenever it runs. A spy on the runner's `execute` notes each step's requests;
+    `monkeypatch.undo()` restores both."""
+    runner = llm.engine.runner
+    layer = runner.model.model.layers[2]
+    real_execute, real_layer = runner.execute, layer.forward_fold
+    current: list[str] = []
+    calls = itertools.count()
+
+    def execute(batch, **kw):
+        current[:] = [e.seq.request_id for e in batch.entries]
+        return real_execute(batch, **kw)
+
+    def failing_layer(*args, **kwargs):
+        if request_id in current and next(calls) >= after:
+            raise RuntimeError("NaN in layer 2")
+        return real_layer(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", execute)
+    monkeypatch.setattr(layer, "forward_fold", failing_layer)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from metrale import LLM
-from tests.prefix_cache_helpers import Watch, greedy, shared_prompts, token_ids
+from tests.prefix_cache_helpers import Watch, fail_request, greedy, shared_prompts, token_ids
 from tests.test_hybrid_engine import hybrid_dir, hybrid_mtp_dir  # noqa: F401 (fixtures)
 
 PAGE = 4
@@ -37,25 +37,9 @@ def test_rebuild_without_scratch_preempts_not_fails(hybrid_mtp_dir, spec, monkey
     llm.generate(prompts[:1], greedy(2), use_tqdm=False)  # caches the shared prefix
     Watch(llm)
     engine = llm.engine
-    runner, layer = engine.runner, engine.runner.model.model.layers[2]
-    real_execute, real_layer = runner.execute, layer.forward_fold
-    current: list = []
-    calls = iter(range(10**6))
     preempt, refused = engine.scheduler.preempt, []
     monkeypatch.setattr(engine.scheduler, "preempt", lambda s: refused.append(s) or preempt(s))
-
-    def execute(batch, **kw):
-        current[:] = [e.seq.request_id for e in batch.entries]
-        return real_execute(batch, **kw)
-
-    def failing_layer(*args, **kwargs):
-        # req-3 (prompts[2]) fails mid-generation, then whenever it runs
-        if "req-3" in current and next(calls) >= 8:
-            raise RuntimeError("NaN in layer 2")
-        return real_layer(*args, **kwargs)
-
-    monkeypatch.setattr(runner, "execute", execute)
-    monkeypatch.setattr(layer, "forward_fold", failing_layer)
+    fail_request(monkeypatch, llm, "req-3", after=8)  # prompts[2], mid-generation
     outs = llm.generate(prompts, greedy(12), use_tqdm=False)
     monkeypatch.undo()
     reasons = [o.outputs[0].finish_reason for o in outs]

@@ -11,7 +11,7 @@ import pytest
 
 from metrale import LLM
 from metrale.speculative.replay import ReplayDrafter
-from tests.prefix_cache_helpers import Watch, greedy, shared_prompts, token_ids
+from tests.prefix_cache_helpers import Watch, fail_request, greedy, shared_prompts, token_ids
 from tests.test_hybrid_engine import hybrid_dir, hybrid_mtp_dir  # noqa: F401 (fixtures)
 
 PAGE = 4
@@ -116,27 +116,12 @@ def test_failed_forward_rebuilds_state_from_the_snapshot(hybrid_dir, monkeypatch
     llm = llm_for(hybrid_dir, max_num_batched_tokens=8)
     llm.generate(prompts[:1], greedy(2), use_tqdm=False)  # caches the shared prefix
     Watch(llm)
-    runner, layer = llm.engine.runner, llm.engine.runner.model.model.layers[2]
-    real_execute, real_layer = runner.execute, layer.forward_fold
-    current: list = []
-    calls = iter(range(10**6))
     scratch = []
     take = llm.engine.allocator.take_scratch
     monkeypatch.setattr(
         llm.engine.allocator, "take_scratch", lambda n: scratch.append(n) or take(n)
     )
-
-    def execute(batch):
-        current[:] = [e.seq.request_id for e in batch.entries]
-        return real_execute(batch)
-
-    def failing_layer(*args, **kwargs):
-        if "req-3" in current and next(calls) >= 8:  # mid-generation, then whenever it runs
-            raise RuntimeError("NaN in layer 2")
-        return real_layer(*args, **kwargs)
-
-    monkeypatch.setattr(runner, "execute", execute)
-    monkeypatch.setattr(layer, "forward_fold", failing_layer)
+    fail_request(monkeypatch, llm, "req-3", after=8)  # prompts[2], mid-generation
     outs = llm.generate(prompts, greedy(12), use_tqdm=False)
     monkeypatch.undo()
     assert outs[2].outputs[0].finish_reason == "error"

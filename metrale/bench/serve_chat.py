@@ -20,7 +20,13 @@ import time
 
 import httpx
 
-from metrale.bench.serve_bench import _WORDS, one_request, percentile, spec_counters
+from metrale.bench.serve_bench import (
+    _WORDS,
+    one_request,
+    percentile,
+    served_model,
+    spec_counters,
+)
 
 
 def words(rng: random.Random, count: int) -> str:
@@ -88,7 +94,7 @@ async def run_chat(args, tokenizer=None):
         limits=limits,
     ) as http:
         if args.served_model is None:
-            args.served_model = (await http.get("/v1/models")).json()["data"][0]["id"]
+            args.served_model = await served_model(http)
         before = await spec_counters(http)
         start = time.perf_counter()
         groups = await asyncio.gather(

@@ -21,8 +21,7 @@ from metrale.distributed.parallel import (
     local_config,
     selector,
 )
-from metrale.engine.kv_cache import allocate_kv_cache
-from metrale.engine.model_setup import default_dtype, dummy_weights
+from metrale.engine.model_setup import allocate_kv_pools, default_dtype, dummy_weights
 from metrale.models.loader import load_weights
 
 
@@ -52,12 +51,12 @@ def build_model(
 
 
 def bind_kv(model, model_cfg: ModelConfig, cfg: EngineConfig, num_pages: int, tp: TPGroup):
-    """Allocate this rank's KV pool (its KV heads, the engine's pages) and bind it."""
+    """Allocate this rank's KV pool (its KV heads, the engine's pages) and bind it; a pool the
+    device has no room for is a ValueError naming the settings that size it."""
     p = next(model.parameters())
     layers = model.attention_layers
-    caches = allocate_kv_cache(
-        local_config(model_cfg, tp), num_pages, cfg.page_size, p.dtype, p.device, len(layers)
-    )
+    kv_cfg = local_config(model_cfg, tp)
+    (caches,) = allocate_kv_pools([(kv_cfg, len(layers))], num_pages, cfg, p.dtype, p.device)
     for layer, cache in zip(layers, caches, strict=True):
         layer.kv_cache = cache
 

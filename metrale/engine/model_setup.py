@@ -1,15 +1,17 @@
 """Building a runner's model and KV pool: the default dtype while modules are made, the pool size
-that the memory budget affords, and seeded random weights for `load_format="dummy"`."""
+that the memory budget affords, the pool itself (a device without room for it is a ValueError
+naming the settings that size it), and seeded random weights for `load_format="dummy"`."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 
 import torch
 
 from metrale.config import EngineConfig, ModelConfig
-from metrale.engine.kv_cache import kv_page_bytes
+from metrale.engine.kv_cache import allocate_kv_cache, kv_page_bytes
 from metrale.models.qwen3_next import ZeroCentredRMSNorm
 
 
@@ -86,3 +88,77 @@ def dummy_weights(model: torch.nn.Module, seed: int) -> None:
     for module in model.modules():
         if isinstance(module, ZeroCentredRMSNorm):
             module.weight.zero_()
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is an allocator failing for lack of memory: CUDA's `OutOfMemoryError`, a
+    RuntimeError saying "out of memory", or the host allocator's "can't allocate memory"."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return True
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and (
+        "out of memory" in text or "can't allocate memory" in text
+    )
+
+
+def kv_pool_error(
+    cfg: EngineConfig, num_pages: int, pool_bytes: int, device: torch.device
+) -> ValueError:
+    """The error for a KV pool the device had no room for, naming its size and the settings
+    that lower it (after handing a partial allocation's cached blocks back to the device; the
+    caller drops what it allocated first)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if cfg.num_kv_pages is not None:
+        what, how = f"num_kv_pages={num_pages}: the KV pool", "lower num_kv_pages"
+    else:
+        on_cuda = device.type == "cuda" and cfg.gpu_memory_utilization is not None
+        budget = "gpu_memory_utilization" if on_cuda else "kv_cache_memory_gb"
+        what = (
+            f"the KV pool sized by {budget}={getattr(cfg, budget)} and "
+            f"max_num_seqs={cfg.max_num_seqs}"
+        )
+        how = f"lower {budget}, max_model_len or max_num_seqs, or set num_kv_pages"
+    return ValueError(
+        f"{what} ({num_pages} pages, {pool_bytes} bytes = {pool_bytes / 2**30:.1f} GiB) does "
+        f"not fit in the free {device.type} memory; {how}"
+    )
+
+
+def allocate_kv_pools(
+    parts: list[tuple[ModelConfig, int]],
+    num_pages: int,
+    cfg: EngineConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list:
+    """One KV pool of `num_pages` pages per (model config, number of layers) in `parts`. Out of
+    memory: a ValueError naming the settings (`kv_pool_error`), the pools made before it
+    dropped first (the error's traceback, which a REPL keeps, would hold them); any other
+    failure is raised as it is."""
+    pools: list = []
+    try:
+        for part_cfg, num_layers in parts:
+            pools.append(
+                allocate_kv_cache(part_cfg, num_pages, cfg.page_size, dtype, device, num_layers)
+            )
+    except RuntimeError as e:
+        if not out_of_memory(e):
+            raise
+        pools.clear()
+        pool_bytes = sum(num_pages * kv_page_bytes(c, cfg.page_size, dtype, n) for c, n in parts)
+        raise kv_pool_error(cfg, num_pages, pool_bytes, device) from e
+    return pools
+
+
+def zeroed_pool(
+    shape: tuple[int, ...], num_pages: int, cfg: EngineConfig, dtype: torch.dtype, device
+) -> torch.Tensor:
+    """A zeroed pool of pages beside the KV pool (the DFlash drafter's context K/V); no room
+    for it is the KV pool's named error (`kv_pool_error`)."""
+    try:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    except RuntimeError as e:
+        if not out_of_memory(e):
+            raise
+        raise kv_pool_error(cfg, num_pages, math.prod(shape) * dtype.itemsize, device) from e

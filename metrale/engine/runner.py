@@ -17,9 +17,14 @@ from metrale.distributed.parallel import TPGroup, local_config
 from metrale.distributed.shard import build_model, start_workers, whole_vocab
 from metrale.engine.block_tables import DeviceBlockTables
 from metrale.engine.graphs import GraphRunner
-from metrale.engine.kv_cache import allocate_kv_cache
 from metrale.engine.logits_pipeline import is_plain_greedy
-from metrale.engine.model_setup import default_dtype, dummy_weights, num_pages_for
+from metrale.engine.model_setup import (
+    allocate_kv_pools,
+    default_dtype,
+    dummy_weights,
+    num_pages_for,
+    zeroed_pool,
+)
 from metrale.engine.program_shapes import RaggedShape
 from metrale.engine.replay import replay_decode, replay_prefill, spans_of, table_rows
 from metrale.engine.sequence import Batch, Phase, ScheduledSeq
@@ -156,9 +161,9 @@ class ModelRunner:
         # Under tensor parallelism the target's layers hold this rank's KV heads and the MTP
         # layers (on rank 0 alone) all of theirs: two pools of the same pages.
         split = len(self.model.attention_layers) if self.tp_size > 1 else len(layers)
-        pool = (self.num_pages, cfg.page_size, self.dtype, self.device)
-        self.kv_cache = allocate_kv_cache(kv_cfg, *pool, split)
-        drafter_kv = allocate_kv_cache(model_cfg, *pool, len(layers) - split)
+        parts = [(kv_cfg, split), (model_cfg, len(layers) - split)]
+        pools = allocate_kv_pools(parts, self.num_pages, cfg, self.dtype, self.device)
+        self.kv_cache, drafter_kv = pools
         for layer, cache in zip(layers, [*self.kv_cache, *drafter_kv], strict=True):
             layer.kv_cache = cache
         # what drafters embed tokens and project logits with: the target's own, or under tensor
@@ -260,7 +265,7 @@ class ModelRunner:
         same block tables) and the taps of the target layers it reads."""
         d = self.dflash.config
         shape = (d.num_layers, 2, self.num_pages, self.page_size, d.num_kv_heads, d.head_dim)
-        self.dflash_kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.dflash_kv = zeroed_pool(shape, self.num_pages, cfg, self.dtype, self.device)
         rows = max(cfg.max_num_batched_tokens, cfg.max_num_seqs * (num_drafts + 1))
         if self.graphs is not None:
             rows = max(rows, self.graphs.cache.workspace.rows)
