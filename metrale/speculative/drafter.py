@@ -66,12 +66,6 @@ class Drafter(Protocol):
     # Optional (default False): a drafter that learns nothing from `observe` may say so with
     # `stateless = True`; the engine then skips `observe` on steps where nothing was drafted, so
     # those steps are plain decode steps. Any other drafter sees every step's verdicts.
-    # Optional (default False): `catches_up = True` says a draft after steps that drafted
-    # nothing first catches up on their tokens (the n-gram drafter's host index), work that
-    # grows with the interval: D-Cut then leaves the drafter's host work out of a probe's price
-    # (`probes`), since spacing the probes saves none of it. A drafter whose drafting costs the
-    # same however long it rested (DFlash reads a context every forward keeps current) is priced
-    # whole, and dear drafting spaces its probes.
     # Optional (default False): `own_tokens = True` says every draft is made of the sequence's
     # own tokens (prompt lookup), so in the vocabulary: the controller skips checking each one.
     # Optional (default None): a drafter that keeps K/V rows in the target's pages says which

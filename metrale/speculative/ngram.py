@@ -165,7 +165,6 @@ class NgramDrafter:
     needs_hidden = False
     stateless = True  # learns nothing from verdicts: steps that draft nothing skip `observe`
     own_tokens = True  # drafts are the sequence's own tokens: no vocabulary check
-    catches_up = True  # a draft after idle steps indexes their tokens first (`Drafter`)
 
     def __init__(self, n_min: int = 1, n_max: int = 4, window: int = 4096) -> None:
         if not 1 <= n_min <= n_max:

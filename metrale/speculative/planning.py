@@ -22,12 +22,9 @@ class DepthPlanning:
     def _init_planning(self) -> None:
         self._probes = ProbeSchedule(self.cfg.dcut_probe_every)
         self._probing = False  # whether the step being prepared is a probe step
-        # (width, seconds, beside the drafter's host work where `_catches_up`) of the last probe
-        # step after steps that did not verify, priced once the step after it is timed
-        # (`_price_probe`)
+        # (width, seconds beside the drafter's host work) of the last probe step after steps
+        # that did not verify, priced once the step after it is timed (`_price_probe`)
         self._probe_step: tuple[int, float] | None = None
-        # whether the drafter's host work is left out of a probe's price (`Drafter.catches_up`)
-        self._catches_up = bool(getattr(self.drafter, "catches_up", False))
         self._planned_width = 0  # sequences D-Cut planned over this step
         self._planned_drafted = 0  # and of those, the ones it planned to draft
         # the width buckets (`host_cost.count_bucket`) where the gate dropped the last plan with
@@ -261,14 +258,10 @@ class DepthPlanning:
             return
         if probing and not steady and not self.host.captured:
             # priced with the step after it (`_price_probe`), the drafter's own host work left
-            # out where a probe catches its sequences up on every token since their last probe
-            # (`catches_up`: the n-gram index), work that grows with the interval and that
-            # spacing saves nothing of; a drafter whose drafting costs the same however long it
-            # rested (DFlash) is priced whole: a probe interval of 8 at batch 1 on the H200, its
-            # drafting dearer than a plain step, cost 10% of the decoding time
+            # out: a probe catches its sequences up on every token since their last probe (the
+            # n-gram index), work that grows with the interval and that spacing saves nothing of
             # (not a step during which a program was captured: tens of milliseconds)
-            drafting = self.host.drafting_seconds if self._catches_up else 0.0
-            self._probe_step = (len(batch.entries), seconds - drafting)
+            self._probe_step = (len(batch.entries), seconds - self.host.drafting_seconds)
         if not verify or not steady:
             return
         relative = self.cost.step_time(batch.num_rows, len(batch.entries))
@@ -276,11 +269,11 @@ class DepthPlanning:
 
     def _price_probe(self, width: int, seconds: float, steps: int) -> None:
         """A probe step after steps that did not verify, and the `steps` - 1 after it, took
-        `seconds` (beside the drafter's host work where it `catches_up`): what they cost
-        beyond as many plain steps spaces the probes (`ProbeSchedule.priced`). With the step
-        after it: under async scheduling a probe waits for the step in flight and runs
-        synchronously, so the step after it has none to wait for and is that much shorter.
-        Neither is a step during which a program was captured (`timed_step` checks)."""
+        `seconds` beside the drafter's host work: what they cost beyond as many plain steps
+        spaces the probes (`ProbeSchedule.priced`). With the step after it: under async
+        scheduling a probe waits for the step in flight and runs synchronously, so the step
+        after it has none to wait for and is that much shorter. Neither is a step during which
+        a program was captured (`timed_step` checks)."""
         plain = self.host.plain_seconds(width) or self.host.plain_near(width, self.cost)
         if plain:
             self._probes.priced(seconds / plain - steps, self._steps)

@@ -27,8 +27,8 @@ from metrale.speculative.host_cost import Window
 MAX_BACKOFF = 4
 PROBE_SEQS = 8  # sequences a probe drafts for, beside those the plan drafts
 # While nothing drafts, the share of the decoding time probes may cost beyond plain steps
-# (the drafter's own host work aside where it `catches_up`, `DepthPlanning.timed_step`), and a
-# cap on the interval that aims at it, in units of `dcut_probe_every`.
+# (the drafter's own host work aside, `DepthPlanning._price_probe`), and a cap on the interval
+# that aims at it, in units of `dcut_probe_every`.
 PROBE_SHARE = 0.02
 MAX_SPACED = 32
 
