@@ -76,3 +76,27 @@ def test_the_engines_gate_scales_by_the_cost_model_it_plans_with(tiny_model_dir)
     assert spec.host.shape(12) == 12.0  # nothing calibrated on the CPU: per sequence
     spec.cost = COST
     assert spec.host.shape(12) == pytest.approx(COST.plain_seconds(12))
+
+
+def test_a_width_no_plain_step_ran_at_is_priced_from_the_nearest_by_the_forward():
+    """`plain_near`: plain steps measured at batch 64 only, a closed batch's tail asks for 16:
+    the measured step scaled by the calibrated forward between the two widths."""
+    host = HostCost(enabled=True, forward=COST.plain_seconds)
+    for _ in range(WARMUP_SAMPLES):
+        host.begin()
+        host.plain(64, 2.3e-3)
+    assert host.plain_seconds(16) is None  # another bucket: not measured
+    want = 2.3e-3 * COST.plain_seconds(16) / COST.plain_seconds(64)
+    assert host.plain_near(16, COST) == pytest.approx(want)
+
+
+def test_the_async_engines_hidden_host_work_is_priced_in_the_same_units():
+    """The host work a plain step hides behind the device (the asynchronous engine's
+    `hidden_seconds`) is kept and priced by the same shape as the whole step."""
+    host = HostCost(enabled=True, forward=COST.plain_seconds)
+    for _ in range(WARMUP_SAMPLES):
+        host.begin()
+        host.plain(50, plain_step(50), 1.5e-3)
+    assert host.hidden_seconds(50) == pytest.approx(1.5e-3)
+    want = 1.5e-3 * COST.plain_seconds(59) / COST.plain_seconds(50)
+    assert host.hidden_seconds(59) == pytest.approx(want)

@@ -7,9 +7,11 @@ naming --served-model."""
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import weakref
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -55,9 +57,24 @@ def test_an_out_of_memory_pool_names_the_settings(tiny_model_dir, monkeypatch, k
     message, (_, num_pages, page_size, dtype, _, num_layers) = str(e.value), calls[0]
     pool_bytes = num_pages * page_size * num_layers * 2 * 2 * 16 * dtype.itemsize  # K, V: 2 heads
     assert f"({num_pages} pages, {pool_bytes} bytes = " in message
-    assert "kv_cache_memory_gb=4.0" in message and "max_num_seqs=4" in message
-    assert "lower kv_cache_memory_gb, max_model_len or max_num_seqs, or set num_kv_pages" in message
+    # 4 sequences, not the 4 GiB budget, sized the pool: lowering the budget would change nothing
+    assert "for max_num_seqs=4 full-length sequences" in message
+    assert "lower max_num_seqs or max_model_len, or kv_cache_memory_gb" in message
     assert "free cpu memory" in message and e.value.__cause__ is error
+
+
+def test_a_pool_the_budget_sized_names_the_budget(tiny_model_dir, monkeypatch):
+    """Where the budget affords fewer pages than `max_num_seqs` full sequences take, the budget
+    is the setting that lowers the pool (lowering max_num_seqs would change nothing)."""
+    calls = failing_allocation(monkeypatch, model_setup, torch.OutOfMemoryError("out of memory"))
+    with pytest.raises(ValueError) as e:
+        LLM(tiny_model_dir, device="cpu", max_num_seqs=64, kv_cache_memory_gb=0.001)
+    num_pages = calls[0][1]
+    assert str(e.value).startswith(
+        f"the KV pool that kv_cache_memory_gb=0.001 affords ({num_pages}"
+    )
+    assert str(e.value).endswith("; lower kv_cache_memory_gb, or set num_kv_pages")
+    assert " MiB)" in str(e.value)  # not "0.0 GiB"
 
 
 def test_an_out_of_memory_pool_of_num_kv_pages_names_it(tiny_model_dir, monkeypatch):
@@ -148,20 +165,57 @@ def test_bench_serve_multi_turn_names_served_model_when_none_is_listed(capsys):
     assert "no model listed (HTTP 200); give --served-model" in err and "Traceback" not in err
 
 
-def test_a_dflash_context_pool_without_room_names_the_settings(monkeypatch):
-    """The DFlash drafter's context K/V pool (paged like the target's, beside it) failing for
-    room: the same named error as the target's pool."""
+def test_a_dflash_context_pool_without_room_names_the_whole_pool_and_drops_it(monkeypatch):
+    """The DFlash drafter's context K/V pool, budgeted with the KV pool and allocated after it,
+    failing for room: the error names their pages and bytes together (the setting lowers
+    both), and the KV pool goes before it, as when the drafters' pool fails."""
     from metrale.default_model import default_model_dir
+    from metrale.models.dflash import DFlashConfig
 
-    real = torch.zeros
+    real_zeros, real_allocate, kept = torch.zeros, model_setup.allocate_kv_cache, []
 
     def zeros(*shape, **kw):
-        dims = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
-        if len(dims) == 6:  # (layers, K and V, pages, page rows, heads, head dim)
+        if sys._getframe(1).f_code.co_name == "allocate_kv_pools":  # the DFlash pool alone
             raise torch.OutOfMemoryError("CUDA out of memory")
-        return real(*shape, **kw)
+        return real_zeros(*shape, **kw)
+
+    def allocate(*args):
+        pool = real_allocate(*args)
+        kept.append(weakref.ref(pool))
+        return pool
 
     monkeypatch.setattr(torch, "zeros", zeros)
+    monkeypatch.setattr(model_setup, "allocate_kv_cache", allocate)
     spec = {"method": "dflash", "num_drafts": 3}
-    with pytest.raises(ValueError, match="num_kv_pages=16: the KV pool"):
+    with pytest.raises(ValueError, match="num_kv_pages=16: the KV pool") as e:
         LLM(default_model_dir(), device="cpu", num_kv_pages=16, spec=spec)
+    model = ModelConfig.from_hf(default_model_dir())
+    dflash = DFlashConfig.from_dir(default_model_dir() / "dflash")
+    page_size, itemsize = EngineConfig().page_size, torch.float32.itemsize
+    target = model.num_hidden_layers * 2 * page_size * model.num_key_value_heads * model.head_dim
+    pool_bytes = 16 * (target * itemsize + dflash.page_bytes(page_size, torch.float32))
+    assert f"(16 pages, {pool_bytes} bytes = " in str(e.value)
+    gc.collect()
+    assert e.value.__traceback__ is not None and kept and all(k() is None for k in kept)
+
+
+def test_a_worker_that_refuses_the_settings_is_a_value_error():
+    """A tensor-parallel worker whose KV pool has no room reports a ValueError naming the
+    settings: rank 0 raises it as one (the CLI's exit 2), not as a failed group."""
+    import multiprocessing
+
+    from metrale.distributed.parallel import DistributedError
+    from metrale.distributed.workers import ShardSettingsError, _expect
+
+    ours, theirs = multiprocessing.Pipe()
+    alive, _ = multiprocessing.Pipe()  # a worker's sentinel that never fires
+    proc = SimpleNamespace(sentinel=alive, exitcode=None, join=lambda timeout=None: None)
+    theirs.send(("ValueError", "num_kv_pages=40: the KV pool (40 pages) does not fit"))
+    with pytest.raises(ShardSettingsError, match=r"^rank 1: num_kv_pages=40: the KV pool"):
+        _expect(1, proc, ours, "ready", 5.0)
+    theirs.send(("RuntimeError", "NCCL error"))
+    with pytest.raises(DistributedError, match="rank 2 could not build its shard: Runtime"):
+        _expect(2, proc, ours, "ready", 5.0)
+    theirs.send("ready")
+    _expect(1, proc, ours, "ready", 5.0)
+    assert issubclass(ShardSettingsError, ValueError)

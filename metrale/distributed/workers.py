@@ -243,15 +243,20 @@ def start(build, size: int, expert_parallel: bool, device: torch.device, timeout
             _expect(rank, proc, pipe, "ready", patience)
     except Exception as e:
         _stop(workers, pipes, False)
-        if isinstance(e, DistributedError):
+        if isinstance(e, (DistributedError, ShardSettingsError)):
             raise
         raise DistributedError(f"tensor-parallel group did not form: {e}") from e
     return TPGroup(0, size, expert_parallel), workers, pipes
 
 
+class ShardSettingsError(ValueError):
+    """A worker refused the engine's settings while building its shard (a KV pool the device
+    has no room for): a ValueError naming them, as on one device, not a failed group."""
+
+
 def _expect(rank: int, proc, pipe, word: str, patience: float) -> None:
     """Wait for a worker to say `word`; a DistributedError if it says why not, exits, or stays
-    silent for `patience` seconds."""
+    silent for `patience` seconds, a `ShardSettingsError` if it refused the settings."""
     ready = mp_connection.wait([pipe, proc.sentinel], timeout=patience)
     status = None
     if pipe in ready:
@@ -260,6 +265,11 @@ def _expect(rank: int, proc, pipe, word: str, patience: float) -> None:
         except EOFError:  # the worker is gone: its pipe closed with it
             proc.join(timeout=10)
     if status is not None:
+        if isinstance(status, tuple):  # (the worker's exception type, its message)
+            kind, message = status
+            if kind == "ValueError":  # its settings (a KV pool without room): the caller's
+                raise ShardSettingsError(f"rank {rank}: {message}")
+            raise DistributedError(f"rank {rank} could not build its shard: {kind}: {message}")
         if status != word:
             raise DistributedError(f"rank {rank} could not build its shard: {status}")
     elif ready:
@@ -285,7 +295,7 @@ def _worker_main(
         _init_group(rank, size, address, dev, timeout)
         model, pool = build(rank, TPGroup(rank, size, ep), dev)
     except Exception as e:  # noqa: BLE001 (reported to rank 0, which raises it)
-        pipe.send(f"{type(e).__name__}: {e}")
+        pipe.send((type(e).__name__, str(e)))
         os._exit(1)
     pipe.send("ready")
     try:

@@ -43,7 +43,7 @@ def num_pages_for(
         _check_fits(cfg, cfg.num_kv_pages * page_bytes, "num_kv_pages", cfg.num_kv_pages)
         return cfg.num_kv_pages
     pages_per_seq = -(-(max_model_len + lookahead) // cfg.page_size)
-    wanted = cfg.max_num_seqs * pages_per_seq
+    wanted = pages_wanted(cfg, max_model_len, lookahead) - 1
     # a target without attention layers (an all-GDN hybrid) keeps no KV: pages are free
     budget = cfg.kv_cache_memory_gb if budget_gb is None else budget_gb
     affordable = int(budget * 2**30) // page_bytes if page_bytes else wanted
@@ -55,6 +55,12 @@ def num_pages_for(
         )
     _check_fits(cfg, (pages + 1) * page_bytes, "kv_cache_memory_gb", budget)
     return pages + 1
+
+
+def pages_wanted(cfg: EngineConfig, max_model_len: int, lookahead: int) -> int:
+    """The pool's pages when no budget caps it: `max_num_seqs` full-length sequences (their
+    lookahead included), plus the dummy page."""
+    return cfg.max_num_seqs * -(-(max_model_len + lookahead) // cfg.page_size) + 1
 
 
 def _check_fits(cfg: EngineConfig, pool_bytes: int, field: str, value) -> None:
@@ -101,28 +107,38 @@ def out_of_memory(e: BaseException) -> bool:
     )
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
 def kv_pool_error(
-    cfg: EngineConfig, num_pages: int, pool_bytes: int, device: torch.device
+    cfg: EngineConfig,
+    num_pages: int,
+    pool_bytes: int,
+    device: torch.device,
+    wanted: int | None = None,
 ) -> ValueError:
-    """The error for a KV pool the device had no room for, naming its size and the settings
-    that lower it (after handing a partial allocation's cached blocks back to the device; the
-    caller drops what it allocated first)."""
+    """The error for a KV pool the device had no room for, naming its size and the setting
+    that bounded it (`wanted`: the pages `max_num_seqs` full-length sequences take, where
+    known; it decided the size when the budget affords more), after handing a partial
+    allocation's cached blocks back to the device (the caller drops what it allocated)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    size = f"{num_pages} pages, {pool_bytes} bytes = {_size(pool_bytes)}"
+    on_cuda = device.type == "cuda" and cfg.gpu_memory_utilization is not None
+    budget = "gpu_memory_utilization" if on_cuda else "kv_cache_memory_gb"
     if cfg.num_kv_pages is not None:
-        what, how = f"num_kv_pages={num_pages}: the KV pool", "lower num_kv_pages"
+        what, how = f"num_kv_pages={num_pages}: the KV pool ({size})", "lower num_kv_pages"
+    elif wanted is not None and num_pages >= wanted:
+        what = f"the KV pool for max_num_seqs={cfg.max_num_seqs} full-length sequences ({size})"
+        how = f"lower max_num_seqs or max_model_len, or {budget}, or set num_kv_pages"
+    elif wanted is not None:
+        what = f"the KV pool that {budget}={getattr(cfg, budget)} affords ({size})"
+        how = f"lower {budget}, or set num_kv_pages"
     else:
-        on_cuda = device.type == "cuda" and cfg.gpu_memory_utilization is not None
-        budget = "gpu_memory_utilization" if on_cuda else "kv_cache_memory_gb"
-        what = (
-            f"the KV pool sized by {budget}={getattr(cfg, budget)} and "
-            f"max_num_seqs={cfg.max_num_seqs}"
-        )
-        how = f"lower {budget}, max_model_len or max_num_seqs, or set num_kv_pages"
-    return ValueError(
-        f"{what} ({num_pages} pages, {pool_bytes} bytes = {pool_bytes / 2**30:.1f} GiB) does "
-        f"not fit in the free {device.type} memory; {how}"
-    )
+        what = f"the KV pool ({size})"
+        how = f"lower {budget}, max_num_seqs or max_model_len, or set num_kv_pages"
+    return ValueError(f"{what} does not fit in the free {device.type} memory; {how}")
 
 
 def allocate_kv_pools(
@@ -131,34 +147,28 @@ def allocate_kv_pools(
     cfg: EngineConfig,
     dtype: torch.dtype,
     device: torch.device,
+    beside: tuple[int, ...] | None = None,
+    wanted: int | None = None,
 ) -> list:
-    """One KV pool of `num_pages` pages per (model config, number of layers) in `parts`. Out of
-    memory: a ValueError naming the settings (`kv_pool_error`), the pools made before it
-    dropped first (the error's traceback, which a REPL keeps, would hold them); any other
-    failure is raised as it is."""
+    """One KV pool of `num_pages` pages per (model config, number of layers) in `parts`, and
+    a zeroed pool of shape `beside` after them where given (the DFlash drafter's context K/V,
+    paged like the KV). Out of memory: a ValueError naming the settings (`kv_pool_error`, of
+    all of them together: the budget sized them together), the pools made before it dropped
+    first (the error's traceback, which a REPL keeps, would hold them); any other failure is
+    raised as it is."""
     pools: list = []
     try:
         for part_cfg, num_layers in parts:
             pools.append(
                 allocate_kv_cache(part_cfg, num_pages, cfg.page_size, dtype, device, num_layers)
             )
+        if beside is not None:
+            pools.append(torch.zeros(beside, dtype=dtype, device=device))
     except RuntimeError as e:
         if not out_of_memory(e):
             raise
         pools.clear()
         pool_bytes = sum(num_pages * kv_page_bytes(c, cfg.page_size, dtype, n) for c, n in parts)
-        raise kv_pool_error(cfg, num_pages, pool_bytes, device) from e
+        pool_bytes += 0 if beside is None else math.prod(beside) * dtype.itemsize
+        raise kv_pool_error(cfg, num_pages, pool_bytes, device, wanted) from e
     return pools
-
-
-def zeroed_pool(
-    shape: tuple[int, ...], num_pages: int, cfg: EngineConfig, dtype: torch.dtype, device
-) -> torch.Tensor:
-    """A zeroed pool of pages beside the KV pool (the DFlash drafter's context K/V); no room
-    for it is the KV pool's named error (`kv_pool_error`)."""
-    try:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    except RuntimeError as e:
-        if not out_of_memory(e):
-            raise
-        raise kv_pool_error(cfg, num_pages, math.prod(shape) * dtype.itemsize, device) from e

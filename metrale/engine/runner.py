@@ -23,7 +23,7 @@ from metrale.engine.model_setup import (
     default_dtype,
     dummy_weights,
     num_pages_for,
-    zeroed_pool,
+    pages_wanted,
 )
 from metrale.engine.program_shapes import RaggedShape
 from metrale.engine.replay import replay_decode, replay_prefill, spans_of, table_rows
@@ -162,8 +162,14 @@ class ModelRunner:
         # layers (on rank 0 alone) all of theirs: two pools of the same pages.
         split = len(self.model.attention_layers) if self.tp_size > 1 else len(layers)
         parts = [(kv_cfg, split), (model_cfg, len(layers) - split)]
-        pools = allocate_kv_pools(parts, self.num_pages, cfg, self.dtype, self.device)
-        self.kv_cache, drafter_kv = pools
+        # and the DFlash drafter's context K/V, paged like the KV and budgeted with it
+        beside = self.dflash and self.dflash.config.pool_shape(self.num_pages, self.page_size)
+        wanted = pages_wanted(cfg, max_model_len, lookahead)
+        pools = allocate_kv_pools(
+            parts, self.num_pages, cfg, self.dtype, self.device, beside, wanted
+        )
+        self.kv_cache, drafter_kv, *dflash_kv = pools
+        self.dflash_kv = dflash_kv[0] if dflash_kv else None
         for layer, cache in zip(layers, [*self.kv_cache, *drafter_kv], strict=True):
             layer.kv_cache = cache
         # what drafters embed tokens and project logits with: the target's own, or under tensor
@@ -261,11 +267,10 @@ class ModelRunner:
         )
 
     def _attach_dflash(self, cfg: EngineConfig, num_drafts: int) -> None:
-        """The DFlash drafter's context K/V layers (paged like the target's KV, addressed by the
-        same block tables) and the taps of the target layers it reads."""
+        """The DFlash drafter's context K/V layers (their pool, `dflash_kv`, allocated with the
+        KV pool and addressed by the same block tables) and the taps of the target layers it
+        reads."""
         d = self.dflash.config
-        shape = (d.num_layers, 2, self.num_pages, self.page_size, d.num_kv_heads, d.head_dim)
-        self.dflash_kv = zeroed_pool(shape, self.num_pages, cfg, self.dtype, self.device)
         rows = max(cfg.max_num_batched_tokens, cfg.max_num_seqs * (num_drafts + 1))
         if self.graphs is not None:
             rows = max(rows, self.graphs.cache.workspace.rows)

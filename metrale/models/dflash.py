@@ -55,6 +55,10 @@ class DFlashConfig:
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
 
+    def pool_shape(self, num_pages: int, page_size: int) -> tuple[int, ...]:
+        """The context K/V pool: (layer, K and V, page, row, KV head, head dim)."""
+        return (self.num_layers, 2, num_pages, page_size, self.num_kv_heads, self.head_dim)
+
     def page_bytes(self, page_size: int, dtype: torch.dtype) -> int:
         """Bytes of one page of context K/V across the draft layers."""
         per_row = 2 * self.num_kv_heads * self.head_dim * torch.finfo(dtype).bits // 8
