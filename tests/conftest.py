@@ -79,6 +79,18 @@ def tiny_model_dir(hf_qwen3_factory) -> Path:
     return hf_qwen3_factory("tiny")
 
 
+@pytest.fixture(scope="session")
+def tiny_mtp_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model with one MTP layer beside it (Qwen3-Next's layout, seed 4)."""
+    from metrale.config import ModelConfig
+    from metrale.models.mtp import write_mtp_weights
+
+    dst = tmp_path_factory.mktemp("tiny-mtp") / "model"
+    shutil.copytree(tiny_model_dir, dst)
+    write_mtp_weights(dst, ModelConfig.from_hf(dst), "qwen3_next", num_layers=1, seed=4)
+    return dst
+
+
 @pytest.fixture
 def knob_env(monkeypatch):
     """Set `METRALE_*` knobs for one test: `knob_env(METRALE_X="1", ...)`. The knobs are read

@@ -7,29 +7,17 @@ far fewer prefill rows with caching."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from metrale import LLM
-from metrale.config import ModelConfig
 from metrale.default_model import default_model_dir
 from metrale.engine.kv_cache import PageAllocator
 from metrale.engine.prefix_cache import PrefixCache
 from metrale.engine.sequence import Sequence
-from metrale.models.mtp import write_mtp_weights
 from metrale.telemetry import PrefixCacheTelemetry
 from tests.prefix_cache_helpers import Watch, greedy, shared_prompts, token_ids
 
 PAGE = 4
-
-
-@pytest.fixture(scope="module")
-def mtp_dir(tiny_model_dir, tmp_path_factory):
-    dst = tmp_path_factory.mktemp("prefix-mtp") / "model"
-    shutil.copytree(tiny_model_dir, dst)
-    write_mtp_weights(dst, ModelConfig.from_hf(dst), "qwen3_next", num_layers=1, seed=4)
-    return dst
 
 
 def run_twice(llm: LLM, prompts, n: int = 12) -> list[list[int]]:
@@ -56,11 +44,11 @@ SPECS = {
 @pytest.mark.parametrize("prefix_len", [4 * PAGE, 4 * PAGE + 2], ids=["boundary", "mid-page"])
 @pytest.mark.parametrize("engine", sorted(ENGINES))
 @pytest.mark.parametrize("spec", sorted(SPECS))
-def test_greedy_output_equals_uncached(mtp_dir, prefix_len, engine, spec):
+def test_greedy_output_equals_uncached(tiny_mtp_dir, prefix_len, engine, spec):
     prompts = shared_prompts(prefix_len, 10, seed=prefix_len)
     options = dict(device="cpu", page_size=PAGE, spec=SPECS[spec], **ENGINES[engine])
-    expected = run_twice(LLM(mtp_dir, prefix_caching=False, **options), prompts)
-    llm = LLM(mtp_dir, **options)
+    expected = run_twice(LLM(tiny_mtp_dir, prefix_caching=False, **options), prompts)
+    llm = LLM(tiny_mtp_dir, **options)
     watch = Watch(llm)
     assert run_twice(llm, prompts) == expected
     tel = llm.engine.telemetry

@@ -5,15 +5,11 @@ cached pages, hybrid snapshot pins with a one-entry pool."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
 from metrale import LLM, SamplingParams
-from metrale.config import ModelConfig
 from metrale.engine import prefix_cache as pc
-from metrale.models.mtp import write_mtp_weights
 from metrale.speculative.replay import ReplayDrafter
 from tests.prefix_cache_helpers import Watch, greedy, shared_prompts, token_ids
 from tests.test_hybrid_engine import hybrid_dir  # noqa: F401 (fixture)
@@ -161,14 +157,6 @@ def test_rows_of_dropped_drafts_are_never_cached(tiny_model_dir, monkeypatch):
 # ---- drafter KV in cached pages -----------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def mtp_dir(tiny_model_dir, tmp_path_factory):
-    dst = tmp_path_factory.mktemp("edges-mtp") / "model"
-    shutil.copytree(tiny_model_dir, dst)
-    write_mtp_weights(dst, ModelConfig.from_hf(dst), "qwen3_next", num_layers=1, seed=4)
-    return dst
-
-
 def mtp_rows_at_finish(llm: LLM) -> dict[str, torch.Tensor]:
     """Record, as each sequence ends, its MTP layer's K rows for its committed positions."""
     rows: dict[str, torch.Tensor] = {}
@@ -203,7 +191,7 @@ def mtp_run(llm: LLM, requests: list[tuple[str, list[int], SamplingParams]]):
 @pytest.mark.parametrize(
     "case", ["next-token-differs", "first-did-not-speculate", "first-finished-there"]
 )
-def test_mtp_rows_of_a_hit_are_what_the_sequence_would_write(mtp_dir, case):
+def test_mtp_rows_of_a_hit_are_what_the_sequence_would_write(tiny_mtp_dir, case):
     """The MTP layer's KV rows that a hit maps are the rows this sequence would have written
     without caching (so its drafts are the uncached ones; at the positions of accepted drafts a
     page holds its writer's chain rows, see `DraftKV`, which this tiny head never has): a page
@@ -228,14 +216,14 @@ def test_mtp_rows_of_a_hit_are_what_the_sequence_would_write(mtp_dir, case):
         second = None  # its prompt + output, set below
     # warm the pool with unrelated content, so stale rows are another request's, not zeros
     other = ("other", [400 + i for i in range(6 * PAGE)], greedy(4))
-    ref = mtp_llm(mtp_dir, False)
+    ref = mtp_llm(tiny_mtp_dir, False)
     out = drive(ref, {"a": (first, first_params)})["a"][0]
     if second is None:
         assert (len(first) + len(out) - 1) % PAGE == 0, "the last step must fill a page"
         second = first + out + [31, 32]
     want = mtp_rows_at_finish(ref)
     mtp_run(ref, [("b", second, greedy(4))])
-    llm = mtp_llm(mtp_dir, True)
+    llm = mtp_llm(tiny_mtp_dir, True)
     got = mtp_rows_at_finish(llm)
     mtp_run(llm, [other, ("a", first, first_params)])
     stats = llm.engine.telemetry.prefix_cache

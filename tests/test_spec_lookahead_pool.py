@@ -6,13 +6,9 @@ the rows the sequence can ever write, the pool and the model length (`Scheduler.
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from metrale import LLM, SamplingParams
-from metrale.config import ModelConfig
-from metrale.models.mtp import write_mtp_weights
 from tests.test_hybrid_engine import hybrid_dir, hybrid_mtp_dir  # noqa: F401 (fixtures)
 from tests.test_spec_dflash import write_dflash
 
@@ -25,14 +21,6 @@ REQUESTS = [
     (([7, 11] * 8)[:14], 2),  # 15 rows: admission asked for 14 + 1 + K and refused it
     (([3, 4, 5, 6] * 4)[:8], None),  # the pool ends it (an error) at the token plain reaches
 ]
-
-
-@pytest.fixture(scope="module")
-def dense_mtp_dir(tiny_model_dir, tmp_path_factory):
-    dst = tmp_path_factory.mktemp("review-mtp") / "model"
-    shutil.copytree(tiny_model_dir, dst)
-    write_mtp_weights(dst, ModelConfig.from_hf(dst), "qwen3_next", num_layers=1, seed=4)
-    return dst
 
 
 def outputs(model_dir, **engine) -> list[tuple[list[int], str]]:
@@ -50,13 +38,13 @@ def outputs(model_dir, **engine) -> list[tuple[list[int], str]]:
 
 
 @pytest.mark.parametrize("method", ["ngram", "mtp", "dflash"])
-def test_dense_pool_for_plain_decoding_fits_speculation(dense_mtp_dir, method, tmp_path):
-    want = outputs(dense_mtp_dir)
+def test_dense_pool_for_plain_decoding_fits_speculation(tiny_mtp_dir, method, tmp_path):
+    want = outputs(tiny_mtp_dir)
     assert [reason for _, reason in want] == ["length", "length", "error"]
     spec = {"method": method, "num_drafts": 3, "dcut": False}
     if method == "dflash":
-        spec["model"] = str(write_dflash(dense_mtp_dir, tmp_path / "d"))
-    assert outputs(dense_mtp_dir, spec=spec) == want
+        spec["model"] = str(write_dflash(tiny_mtp_dir, tmp_path / "d"))
+    assert outputs(tiny_mtp_dir, spec=spec) == want
 
 
 @pytest.mark.parametrize("method", ["ngram", "mtp"])
