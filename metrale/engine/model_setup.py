@@ -42,8 +42,8 @@ def num_pages_for(
     if cfg.num_kv_pages is not None:
         _check_fits(cfg, cfg.num_kv_pages * page_bytes, "num_kv_pages", cfg.num_kv_pages)
         return cfg.num_kv_pages
-    pages_per_seq = -(-(max_model_len + lookahead) // cfg.page_size)
-    wanted = pages_wanted(cfg, max_model_len, lookahead) - 1
+    pages_per_seq = _pages_per_seq(cfg, max_model_len, lookahead)
+    wanted = cfg.max_num_seqs * pages_per_seq
     # a target without attention layers (an all-GDN hybrid) keeps no KV: pages are free
     budget = cfg.kv_cache_memory_gb if budget_gb is None else budget_gb
     affordable = int(budget * 2**30) // page_bytes if page_bytes else wanted
@@ -57,10 +57,14 @@ def num_pages_for(
     return pages + 1
 
 
+def _pages_per_seq(cfg: EngineConfig, max_model_len: int, lookahead: int) -> int:
+    return -(-(max_model_len + lookahead) // cfg.page_size)
+
+
 def pages_wanted(cfg: EngineConfig, max_model_len: int, lookahead: int) -> int:
     """The pool's pages when no budget caps it: `max_num_seqs` full-length sequences (their
     lookahead included), plus the dummy page."""
-    return cfg.max_num_seqs * -(-(max_model_len + lookahead) // cfg.page_size) + 1
+    return cfg.max_num_seqs * _pages_per_seq(cfg, max_model_len, lookahead) + 1
 
 
 def _check_fits(cfg: EngineConfig, pool_bytes: int, field: str, value) -> None:
