@@ -397,6 +397,24 @@ def test_pooled_prior_starts_new_sequences_from_the_engine_wide_rate():
     for sid in range(20):
         est.observe(sid, [False, False])
     pooled = est.estimate("new", 3)
-    assert pooled[0] < 0.01 and pooled[1] < 0.01 and pooled[2] == pooled[1]
+    # a plain mean of the 20 observations and the prior, counted as one
+    assert pooled[:2] == pytest.approx([0.6 / 21] * 2) and pooled[2] == pooled[1]
     est.observe("new", [True])  # once observed, a sequence reads its own estimate
-    assert 0.4 < est.estimate("new", 1)[0] < 0.6  # half-way from the pool to its match
+    assert est.estimate("new", 1)[0] == pytest.approx((0.6 / 21 + 1) / 2)  # half-way to its match
+
+
+def test_pooled_prior_is_not_set_by_the_last_few_sequences():
+    """A closed batch ends with its slowest sequences, whose drafts seldom land: the pooled
+    prior that the next batch starts from averages many sequences' observations, not theirs."""
+    est = AcceptanceEstimator(max_positions=2, prior=0.6, pooled_prior=True)
+    for sid in range(100):
+        est.observe(sid, [True, True])
+    for sid in range(100, 104):
+        est.observe(sid, [False])  # the tail: four verifies that missed
+    assert est.estimate("next", 1)[0] > 0.85
+    # a sequence's own estimate still follows its own last verifies closely
+    for _ in range(4):
+        est.observe(0, [False])
+    assert est.estimate(0, 1)[0] < 0.25
+    with pytest.raises(ValueError, match="pool_rate"):
+        AcceptanceEstimator(pool_rate=0.0)
