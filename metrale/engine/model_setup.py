@@ -1,4 +1,5 @@
-"""Building a runner's model and KV pool: the default dtype while modules are made, the pool size
+"""Building a runner's model and KV pool: the target with its weights (or rank 0's shard), the
+drafters' view of its vocabulary, the default dtype while modules are made, the pool size
 that the memory budget affords, the pool itself (a device without room for it is a ValueError
 naming the settings that size it), and seeded random weights for `load_format="dummy"`."""
 
@@ -11,8 +12,11 @@ import os
 import torch
 
 from metrale.config import EngineConfig, ModelConfig
+from metrale.distributed.parallel import TPGroup, local_config
 from metrale.engine.kv_cache import allocate_kv_cache, kv_page_bytes
-from metrale.models.qwen3_next import ZeroCentredRMSNorm
+from metrale.models.loader import load_weights
+from metrale.models.qwen3 import Qwen3ForCausalLM
+from metrale.models.qwen3_next import Qwen3NextForCausalLM, ZeroCentredRMSNorm
 
 
 @contextlib.contextmanager
@@ -176,3 +180,45 @@ def allocate_kv_pools(
         pool_bytes += 0 if beside is None else math.prod(beside) * dtype.itemsize
         raise kv_pool_error(cfg, num_pages, pool_bytes, device, wanted) from e
     return pools
+
+
+def build_target(
+    model_dir,
+    model_cfg: ModelConfig,
+    cfg: EngineConfig,
+    backend,
+    positions: int,
+    device: torch.device,
+    dtype: torch.dtype,
+):
+    """The target model with its weights, and the config of the KV heads this process holds:
+    the whole model, or under tensor parallelism rank 0's shard (its workers start once the KV
+    pool is sized: `shard.start_workers`)."""
+    if cfg.tensor_parallel_size > 1:
+        from metrale.distributed.shard import build_model  # (it builds on this module)
+
+        tp = TPGroup(0, cfg.tensor_parallel_size, cfg.expert_parallel)
+        model = build_model(model_cfg, cfg, model_dir, backend, positions, tp, device, dtype)
+        return model, local_config(model_cfg, tp)
+    target_cls = Qwen3NextForCausalLM if model_cfg.hybrid is not None else Qwen3ForCausalLM
+    with torch.device(device), default_dtype(dtype):
+        model = target_cls(model_cfg, backend, positions)
+    if cfg.load_format == "dummy":
+        dummy_weights(model, cfg.seed)
+    else:
+        load_weights(model, model_dir)
+    return model.eval(), model_cfg
+
+
+class TargetVocab:
+    """The target's embedding and head as a drafter uses them (`ModelRunner.vocab`)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    @property
+    def embed_tokens(self):
+        return self.model.model.embed_tokens
+
+    def compute_logits(self, hidden, rows=None, out=None):
+        return self.model.compute_logits(hidden, rows, out)

@@ -13,15 +13,14 @@ from pathlib import Path
 import torch
 
 from metrale.config import EngineConfig, ModelConfig
-from metrale.distributed.parallel import TPGroup, local_config
-from metrale.distributed.shard import build_model, start_workers, whole_vocab
+from metrale.distributed.shard import start_workers, whole_vocab
 from metrale.engine.block_tables import DeviceBlockTables
 from metrale.engine.graphs import GraphRunner
 from metrale.engine.logits_pipeline import is_plain_greedy
 from metrale.engine.model_setup import (
+    TargetVocab,
     allocate_kv_pools,
-    default_dtype,
-    dummy_weights,
+    build_target,
     num_pages_for,
     pages_wanted,
 )
@@ -43,30 +42,13 @@ from metrale.kernels.paged_attention import TritonPagedAttention, triton_availab
 from metrale.models.attention import AttentionMetadata, TorchPagedAttention
 from metrale.models.dflash import load_dflash
 from metrale.models.layers import HiddenTaps
-from metrale.models.loader import load_weights
 from metrale.models.mtp import load_mtp
-from metrale.models.qwen3 import Qwen3ForCausalLM
-from metrale.models.qwen3_next import Qwen3NextForCausalLM
 from metrale.structured.masks import apply_grammar_masks
 
 log = logging.getLogger(__name__)
 
 # `graph_prefill_rows=None` on a hybrid target (its programs are keyed by width too: more each)
 HYBRID_GRAPH_PREFILL_ROWS = 512
-
-
-class TargetVocab:
-    """The target's embedding and head as a drafter uses them (`ModelRunner.vocab`)."""
-
-    def __init__(self, model) -> None:
-        self.model = model
-
-    @property
-    def embed_tokens(self):
-        return self.model.model.embed_tokens
-
-    def compute_logits(self, hidden, rows=None, out=None):
-        return self.model.compute_logits(hidden, rows, out)
 
 
 class ModelRunner:
@@ -100,7 +82,6 @@ class ModelRunner:
             else TorchPagedAttention(invariant=cfg.deterministic)
         )
         self.hybrid = model_cfg.hybrid is not None
-        target_cls = Qwen3NextForCausalLM if self.hybrid else Qwen3ForCausalLM
         # Rows of a step with prompt chunks that may replay a prefill program. The spare
         # sequence holding a program's padding rows sits at positions 0 .. rows - 1, so the
         # rotary table and the programs' block tables reach that far too, past a short model
@@ -111,21 +92,10 @@ class ModelRunner:
         self.prefill_limit = min(graph_prefill, cfg.max_num_batched_tokens)
         positions = max(max_model_len, self.prefill_limit)
         self.tp_size = cfg.tensor_parallel_size
-        kv_cfg = model_cfg  # the KV heads this process holds
-        if self.tp_size > 1:  # this process is rank 0; the workers start once the pool is sized
-            tp = TPGroup(0, self.tp_size, cfg.expert_parallel)
-            self.model = build_model(
-                model_cfg, cfg, model_dir, self.backend, positions, tp, self.device, self.dtype
-            )
-            kv_cfg = local_config(model_cfg, tp)
-        else:
-            with torch.device(self.device), default_dtype(self.dtype):
-                self.model = target_cls(model_cfg, self.backend, positions)
-            if cfg.load_format == "dummy":
-                dummy_weights(self.model, cfg.seed)
-            else:
-                load_weights(self.model, model_dir)
-            self.model.eval()
+        # kv_cfg: the KV heads this process holds
+        self.model, kv_cfg = build_target(
+            model_dir, model_cfg, cfg, self.backend, positions, self.device, self.dtype
+        )
         if cfg.deterministic:
             # the target alone: drafts only decide what is verified, never what is emitted
             make_batch_invariant(self.model)
