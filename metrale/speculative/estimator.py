@@ -56,12 +56,12 @@ class AcceptanceEstimator:
     Why `rate` is 0.3: a sequence's acceptance rises as it generates (greedy code on the shipped
     model, closed batches of 8, first draft: 0.54 -> 0.73 -> 0.87 over observations 0-5 / 6-11
     / 12-17 with n-gram; 0.64 -> 0.87 with MTP; 0.78 -> 0.96 with DFlash), and an EMA lags a
-    rising rate. At 0.2 the plans expected 1/1.22, 1/1.15 and 1/1.14 of the tokens that came
-    (n-gram, DFlash, MTP), so D-Cut cut short and its host-cost gate dropped plans that were
-    winning; with the observations shuffled within each sequence the same estimator expected
-    within 2-4%. Replayed on those observations, 0.3 with the pooled prior at 0.02 expected
-    1/1.12, 1/1.07, 1/1.07 at an equal Brier score of the first draft; faster rates cut the
-    bias further but predicted each draft worse.
+    rising rate. At 0.2 (the pool at 0.2 too) the estimates expected 1/1.21, 1/1.15 and 1/1.14
+    of the drafts accepted (n-gram, DFlash, MTP), so D-Cut cut short and its host-cost gate
+    dropped plans that were winning; with each sequence's verdicts shuffled, within 1-5%. At
+    0.3 with the pool at 0.02: 1/1.10, 1/1.08, 1/1.07, with the first draft's Brier score
+    better for n-gram, within 1% for DFlash and MTP; faster rates cut the lag further but
+    predicted each draft worse (`benchmarks/acceptance_calibration.py`).
     """
 
     def __init__(
