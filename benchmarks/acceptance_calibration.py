@@ -34,8 +34,8 @@ VARIANTS = [
 ]
 
 
-def record(drafter: str, batch: int, rounds: int) -> tuple[list[tuple[int, list[bool]]], int]:
-    """Every (seq_id, matches) the engine's estimator observed, in order, and K."""
+def record(drafter: str, batch: int, rounds: int) -> tuple[list[list[tuple[int, list[bool]]]], int]:
+    """Every step's (seq_id, matches) records the engine's estimator observed, in order, and K."""
     k = 7 if drafter == "dflash" else 3
     llm = LLM(
         "metrale/assets/default-model",
@@ -45,11 +45,11 @@ def record(drafter: str, batch: int, rounds: int) -> tuple[list[tuple[int, list[
         spec={"method": drafter, "num_drafts": k},
     )
     est = llm.engine.spec.estimator
-    log: list[tuple[int, list[bool]]] = []
+    log: list[list[tuple[int, list[bool]]]] = []
     observe = est.observe_many
 
     def recorded(verifies):
-        log.extend((seq_id, [bool(m) for m in matches]) for seq_id, matches in verifies)
+        log.append([(seq_id, [bool(m) for m in matches]) for seq_id, matches in verifies])
         return observe(verifies)
 
     est.observe_many = recorded
@@ -67,39 +67,54 @@ def replay(log, k: int, prior: float, rate: float, pool_rate: float) -> dict:
     )
     expected = accepted = brier = 0.0
     at = defaultdict(lambda: [0.0, 0.0, 0])  # position -> [estimate, outcome, count]
-    for seq_id, matches in log:
-        estimates, run = est.estimate(seq_id, len(matches)), 1.0
-        for a in estimates:
-            run *= a
-            expected += run
-        for j, a in enumerate(estimates):  # the positions up to the first miss
-            cell = at[j]
-            cell[0], cell[1], cell[2] = cell[0] + a, cell[1] + matches[j], cell[2] + 1
-            if j == 0:
-                brier += (a - matches[0]) ** 2
-            if not matches[j]:
-                break
-            accepted += 1
-        est.observe(seq_id, matches)
+    records = 0
+    for step in log:
+        # a step's estimates are read before any of its verdicts, as the planner reads them
+        read = [est.estimate(seq_id, len(matches)) for seq_id, matches in step]
+        est.observe_many(step)
+        records += len(step)
+        for (_, matches), estimates in zip(step, read, strict=True):
+            accepted, expected, brier = _score(matches, estimates, at, accepted, expected, brier)
     return {
         "accepted/expected": accepted / expected,
-        "brier1": brier / len(log),
+        "brier1": brier / records,
         "positions": [(round(e / n, 3), round(o / n, 3)) for e, o, n in at.values()][:4],
     }
 
 
+def _score(matches, estimates, at, accepted: float, expected: float, brier: float):
+    """One record's drafts accepted and expected, added to the running totals, and its
+    estimates against its outcomes up to the first miss, in `at`."""
+    run = 1.0
+    for a in estimates:
+        run *= a
+        expected += run
+    for j, a in enumerate(estimates):  # the positions up to the first miss
+        cell = at[j]
+        cell[0], cell[1], cell[2] = cell[0] + a, cell[1] + matches[j], cell[2] + 1
+        if j == 0:
+            brier += (a - matches[0]) ** 2
+        if not matches[j]:
+            break
+        accepted += 1
+    return accepted, expected, brier
+
+
 def shuffled(log, seed: int = 0):
-    """The records with each sequence's verdicts in a random order (same slots in the log)."""
+    """The steps with each sequence's verdicts in a random order (same places in the steps)."""
     rnd, by_seq = random.Random(seed), defaultdict(list)
-    for seq_id, matches in log:
-        by_seq[seq_id].append(matches)
+    for step in log:
+        for seq_id, matches in step:
+            by_seq[seq_id].append(matches)
     for verdicts in by_seq.values():
         rnd.shuffle(verdicts)
     taken = defaultdict(int)
     out = []
-    for seq_id, _ in log:
-        out.append((seq_id, by_seq[seq_id][taken[seq_id]]))
-        taken[seq_id] += 1
+    for step in log:
+        out.append([])
+        for seq_id, _ in step:
+            out[-1].append((seq_id, by_seq[seq_id][taken[seq_id]]))
+            taken[seq_id] += 1
     return out
 
 
@@ -111,7 +126,8 @@ def main() -> None:
     ap.add_argument("--prior", type=float, default=0.6)  # SpecConfig.dcut_prior
     args = ap.parse_args()
     log, k = record(args.drafter, args.batch, args.rounds)
-    print(f"{args.drafter} K={k}, closed batches of {args.batch}: {len(log)} records")
+    records = sum(len(step) for step in log)
+    print(f"{args.drafter} K={k}, closed batches of {args.batch}: {records} records")
     for name, records in (("in order", log), ("shuffled within each sequence", shuffled(log))):
         print(name)
         for v in VARIANTS:

@@ -416,5 +416,12 @@ def test_pooled_prior_is_not_set_by_the_last_few_sequences():
     for _ in range(4):
         est.observe(0, [False])
     assert est.estimate(0, 1)[0] < 0.25
-    with pytest.raises(ValueError, match="pool_rate"):
-        AcceptanceEstimator(pool_rate=0.0)
+    for bad in (0.0, 1e-9, 1.5, math.nan):
+        with pytest.raises(ValueError, match="^pool_rate must be"):
+            AcceptanceEstimator(pool_rate=bad)
+        with pytest.raises(ValueError, match="^rate must be"):
+            AcceptanceEstimator(rate=bad)
+    # a record with no verified draft is no observation: a new sequence still reads the pool
+    pooled = est.estimate("unseen", 1)
+    est.observe("unseen", [])
+    assert est.estimate("unseen", 1) == pooled

@@ -257,6 +257,35 @@ def test_the_controller_keeps_a_dropped_gate_closed_until_drafting_wins(
     ]
 
 
+def test_the_perfect_plan_of_a_probe_is_made_once_for_the_same_batch(tiny_model_dir, monkeypatch):
+    """`_hopeless` plans with every draft accepted: no estimate enters, so the plan is made again
+    only for other slots, caps or cost model (a closed batch asks at every probe step), and the
+    answer is the one planned afresh."""
+    from types import SimpleNamespace
+
+    import metrale.speculative.planning as planning
+
+    llm = LLM(tiny_model_dir, device="cpu", spec={"method": "ngram", "num_drafts": 3})
+    spec = llm.engine.spec
+    curve = {(b, q): r for b in (1, 4) for q, r in ((1.0, 1.0), (2.0, 1.1), (4.0, 1.3))}
+    spec.cost = VerifyCostModel.from_points(curve, {1: 1e-3})
+    made, shown = [], []
+    monkeypatch.setattr(planning, "plan", lambda *a: made.append(a) or plan(*a))
+    monkeypatch.setattr(
+        planning, "drafting_loses", lambda chosen, *a: shown.append(chosen) or False
+    )
+    four = [SimpleNamespace(slot=i, seq_id=i) for i in range(4)]
+    for _ in range(3):
+        assert not spec._hopeless(four, [3] * 4)
+    assert len(made) == 1 and shown[0] is shown[1] is shown[2]
+    spec._hopeless(four, [3, 3, 3, 2])  # a cap shrank near max_tokens
+    spec._hopeless(four[1:], [3] * 3)  # a sequence left
+    spec.cost = VerifyCostModel.from_points(curve, {1: 2e-3})  # the engine calibrated
+    spec._hopeless(four[1:], [3] * 3)
+    assert len(made) == 4
+    assert shown[-1] == plan(made[-1][0], spec.cost, spec.cfg.dcut_width_cap)
+
+
 def test_the_gate_files_verify_steps_under_the_count_the_plan_drafts(tiny_model_dir):
     """`prepare` records how many sequences the plan gave drafts (what `drafting_loses` looks
     verify steps up by), not how many were planned over or drafted."""

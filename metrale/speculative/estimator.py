@@ -8,6 +8,8 @@ import math
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
+MIN_RATE = 1e-4  # the slowest EMA rate: 10,001 weights (`_weights`)
+
 
 def _weights(rate: float) -> list[float]:
     """The n-th observation's weight, n = 0 .. the count where it reaches `rate`."""
@@ -56,11 +58,11 @@ class AcceptanceEstimator:
     Why `rate` is 0.3: a sequence's acceptance rises as it generates (greedy code on the shipped
     model, closed batches of 8, first draft: 0.54 -> 0.73 -> 0.87 over observations 0-5 / 6-11
     / 12-17 with n-gram; 0.64 -> 0.87 with MTP; 0.78 -> 0.96 with DFlash), and an EMA lags a
-    rising rate. At 0.2 (the pool at 0.2 too) the estimates expected 1/1.21, 1/1.15 and 1/1.14
+    rising rate. At 0.2 (the pool at 0.2 too) the estimates expected 1/1.21, 1/1.13 and 1/1.14
     of the drafts accepted (n-gram, DFlash, MTP), so D-Cut cut short and its host-cost gate
-    dropped plans that were winning; with each sequence's verdicts shuffled, within 1-5%. At
+    dropped plans that were winning; with each sequence's verdicts shuffled, within 1-6%. At
     0.3 with the pool at 0.02: 1/1.10, 1/1.08, 1/1.07, with the first draft's Brier score
-    better for n-gram, within 1% for DFlash and MTP; faster rates cut the lag further but
+    better for n-gram and DFlash, 1.4% worse for MTP; faster rates cut the lag further but
     predicted each draft worse (`benchmarks/acceptance_calibration.py`).
     """
 
@@ -75,11 +77,12 @@ class AcceptanceEstimator:
     ) -> None:
         if max_positions < 1 or max_sequences < 1:
             raise ValueError("max_positions and max_sequences must be at least 1")
-        if not 0.0 < rate <= 1.0 or not 0.0 < pool_rate <= 1.0 or not 0.0 <= prior <= 1.0:
-            raise ValueError(
-                "need 0 < rate <= 1, 0 < pool_rate <= 1 and 0 <= prior <= 1, got "
-                f"{rate}, {pool_rate}, {prior}"
-            )
+        for name, value in (("rate", rate), ("pool_rate", pool_rate)):
+            # (1/rate weights are kept: a rate near 0 would ask for millions of them)
+            if not MIN_RATE <= value <= 1.0:
+                raise ValueError(f"{name} must be in [{MIN_RATE}, 1], got {value!r}")
+        if not 0.0 <= prior <= 1.0:
+            raise ValueError(f"prior must be in [0, 1], got {prior!r}")
         self.max_positions = max_positions
         self.prior = prior
         self.rate = rate
@@ -108,6 +111,8 @@ class AcceptanceEstimator:
         seqs, pooled, depth = self._seqs, self._pooled, self.max_positions
         weights, pool_weights = self._weights, self._pool_weights
         for seq_id, matches in verifies:
+            if not matches:
+                continue  # nothing verified: no observation (a new sequence keeps the pool)
             seen = []
             for matched in matches[:depth]:
                 seen.append(1.0 if matched else 0.0)
