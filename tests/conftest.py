@@ -18,6 +18,12 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (the README runs `-n 2`) each worker is one process: one intra-op thread
+# each keeps the workers from oversubscribing the cores, where spinning OpenMP threads of two
+# processes would slow both.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 import shutil
 from pathlib import Path
 
