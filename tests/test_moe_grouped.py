@@ -50,6 +50,28 @@ def test_grouped_equals_looped(n, top_k):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("path", ["_grouped", "_gathered", "_looped"])
+def test_skipped_picks_add_nothing(path, monkeypatch):
+    """A pick of expert E (another expert-parallel rank's) adds nothing on every path, even
+    where the grouped GEMM leaves the rows past its last group as garbage (NaN here)."""
+    grouped_mm = torch._grouped_mm
+
+    def leaves_nan(a, b, offs):
+        out = grouped_mm(a, b, offs=offs)
+        return out.index_fill(0, torch.arange(int(offs[-1]), out.shape[0]), float("nan"))
+
+    monkeypatch.setattr(torch, "_grouped_mm", leaves_nan)
+    m = make_experts(8, 64, 32)
+    x, experts, weights = make_batch(20, 64, 8, 3, seed=5)
+    skip = torch.rand(experts.shape, generator=torch.Generator().manual_seed(5)) < 0.5
+    weights = weights.masked_fill(skip, 0)
+    with torch.no_grad():
+        ref = m._looped(x, experts, weights)  # every pick, the skipped ones weighted 0
+        out = getattr(m, path)(x, experts.masked_fill(skip, 8), weights)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("only", [(0, 3), (2, 5, 7), (6, 7)], ids=str)
 def test_grouped_with_idle_experts(only):
     """Experts with no rows (at the ends and in the middle) make empty groups."""

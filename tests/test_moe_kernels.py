@@ -182,6 +182,47 @@ def test_plan_from_given_ids():
     assert [tuple(t) for t in plan.tiles.T.tolist()][: len(tiles)] == tiles
 
 
+class _PoisonedTorch:
+    """`torch` as `kernels/moe.py` sees it, whose `empty` float buffers hold NaN: a row the
+    kernels never write then shows in the output."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        out = torch.empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+
+@pytest.mark.parametrize("n, top_k, block_m", [(1, 2, 16), (9, 3, 2), (40, 4, 4)])
+def test_skipped_picks_are_neither_tiled_nor_combined(n, top_k, block_m, monkeypatch):
+    """An expert-parallel rank's picks of other ranks' experts come as id E: the tiles hold
+    only this rank's pairs, and the output is the sum over them alone, whatever the buffers
+    held (NaN here)."""
+    experts = make_experts(8, 48, 24, device=DEVICE)
+    x, ids, weights = make_batch(n, 48, 8, top_k, seed=n)
+    x, ids, weights = x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE)
+    skip = torch.rand(ids.shape, generator=torch.Generator().manual_seed(n)).to(DEVICE) < 0.6
+    skip[0, 0] = True  # (some row skips, whatever the draw)
+    kept_w = weights.masked_fill(skip, 0)
+    plan = moe_routing.route(
+        None, top_k, num_experts=8, ids=ids.masked_fill(skip, 8), weights=kept_w,
+        block_m=block_m,
+    )  # fmt: skip
+    kept = ids[~skip]
+    counts = torch.bincount(kept.cpu(), minlength=8).tolist()
+    tiled = [t for t in plan.tiles.T.tolist() if t[0] >= 0]
+    assert len(tiled) == sum(-(-c // block_m) for c in counts)  # this rank's pairs alone
+    assert all(e < 8 for e, _, _ in tiled)
+    assert sum(end - first for _, first, end in tiled) == kept.numel()
+    monkeypatch.setattr(moe, "torch", _PoisonedTorch())
+    out = moe.grouped_experts(x, plan, experts.gate_up_proj, experts.down_proj)
+    ref = experts._looped(x, ids, kept_w)  # every pick, the skipped ones weighted 0
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def _shared(hidden: int, inter: int, dtype, seed: int = 2) -> moe.SharedExpert:
     gen = torch.Generator().manual_seed(seed)
     parts = (

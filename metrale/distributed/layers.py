@@ -53,7 +53,7 @@ class VocabParallelEmbedding(nn.Embedding):
 
 class ParallelSparseMoeBlock(Qwen3NextSparseMoeBlock):
     """The router whole on every rank (same rows in, same picks out). With expert parallelism
-    this rank's experts, the other ranks' picks weighted 0; without, a slice of every expert's
+    this rank's experts, the other ranks' picks skipped; without, a slice of every expert's
     intermediate rows. Either way this rank's share of the shared expert (scaled by its gate,
     which is linear in that share), and one all-reduce of the sum."""
 
@@ -69,10 +69,12 @@ class ParallelSparseMoeBlock(Qwen3NextSparseMoeBlock):
         experts, weights = self.route(x)
         if self.tp.expert_parallel:
             local = experts - self.first
-            mine = (local >= 0) & (local < self.experts.num_experts)
-            # NOTE: another rank's pick runs on expert 0 here with weight 0 (correct, not the
-            # cheapest: an all-to-all dispatch would send each row only to its experts' ranks)
-            experts, weights = local.masked_fill(~mine, 0), weights.masked_fill(~mine, 0)
+            count = self.experts.num_experts
+            mine = (local >= 0) & (local < count)
+            # Another rank's pick is id `count`: `Qwen3NextExperts` skips it, so each rank
+            # computes its own experts' pairs alone. Each rank still takes every row (no
+            # all-to-all): the rows are few in a decode step, and replicated already.
+            experts, weights = local.masked_fill(~mine, count), weights.masked_fill(~mine, 0)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.tp.all_reduce_(self.experts(x, experts, weights) + shared)
 

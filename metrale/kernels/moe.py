@@ -178,6 +178,8 @@ if triton is not None:
     def _combine_kernel(
         y_ptr,
         w_ptr,
+        ids_ptr,
+        E,
         x_ptr,
         stride_x,
         sg_ptr,
@@ -193,6 +195,7 @@ if triton is not None:
         BX: tl.constexpr,
         SHARED: tl.constexpr,
         ADD_NORM: tl.constexpr,
+        SKIPS: tl.constexpr,
     ):
         n = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -201,7 +204,12 @@ if triton is not None:
         acc = tl.zeros([BH], tl.float32)
         for j in tl.static_range(K):  # slot order: the routed sum's fixed order
             w = tl.load(w_ptr + n * K + j).to(tl.float32)
-            y = tl.load(y_ptr + (n * K + j) * H + cols, mask=c_ok, other=0.0)
+            if SKIPS:  # a skipped pick's row of y was never written: it adds 0
+                here = tl.load(ids_ptr + n * K + j + cols * 0) < E  # (as a block: a mask)
+                w = tl.where(here, w, 0.0)
+                y = tl.load(y_ptr + (n * K + j) * H + cols, mask=c_ok & here, other=0.0)
+            else:
+                y = tl.load(y_ptr + (n * K + j) * H + cols, mask=c_ok, other=0.0)
             acc += w * y.to(tl.float32)
         out = _r(acc, dt)
         if SHARED:  # + sigmoid(x . w_gate) * shared(x)
@@ -243,8 +251,9 @@ def grouped_experts(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x [N, H] (unit column stride); gate_up_proj [E, 2I, H], down_proj [E, H, I] (both
     contiguous) -> sum_j weights[:, j] * expert_j(x) (+ the shared expert when the plan has it)
-    [N, H] in x's dtype. With `residual` and `norm_weight`: (the (1 + w) RMSNorm of out +
-    residual, out + residual), as the next layer's `forward_residual` would return."""
+    [N, H] in x's dtype; a pick of expert E (`MoEPlan.skips`) adds nothing. With `residual`
+    and `norm_weight`: (the (1 + w) RMSNorm of out + residual, out + residual), as the next
+    layer's `forward_residual` would return."""
     n, hidden = x.shape
     num_experts, inter = down_proj.shape[0], down_proj.shape[2]
     if plan.shared != (shared is not None):
@@ -282,13 +291,13 @@ def grouped_experts(
     block_h = triton.next_power_of_2(hidden) if add_norm else min(COMBINE_BLOCK, hidden)
     block_h = triton.next_power_of_2(block_h)
     _combine_kernel[(n, triton.cdiv(hidden, block_h))](
-        y, plan.weights, x, x.stride(0),
+        y, plan.weights, plan.ids, num_experts, x, x.stride(0),
         shared.gate if shared is not None else x,
         residual.contiguous() if add_norm else x,
         norm_weight if add_norm else x,
         out, res_out, nk, hidden, eps,
         K=plan.top_k, BH=block_h, BX=min(1024, triton.next_power_of_2(hidden)),
-        SHARED=shared is not None, ADD_NORM=add_norm,
+        SHARED=shared is not None, ADD_NORM=add_norm, SKIPS=plan.skips,
         num_warps=min(max(block_h // 512, 1), 16),
     )  # fmt: skip
     return (out, res_out) if add_norm else out

@@ -50,6 +50,9 @@ class MoEPlan(NamedTuple):
     top_k: int
     shared: bool  # pairs N k .. N k + N - 1 are the shared expert's ("expert" E)
     block_m: int
+    # given ids may name "expert" E: a pick no kernel computes (another expert-parallel rank's),
+    # left out of the tiles and of the combine
+    skips: bool = False
 
 
 if triton is not None:
@@ -223,8 +226,11 @@ if triton is not None:
         """tiles[:, t] = (expert, first, end position) of tile t; expert -1 past the last."""
         cols = tl.arange(0, BE)
         count, _ = _totals(counts_ptr, 0, NB, BE)
-        if SHARED:
+        # column E: the shared expert's pairs, or the skipped picks (sorted last, in no tile)
+        if SHARED:  # noqa: SIM108 (a branch on a constexpr)
             count = tl.where(cols == E, N, count)
+        else:
+            count = tl.where(cols == E, 0, count)
         start = tl.cumsum(count, axis=0) - count
         tiles = (count + BM - 1) // BM
         first = tl.cumsum(tiles, axis=0) - tiles
@@ -332,8 +338,9 @@ def route(
     (`dtype`, default the logits'). Or, with `hidden` [N, H] and `router` [E, H] instead of
     logits (`makes_logits(E)`), the logits hidden @ router.T made in the same launch, rounded
     to hidden's dtype: the router GEMM's launch saved. Or, with `ids` [N, k] and `weights`
-    given (an expert-parallel rank's masked picks), only the plan; `num_experts` then bounds
-    the ids."""
+    given (an expert-parallel rank's picks), only the plan; `num_experts` (E) then bounds the
+    ids, and without `shared` an id of E is a pick to skip (another rank's expert): no tile
+    computes it and the combine leaves it out, so a rank's work is its own experts' pairs."""
     from_hidden = hidden is not None
     if from_hidden:
         if router is None or logits is not None or not makes_logits(router.shape[0]):
@@ -343,6 +350,7 @@ def route(
         logits, router = (hidden if hidden.stride(1) == 1 else hidden.contiguous()), router
         router = router.contiguous()
     from_logits = ids is None
+    skips = not from_logits and not shared  # (with `shared`, column E is the shared expert's)
     n = logits.shape[0] if from_logits else ids.shape[0]
     e = (router.shape[0] if from_hidden else logits.shape[1]) if from_logits else num_experts
     if from_logits and not 0 < top_k <= e:
@@ -363,7 +371,7 @@ def route(
     counts = torch.empty(max(blocks, 1), block_e, dtype=torch.int32, device=device)
     order = torch.empty(n * top_k + (n if shared else 0), dtype=torch.int32, device=device)
     tiles = torch.empty(3, tiles_n, dtype=torch.int32, device=device)
-    plan = MoEPlan(out_ids, out_w, order, tiles, n, top_k, shared, block_m)
+    plan = MoEPlan(out_ids, out_w, order, tiles, n, top_k, shared, block_m, skips)
     if n == 0:
         return plan
     args = (

@@ -81,7 +81,9 @@ class Qwen3NextExperts(nn.Module):
     def forward(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        """x [N, H]; experts, weights [N, k] (expert ids and their routing weights) -> [N, H]."""
+        """x [N, H]; experts, weights [N, k] (expert ids and their routing weights) -> [N, H].
+        An id of `num_experts` is a pick this module does not hold (another expert-parallel
+        rank's): it adds nothing, and every path but the small-batch gather skips its work."""
         if self.row_invariant and not x.is_cuda and not hybrid_kernels_enabled(x):
             return self._wide(x, experts, weights)
         return self._path(x, experts)(x, experts, weights)
@@ -147,6 +149,8 @@ class Qwen3NextExperts(nn.Module):
         gate_up = torch._grouped_mm(x[order // k], self.gate_up_proj.transpose(1, 2), offs=offs)
         gate, up = gate_up.chunk(2, dim=-1)
         y = torch._grouped_mm(silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+        # Skipped picks (id E) sort last, past every group: no GEMM wrote their rows.
+        y = y.masked_fill((ids >= self.num_experts)[:, None], 0.0)
         # Back to (row, slot) order, then each row's weighted sum as one small matmul: accumulated
         # in float32 and rounded once, and deterministic (index_add_ on CUDA adds in atomic order).
         y = torch.empty_like(y).index_copy_(0, order, y).view(n, k, y.shape[1])
@@ -157,10 +161,14 @@ class Qwen3NextExperts(nn.Module):
     ) -> torch.Tensor:
         """Each row's k experts gathered and applied as batched matmuls: no host sync, so decode
         and verify steps keep their one sync per step (and can be graph-captured)."""
+        # (a skipped pick is computed on the last expert and weighted 0: a gather cannot drop a
+        # pair without a sync to size its output)
+        skip = experts >= self.num_experts
+        experts = experts.masked_fill(skip, self.num_experts - 1)
         gate_up = torch.einsum("nh,nkoh->nko", x, self.gate_up_proj[experts])  # [N, k, 2I]
         gate, up = gate_up.chunk(2, dim=-1)
         y = torch.einsum("nki,nkhi->nkh", silu(gate) * up, self.down_proj[experts])
-        return (y * weights[..., None]).sum(dim=1).to(x.dtype)
+        return (y * weights.masked_fill(skip, 0)[..., None]).sum(dim=1).to(x.dtype)
 
     def _looped(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
