@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from metrale.kernels.fused import triton
-from metrale.kernels.moe_routing import MoEPlan
+from metrale.kernels.moe_plan import MoEPlan
 
 # (BN, BK, num_warps, num_stages) per kernel; BM is the plan's block_m. Fixed per process: a
 # row's rounding must not depend on the batch (see the module docstring). The best of

@@ -9,13 +9,9 @@ experts, without the exp's rounding making near-equal logits tie); equal logits 
 expert index first, the rule `route` follows too (torch.topk leaves ties unspecified: on CPU it
 does not pick the lower index).
 
-The plan, for pairs p = row * k + slot (plus, with a shared expert, one pair per row after them,
-p = N k + row, as "expert" E):
-  - `order[pos]`: the pair at position pos when pairs are sorted by expert, stably (a row's pairs
-    of one expert keep row order), the shared expert's pairs last;
-  - `tiles[:, t]` = (expert, first position, end position) of tile t: each expert's positions cut
-    into runs of `block_m`, expert -1 past the last tile. Tiles are at most
-    cdiv(N k, block_m) + min(E, N k) + cdiv(N, block_m): a static grid, no host sync.
+The plan (`kernels/moe_plan.py`: each pair's place in expert order, the tiles) is for pairs
+p = row * k + slot, plus, with a shared expert, one pair per row after them (p = N k + row, as
+"expert" E); its kernels run at the end of this launch.
 
 One program routes and plans up to `SINGLE_MAX_BLOCKS` blocks of rows (decode steps); more rows
 (verify and prefill steps) take two launches of one program per block (route, then plan), with
@@ -25,11 +21,14 @@ the same per-row arithmetic. Per-expert counts are integer sums: the plan is det
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
 
 import torch
 
 from metrale.kernels.fused import triton
+from metrale.kernels.moe_plan import MoEPlan, max_tiles
+
+if triton is not None:
+    from metrale.kernels.moe_plan import _plan_block, _tile_map
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # One program plans up to this many blocks of rows; beyond, a program per block in two launches.
@@ -37,22 +36,6 @@ SINGLE_MAX_BLOCKS = 2
 # Elements of a block's (row, expert) tables: 16 rows per block for up to 127 experts, fewer for
 # more (sm90, 8 warps: no register spills).
 BLOCK_ELEMENTS = 2048
-
-
-class MoEPlan(NamedTuple):
-    """What `route` hands the grouped expert kernels (see the module docstring)."""
-
-    ids: torch.Tensor  # [N, k] int32 expert of each (row, slot)
-    weights: torch.Tensor  # [N, k] routing weights, activation dtype
-    order: torch.Tensor  # [N k (+ N)] int32 pair at each sorted position
-    tiles: torch.Tensor  # [3, max_tiles] int32 (expert or -1, first position, end position)
-    num_rows: int
-    top_k: int
-    shared: bool  # pairs N k .. N k + N - 1 are the shared expert's ("expert" E)
-    block_m: int
-    # given ids may name "expert" E: a pick no kernel computes (another expert-parallel rank's),
-    # left out of the tiles and of the combine
-    skips: bool = False
 
 
 if triton is not None:
@@ -153,100 +136,6 @@ if triton is not None:
         tl.store(counts_ptr + blk * BE + cols, counts)
 
     @triton.jit
-    def _totals(counts_ptr, blk, NB, BE: tl.constexpr):
-        """(pairs per expert over all blocks, pairs per expert in the blocks before blk)."""
-        cols = tl.arange(0, BE)
-        total = tl.zeros([BE], tl.int32)
-        before = tl.zeros([BE], tl.int32)
-        for b in range(NB):
-            c = tl.load(counts_ptr + b * BE + cols)
-            total += c
-            before += tl.where(b < blk, c, 0)
-        return total, before
-
-    @triton.jit
-    def _plan_block(
-        blk,
-        ids_ptr,
-        counts_ptr,
-        order_ptr,
-        N,
-        NB,
-        K: tl.constexpr,
-        BR: tl.constexpr,
-        BE: tl.constexpr,
-        BKK: tl.constexpr,
-        SHARED: tl.constexpr,
-        DISTINCT: tl.constexpr,
-    ):
-        """Scatter block blk's pairs to their sorted positions: pair (r, j) of expert e goes to
-        the start of e's group + e's pairs in earlier rows + e's picks in row r before slot j
-        (an expert-parallel rank's masked picks repeat an expert within a row). DISTINCT: no
-        row picks an expert twice (picks made here), so each pair's place is one gather."""
-        cols = tl.arange(0, BE)
-        rows = blk * BR + tl.arange(0, BR)
-        r_ok = rows < N
-        total, before = _totals(counts_ptr, blk, NB, BE)
-        base = tl.cumsum(total, axis=0) - total + before  # where this block's pairs of e start
-        count = tl.zeros([BR, BE], tl.int32)  # picks of e in row r
-        for j in tl.static_range(K):
-            idx = tl.load(ids_ptr + rows * K + j, mask=r_ok, other=0)
-            count += ((cols[None, :] == idx[:, None]) & r_ok[:, None]).to(tl.int32)
-        at = tl.cumsum(count, axis=0) - count + base[None, :]
-        if DISTINCT:
-            slot = tl.arange(0, BKK)
-            ok = r_ok[:, None] & (slot[None, :] < K)
-            pair = rows[:, None] * K + slot[None, :]
-            idx = tl.load(ids_ptr + pair, mask=ok, other=0)
-            tl.store(order_ptr + tl.gather(at, idx, axis=1), pair, mask=ok)
-        else:
-            for j in tl.static_range(K):
-                idx = tl.load(ids_ptr + rows * K + j, mask=r_ok, other=0)
-                hit = cols[None, :] == idx[:, None]
-                pos = tl.sum(tl.where(hit, at, 0), axis=1)
-                tl.store(order_ptr + pos, rows * K + j, mask=r_ok)
-                at += hit.to(tl.int32)  # a repeat of e in this row goes after this one
-        if SHARED:
-            tl.store(order_ptr + N * K + rows, N * K + rows, mask=r_ok)
-
-    @triton.jit
-    def _tile_map(
-        counts_ptr,
-        tiles_ptr,
-        N,
-        E,
-        NB,
-        MAX_TILES,
-        K: tl.constexpr,
-        BE: tl.constexpr,
-        BM: tl.constexpr,
-        BT: tl.constexpr,
-        SHARED: tl.constexpr,
-    ):
-        """tiles[:, t] = (expert, first, end position) of tile t; expert -1 past the last."""
-        cols = tl.arange(0, BE)
-        count, _ = _totals(counts_ptr, 0, NB, BE)
-        # column E: the shared expert's pairs, or the skipped picks (sorted last, in no tile)
-        if SHARED:  # noqa: SIM108 (a branch on a constexpr)
-            count = tl.where(cols == E, N, count)
-        else:
-            count = tl.where(cols == E, 0, count)
-        start = tl.cumsum(count, axis=0) - count
-        tiles = (count + BM - 1) // BM
-        first = tl.cumsum(tiles, axis=0) - tiles
-        for t0 in range(0, MAX_TILES, BT):
-            t = t0 + tl.arange(0, BT)
-            inside = (t[:, None] >= first[None, :]) & (t[:, None] < (first + tiles)[None, :])
-            found = tl.sum(inside.to(tl.int32), axis=1) > 0
-            expert = tl.sum(tl.where(inside, cols[None, :], 0), axis=1)
-            begin = tl.sum(tl.where(inside, start + (t[:, None] - first) * BM, 0), axis=1)
-            end = tl.minimum(begin + BM, tl.sum(tl.where(inside, start + count, 0), axis=1))
-            t_ok = t < MAX_TILES
-            tl.store(tiles_ptr + t, tl.where(found, expert, -1), mask=t_ok)
-            tl.store(tiles_ptr + MAX_TILES + t, begin, mask=t_ok)
-            tl.store(tiles_ptr + 2 * MAX_TILES + t, end, mask=t_ok)
-
-    @triton.jit
     def _route_plan_kernel(
         logits_ptr,
         stride_l,
@@ -299,13 +188,6 @@ if triton is not None:
             )
             if blk == 0:
                 _tile_map(counts_ptr, tiles_ptr, N, E, NB, MAX_TILES, K, BE, BM, 64, SHARED)
-
-
-def max_tiles(num_rows: int, top_k: int, num_experts: int, shared: bool, block_m: int) -> int:
-    """The most tiles a plan can have (each expert's last tile may be partial)."""
-    pairs = num_rows * top_k
-    tiles = -(-pairs // block_m) + min(num_experts, pairs)
-    return tiles + (-(-num_rows // block_m) if shared else 0)
 
 
 def _block_rows(num_experts: int) -> int:
