@@ -13,6 +13,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from metrale.models.qwen3_next_moe import Qwen3NextExperts
 
+NAN = float("nan")
+
 
 def make_experts(
     num_experts: int, hidden: int, inter: int, dtype=torch.float32, device="cpu", seed: int = 0
@@ -52,8 +54,9 @@ def test_grouped_equals_looped(n, top_k):
 
 @pytest.mark.parametrize("path", ["_grouped", "_gathered", "_looped"])
 def test_skipped_picks_add_nothing(path, monkeypatch):
-    """A pick of expert E (another expert-parallel rank's) adds nothing on every path, even
-    where the grouped GEMM leaves the rows past its last group as garbage (NaN here)."""
+    """A pick of expert E (another expert-parallel rank's) adds nothing on every path, whatever
+    its weight, even where the grouped GEMM leaves the rows past its last group as garbage (NaN
+    here)."""
     grouped_mm = torch._grouped_mm
 
     def leaves_nan(a, b, offs):
@@ -64,10 +67,12 @@ def test_skipped_picks_add_nothing(path, monkeypatch):
     m = make_experts(8, 64, 32)
     x, experts, weights = make_batch(20, 64, 8, 3, seed=5)
     skip = torch.rand(experts.shape, generator=torch.Generator().manual_seed(5)) < 0.5
-    weights = weights.masked_fill(skip, 0)
     with torch.no_grad():
-        ref = m._looped(x, experts, weights)  # every pick, the skipped ones weighted 0
-        out = getattr(m, path)(x, experts.masked_fill(skip, 8), weights)
+        # every pick, the skipped ones weighted 0; weighted 1e9 or NaN, they add nothing too
+        ref = m._looped(x, experts, weights.masked_fill(skip, 0))
+        out = getattr(m, path)(x, experts.masked_fill(skip, 8), weights.masked_fill(skip, 1e9))
+        nan = getattr(m, path)(x, experts.masked_fill(skip, 8), weights.masked_fill(skip, NAN))
+    torch.testing.assert_close(nan, ref, rtol=1e-5, atol=1e-6)
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 

@@ -173,7 +173,7 @@ def test_rows_of_minus_infinity_or_nan_keep_their_picks_distinct(launches, monke
 
 
 def test_plan_from_given_ids():
-    """An expert-parallel rank's picks (others' masked to expert 0): the plan alone."""
+    """Given picks (repeats of an expert in a row included): the plan alone."""
     ids = torch.tensor([[0, 2], [0, 0], [3, 1]], device=DEVICE)
     weights = torch.rand(3, 2, device=DEVICE)
     plan = moe_routing.route(None, 2, num_experts=4, ids=ids, weights=weights, block_m=2)

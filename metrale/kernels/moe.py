@@ -1,5 +1,5 @@
 """Routed experts (and the shared expert) of a sparse MoE block as three Triton launches over a
-`moe_routing.MoEPlan`: grouped gate/up with SiLU(gate) * up in its epilogue, grouped down, and
+`moe_plan.MoEPlan`: grouped gate/up with SiLU(gate) * up in its epilogue, grouped down, and
 the per-row combine (routing-weighted sum, the shared expert's sigmoid gate, optionally the next
 norm's residual add + RMSNorm).
 

@@ -222,7 +222,9 @@ def route(
     to hidden's dtype: the router GEMM's launch saved. Or, with `ids` [N, k] and `weights`
     given (an expert-parallel rank's picks), only the plan; `num_experts` (E) then bounds the
     ids, and without `shared` an id of E is a pick to skip (another rank's expert): no tile
-    computes it and the combine leaves it out, so a rank's work is its own experts' pairs."""
+    computes it and the combine leaves it out, so a rank's work is its own experts' pairs.
+    With `shared`, given ids must be below E (column E is then the shared expert's; not
+    checked here, which would cost a host sync)."""
     from_hidden = hidden is not None
     if from_hidden:
         if router is None or logits is not None or not makes_logits(router.shape[0]):

@@ -151,6 +151,7 @@ class Qwen3NextExperts(nn.Module):
         y = torch._grouped_mm(silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
         # Skipped picks (id E) sort last, past every group: no GEMM wrote their rows.
         y = y.masked_fill((ids >= self.num_experts)[:, None], 0.0)
+        weights = weights.masked_fill(experts >= self.num_experts, 0)  # (0 x NaN: NaN)
         # Back to (row, slot) order, then each row's weighted sum as one small matmul: accumulated
         # in float32 and rounded once, and deterministic (index_add_ on CUDA adds in atomic order).
         y = torch.empty_like(y).index_copy_(0, order, y).view(n, k, y.shape[1])
