@@ -61,6 +61,49 @@ def test_bench_writes_table_json_and_png(tmp_path, capsys):
     expected = (1 - 0.7**3) / (1 - 0.7)  # alpha 0.7, K = 2
     assert ratio == pytest.approx(e2e["mean_acceptance_length"] / expected)
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capture = result["graph_capture"]  # no CUDA graphs on the CPU: nothing at start-up
+    assert capture["startup_programs"] is None and capture["startup_capture_bytes"] is None
+
+
+def test_capture_report_counts_start_up_and_first_use(monkeypatch):
+    """The bench's capture figures: every program the process captured and their seconds,
+    and apart the target's start-up capture with its memory."""
+    from types import SimpleNamespace
+
+    from metrale.bench.timing import capture_line, capture_report
+    from metrale.engine import program_cache
+
+    monkeypatch.setattr(program_cache, "_captures", 20)
+    monkeypatch.setattr(program_cache, "_capture_seconds", 5.25)
+    report = capture_report(SimpleNamespace(startup_capture=(12, 3.5, 3 * 2**29)))
+    assert report == {
+        "startup_programs": 12,
+        "startup_capture_s": 3.5,
+        "startup_capture_bytes": 3 * 2**29,
+        "programs_captured": 20,
+        "capture_s": 5.25,
+    }
+    assert capture_line(report) == (
+        "CUDA graphs: 20 captured in 5.2 s (12 at start-up: 3.5 s, 1.50 GiB)"
+    )
+    report = capture_report(SimpleNamespace(startup_capture=None))
+    assert capture_line(report) == "CUDA graphs: 20 captured in 5.2 s"
+    monkeypatch.setattr(program_cache, "_captures", 0)
+    assert capture_line(capture_report(SimpleNamespace(startup_capture=None))) is None
+
+
+@pytest.mark.gpu
+def test_bench_reports_the_start_up_capture_on_cuda(tmp_path, capsys):
+    args = ["bench", "--shape", "tiny", "--device", "cuda", "--batch-sizes", "1,4"]
+    args += ["--q", "1,2", "--context", "64", "--e2e-batch-sizes", "2", "--max-tokens", "8"]
+    args += ["--alpha", "0.5", "--num-drafts", "2", "--out", str(tmp_path / "bench")]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    capture = json.loads(printed.strip().splitlines()[-1])["graph_capture"]
+    assert capture["startup_programs"] > 0 and capture["startup_capture_s"] > 0
+    assert capture["programs_captured"] >= capture["startup_programs"]
+    assert capture["capture_s"] > 0 and capture["startup_capture_bytes"] >= 0
+    assert "at start-up" in printed
 
 
 def test_bench_e2e_drafter_on_the_default_model(tmp_path, capsys):

@@ -28,7 +28,7 @@ from metrale.bench.anchor import anchor_step_times
 from metrale.bench.e2e import end_to_end
 from metrale.bench.profile_step import step_launches
 from metrale.bench.shapes import batch_weight_bytes, write_shape
-from metrale.bench.timing import bandwidth, weight_bytes
+from metrale.bench.timing import bandwidth, capture_line, capture_report, weight_bytes
 from metrale.engine.calibrate import step_times
 from metrale.engine.heap import freeze_startup_heap
 from metrale.speculative.dcut import VerifyCostModel
@@ -176,6 +176,7 @@ def _measure(llm: LLM, drafter, args, device: torch.device, alphas, forced: bool
         result["launches_batch1"] = launches["kernels"]
         result["launches_batch1_by_kernel"] = launches["by_name"]  # where a fusion would pay
     result["graph_refusals"] = runner.graph_refusals
+    result["graph_capture"] = capture_report(runner)
     result["deterministic"] = llm.engine.config.deterministic
     result["async_scheduling"] = llm.engine.config.async_scheduling
     result["peak_memory_bytes"] = (
@@ -206,6 +207,8 @@ def table(result: dict) -> str:
             f"{d['batch']:5d}  {d['ms']:9.3f}  {d['roofline_ratio']:10.2f}  {batch_ratio:16.2f}  "
             f"{anchor}  " + "  ".join(f"{r:5.2f}" for r in ratios)
         )
+    if result.get("graph_capture") and capture_line(result["graph_capture"]):
+        lines.append(capture_line(result["graph_capture"]))
     if result.get("launches_batch1") is not None:
         lines.append(f"kernel launches per batch-1 decode step: {result['launches_batch1']}")
     for e in result["e2e"]:

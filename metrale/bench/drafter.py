@@ -40,6 +40,7 @@ from pathlib import Path
 from metrale.api import LLM
 from metrale.bench.acceptance import heldout_prompts
 from metrale.bench.e2e import REPEATS, prefill_seconds
+from metrale.bench.timing import capture_line, capture_report
 from metrale.config import SamplingParams
 from metrale.engine.calibrate import sync
 from metrale.engine.heap import freeze_startup_heap
@@ -218,6 +219,7 @@ def drafter_e2e(args) -> dict:
         "heldout": str(heldout),
         "steady_requests_per_slot": per_slot,
         "e2e": rows,
+        "graph_capture": capture_report(llm.engine.runner),
     }
 
 
@@ -244,6 +246,9 @@ def format_drafter_e2e(result: dict) -> str:
             f"{r['decode_speedup']:8.2f}  {request_x:10.2f}  {r['mean_acceptance_length']:10.2f}  "
             f"{r['identical_outputs']:9.2f}  {_spec_columns(r)}"
         )
+    capture = result.get("graph_capture") and capture_line(result["graph_capture"])
+    if capture:
+        lines.append(capture)
     steady = [r for r in result["e2e"] if "steady" in r]
     if steady:
         lines.append(

@@ -1,12 +1,14 @@
 """The roofline's two numbers: the memory bandwidth measured by a device copy, and the weight
 bytes one batch-1 step reads; and the time of a kernel call replayed in a CUDA graph, for the
-kernel scripts. (Step timing is the engine's own: `engine/calibrate.py`.)"""
+kernel scripts; what capturing the programs cost a bench run. (Step timing is the engine's own:
+`engine/calibrate.py`.)"""
 
 from __future__ import annotations
 
 import torch
 
 from metrale.engine.calibrate import median_time
+from metrale.engine.program_cache import capture_seconds, captures
 
 
 def bandwidth(device: torch.device) -> float:
@@ -57,3 +59,31 @@ def graph_time_us(fn, calls: int = 20, replays: int = 5) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / calls)
     return sorted(times)[replays // 2]
+
+
+def capture_report(runner) -> dict:
+    """What capturing programs cost the run: the target's programs captured at start-up (their
+    count, seconds and device memory), and every program this process captured by now (the
+    start-up ones, the drafters' and those captured on first use, all outside the timed runs:
+    each run is timed after a warm-up run of its own), with their seconds."""
+    startup = runner.startup_capture
+    return {
+        "startup_programs": None if startup is None else startup[0],
+        "startup_capture_s": None if startup is None else startup[1],
+        "startup_capture_bytes": None if startup is None else startup[2],
+        "programs_captured": captures(),
+        "capture_s": capture_seconds(),
+    }
+
+
+def capture_line(report: dict) -> str | None:
+    """`capture_report` as one line of the bench's table (None: nothing was captured)."""
+    if not report["programs_captured"]:
+        return None
+    line = f"CUDA graphs: {report['programs_captured']} captured in {report['capture_s']:.1f} s"
+    if report["startup_programs"] is not None:
+        line += (
+            f" ({report['startup_programs']} at start-up: {report['startup_capture_s']:.1f} s, "
+            f"{report['startup_capture_bytes'] / 2**30:.2f} GiB)"
+        )
+    return line

@@ -13,6 +13,7 @@ and tests patch `graphs.capture`).
 from __future__ import annotations
 
 import gc
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -116,11 +117,17 @@ def kv_bucket(max_seq_len: int, limit: int) -> int:
 # Programs captured in this process so far (`capture`): a host-time measurement that saw one
 # being captured (tens of milliseconds) is not a sample of the steady state.
 _captures = 0
+_capture_seconds = 0.0  # their wall time, warm-up runs included (`metrale bench` reports it)
 
 
 def captures() -> int:
     """How many programs this process has captured."""
     return _captures
+
+
+def capture_seconds() -> float:
+    """Seconds this process has spent capturing programs (the target's, the drafters')."""
+    return _capture_seconds
 
 
 def capture(fn, pool, device: torch.device):
@@ -132,6 +139,7 @@ def capture(fn, pool, device: torch.device):
     queries for them invalidate the capture (on the H200, the hybrid GPU tests, which build
     several engines in one process, failed with cudaErrorStreamCaptureInvalidated in 2 of 3
     runs; with the collector off, in none of 4)."""
+    start = time.perf_counter()
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -146,6 +154,7 @@ def capture(fn, pool, device: torch.device):
     finally:
         if collecting:
             gc.enable()
-    global _captures
+    global _captures, _capture_seconds
     _captures += 1
+    _capture_seconds += time.perf_counter() - start
     return graph, outputs

@@ -199,14 +199,16 @@ class ModelRunner:
         self.taps = None
         if self.dflash is not None:  # before any capture: the programs write the taps too
             self._attach_dflash(cfg, num_drafts)
+        # the target's programs captured before the first request: (programs, seconds, bytes
+        # of device memory they took), `metrale bench` reports it; None where none are
+        self.startup_capture: tuple[int, float, int] | None = None
         if self.graphs is not None and self.graphs.ragged:
             free = torch.cuda.mem_get_info(self.device)[0]
             programs, seconds = self.graphs.capture_ragged()
+            taken = free - torch.cuda.mem_get_info(self.device)[0]
+            self.startup_capture = (programs, seconds, taken)
             log.info(
-                "captured %d CUDA graphs in %.1f s (%.2f GiB)",
-                programs,
-                seconds,
-                (free - torch.cuda.mem_get_info(self.device)[0]) / 2**30,
+                "captured %d CUDA graphs in %.1f s (%.2f GiB)", programs, seconds, taken / 2**30
             )
         self.graph_refusals = 0
         # A bench-only override of the acceptance (`metrale.bench.forced`); never set by the
