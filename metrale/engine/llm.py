@@ -108,7 +108,21 @@ class LLMEngine(RequestAdmission):
         self._sync_seq_ids: set[int] = set()
         self._rng = random.Random(self.config.seed)
         self._next_seq_id = 0
-        self.emitter = Emitter(self.tokenizer, self.max_model_len)
+        # The tokens a sequence can reach: max_model_len, or what the KV pool holds when that is
+        # less (a sequence's last token needs no K/V row, hence + 1). A sequence stops there
+        # with finish_reason "length", as at max_model_len; before, it outgrew the pool and
+        # ended as an error. The server refuses prompt + max_tokens past it.
+        pool_tokens = self.allocator.num_usable * self.allocator.page_size + 1
+        self.context_len = min(self.max_model_len, pool_tokens)
+        if self.context_len < self.max_model_len:
+            log.warning(
+                "the KV pool holds %d tokens, fewer than max_model_len=%d: sequences stop at %d "
+                "tokens (a larger --kv-cache-memory-gb or --num-kv-pages lifts it)",
+                pool_tokens - 1,
+                self.max_model_len,
+                self.context_len,
+            )
+        self.emitter = Emitter(self.tokenizer, self.context_len)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.runner.grammar_vocab = self.grammars.vocab_size
         self.spec = speculative_decoder(

@@ -137,7 +137,7 @@ def startup_banner(loop, host: str, port: int, keyed: bool) -> str:
             f"  model       {engine.model_dir}",
             f"  device      {device}",
             f"  KV pool     {pages} pages x {cfg.page_size} rows ({pages * cfg.page_size} tokens)",
-            f"  limits      max_model_len {engine.max_model_len}, max_num_seqs {cfg.max_num_seqs}",
+            f"  limits      max_model_len {engine.context_len}, max_num_seqs {cfg.max_num_seqs}",
             f"  speculation {drafting}",
         ]
     )

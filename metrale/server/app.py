@@ -174,7 +174,7 @@ def create_app(
                 message = f"{field}: {str(e).split(':', 1)[1].strip()}"
                 raise APIError(message, field) from None
             raise APIError(str(e), field if field.isidentifier() else "prompt") from None
-        limit = engine.max_model_len
+        limit = engine.context_len  # (max_model_len, or less where the KV pool holds less)
         if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
             # refused, as vLLM does, rather than cut short without a word
             raise APIError(

@@ -25,7 +25,7 @@ def add_extra_routes(app: FastAPI, engine, model_name: str) -> None:
     tok = engine.tokenizer
 
     def card() -> ModelCard:
-        return ModelCard(id=model_name, created=now(), max_model_len=engine.max_model_len)
+        return ModelCard(id=model_name, created=now(), max_model_len=engine.context_len)
 
     @app.get("/version", response_model=VersionResponse)
     async def version():
@@ -77,7 +77,7 @@ def add_extra_routes(app: FastAPI, engine, model_name: str) -> None:
         except Exception as e:  # noqa: BLE001 (a template or text the tokenizer refuses)
             field = "messages" if body.messages is not None else "prompt"
             raise APIError(f"{type(e).__name__}: {e}", field) from None
-        return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
+        return TokenizeResponse(count=len(ids), max_model_len=engine.context_len, tokens=ids)
 
     @app.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize(body: DetokenizeRequest):

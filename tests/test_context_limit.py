@@ -1,0 +1,64 @@
+"""A KV pool that holds fewer tokens than `max_model_len`: a sequence stops where the pool ends,
+with finish_reason "length" as at max_model_len (it used to outgrow the pool and end as an
+error, over HTTP a 200 with finish_reason "error"), plain and with each drafter, in the
+asynchronous engine, on dense and hybrid targets."""
+
+from __future__ import annotations
+
+import pytest
+
+from metrale import LLM, SamplingParams
+from tests.test_hybrid_engine import write_hybrid
+
+PROMPT = [5, 9, 2, 7] * 4  # repeats: n-gram drafts are found and accepted
+LONG = SamplingParams(max_tokens=1000, ignore_eos=True, temperature=0.0)
+NGRAM = {"method": "ngram", "num_drafts": 3}
+
+
+@pytest.fixture(scope="module")
+def models(tiny_model_dir, tiny_mtp_dir, tmp_path_factory, tokenizer_dir):
+    """kind -> (checkpoint, the first 200 tokens after PROMPT from a pool that holds them)."""
+    hybrid = write_hybrid(tmp_path_factory.mktemp("hybrid"), tokenizer_dir, seed=3)
+    params = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0.0)
+    out = {}
+    for kind, path in (("dense", tiny_model_dir), ("mtp", tiny_mtp_dir), ("hybrid", hybrid)):
+        llm = LLM(path, device="cpu", dtype="float32", max_model_len=256)
+        out[kind] = path, llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
+    return out
+
+
+@pytest.mark.parametrize(
+    "kind, options",
+    [
+        ("dense", {}),
+        ("dense", {"spec": NGRAM}),
+        ("dense", {"spec": NGRAM, "async_scheduling": True}),
+        ("dense", {"async_scheduling": True}),
+        ("mtp", {"spec": {"method": "mtp", "num_drafts": 3}}),
+        ("hybrid", {}),
+        ("hybrid", {"spec": NGRAM}),
+    ],
+    ids=["plain", "ngram", "ngram-async", "async", "mtp", "hybrid", "hybrid-ngram"],
+)
+def test_a_sequence_stops_with_length_where_the_pool_ends(models, kind, options):
+    path, reference = models[kind]
+    llm = LLM(
+        path, device="cpu", dtype="float32", max_model_len=256, page_size=4, num_kv_pages=20,
+        **options,
+    )  # fmt: skip
+    engine = llm.engine
+    rows = engine.allocator.num_usable * engine.allocator.page_size
+    assert engine.context_len == rows + 1 < engine.max_model_len
+    out = llm.generate([PROMPT], LONG, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and out.error is None
+    assert len(PROMPT) + len(out.token_ids) == engine.context_len
+    assert out.token_ids == reference[: len(out.token_ids)]
+    assert engine.allocator.num_free == engine.allocator.num_usable
+    # the engine goes on: a short request after it
+    again = llm.generate([PROMPT], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+    assert again[0].outputs[0].token_ids == reference[:3]
+
+
+def test_a_pool_that_holds_max_model_len_changes_nothing(tiny_model_dir):
+    llm = LLM(tiny_model_dir, device="cpu", max_model_len=64)
+    assert llm.engine.context_len == 64
