@@ -150,6 +150,12 @@ class GrammarCompiler:
             matcher = llguidance.LLMatcher(tokenizer, text, log_level=0, limits=LIMITS)
             error = matcher.get_error() or _forced_start_error(matcher)
             refused = f"too complex: {error.splitlines()[0]}" if error else None
+            # (the end-of-text ids: the engine's, and llguidance's own when it was given none)
+            ends = (*self.eos_token_ids, tokenizer.eos_token)
+            if refused is None and _accepts_nothing(matcher, ends):
+                # (a regex such as [^\x00-\x{10FFFF}]: before, every sequence of it ended
+                # at its first token as an error, over HTTP a 200)
+                refused = "no text satisfies it (the constraint's language is empty)"
         with self._lock:
             # a refusal is kept too: finding it again can hold the GIL for half a second
             self._compiled[text] = refused or matcher
@@ -158,6 +164,18 @@ class GrammarCompiler:
         if refused:
             raise ValueError(f"{structured.field}: {refused}")
         return text, matcher
+
+
+def _accepts_nothing(matcher: llguidance.LLMatcher, eos_token_ids: tuple[int, ...]) -> bool:
+    """Whether no text satisfies `matcher`'s grammar: the empty text does not, and no token but
+    an end of text may come first (llguidance's mask of an empty language). One mask, on a copy
+    (the pristine matcher stays at its start), at compile time only."""
+    if matcher.is_accepting():
+        return False
+    allowed = int.from_bytes(matcher.deep_copy().compute_bitmask(), "little")  # bit t: token t
+    for t in eos_token_ids:
+        allowed &= ~(1 << t)
+    return allowed == 0
 
 
 def _forced_start_error(matcher: llguidance.LLMatcher) -> str:
