@@ -255,7 +255,7 @@ def _chat_messages(messages) -> list[dict]:
     ValueError naming the first field at fault: `messages[0].content: ...`)."""
     from pydantic import TypeAdapter, ValidationError
 
-    from metrale.server.schemas import ChatMessage, error_path
+    from metrale.server.chat_messages import ChatMessage, error_path
 
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError(

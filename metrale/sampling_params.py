@@ -140,9 +140,12 @@ class SamplingParams:
         _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not -(2**63) <= self.seed < 2**63
         ):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+            # (vLLM's range: seeds past it wrapped here, 2**63 and 0 giving the same output)
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r:.40}")
         if self.max_tokens is not None and (
             isinstance(self.max_tokens, bool)
             or not isinstance(self.max_tokens, int)

@@ -38,6 +38,19 @@ def server():
         ({"logit_bias": {"99999999999999999999999": 1.0}}, "logit_bias"),
         ({"top_p": 1e-320}, "top_p"),
         ({"repetition_penalty": 1e-39}, "repetition_penalty"),
+        # constraints no text satisfies (each sequence of them ended at once as an error, 200)
+        ({"guided_regex": "[^\\x00-\\x{10FFFF}]"}, "guided_regex"),
+        ({"structured_outputs": {"regex": "a[^\\x00-\\x{10FFFF}]"}}, "structured_outputs"),
+        ({"guided_grammar": "start: /[^\\x00-\\x{10FFFF}]/"}, "guided_grammar"),
+        # vLLM's fields metrale does not implement, at values that would change the output
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"bad_words": ["a"]}, "bad_words"),
+        ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+        ({"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
+        ({"length_penalty": 2.0}, "length_penalty"),
+        ({"seed": 2**63}, "seed"),  # vLLM's int64 range (it wrapped: 2**63 gave seed 0's text)
+        ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
     ],
 )
 @pytest.mark.parametrize("route", ["chat/completions", "completions"])

@@ -139,3 +139,48 @@ def test_a_stream_sends_each_choices_finish_once():
         offsets = [o for ch in mine for o in ch["logprobs"]["text_offset"]]
         pieces = [tok.decode([t]) for t in ids]
         assert offsets == [sum(len(p) for p in pieces[:i]) for i in range(len(ids))]
+
+
+def test_include_stop_str_in_output_and_the_unused_vllm_fields(server):
+    """vLLM's `include_stop_str_in_output` keeps the stop string in the text (it was ignored),
+    and vLLM's fields metrale does not implement pass at the values that change nothing."""
+    text = complete(server, max_tokens=16)["text"]
+    stop = text[5:7]
+    cut = text.index(stop)
+    assert complete(server, max_tokens=16, stop=stop)["text"] == text[:cut]
+    kept = complete(server, max_tokens=16, stop=stop, include_stop_str_in_output=True)
+    assert kept["text"] == text[: cut + len(stop)] and kept["stop_reason"] == stop
+    unused = dict(
+        use_beam_search=False, bad_words=[], prompt_logprobs=None, skip_special_tokens=True
+    )
+    assert complete(server, max_tokens=16, **unused)["text"] == text
+
+
+def test_skip_special_tokens_reaches_the_sampling_params():
+    from metrale.server.schemas import CompletionRequest
+
+    body = {"prompt": "x", "skip_special_tokens": False, "include_stop_str_in_output": True}
+    kw = CompletionRequest(**body).sampling_kwargs()
+    assert kw["skip_special_tokens"] is False and kw["include_stop_str_in_output"] is True
+
+
+def test_a_small_pool_is_the_context_the_server_advertises_and_keeps(tiny_model_dir):
+    """`num_kv_pages` below max_model_len: /v1/models and /tokenize name what a sequence can
+    reach, prompt + max_tokens past it is a 400, and one that reaches it ends with "length" (before:
+    these were accepted and ended where the pool did, a 200 with finish_reason "error")."""
+    srv = Server(tiny_model_dir, max_model_len=256, page_size=4, num_kv_pages=12)
+    try:
+        limit = srv.loop.engine.context_len
+        assert limit < 256
+        model = httpx.get(srv.url + "/v1/models", timeout=30).json()["data"][0]
+        assert model["max_model_len"] == limit
+        base = {"model": "tiny", "prompt": [5, 6, 7, 8], "temperature": 0, "ignore_eos": True}
+        url = srv.url + "/v1/completions"
+        res = httpx.post(url, json={**base, "max_tokens": limit}, timeout=60)
+        assert res.status_code == 400 and res.json()["error"]["param"] == "max_tokens", res.text
+        res = httpx.post(url, json={**base, "max_tokens": limit - 4}, timeout=60)
+        choice, usage = res.json()["choices"][0], res.json()["usage"]
+        assert res.status_code == 200 and choice["finish_reason"] == "length", res.text
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == limit
+    finally:
+        srv.close()

@@ -100,11 +100,11 @@ def test_openapi_lists_request_and_response_schemas(client):
     ],
 )
 def test_types_are_strict(field, good, bad):
-    for value in good:
-        CompletionRequest(prompt="x", **{field: value})
+    for value in good:  # (stream: stream_options come only with it)
+        CompletionRequest(prompt="x", stream=True, **{field: value})
     for value in bad:
         with pytest.raises(ValidationError) as e:
-            CompletionRequest(prompt="x", **{field: value})
+            CompletionRequest(prompt="x", stream=True, **{field: value})
         assert e.value.errors()[0]["loc"][0] == field
 
 

@@ -23,9 +23,9 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.requests import ClientDisconnect
 
+from metrale.server.chat_messages import error_path
 from metrale.server.protocol import APIError
 from metrale.server.response_schemas import ErrorResponse
-from metrale.server.schemas import error_path
 
 log = logging.getLogger(__name__)
 

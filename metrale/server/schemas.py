@@ -10,24 +10,26 @@ the fields `SamplingParams` checks itself.
 
 from __future__ import annotations
 
-import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     StrictBool,
     StrictFloat,
     StrictInt,
     StrictStr,
-    ValidationError,
     ValidationInfo,
-    WrapValidator,
     field_validator,
 )
 
 from metrale.sampling_params import SamplingParams
+from metrale.server.chat_messages import (
+    Body,
+    ChatMessage,
+    TemplateKwargs,
+    one_of,
+    template_variables,
+)
 from metrale.server.structured_schemas import StructuredFields
 from metrale.server.tools import Tool, ToolFields
 
@@ -62,155 +64,29 @@ _SAMPLING_FIELDS = (
     "stop",
     "stop_token_ids",
     "logit_bias",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    # vLLM's fields that metrale does not implement: passed on, so that a value that would
+    # change the output is a 400 naming it (`sampling_params._VLLM_UNSUPPORTED`), not ignored
+    "use_beam_search",
+    "length_penalty",
+    "early_stopping",
+    "prompt_logprobs",
+    "bad_words",
+    "allowed_token_ids",
+    "truncate_prompt_tokens",
 )
 
-# the roles a chat message may have: what chat templates render. OpenAI's "developer" is not
-# among them: the shipped template writes a role out as it is, so it would not act as "system"
-CHAT_ROLES = ("system", "user", "assistant", "tool")
 
-# template variables a request may not set: the template's own inputs
-_TEMPLATE_RESERVED = ("messages", "tools", "add_generation_prompt")
-
-
-def error_path(loc) -> str:
-    """A pydantic error location as a JSON path: `messages[0].content`."""
-    path = ""
-    for part in loc:
-        path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else str(part)
-    return path
-
-
-def _one_of(expected: str) -> WrapValidator:
-    """A union's failure as one error that says what the field takes (pydantic would report one
-    per member), with the first error inside a list or object the value got into."""
-
-    def check(value, handler):
-        try:
-            return handler(value)
-        except ValidationError as e:
-            inner = [err for err in e.errors() if len(err["loc"]) > 1]
-            detail = ""
-            if inner:  # the loc's first part names the union member: drop it
-                detail = f" ({error_path(inner[0]['loc'][1:])}: {inner[0]['msg']})"
-            raise ValueError(f"expected {expected}{detail}") from None
-
-    return WrapValidator(check)
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # unknown fields: ignored, as OpenAI's own
-
-
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: StrictBool | None = None
 
 
-class SpeculativeOptions(_Body):
+class SpeculativeOptions(Body):
     """metrale's extension: speculative decoding for this request."""
 
     enabled: StrictBool = True
     num_drafts: StrictInt | None = Field(None, description="cap on the draft depth")
-
-
-class TextPart(_Body):
-    type: Literal["text"]
-    text: StrictStr
-
-
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="allow")  # passed on to the chat template
-
-    name: StrictStr
-    arguments: Annotated[
-        StrictStr | dict[str, Any], _one_of("a JSON object, or a string holding one")
-    ] = Field(default_factory=dict)
-
-    @field_validator("arguments")
-    @classmethod
-    def _parsed(cls, value):
-        """The object chat templates render (as vLLM does), from OpenAI's JSON string."""
-        if isinstance(value, str):
-
-            def no_constant(name: str):
-                raise ValueError(f"{name} is not JSON")
-
-            try:
-                value = json.loads(value, parse_constant=no_constant) if value.strip() else {}
-            except (ValueError, RecursionError) as e:  # JSONDecodeError, digit limits, depth
-                raise ValueError(f"not valid JSON ({e})") from None
-            if not isinstance(value, dict):
-                raise ValueError("expected a JSON object")
-        return value
-
-
-class ToolCall(BaseModel):
-    """A call an earlier assistant turn made."""
-
-    model_config = ConfigDict(extra="allow")
-
-    id: StrictStr | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class ChatMessage(BaseModel):
-    """One turn of the conversation. Fields beyond these (`name`, `tool_call_id`, ...) reach
-    the chat template as they are."""
-
-    model_config = ConfigDict(extra="allow")
-
-    role: StrictStr = Field(json_schema_extra={"enum": list(CHAT_ROLES)})
-    content: (
-        Annotated[StrictStr | list[TextPart], _one_of("a string or a list of text parts")] | None
-    ) = Field(None, validate_default=True, description="null only for an assistant turn")
-    tool_calls: list[ToolCall] | None = None
-
-    @field_validator("role")
-    @classmethod
-    def _known_role(cls, value: str) -> str:
-        # any other reached the template: a turn of its own, a template's error, or dropped
-        if value not in CHAT_ROLES:
-            raise ValueError(f"expected one of {', '.join(CHAT_ROLES)}, got {value!r:.40}")
-        return value
-
-    @field_validator("content")
-    @classmethod
-    def _present(cls, value, info: ValidationInfo):
-        if value is None and info.data.get("role") != "assistant":
-            raise ValueError("expected a string or a list of text parts (null: assistant only)")
-        return value
-
-    def for_template(self) -> dict[str, Any]:
-        """The message as chat templates take it: `content` as text (text parts joined by
-        newlines, as vLLM does; "" for an assistant turn of tool calls only)."""
-        message = self.model_dump(exclude_unset=True)
-        content = self.content
-        if isinstance(content, list):
-            content = "\n".join(part.text for part in content)
-        message["content"] = content or ""
-        if self.tool_calls is not None:
-            message["tool_calls"] = [
-                {
-                    **call.model_dump(exclude_unset=True),
-                    "type": "function",
-                    "function": call.function.model_dump(),  # arguments parsed, {} if none
-                }
-                for call in self.tool_calls
-            ]
-        return message
-
-
-TemplateKwargs = Annotated[
-    dict[str, Any],
-    Field(description="extra chat template variables, such as Qwen3's enable_thinking"),
-]
-
-
-def _template_variables(value: dict | None) -> dict | None:
-    reserved = [k for k in value or () if k in _TEMPLATE_RESERVED]
-    if reserved:
-        raise ValueError(f"{reserved[0]!r} is the template's own input")
-    return value
 
 
 def _unused_only(values: dict[str, tuple], why: str):
@@ -229,11 +105,15 @@ def _not_yet():
     return Field(None, description="not supported yet: refused unless absent or unused")
 
 
+def _vllm_only():
+    return Field(None, description="vLLM's; not implemented: refused unless unused")
+
+
 def _model():
     return Field(None, description="the served model's name (another one gets a 404)")
 
 
-class _GenerationRequest(StructuredFields, _Body):
+class _GenerationRequest(StructuredFields, Body):
     """What completions and chat completions share (the output constraints among them)."""
 
     model: StrictStr | None = _model()
@@ -250,11 +130,20 @@ class _GenerationRequest(StructuredFields, _Body):
     seed: StrictInt | None = None
     min_tokens: StrictInt | None = None
     ignore_eos: StrictBool | None = None
-    stop: (
-        Annotated[StrictStr | list[StrictStr], _one_of("a string or a list of strings")] | None
-    ) = Field(None, description="strings that end a completion")
+    stop: Annotated[StrictStr | list[StrictStr], one_of("a string or a list of strings")] | None = (
+        Field(None, description="strings that end a completion")
+    )
     stop_token_ids: list[StrictInt] | None = None
     logit_bias: dict[str, StrictFloat] | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    use_beam_search: Any = _vllm_only()
+    length_penalty: Any = _vllm_only()
+    early_stopping: Any = _vllm_only()
+    prompt_logprobs: Any = _vllm_only()
+    bad_words: Any = _vllm_only()
+    allowed_token_ids: Any = _vllm_only()
+    truncate_prompt_tokens: Any = _vllm_only()
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     speculative: SpeculativeOptions | None = None
@@ -264,6 +153,13 @@ class _GenerationRequest(StructuredFields, _Body):
     suffix: Any = _not_yet()
 
     _not_supported = _unused_only(NOT_SUPPORTED, "not supported by this server")
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("only with stream: true")  # (OpenAI's and vLLM's rule)
+        return value
 
     @field_validator("best_of")
     @classmethod
@@ -300,7 +196,7 @@ class CompletionRequest(_GenerationRequest):
 
     prompt: Annotated[
         StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]],
-        _one_of("a string, a list of token ids, or a list of either (several prompts)"),
+        one_of("a string, a list of token ids, or a list of either (several prompts)"),
     ]
     logprobs: StrictInt | None = Field(None, description="how many top logprobs per token")
     echo: StrictBool | None = Field(None, description="the prompt before each completion")
@@ -356,7 +252,7 @@ class ChatCompletionRequest(_GenerationRequest, ToolFields):
             raise ValueError("not supported for chat completions")
         return value
 
-    _variables = field_validator("chat_template_kwargs")(_template_variables)
+    _variables = field_validator("chat_template_kwargs")(template_variables)
 
     @property
     def max_tokens_field(self) -> str:
@@ -372,7 +268,7 @@ class ChatCompletionRequest(_GenerationRequest, ToolFields):
         return kw
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(Body):
     """`POST /tokenize`: a text prompt, or chat messages rendered by the chat template."""
 
     model: StrictStr | None = _model()
@@ -382,7 +278,7 @@ class TokenizeRequest(_Body):
     prompt: StrictStr | None = Field(None, validate_default=True)
     add_special_tokens: StrictBool = True
 
-    _variables = field_validator("chat_template_kwargs")(_template_variables)
+    _variables = field_validator("chat_template_kwargs")(template_variables)
 
     @field_validator("prompt")
     @classmethod
@@ -393,7 +289,7 @@ class TokenizeRequest(_Body):
         return value
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(Body):
     """`POST /detokenize`."""
 
     model: StrictStr | None = _model()
