@@ -14,6 +14,7 @@ from metrale.default_model import default_model_dir
 from tests.test_server import Server
 
 CHAT = [{"role": "user", "content": "hi"}]
+MAX_COMPLETION = "max_completion_tokens"
 
 
 @pytest.fixture(scope="module")
@@ -75,3 +76,21 @@ def test_bad_values_are_400s_naming_the_field_sent(server, body, param, route):
     )
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "aa", ok.text
     server.wait_idle()
+
+
+@pytest.mark.parametrize(
+    "route, body, param",
+    [
+        ("completions", {"prompt": [1, -1]}, "prompt"),  # the engine says prompt_token_ids
+        ("chat/completions", {"messages": [{"role": "user", "content": "x " * 5000}]}, "messages"),
+        ("completions", {"prompt": "hi", "speculative": {"num_drafts": -1}}, "speculative"),
+        ("chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, MAX_COMPLETION),
+    ],
+)
+def test_an_engine_error_names_the_field_the_client_sent(server, route, body, param):
+    """Errors the engine raises about its own names (prompt_token_ids, num_drafts, max_tokens)
+    come back naming the body's field."""
+    r = httpx.post(f"{server.url}/v1/{route}", json={"model": "tiny", **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"].startswith(f"{param}: "), error

@@ -33,6 +33,7 @@ from metrale.server.extra_routes import add_extra_routes
 from metrale.server.metrics import ServerMetrics
 from metrale.server.protocol import (
     APIError,
+    body_field,
     chat_response,
     completion_response,
     sampling_params,
@@ -133,8 +134,10 @@ def create_app(
 
     def authorized(request: Request) -> bool:
         # the header's raw bytes (Starlette decodes headers as latin-1) against the key's UTF-8
-        given = request.headers.get("authorization", "").encode("latin-1")
-        return hmac.compare_digest(given, f"Bearer {api_key}".encode())
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        # the scheme is case-insensitive (RFC 9110: "bearer" too), the key is not
+        ok = hmac.compare_digest(given.encode("latin-1"), api_key.encode())
+        return ok and scheme.lower() == "bearer"
 
     @app.middleware("http")
     async def auth_and_count(request: Request, call_next):
@@ -169,6 +172,10 @@ def create_app(
             ids = engine.validate(prompt, params)[1]
         except ValueError as e:
             field = str(e).split(":", 1)[0].split(" ", 1)[0]
+            sent = body_field(field, body)
+            if sent != field:  # the field as the client sent it (chat's prompt: its messages)
+                said = str(e)[len(field) :].lstrip(": ") if "prompt" in field else str(e)
+                raise APIError(f"{sent}: {said}", sent) from None
             if field.split(".", 1)[0] == "structured":  # the output constraint does not compile
                 field = body.structured_field() or "tools"  # (else a tool_choice's grammar)
                 message = f"{field}: {str(e).split(':', 1)[1].strip()}"

@@ -68,11 +68,23 @@ def sampling_params(request, defaults: dict | None = None) -> SamplingParams:
     try:
         return SamplingParams(**{**(defaults or {}), **request.sampling_kwargs()})
     except (ValueError, TypeError) as e:
-        param = str(e).split(" ", 1)[0].split(":", 1)[0].split("[", 1)[0]
-        if param == "max_tokens":
-            param = request.max_tokens_field  # the field the client sent
-        known = param in type(request).model_fields or param == "num_drafts"
-        raise APIError(str(e), param if known else None) from None
+        named = str(e).split(" ", 1)[0].split(":", 1)[0].split("[", 1)[0]
+        param = body_field(named, request)
+        if param != named:  # the field the client sent, first
+            raise APIError(f"{param}: {e}", param) from None
+        raise APIError(str(e), param if param in type(request).model_fields else None) from None
+
+
+def body_field(field: str, body) -> str:
+    """The body field an engine's error about `field` is about: a chat's prompt is its messages,
+    `num_drafts` comes in the speculative options, max_tokens perhaps as max_completion_tokens."""
+    if field in ("prompt", "prompt_token_ids"):
+        return "messages" if hasattr(body, "messages") else "prompt"
+    if field in ("num_drafts", "speculative"):
+        return "speculative"
+    if field == "max_tokens":
+        return body.max_tokens_field
+    return field
 
 
 def usage(outs: list[RequestOutput]) -> Usage:
