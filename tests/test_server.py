@@ -181,6 +181,7 @@ def test_disconnect_mid_stream_frees_pages(server):
         ("/v1/completions", {"prompt": "x", "top_p": 2.0}, 400, "top_p"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "model"),
+        ("/v1/completions", {"prompt": "x", "model": 5}, 400, "model"),  # (not a 404)
         ("/v1/completions", {"prompt": 42}, 400, "prompt"),
         ("/v1/completions", {"prompt": [1] * 5000}, 400, "prompt"),
         ("/v1/completions", {"prompt": [1, 99999]}, 400, "prompt"),  # (the field sent)

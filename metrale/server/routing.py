@@ -87,6 +87,8 @@ def json_body_route(model_name: str, max_body_bytes: int, body_timeout: float) -
         if not isinstance(body, dict):
             raise APIError("the body must be a JSON object")
         model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise APIError(f"model: expected a string, got {type(model).__name__}", "model")
         if model is not None and model != model_name:
             raise APIError(
                 f"model {model!r} does not exist; this server has {model_name!r}",
