@@ -218,6 +218,26 @@ def test_constraints_that_do_not_compile_are_refused_at_submission(shipped_ngram
     assert len(out[0].outputs[0].token_ids) == 2
 
 
+@pytest.mark.parametrize(
+    "structured",
+    [
+        {"regex": "[^\\x00-\\x{10FFFF}]"},
+        {"regex": "a[^\\x00-\\x{10FFFF}]b"},
+        {"grammar": "start: /[^\\x00-\\x{10FFFF}]/"},
+    ],
+)
+def test_constraints_no_text_satisfies_are_refused_at_submission(shipped_ngram, structured):
+    """An empty language: each sequence of it ended at its first token as an error."""
+    with pytest.raises(ValueError, match=r"structured\.\w+: no text satisfies it"):
+        shipped_ngram.generate(["x"], SamplingParams(structured=structured), use_tqdm=False)
+
+
+@pytest.mark.parametrize("grammar", ["start: <|im_end|>", 'start: <|endoftext|> "hi"'])
+def test_a_grammar_that_starts_with_an_end_token_is_not_empty(shipped_ngram, grammar):
+    """Its first token is an end of text that the grammar itself takes: not an empty one."""
+    shipped_ngram.engine.grammars.check(StructuredOutput(grammar=grammar))
+
+
 def test_a_schema_compiles_once_and_each_sequence_gets_its_own_state(shipped_ngram):
     compiler = shipped_ngram.engine.grammars
     structured = StructuredOutput(regex=r"[0-9]{4}")

@@ -167,15 +167,24 @@ class GrammarCompiler:
 
 
 def _accepts_nothing(matcher: llguidance.LLMatcher, eos_token_ids: tuple[int, ...]) -> bool:
-    """Whether no text satisfies `matcher`'s grammar: the empty text does not, and no token but
-    an end of text may come first (llguidance's mask of an empty language). One mask, on a copy
-    (the pristine matcher stays at its start), at compile time only."""
+    """Whether no text satisfies `matcher`'s grammar, as far as its first token shows: the empty
+    text does not, and no token may come first but an end of text that the grammar itself does
+    not take (llguidance's mask of an empty language allows the ends, and taking one is then an
+    error; `start: <|im_end|>` takes it). One mask, on copies, at compile time only. An empty
+    part further on (a lark rule after a first token) is not seen here."""
     if matcher.is_accepting():
         return False
     allowed = int.from_bytes(matcher.deep_copy().compute_bitmask(), "little")  # bit t: token t
-    for t in eos_token_ids:
+    ends = [t for t in dict.fromkeys(eos_token_ids) if t is not None and allowed >> t & 1]
+    for t in ends:
         allowed &= ~(1 << t)
-    return allowed == 0
+    if allowed:
+        return False
+    for t in ends:
+        probe = matcher.deep_copy()
+        if probe.consume_token(t) and not probe.is_error():
+            return False  # the grammar's own first token
+    return True
 
 
 def _forced_start_error(matcher: llguidance.LLMatcher) -> str:
