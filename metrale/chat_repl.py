@@ -33,14 +33,14 @@ class ChatSession:
         return len(tok.encode(text, add_special_tokens=False))
 
     def reply_room(self) -> int:
-        limit = self.llm.engine.max_model_len
+        limit = self.llm.engine.context_len
         return min(self.params.max_tokens or 256, limit // 4)
 
     def fits_alone(self, message: dict) -> bool:
         """Whether `message` with the system prompt alone leaves room for a reply."""
         kept, self.turns = self.turns, [message]
         try:
-            return self.prompt_tokens() + self.reply_room() <= self.llm.engine.max_model_len
+            return self.prompt_tokens() + self.reply_room() <= self.llm.engine.context_len
         finally:
             self.turns = kept
 
@@ -48,7 +48,7 @@ class ChatSession:
         """Drop the oldest exchanges (a user turn and the reply to it, so that roles keep
         alternating) until the prompt leaves room for a reply; returns how many messages were
         dropped. The newest user turn always stays."""
-        limit, dropped = self.llm.engine.max_model_len, 0
+        limit, dropped = self.llm.engine.context_len, 0
         while len(self.turns) > 1 and self.prompt_tokens() + self.reply_room() > limit:
             pair = 2 if len(self.turns) > 2 and self.turns[1]["role"] == "assistant" else 1
             del self.turns[:pair]

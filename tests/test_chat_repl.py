@@ -82,8 +82,15 @@ def test_ctrl_c_stops_the_reply_and_exit_leaves_cleanly(tiny_model_dir, tmp_path
         term.proc.kill()
 
 
-@pytest.fixture
-def small_llm(tiny_model_dir):
+@pytest.fixture(params=["max_model_len", "kv_pool"])
+def small_llm(tiny_model_dir, request):
+    """A context of 96 tokens, or one the KV pool sets below max_model_len (the REPL read
+    max_model_len and sent turns the pool could not hold)."""
+    if request.param == "kv_pool":
+        pool = dict(max_model_len=256, page_size=4, num_kv_pages=26)
+        llm = LLM(tiny_model_dir, device="cpu", **pool)
+        assert llm.engine.context_len < 120
+        return llm
     return LLM(tiny_model_dir, device="cpu", max_model_len=96)
 
 
@@ -94,7 +101,7 @@ def test_a_conversation_that_fills_the_context_keeps_going(small_llm):
     for turn in range(12):
         session.turns.append({"role": "user", "content": f"message number {turn} " * 3})
         dropped_total += session.fit()
-        assert session.prompt_tokens() + 8 <= small_llm.engine.max_model_len
+        assert session.prompt_tokens() + 8 <= small_llm.engine.context_len
         session.reply(out=open(os.devnull, "w"))  # noqa: SIM115
     assert dropped_total > 0
     assert session.messages()[0] == {"role": "system", "content": "sys"}  # the system stays

@@ -62,3 +62,15 @@ def test_a_sequence_stops_with_length_where_the_pool_ends(models, kind, options)
 def test_a_pool_that_holds_max_model_len_changes_nothing(tiny_model_dir):
     llm = LLM(tiny_model_dir, device="cpu", max_model_len=64)
     assert llm.engine.context_len == 64
+
+
+def test_a_prompt_may_fill_the_pool_and_one_past_it_is_refused(tiny_model_dir):
+    """The context is what admission checks too: a prompt of the pool's rows gets its one token,
+    one token more is refused naming the prompt and the pool's context."""
+    llm = LLM(tiny_model_dir, device="cpu", max_model_len=256, page_size=4, num_kv_pages=20)
+    rows = llm.engine.context_len - 1
+    out = llm.generate([[5] * rows], LONG, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 1 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match=r"prompt: .* under the \d+ tokens the KV pool holds"):
+        llm.generate([[5] * (rows + 1)], LONG, use_tqdm=False)
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable

@@ -12,6 +12,8 @@ import pytest
 
 from tests.test_server import Server
 
+MAX = "max_completion_tokens"
+
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
@@ -178,6 +180,9 @@ def test_a_small_pool_is_the_context_the_server_advertises_and_keeps(tiny_model_
         url = srv.url + "/v1/completions"
         res = httpx.post(url, json={**base, "max_tokens": limit}, timeout=60)
         assert res.status_code == 400 and res.json()["error"]["param"] == "max_tokens", res.text
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+        res = httpx.post(srv.url + "/v1/chat/completions", json={**chat, MAX: limit}, timeout=60)
+        assert res.status_code == 400 and res.json()["error"]["param"] == MAX, res.text
         res = httpx.post(url, json={**base, "max_tokens": limit - 4}, timeout=60)
         choice, usage = res.json()["choices"][0], res.json()["usage"]
         assert res.status_code == 200 and choice["finish_reason"] == "length", res.text

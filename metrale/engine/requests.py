@@ -48,20 +48,23 @@ class RequestAdmission:
         params.check_vocab(self.vocab_size)
         if params.structured is not None:
             self.grammars.check(params.structured)
-        if len(token_ids) >= self.max_model_len:
+        # (the context: max_model_len, or less where the KV pool holds less, `context_len`;
+        # speculation's lookahead is cut to what the pool holds, `Scheduler._reach`, so it
+        # never refuses a request)
+        if len(token_ids) >= self.context_len:
             raise ValueError(
                 f"prompt: {len(token_ids)} tokens leave no room to generate under "
-                f"max_model_len={self.max_model_len}"
-            )
-        # what plain decoding needs to go on past its first token: speculation's lookahead is
-        # cut to what the pool holds (`Scheduler._reach`), so it never refuses a request
-        pages = self.allocator.pages_for(len(token_ids) + 1)
-        if pages > self.allocator.num_usable:
-            raise ValueError(
-                f"prompt: {len(token_ids)} tokens need {pages} KV pages; the pool has "
-                f"{self.allocator.num_usable}"
+                f"{self._context_words()}"
             )
         return text, token_ids
+
+    def _context_words(self) -> str:
+        """The context a sequence has, as an error names it."""
+        if self.context_len == self.max_model_len:
+            return f"max_model_len={self.max_model_len}"
+        return (
+            f"the {self.context_len} tokens the KV pool holds (max_model_len={self.max_model_len})"
+        )
 
     def add_request(
         self,
@@ -97,7 +100,10 @@ class RequestAdmission:
                 arrival_time=time.perf_counter(),
             )
             seq.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens
+                self.tokenizer,
+                token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop_token_ids=self._text_stops(params),
             )
             if params.structured is not None:
                 seq.grammar = self.grammars.matcher(params.structured)
@@ -110,15 +116,23 @@ class RequestAdmission:
         for seq in seqs:
             self.scheduler.add(seq)
 
+    def _text_stops(self, params: SamplingParams) -> tuple[int, ...]:
+        """The ids whose text a sequence's output leaves out: a token that stops it (EOS unless
+        `ignore_eos`, `stop_token_ids`; the sampler bans both until `min_tokens`, so an emitted
+        one always stops), unless `include_stop_str_in_output`, as vLLM does. With
+        skip_special_tokens (the default) an EOS's text is empty anyway."""
+        if params.include_stop_str_in_output:
+            return ()
+        return (*params.stop_token_ids, *(() if params.ignore_eos else self.eos_token_ids))
+
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
             # refused from its length alone, before any tokenising work
-            if len(prompt) > self.max_model_len * self.tokenizer.max_token_chars:
+            if len(prompt) > self.context_len * self.tokenizer.max_token_chars:
                 raise ValueError(
-                    f"prompt: {len(prompt)} characters cannot fit max_model_len="
-                    f"{self.max_model_len} tokens"
+                    f"prompt: {len(prompt)} characters cannot fit {self._context_words()}"
                 )
             try:
                 prompt.encode("utf-8")

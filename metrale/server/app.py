@@ -184,10 +184,11 @@ def create_app(
         limit = engine.context_len  # (max_model_len, or less where the KV pool holds less)
         if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
             # refused, as vLLM does, rather than cut short without a word
+            sent = body.max_tokens_field  # (chat's max_completion_tokens, where that was sent)
             raise APIError(
-                f"max_tokens: the prompt's {len(ids)} tokens plus max_tokens={params.max_tokens} "
+                f"{sent}: the prompt's {len(ids)} tokens plus {sent}={params.max_tokens} "
                 f"exceed the context of {limit} tokens",
-                "max_tokens",
+                sent,
             )
         return ids
 
@@ -304,7 +305,7 @@ def create_app(
             messages = [m.for_template() for m in body.messages]
             messages, tools = plan.render(messages, engine.tokenizer)
             chars = sum(len(m["content"]) for m in messages)
-            if chars > engine.max_model_len * engine.tokenizer.max_token_chars:
+            if chars > engine.context_len * engine.tokenizer.max_token_chars:
                 raise APIError(f"messages: {chars} characters cannot fit the context", "messages")
             try:
                 text = engine.tokenizer.apply_chat_template(
