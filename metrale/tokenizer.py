@@ -306,9 +306,13 @@ class IncrementalDetokenizer:
         tokenizer: Tokenizer,
         prompt_token_ids: Sequence[int] | None = None,
         skip_special_tokens: bool = True,
+        stop_token_ids: Iterable[int] = (),
     ) -> None:
+        """`stop_token_ids`: generated ids that end the text and add none of it (vLLM leaves a
+        stop token's text out unless `include_stop_str_in_output`)."""
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
+        self._stops = frozenset(stop_token_ids)
         self.token_ids: list[int] = []
         self.text = ""
         context = [t for t in (prompt_token_ids or ()) if not self._skipped(t)]
@@ -329,7 +333,7 @@ class IncrementalDetokenizer:
         """Add generated ids; return the text they complete (possibly empty)."""
         ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
         self.token_ids.extend(ids)
-        self._window.extend(t for t in ids if not self._skipped(t))
+        self._window.extend(t for t in ids if not self._skipped(t) and t not in self._stops)
         text = self._decode(self._window)
         # UTF-8 decoding renders an unfinished character at the end as exactly one U+FFFD.
         unfinished = text.endswith(_REPLACEMENT)

@@ -143,3 +143,34 @@ def test_logprobs_equal_log_softmax_of_transformers_logits(llm, tiny_model_dir):
             assert by_rank[rank][1] == pytest.approx(ref_lp.item(), abs=1e-4)
         total += entry[tok].logprob
     assert out.cumulative_logprob == pytest.approx(total, abs=1e-3)
+
+
+def test_a_stop_tokens_text_is_left_out_unless_asked_for(tiny_model_dir):
+    """As vLLM: the token that stops a sequence (a stop_token_ids hit, EOS) stays in its token
+    ids but adds no text, unless include_stop_str_in_output; an EOS that does not stop
+    (ignore_eos) is text like any token (with skip_special_tokens off, its text shows)."""
+    from metrale import LLM, SamplingParams
+
+    llm = LLM(tiny_model_dir, device="cpu", max_model_len=64)
+    tok, prompt = llm.tokenizer, [[5, 9, 2, 7, 5, 9]]
+    base = dict(temperature=0.0, max_tokens=12)
+    ids = llm.generate(prompt, SamplingParams(**base), use_tqdm=False)[0].outputs[0].token_ids
+    stop = ids[3]
+    for include in (False, True):
+        params = SamplingParams(**base, stop_token_ids=[stop], include_stop_str_in_output=include)
+        out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        end = ids.index(stop) + 1
+        assert out.token_ids == ids[:end] and out.stop_reason == stop
+        assert out.text == tok.decode(ids[: end if include else end - 1])
+    eos = llm.engine.eos_token_ids[0]
+    forced = dict(temperature=0.0, logit_bias={eos: 100.0}, skip_special_tokens=False)
+    eos_text = tok.decode([eos], skip_special_tokens=False)
+    assert eos_text
+    out = llm.generate(prompt, SamplingParams(**forced, min_tokens=2), use_tqdm=False)[0]
+    out = out.outputs[0]
+    assert out.token_ids[-1] == eos and out.finish_reason == "stop"
+    assert out.text == tok.decode(out.token_ids[:-1], skip_special_tokens=False)
+    kept = SamplingParams(**forced, min_tokens=2, include_stop_str_in_output=True)
+    assert llm.generate(prompt, kept, use_tqdm=False)[0].outputs[0].text.endswith(eos_text)
+    ignored = SamplingParams(**forced, ignore_eos=True, max_tokens=3)
+    assert llm.generate(prompt, ignored, use_tqdm=False)[0].outputs[0].text == eos_text * 3
