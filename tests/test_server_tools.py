@@ -83,6 +83,8 @@ def ask(client, stream: bool = False, **extra):
     content, calls, finish = "", {}, None
     for chunk in client.chat.completions.create(**body, stream=True):
         delta = chunk.choices[0].delta
+        # no empty chunks while a call takes shape (one a token before, as vLLM sends none)
+        assert delta.content or delta.tool_calls or delta.role or chunk.choices[0].finish_reason
         content += delta.content or ""
         for call in delta.tool_calls or ():
             assert call.index == len(calls) and call.id.startswith("call_")

@@ -115,6 +115,10 @@ async def sse_events(
                     finish_reason=finish,
                     stop_reason=c.stop_reason,
                 )
+                if not (text or think or calls or finish or delta.role or choice.logprobs):
+                    # tokens a parser holds back (a tool call taking shape): nothing to send
+                    # yet, as vLLM sends nothing (their logprobs go with the next chunk)
+                    continue
             else:
                 echoed = prompt_text(out, style.tokenizer) if echo and not sent[c.index] else ""
                 logprobs = completion_logprobs(
