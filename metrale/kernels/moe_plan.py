@@ -8,7 +8,9 @@ and the tiles of rows the grouped kernels (`kernels/moe.py`) walk, as the routin
     into runs of `block_m`, expert -1 past the last tile. Tiles are at most `max_tiles`: a
     static grid, no host sync.
 
-Per-expert counts are integer sums: the plan is deterministic.
+Per-expert counts are integer sums: the plan is deterministic. Its torch reference is a stable
+sort of the pairs by expert and their per-expert counts (`tests/test_moe_kernels.py`,
+`_plan_reference`).
 """
 
 from __future__ import annotations
