@@ -207,8 +207,9 @@ def table(result: dict) -> str:
             f"{d['batch']:5d}  {d['ms']:9.3f}  {d['roofline_ratio']:10.2f}  {batch_ratio:16.2f}  "
             f"{anchor}  " + "  ".join(f"{r:5.2f}" for r in ratios)
         )
-    if result.get("graph_capture") and capture_line(result["graph_capture"]):
-        lines.append(capture_line(result["graph_capture"]))
+    capture = result.get("graph_capture") and capture_line(result["graph_capture"])
+    if capture:
+        lines.append(capture)
     if result.get("launches_batch1") is not None:
         lines.append(f"kernel launches per batch-1 decode step: {result['launches_batch1']}")
     for e in result["e2e"]:

@@ -33,10 +33,10 @@ from metrale.server.extra_routes import add_extra_routes
 from metrale.server.metrics import ServerMetrics
 from metrale.server.protocol import (
     APIError,
-    body_field,
     chat_response,
     completion_response,
     sampling_params,
+    sent_field_error,
 )
 from metrale.server.reasoning import REASONING_PARSERS, opens_block
 from metrale.server.response_schemas import (
@@ -172,10 +172,9 @@ def create_app(
             ids = engine.validate(prompt, params)[1]
         except ValueError as e:
             field = str(e).split(":", 1)[0].split(" ", 1)[0]
-            sent = body_field(field, body)
-            if sent != field:  # the field as the client sent it (chat's prompt: its messages)
-                said = str(e)[len(field) :].lstrip(": ") if "prompt" in field else str(e)
-                raise APIError(f"{sent}: {said}", sent) from None
+            renamed = sent_field_error(e, field, body)  # (chat's prompt: its messages)
+            if renamed is not None:
+                raise renamed from None
             if field.split(".", 1)[0] == "structured":  # the output constraint does not compile
                 field = body.structured_field() or "tools"  # (else a tool_choice's grammar)
                 message = f"{field}: {str(e).split(':', 1)[1].strip()}"

@@ -69,10 +69,20 @@ def sampling_params(request, defaults: dict | None = None) -> SamplingParams:
         return SamplingParams(**{**(defaults or {}), **request.sampling_kwargs()})
     except (ValueError, TypeError) as e:
         named = str(e).split(" ", 1)[0].split(":", 1)[0].split("[", 1)[0]
-        param = body_field(named, request)
-        if param != named:  # the field the client sent, first
-            raise APIError(f"{param}: {e}", param) from None
-        raise APIError(str(e), param if param in type(request).model_fields else None) from None
+        renamed = sent_field_error(e, named, request)
+        if renamed is not None:
+            raise renamed from None
+        raise APIError(str(e), named if named in type(request).model_fields else None) from None
+
+
+def sent_field_error(e: Exception, named: str, body) -> APIError | None:
+    """The engine's error about its field `named` as an error about the body field the client
+    sent (`body_field`), message first naming it; None where the two are the same field."""
+    sent = body_field(named, body)
+    if sent == named:
+        return None
+    said = str(e)[len(named) :].lstrip(": ") if named.startswith("prompt") else str(e)
+    return APIError(f"{sent}: {said}", sent)
 
 
 def body_field(field: str, body) -> str:
