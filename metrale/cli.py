@@ -159,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="write_on_accept",
         help="hybrid targets: how a verify writes the recurrent state",
     )
+    bench.add_argument(
+        "--mamba-ssm-cache-dtype",
+        default="auto",
+        help="hybrid targets: the delta-rule state's storage (auto: the model's dtype; float32)",
+    )
     bench.add_argument("--kv-cache-memory-gb", type=float, default=4.0, help="KV pool size")
     bench.add_argument(
         "--deterministic",

@@ -298,6 +298,13 @@ class EngineConfig:
     hybrid_verify_state: str = _opt(
         "write_on_accept", "hybrid verify: write_on_accept or per_row_slots"
     )
+    # The storage type of a hybrid target's delta-rule state (vLLM's option of the same name):
+    # "auto" keeps it in the model's dtype, as vLLM does, which halves the state's traffic at a
+    # batch's decode step in bf16 (the arithmetic is float32 either way); "float32" keeps it as
+    # transformers does.
+    mamba_ssm_cache_dtype: str = _opt(
+        "auto", "hybrid targets: delta-rule state storage (auto: the model's dtype; float32, ...)"
+    )
     # Full KV pages (and, on hybrid targets, recurrent-state snapshots at page boundaries) are
     # kept after their sequence ends, keyed by their tokens, and reused by later prompts.
     prefix_caching: bool = _opt(True, "reuse cached KV pages of shared prompt prefixes")
@@ -383,6 +390,8 @@ class EngineConfig:
                 f"hybrid_verify_state must be one of {HYBRID_VERIFY_STATES}, "
                 f"got {self.hybrid_verify_state!r}"
             )
+        if self.mamba_ssm_cache_dtype != "auto":
+            parse_dtype(self.mamba_ssm_cache_dtype, "mamba_ssm_cache_dtype")
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -409,3 +418,9 @@ class EngineConfig:
         if self.dtype != "auto":
             return parse_dtype(self.dtype)
         return model.dtype if device.type == "cuda" else torch.float32
+
+    def resolve_ssm_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The delta-rule state's storage type for a model run in `dtype`."""
+        if self.mamba_ssm_cache_dtype == "auto":
+            return dtype
+        return parse_dtype(self.mamba_ssm_cache_dtype, "mamba_ssm_cache_dtype")

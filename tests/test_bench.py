@@ -139,23 +139,30 @@ def test_bench_e2e_drafter_on_the_default_model(tmp_path, capsys):
         assert 1.0 < row["steady"]["mean_acceptance_length"] <= 4.0
 
 
-@pytest.mark.parametrize("variant", ["write_on_accept", "per_row_slots"])
-def test_bench_runs_a_hybrid_shape(tmp_path, capsys, variant):
+@pytest.mark.parametrize(
+    "variant, ssm", [("write_on_accept", "auto"), ("per_row_slots", "bfloat16")]
+)
+def test_bench_runs_a_hybrid_shape(tmp_path, capsys, variant, ssm):
     """A Qwen3-Next-shaped random model: decode and verify cost curves and the end-to-end run,
     with a roofline that counts the experts a batch-1 token reads, not all of them; the verify
-    variant's state pool is reported (per-row slots: K + 1 = 3 entries per sequence)."""
+    variant's state pool is reported (per-row slots: K + 1 = 3 entries per sequence), with the
+    delta-rule state's type (auto: the model's, float32 here)."""
     out = tmp_path / "bench"
     args = ["bench", "--shape", "qwen3-next-tiny", "--device", "cpu", "--batch-sizes", "1,2"]
     args += ["--q", "1,3", "--context", "20", "--e2e-batch-sizes", "2", "--max-tokens", "10"]
     args += ["--num-drafts", "2", "--out", str(out), "--hybrid-verify-state", variant]
+    args += ["--mamba-ssm-cache-dtype", ssm]
     assert main(args) == 0
     printed = capsys.readouterr().out
     result = json.loads(printed.strip().splitlines()[-1])
     assert result["hybrid_verify_state"] == variant
-    assert f"hybrid verify state {variant}: state pool" in printed
+    state_type = "float32" if ssm == "auto" else ssm
+    assert result["ssm_state_dtype"] == state_type
+    assert f"hybrid verify state {variant}: state pool" in printed and state_type in printed
     # 3 GDN layers, float32: a conv window (conv_dim 2*2*16 + 4*16 = 128, width 3) and a 4x16x16
-    # state each; 2 sequences (the largest batch) plus the dummy entry
-    entry = 3 * (128 * 3 * 4 + 4 * 16 * 16 * 4)
+    # state each (2 bytes an element in bfloat16); 2 sequences (the largest batch) plus the
+    # dummy entry
+    entry = 3 * (128 * 3 * 4 + 4 * 16 * 16 * (4 if ssm == "auto" else 2))
     width = 3 if variant == "per_row_slots" else 1
     assert result["state_pool_bytes"] == (1 + 2 * width) * entry
     assert [d["batch"] for d in result["decode"]] == [1, 2]

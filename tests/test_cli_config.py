@@ -29,6 +29,7 @@ def test_flags_build_the_config_the_api_builds():
     argv = ["serve", "--max-model-len", "512", "--max-num-seqs", "8", "--page-size", "32"]
     argv += ["--num-kv-pages", "100", "--no-cuda-graphs", "--seed", "7", "--dtype", "float32"]
     argv += ["--hybrid-verify-state", "per_row_slots", "--gpu-memory-utilization", "0.8"]
+    argv += ["--mamba-ssm-cache-dtype", "bfloat16"]
     argv += ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}']
     cfg = EngineConfig(**engine_options(build_parser().parse_args(argv)))
     want = EngineConfig(
@@ -40,6 +41,7 @@ def test_flags_build_the_config_the_api_builds():
         seed=7,
         dtype="float32",
         hybrid_verify_state="per_row_slots",
+        mamba_ssm_cache_dtype="bfloat16",
         gpu_memory_utilization=0.8,
         spec={"method": "mtp", "num_drafts": 3},
     )

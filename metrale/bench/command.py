@@ -90,6 +90,7 @@ def run(args) -> dict:
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         spec={"num_drafts": args.num_drafts, "dcut": getattr(args, "dcut", False)},
         hybrid_verify_state=getattr(args, "hybrid_verify_state", "write_on_accept"),
+        mamba_ssm_cache_dtype=getattr(args, "mamba_ssm_cache_dtype", "auto"),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         deterministic=getattr(args, "deterministic", False),
         async_scheduling=getattr(args, "async_scheduling", False),
@@ -185,6 +186,8 @@ def _measure(llm: LLM, drafter, args, device: torch.device, alphas, forced: bool
     if runner.states is not None:
         result["hybrid_verify_state"] = llm.engine.config.hybrid_verify_state
         result["state_pool_bytes"] = runner.states.nbytes()
+        ssm = runner.states.pool.ssm
+        result["ssm_state_dtype"] = str(ssm[0].dtype).removeprefix("torch.") if ssm else None
     return result
 
 
@@ -226,7 +229,7 @@ def table(result: dict) -> str:
         peak = result["peak_memory_bytes"]
         lines.append(
             f"hybrid verify state {result['hybrid_verify_state']}: state pool "
-            f"{result['state_pool_bytes'] / 2**30:.2f} GiB"
+            f"{result['state_pool_bytes'] / 2**30:.2f} GiB ({result['ssm_state_dtype']})"
             + ("" if peak is None else f", peak memory {peak / 2**30:.2f} GiB")
         )
     return "\n".join(lines)

@@ -81,7 +81,8 @@ def build_worker(
     backend = TritonPagedAttention() if backend_name == "triton" else TorchPagedAttention()
     model = build_model(model_cfg, cfg, model_dir, backend, max_positions, tp, device, dtype)
     bind_kv(model, model_cfg, cfg, num_pages, tp)
-    pool = model.make_state(state_entries) if model_cfg.hybrid is not None else None
+    hybrid = model_cfg.hybrid is not None
+    pool = model.make_state(state_entries, cfg.resolve_ssm_dtype(dtype)) if hybrid else None
     return model, pool
 
 

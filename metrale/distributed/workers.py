@@ -136,10 +136,10 @@ class TPModel:
         except Exception as e:
             raise self._failure(e) from e
 
-    def make_state(self, num_entries: int) -> TPGDNState:
-        """This rank's state pool (the workers made theirs of as many entries at start-up),
-        whose resets and commits every rank applies."""
-        pool = self._model.make_state(num_entries)
+    def make_state(self, num_entries: int, ssm_dtype: torch.dtype = torch.float32) -> TPGDNState:
+        """This rank's state pool (the workers made theirs of as many entries, of the same
+        type, at start-up), whose resets and commits every rank applies."""
+        pool = self._model.make_state(num_entries, ssm_dtype)
         return TPGDNState(pool.conv, pool.ssm, send=self._send)
 
     forward = __call__

@@ -167,7 +167,11 @@ class ModelRunner:
         if self.hybrid:
             # a verify gives a sequence at most 1 + num_drafts rows (its last token, its drafts)
             self.states = StateSlots(
-                self.model, cfg.max_num_seqs, cfg.hybrid_verify_state, num_drafts + 1
+                self.model,
+                cfg.max_num_seqs,
+                cfg.hybrid_verify_state,
+                num_drafts + 1,
+                cfg.resolve_ssm_dtype(self.dtype),
             )
             if cfg.deterministic:  # every GDN row in the recurrent form (see GDNState)
                 self.states.pool.chunk_min_rows = sys.maxsize

@@ -35,14 +35,22 @@ DUMMY_ENTRY = 0
 
 
 class StateSlots:
-    def __init__(self, model, max_num_seqs: int, variant: str, max_verify_rows: int) -> None:
+    def __init__(
+        self,
+        model,
+        max_num_seqs: int,
+        variant: str,
+        max_verify_rows: int,
+        ssm_dtype: torch.dtype = torch.float32,
+    ) -> None:
         """`variant`: "write_on_accept" or "per_row_slots"; `max_verify_rows`: the most rows a
-        verify gives one sequence (K+1), the entries each slot needs with per-row slots."""
+        verify gives one sequence (K+1), the entries each slot needs with per-row slots;
+        `ssm_dtype`: the delta-rule state's storage type."""
         self.per_row = variant == "per_row_slots"
         self.width = max(max_verify_rows, 1) if self.per_row else 1
         self.verify_mode = StateMode.ROWS if self.per_row else StateMode.DEFER
         self.pool: GDNState = model.make_state(
-            self.entries_for(max_num_seqs, variant, max_verify_rows)
+            self.entries_for(max_num_seqs, variant, max_verify_rows), ssm_dtype
         )
         self.device = self.pool.ssm[0].device if self.pool.ssm else torch.device("cpu")
         self._current = [0] * max_num_seqs  # per slot: its current entry among its `width`

@@ -76,6 +76,7 @@ if triton is not None:
         if HAS_STATE:
             entry = tl.load(read_ptr + b).to(tl.int64)
             s = tl.load(pool_ptr + entry * entry_size + tile, mask=tile_ok, other=0.0)
+            s = s.to(tl.float32)
         causal = tt[:, None] >= tt[None, :]
         strict = tt[:, None] > tt[None, :]
         eye = tl.where(tt[:, None] == tt[None, :], 1.0, 0.0)
@@ -134,6 +135,7 @@ if triton is not None:
             k_end = k * tl.exp(last - cum)[:, None]
             s = s * tl.exp(last) + tl.dot(tl.trans(k_end), u, input_precision=PRECISION)
         entry = tl.load(final_ptr + b).to(tl.int64)
+        s = s.to(pool_ptr.dtype.element_ty)
         tl.store(pool_ptr + entry * entry_size + tile, s, mask=tile_ok)
 
 
@@ -151,9 +153,10 @@ def chunk_delta_rule_in_pool(
     gates: GateInputs | None = None,
 ) -> torch.Tensor:
     """q, k [B, T, Hk, dk] (l2-normalised here); v [B, T, Hv, dv]; g, beta [B, T, Hv]; pool
-    [S, Hv, dk, dv] float32. Sequence b starts from entry read[b] (None: zeros) and ends in entry
-    final[b]. Returns out [B, T, Hv, dv] in v's dtype. With `gates`, g and beta are computed in
-    the kernel from the layer's gate inputs (g and beta are ignored)."""
+    [S, Hv, dk, dv] (`gdn_recurrent.STATE_DTYPES`: the chunk runs in float32 and the state is
+    rounded to the pool's type once, at the end). Sequence b starts from entry read[b] (None:
+    zeros) and ends in entry final[b]. Returns out [B, T, Hv, dv] in v's dtype. With `gates`, g
+    and beta are computed in the kernel from the layer's gate inputs (g and beta are ignored)."""
     bsz, seq, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     check_pool_shapes(q, v, pool)

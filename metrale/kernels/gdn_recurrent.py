@@ -3,7 +3,7 @@ place: decode, verify and write-on-accept commits of a hybrid (Qwen3-Next) targe
 op per row and without gathering or scattering states.
 
 One program per (sequence, value head, block of BV value columns) loads its [dk, BV] slice of the
-float32 state from pool entry `read[b]`, keeps it in registers across the sequence's rows (the
+state from pool entry `read[b]`, keeps it in registers (float32) across the sequence's rows (the
 columns of the state evolve independently), and per row decays it, writes the delta-rule
 correction and reads the output. It then stores, as asked:
   - the state after the last row into entry `final[b]` (prefill, decode, commits: `final = read`);
@@ -33,6 +33,9 @@ except ImportError:
     triton = None
 
 L2NORM_EPS = 1e-6  # as gdn.L2NORM_EPS (HF's l2norm)
+# The delta-rule state's storage types (`EngineConfig.mamba_ssm_cache_dtype`); the arithmetic is
+# float32 whatever the pool holds.
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class GateInputs(NamedTuple):
@@ -105,10 +108,12 @@ if triton is not None:
         HAS_LENS: tl.constexpr,
         STORE_OUT: tl.constexpr,
         RAW_GATES: tl.constexpr,
+        ROUND_STATE: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)  # row offsets of big batches pass 2**31
         h = tl.program_id(1)
         hk = h // (HV // HK)  # value head h reads key head h // (HV / HK)
+        state_ty = pool_ptr.dtype.element_ty
         if RAW_GATES:
             neg_a = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
             dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
@@ -122,6 +127,7 @@ if triton is not None:
         if HAS_STATE:
             entry = tl.load(read_ptr + b).to(tl.int64)
             s = tl.load(pool_ptr + entry * entry_size + tile, mask=tile_ok, other=0.0)
+            s = s.to(tl.float32)
         n = T
         if HAS_LENS:  # a commit: only the sequence's accepted rows
             n = tl.minimum(tl.load(lens_ptr + b).to(tl.int32), T)
@@ -149,12 +155,16 @@ if triton is not None:
             if STORE_OUT:
                 o = tl.sum(q[:, None] * s, axis=0)
                 tl.store(out_ptr + row * DV + vv, o.to(out_ptr.dtype.element_ty), mask=v_ok)
+            if ROUND_STATE:
+                # a pool below float32: each row goes on from the state as a step ending at
+                # it would have stored it, so T rows in one call give the bits of T decodes
+                s = s.to(state_ty).to(tl.float32)
             if WRITE_ROWS:
                 row_entry = tl.load(rows_ptr + b * T + t).to(tl.int64)
-                tl.store(pool_ptr + row_entry * entry_size + tile, s, mask=tile_ok)
+                tl.store(pool_ptr + row_entry * entry_size + tile, s.to(state_ty), mask=tile_ok)
         if WRITE_FINAL:
             entry = tl.load(final_ptr + b).to(tl.int64)
-            tl.store(pool_ptr + entry * entry_size + tile, s, mask=tile_ok)
+            tl.store(pool_ptr + entry * entry_size + tile, s.to(state_ty), mask=tile_ok)
 
 
 def delta_rule_in_pool(
@@ -175,9 +185,11 @@ def delta_rule_in_pool(
     block_v: int | None = None,
     num_warps: int = 4,
 ) -> torch.Tensor | None:
-    """q, k [B, T, Hk, dk]; v [B, T, Hv, dv]; g, beta [B, T, Hv]; pool [S, Hv, dk, dv] float32.
-    Sequence b starts from entry read[b] (None: zeros); writes the state after its last row into
-    entry final[b] and the state after row t into entry rows[b, t] where those are given.
+    """q, k [B, T, Hk, dk]; v [B, T, Hv, dv]; g, beta [B, T, Hv]; pool [S, Hv, dk, dv] (float32,
+    or a 16-bit type: `STATE_DTYPES`; the state is rounded to it after every row, as a decode
+    step stores it, and computed in float32 in between). Sequence b starts from entry read[b]
+    (None: zeros); writes the state after its last row into entry final[b] and the state after
+    row t into entry rows[b, t] where those are given.
     Returns out [B, T, Hv, dv] in v's dtype; with `lengths` [B] (a write-on-accept commit) only
     each sequence's first lengths[b] rows run, and nothing but the states is written (None).
     With `gates`, g and beta are computed in the kernel from the layer's gate inputs (g and
@@ -234,6 +246,7 @@ def delta_rule_in_pool(
         HAS_LENS=lengths is not None,
         STORE_OUT=lengths is None,
         RAW_GATES=gates is not None,
+        ROUND_STATE=pool.dtype != torch.float32,
         num_warps=num_warps,
     )
     return out
@@ -241,12 +254,12 @@ def delta_rule_in_pool(
 
 def check_pool_shapes(q: torch.Tensor, v: torch.Tensor, pool: torch.Tensor) -> None:
     """What every pool kernel needs: whole groups of value heads per key head, and a contiguous
-    float32 state pool of matching heads and dims."""
+    state pool (`STATE_DTYPES`) of matching heads and dims."""
     hk, dk, hv, dv = q.shape[2], q.shape[3], v.shape[2], v.shape[3]
     if hv % hk:
         raise ValueError(f"{hv} value heads are not a multiple of {hk} key heads")
-    if pool.dtype != torch.float32 or not pool.is_contiguous():
-        raise ValueError("the state pool must be contiguous float32")
+    if pool.dtype not in STATE_DTYPES or not pool.is_contiguous():
+        raise ValueError(f"the state pool must be contiguous, of {STATE_DTYPES}: {pool.dtype}")
     if tuple(pool.shape[1:]) != (hv, dk, dv):
         raise ValueError(f"state pool of shape {tuple(pool.shape)}: want [S, {hv}, {dk}, {dv}]")
 

@@ -87,10 +87,15 @@ def recurrent_gated_delta_rule(
     scale: float | None = None,
     l2norm_qk: bool = True,
     output_all_states: bool = False,
+    state_dtype: torch.dtype = torch.float32,
 ) -> DeltaRuleOutput:
     """The delta rule row by row. q, k [B, T, Hk, dk]; v [B, T, Hv, dv]; g (log-decay, <= 0) and
-    beta [B, T, Hv]; state [B, Hv, dk, dv] (None: zeros; never modified); T >= 1."""
+    beta [B, T, Hv]; state [B, Hv, dk, dv] (None: zeros; never modified); T >= 1.
+    `state_dtype`: the type the state is kept in between steps; below float32 the state is
+    rounded to it after every row's output, as a step ending at that row would store it (the
+    arithmetic stays float32), so T rows give the bits of T one-row steps."""
     dtype = v.dtype
+    rounds = state_dtype != torch.float32
     q, k, v, g, beta = _heads_first(q, k, v, g, beta, scale, l2norm_qk)
     s = _initial_state(state, v, q.shape[-1])
     outs, states = [], []
@@ -100,6 +105,8 @@ def recurrent_gated_delta_rule(
         u = (v[:, :, t] - torch.einsum("bhk,bhkv->bhv", k_t, s)) * beta[:, :, t, None]
         s = s + k_t[..., :, None] * u[..., None, :]  # rank-1 write of the correction
         outs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], s))
+        if rounds:
+            s = s.to(state_dtype).float()
         states.append(s)
     out = torch.stack(outs, dim=1)  # [B, T, H, dv]
     all_states = torch.stack(states, dim=1) if output_all_states else None

@@ -3,7 +3,8 @@ reads and writes it: in place for prefill and decode, and in one of two variants
 
 Entry i of `conv` / `ssm` belongs to the i-th GDN layer (in layer order):
   conv[i] [S, conv_dim, K-1]  the last K-1 conv inputs (oldest first), activation dtype
-  ssm[i]  [S, Hv, dk, dv]     the delta-rule state, float32
+  ssm[i]  [S, Hv, dk, dv]     the delta-rule state, float32 or a 16-bit type (`ssm_dtype`:
+                              `EngineConfig.mamba_ssm_cache_dtype`); computed in float32
 Batch sequence b (packed rows query_start_loc[b]:query_start_loc[b+1]) reads its state from
 entry `read[b]` of every layer (`read=None`: entry b). A new sequence's entry must be zero
 (`reset`). What a forward writes depends on `mode`:
@@ -96,15 +97,17 @@ class GDNState:
         ssm_shape: tuple[int, int, int],
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        ssm_dtype: torch.dtype = torch.float32,
     ) -> GDNState:
-        """conv_shape (conv_dim, K-1), ssm_shape (Hv, dk, dv)."""
+        """conv_shape (conv_dim, K-1), ssm_shape (Hv, dk, dv); conv windows in `dtype`,
+        delta-rule states in `ssm_dtype`."""
         return cls(
             conv=[
                 torch.zeros(num_entries, *conv_shape, dtype=dtype, device=device)
                 for _ in range(num_layers)
             ],
             ssm=[
-                torch.zeros(num_entries, *ssm_shape, dtype=torch.float32, device=device)
+                torch.zeros(num_entries, *ssm_shape, dtype=ssm_dtype, device=device)
                 for _ in range(num_layers)
             ],
         )
@@ -175,13 +178,20 @@ class GDNState:
             res = chunk_gated_delta_rule(q, k, v, g, beta, pool[read])
         else:
             res = recurrent_gated_delta_rule(
-                q, k, v, g, beta, pool[read], output_all_states=mode is StateMode.ROWS
+                q,
+                k,
+                v,
+                g,
+                beta,
+                pool[read],
+                output_all_states=mode is StateMode.ROWS,
+                state_dtype=pool.dtype,
             )
         if mode is StateMode.WRITE:
-            pool.index_copy_(0, read, res.state)
+            pool.index_copy_(0, read, res.state.to(pool.dtype))
         elif mode is StateMode.ROWS:
             assert self.rows is not None and res.states is not None
-            pool.index_copy_(0, self.rows.flatten(), res.states.flatten(0, 1))
+            pool.index_copy_(0, self.rows.flatten(), res.states.flatten(0, 1).to(pool.dtype))
         return res.out
 
     def causal_conv(
@@ -248,8 +258,10 @@ class GDNState:
                 assert p.g is not None and p.beta is not None
                 keep = torch.arange(t, device=pool.device)[None, :] < num_rows[:, None]
                 g, beta = p.g * keep[..., None], p.beta * keep[..., None]  # masked rows: identity
-                res = recurrent_gated_delta_rule(p.q, p.k, p.v, g, beta, pool[read])
-                pool.index_copy_(0, read, res.state)
+                res = recurrent_gated_delta_rule(
+                    p.q, p.k, p.v, g, beta, pool[read], state_dtype=pool.dtype
+                )
+                pool.index_copy_(0, read, res.state.to(pool.dtype))
             conv_in = self.pending_conv[layer]
             if _conv_kernel_runs(conv_in, store):
                 conv_in_pool(conv_in, None, store, read, num_rows, final=read)

@@ -276,9 +276,9 @@ class Qwen3NextForCausalLM(nn.Module):
         """[V, H] output projection (the embedding when tied); drafters share it."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def make_state(self, num_entries: int) -> GDNState:
+    def make_state(self, num_entries: int, ssm_dtype: torch.dtype = torch.float32) -> GDNState:
         """A zeroed `GDNState` of `num_entries` entries per GDN layer, on the model's device;
-        conv windows in the activation dtype, delta-rule states in float32."""
+        conv windows in the activation dtype, delta-rule states in `ssm_dtype`."""
         hybrid = self.config.hybrid
         assert hybrid is not None
         weight = self.model.embed_tokens.weight
@@ -293,6 +293,7 @@ class Qwen3NextForCausalLM(nn.Module):
             ),
             weight.dtype,
             weight.device,
+            ssm_dtype,
         )
 
     def forward(
