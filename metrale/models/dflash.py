@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from metrale.config import RopeConfig, _rope_from_hf
 from metrale.kernels import fused
 from metrale.kernels.dispatch import interpreter_forced
+from metrale.model_config import RopeConfig, _rope_from_hf
 from metrale.models.activations import silu
 from metrale.models.attention import write_kv
 from metrale.models.layers import RMSNorm, RotaryEmbedding
