@@ -35,6 +35,7 @@ from metrale.server.protocol import (
     APIError,
     chat_response,
     completion_response,
+    generation_error,
     sampling_params,
     sent_field_error,
 )
@@ -288,6 +289,9 @@ def create_app(
             raise
         if any(f is None for f in finals):
             return Response(status_code=499)  # the client left; every part is aborted
+        failed = generation_error(finals)
+        if failed is not None:
+            raise failed
         return completion_response(
             finals, base, params, engine.tokenizer, model_name, bool(body.echo)
         )
@@ -358,6 +362,9 @@ def create_app(
             final = await final_output(request, request_id, queue)
             if final is None:  # the client went away; its request is aborted
                 return Response(status_code=499)
+            failed = generation_error([final])
+            if failed is not None:
+                raise failed
             if chat:
                 return chat_response(
                     final, request_id, params, model_name, reasoning, opened, tools

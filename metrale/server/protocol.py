@@ -62,6 +62,24 @@ class APIError(Exception):
         return ErrorResponse(error=error).model_dump()
 
 
+# Engine errors that the request itself caused (its grammar failed on a token, or it cannot fit
+# the KV pool): a 400, as a check at admission would have given; any other is the server's (500).
+_REQUEST_ERRORS = ("structured:", "sequence needs ")
+
+
+def generation_error(outs: list[RequestOutput]) -> APIError | None:
+    """The error of the first completion that the engine ended with finish_reason "error", as
+    vLLM answers one (the request fails whole, with the engine's message), else None."""
+    for out in outs:
+        for c in out.outputs:
+            if c.finish_reason == "error":
+                why = c.error or "the engine failed this request"
+                if why.startswith(_REQUEST_ERRORS):
+                    return APIError(f"generation failed: {why}", None, 400)
+                return APIError(f"generation failed: {why}", None, 500, "internal_error")
+    return None
+
+
 def sampling_params(request, defaults: dict | None = None) -> SamplingParams:
     """A completions or chat request's SamplingParams; `defaults`: the model's
     generation_config sampling, for fields the body leaves out."""

@@ -2,10 +2,12 @@
 that changed a choice (its text delta, logprobs, finish and stop reasons; for chat the role
 first and, with a reasoning parser, thinking as `reasoning_content`; with tools, each tool call
 whole as a `tool_calls` delta), the usage chunk when asked for, then `[DONE]`. One `created`
-for every chunk of a stream."""
+for every chunk of a stream. A completion the engine fails ends the stream with the OpenAI
+error object instead (`protocol.generation_error`)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -13,6 +15,7 @@ from metrale.server.protocol import (
     SYSTEM_FINGERPRINT,
     chat_logprobs,
     completion_logprobs,
+    generation_error,
     now,
     prompt_text,
     spec_stats,
@@ -83,9 +86,12 @@ async def sse_events(
         final = out
         if await request.is_disconnected():
             return  # the finally of `outputs` aborts the request
+        failed = generation_error([out])
         choices = []
         for c in out.outputs:
             if done[c.index] or not (c.delta_text or c.finish_reason or c.delta_token_ids):
+                continue
+            if c.finish_reason == "error":  # sent as the stream's error event below
                 continue
             if chat:
                 ends, finish = c.finish_reason is not None, c.finish_reason
@@ -138,6 +144,12 @@ async def sse_events(
             choices.append(choice)
         if choices:
             yield event(choices)
+        if failed is not None:
+            # as vLLM streams a failed generation: the error object, then the end (returning
+            # stops `events`, which aborts the request's other completions)
+            yield f"data: {json.dumps(failed.body())}\n\n"
+            yield "data: [DONE]\n\n"
+            return
     if include_usage and final is not None:
         yield event([], usage=usage([final]), metrale=spec_stats([final]))
     yield "data: [DONE]\n\n"
