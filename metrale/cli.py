@@ -161,8 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--mamba-ssm-cache-dtype",
-        default="auto",
-        help="hybrid targets: the delta-rule state's storage (auto: the model's dtype; float32)",
+        default="float32",
+        help="hybrid targets: the delta-rule state's storage (float32; auto: the model's dtype)",
     )
     bench.add_argument("--kv-cache-memory-gb", type=float, default=4.0, help="KV pool size")
     bench.add_argument(

@@ -94,11 +94,13 @@ class EngineConfig:
         "write_on_accept", "hybrid verify: write_on_accept or per_row_slots"
     )
     # The storage type of a hybrid target's delta-rule state (vLLM's option of the same name):
-    # "auto" keeps it in the model's dtype, as vLLM does, which halves the state's traffic at a
-    # batch's decode step in bf16 (the arithmetic is float32 either way); "float32" keeps it as
-    # transformers does.
+    # "float32" as transformers keeps it; "auto" (the model's dtype, vLLM's default) or a 16-bit
+    # type halves the state's traffic at a batch's decode step in bf16 (the arithmetic is float32
+    # either way), at the price of exactness: a 16-bit state rounds 1e-7 differences between a
+    # verify row and a decode row, or between prefill splits, into other tokens, so speculative
+    # output equals plain output only in the deterministic mode (README).
     mamba_ssm_cache_dtype: str = _opt(
-        "auto", "hybrid targets: delta-rule state storage (auto: the model's dtype; float32, ...)"
+        "float32", "hybrid targets: delta-rule state storage (float32; auto: the model's dtype)"
     )
     # Full KV pages (and, on hybrid targets, recurrent-state snapshots at page boundaries) are
     # kept after their sequence ends, keyed by their tokens, and reused by later prompts.

@@ -117,9 +117,10 @@ def test_config_names_the_field_and_resolves_auto():
         EngineConfig(mamba_ssm_cache_dtype="int8")
     with pytest.raises(ValueError, match="mamba_ssm_cache_dtype"):
         EngineConfig(mamba_ssm_cache_dtype=3)
-    assert EngineConfig().resolve_ssm_dtype(torch.bfloat16) is torch.bfloat16
-    cfg = EngineConfig(mamba_ssm_cache_dtype="float32")
-    assert cfg.resolve_ssm_dtype(torch.bfloat16) is torch.float32
+    # float32 by default, as transformers keeps it; "auto": the model's dtype, as vLLM's default
+    assert EngineConfig().resolve_ssm_dtype(torch.bfloat16) is torch.float32
+    cfg = EngineConfig(mamba_ssm_cache_dtype="auto")
+    assert cfg.resolve_ssm_dtype(torch.bfloat16) is torch.bfloat16
 
 
 def _greedy(n: int) -> SamplingParams:

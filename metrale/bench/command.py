@@ -90,7 +90,7 @@ def run(args) -> dict:
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         spec={"num_drafts": args.num_drafts, "dcut": getattr(args, "dcut", False)},
         hybrid_verify_state=getattr(args, "hybrid_verify_state", "write_on_accept"),
-        mamba_ssm_cache_dtype=getattr(args, "mamba_ssm_cache_dtype", "auto"),
+        mamba_ssm_cache_dtype=getattr(args, "mamba_ssm_cache_dtype", "float32"),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         deterministic=getattr(args, "deterministic", False),
         async_scheduling=getattr(args, "async_scheduling", False),
