@@ -157,3 +157,34 @@ def test_a_packing_that_raises_leaves_the_device_rows_right(monkeypatch):
         _, _, meta = step_metadata.pack_spans(grown, 4, cpu, dev, [0])
         assert torch.equal(meta.block_tables, host_padded([[3, 4, 9]], 3))
         step_metadata.pack_spans([([3, 4], 0, [1] * 5)], 4, cpu, dev, [0])  # back, for the next
+
+
+def test_packed_slots_are_each_rows_page_and_offset():
+    """`pack_spans` writes a span's slots a page-run at a time (`slots_of`, and one run inline
+    for a span within a page): every row's slot is still its page's first slot plus its offset
+    there, for spans within a page, across pages, empty, and at page ends."""
+    from metrale.engine.kv_cache import slots_of
+    from metrale.engine.step_metadata import pack_spans
+
+    rng = random.Random(7)
+    for _ in range(2000):
+        page = rng.choice([1, 2, 4, 16])
+        spans = []
+        for _ in range(rng.randrange(1, 6)):
+            n = rng.randrange(1, 8)
+            table = [rng.randrange(200) for _ in range(n)]
+            start = rng.randrange(0, n * page)
+            spans.append((table, start, [7] * rng.randrange(0, n * page - start + 1)))
+        want = [
+            [table[p // page] * page + p % page for p in range(start, start + len(tokens))]
+            for table, start, tokens in spans
+        ]
+        for (table, start, tokens), rows in zip(spans, want, strict=True):
+            assert slots_of(table, start, start + len(tokens), page) == rows
+        if not any(tokens for _, _, tokens in spans):
+            continue
+        _, positions, meta = pack_spans(spans, page, torch.device("cpu"))
+        assert meta.slot_mapping.tolist() == [s for rows in want for s in rows]
+        assert positions.tolist() == [
+            p for _, start, tokens in spans for p in range(start, start + len(tokens))
+        ]

@@ -34,15 +34,23 @@ def pack_spans(
     starts = [0]
     seq_lens: list[int] = []
     pending = []  # (the row after it, its drafts) of each span with drafts on the device
+    total = 0
     for table, start, tokens in spans:
         end = start + len(tokens)
         input_ids += tokens
         positions += range(start, end)
-        slots += slots_of(table, start, end, page)
-        starts.append(starts[-1] + len(tokens))
+        first = start // page
+        if tokens and (end - 1) // page == first:
+            # within one page (every decode row, most verify spans): one run of slots
+            base = (table[first] - first) * page
+            slots += range(base + start, base + end)
+        else:
+            slots += slots_of(table, start, end, page)
+        total += len(tokens)
+        starts.append(total)
         seq_lens.append(end)
         if type(tokens) is PendingIds:
-            pending.append((starts[-1], tokens.row))
+            pending.append((total, tokens.row))
     fills = pending_fills(pending, input_ids)  # (before `changes`: it may read the device)
     width = max(len(table) for table, _, _ in spans)
     if rows is None or device_tables is None or not device_tables.serves(len(spans), width):
