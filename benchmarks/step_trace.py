@@ -8,6 +8,8 @@ against the plain step) and dropped. Where a speculative step's time goes, step 
 step: a closed batch's tail, the probes, the re-plans.
 
     python benchmarks/step_trace.py ngram 8 trace-ngram-b8.json
+    python benchmarks/step_trace.py replay 64 trace.json --shape qwen3-8b --alpha 0.5 \
+        --no-async-scheduling  # a random-weight shape, forced acceptance at alpha, D-Cut on
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from pathlib import Path
 from metrale.api import LLM
 from metrale.bench.acceptance import heldout_prompts
 from metrale.bench.drafter import concurrency
+from metrale.bench.e2e import random_prompts, replay_engine
+from metrale.bench.forced import ForcedAcceptance
 from metrale.config import SamplingParams
 from metrale.speculative import planning
 
@@ -41,21 +45,38 @@ def _timed(obj, name: str, times: dict[str, float]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("drafter", choices=("ngram", "mtp", "dflash"))
+    ap.add_argument("drafter", choices=("ngram", "mtp", "dflash", "replay"))
     ap.add_argument("batch", type=int)
     ap.add_argument("out")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--shape", default="qwen3-8b", help="replay: the random-weight shape")
+    ap.add_argument("--alpha", type=float, default=0.8, help="replay: forced acceptance rate")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args()
-    llm = LLM(
-        "metrale/assets/default-model",
-        max_model_len=128 + 2 * args.max_tokens,
-        max_num_seqs=max(args.batch, 8),
-        kv_cache_memory_gb=8.0,
-        spec={"method": args.drafter, "num_drafts": 7 if args.drafter == "dflash" else 3},
-    )
+    replay = args.drafter == "replay"
+    if replay:
+        llm, drafter = replay_engine(
+            args.shape,
+            args.alpha,
+            max_model_len=512,
+            max_num_seqs=max(args.batch, 8),
+            kv_cache_memory_gb=8.0,
+            spec={"num_drafts": 3, "dcut": True},
+            async_scheduling=args.async_scheduling,
+        )
+        prompts = random_prompts(args.batch, min(1000, llm.engine.vocab_size), seed=0)
+    else:
+        llm = LLM(
+            "metrale/assets/default-model",
+            max_model_len=128 + 2 * args.max_tokens,
+            max_num_seqs=max(args.batch, 8),
+            kv_cache_memory_gb=8.0,
+            spec={"method": args.drafter, "num_drafts": 7 if args.drafter == "dflash" else 3},
+            async_scheduling=args.async_scheduling,
+        )
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        prompts = heldout_prompts(stdlib, llm.tokenizer, args.batch, 128)
     engine = llm.engine
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    prompts = heldout_prompts(stdlib, llm.tokenizer, args.batch, 128)
     times: dict[str, float] = {}
     for obj, name in [
         (engine.scheduler, "schedule"),
@@ -120,16 +141,22 @@ def main() -> None:
 
     engine.step = traced
     result = {}
+    outs: list = []  # the plain runs' outputs: what the replay drafter replays
     with concurrency(llm, args.batch):
         for label, speculative in (("plain", False), ("spec", True)):
             params = SamplingParams(
                 temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
                 speculative=speculative,
             )  # fmt: skip
+            if replay and speculative:
+                # the replay drafter proposes plain decoding's tokens; forced acceptance draws
+                # how many of them a verify accepts
+                drafter.record({tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, outs)})
+                engine.runner.forced_acceptance = ForcedAcceptance(args.alpha, seed=args.batch)
             for _ in range(3):
                 steps.clear()
                 start = time.perf_counter()
-                llm.generate(prompts, params, use_tqdm=False)
+                outs = llm.generate(prompts, params, use_tqdm=False)
                 total = (time.perf_counter() - start) * 1e3
             result[label] = {"total_ms": total, "steps": list(steps)}
             print(f"{label}: {total:.2f} ms, {len(steps)} steps")

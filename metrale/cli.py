@@ -173,9 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--async-scheduling",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="the engine option: launch each step while the device runs the one before (steps "
-        "that draft stay synchronous)",
+        "that draft stay synchronous; default: on)",
     )
     bench.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="ranks the target is split across"

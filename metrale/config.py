@@ -117,9 +117,10 @@ class EngineConfig:
     )
     # Launch each step before the host commits the one before (`engine/ahead.py`): the host's
     # commit and scheduling overlap the device's forward. Steps that draft, follow a grammar or
-    # apply a penalty wait for the step before, as without it.
+    # apply a penalty wait for the step before, as without it. On by default, as in vLLM: on the
+    # H200 it makes a plain qwen3-8b decode step 1.14x-1.45x faster (batch 1-64).
     async_scheduling: bool = _opt(
-        False, "schedule and launch each step while the device runs the one before"
+        True, "schedule and launch each step while the device runs the one before"
     )
 
     def __post_init__(self) -> None:

@@ -55,7 +55,7 @@ def main() -> None:
         kv_cache_memory_gb=8.0,
     )
     engines = {
-        "sync": LLM(path, **common),
+        "sync": LLM(path, **common, async_scheduling=False),
         "async": LLM(path, **common, async_scheduling=True),
     }
     tok = engines["sync"].tokenizer

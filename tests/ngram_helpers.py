@@ -36,7 +36,8 @@ def plain_and_ngram(model_dir, prompts, *, max_tokens, max_num_seqs, dcut, async
     model and sizes, with the sampling parameters both use."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     kw = dict(device="cpu", dtype="float32", max_num_seqs=max_num_seqs, max_model_len=200)
-    plain = token_ids(LLM(model_dir, **kw).generate(prompts, params, use_tqdm=False))
+    reference = LLM(model_dir, **kw, async_scheduling=False)  # the synchronous engine
+    plain = token_ids(reference.generate(prompts, params, use_tqdm=False))
     llm = LLM(
         model_dir,
         **kw,

@@ -1,9 +1,10 @@
-"""Asynchronous scheduling (`async_scheduling=True`, `engine/ahead.py`) is invisible in the
-output: each step is launched before the one before it is read back, and every request gets the
-tokens, text, logprobs and finish reason the synchronous engine gives it — greedy and seeded
-sampling, stop strings and EOS, chunked prefill and preemption, aborts mid-stream, a failing
-sequence, arrivals mid-run — on dense and hybrid targets. Requests that need the tokens before the
-next step (speculation, grammars, penalties) keep the engine synchronous while they run."""
+"""Asynchronous scheduling (`async_scheduling`, on by default as in vLLM: `engine/ahead.py`) is
+invisible in the output: each step is launched before the one before it is read back, and every
+request gets the tokens, text, logprobs and finish reason the synchronous engine gives it —
+greedy and seeded sampling, stop strings and EOS, chunked prefill and preemption, aborts
+mid-stream, a failing sequence, arrivals mid-run — on dense and hybrid targets. Requests that
+need the tokens before the next step (speculation, grammars, penalties) keep the engine
+synchronous while they run."""
 
 from __future__ import annotations
 
@@ -54,8 +55,24 @@ def _same(outs, ref) -> None:
 
 
 def _run(path, prompts, params, **kw):
+    kw.setdefault("async_scheduling", False)  # the reference: the synchronous engine
     llm = LLM(path, device="cpu", **kw)
     return llm, llm.generate(prompts, params, use_tqdm=False)
+
+
+def test_async_scheduling_is_the_default(tiny_model_dir):
+    """On unless turned off: `LLM` and the command line (`--no-async-scheduling`) alike."""
+    from metrale.cli import build_parser
+
+    llm = LLM(tiny_model_dir, device="cpu")
+    assert llm.engine.config.async_scheduling and llm.engine._ahead is not None
+    outs = llm.generate(_prompts(3), [_params(i) for i in range(3)], use_tqdm=False)
+    assert llm.engine._ahead.launches_ahead > 0 and all(o.finished for o in outs)
+    assert LLM(tiny_model_dir, device="cpu", async_scheduling=False).engine._ahead is None
+    parser = build_parser()
+    for command in (["serve"], ["generate", "x"], ["bench"]):
+        assert parser.parse_args(command).async_scheduling is True
+        assert parser.parse_args([*command, "--no-async-scheduling"]).async_scheduling is False
 
 
 @pytest.mark.parametrize("target", ["dense", "hybrid"])
@@ -368,7 +385,7 @@ def test_on_cuda_graphs_the_async_engine_gives_the_same_bits(tmp_path, tokenizer
     prompts = _prompts(24, seed=9)
     params = [_params(i) for i in range(len(prompts))]
     kw = dict(device="cuda", dtype="bfloat16", deterministic=True, max_num_seqs=16)
-    ref = LLM(path, **kw).generate(prompts, params, use_tqdm=False)
+    ref = LLM(path, **kw, async_scheduling=False).generate(prompts, params, use_tqdm=False)
     llm = LLM(path, **kw, async_scheduling=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     for o, r in zip(outs, ref, strict=True):

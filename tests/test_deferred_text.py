@@ -155,7 +155,7 @@ def test_the_ab_knob_detokenizes_in_the_step(tiny_model_dir, monkeypatch):
     monkeypatch.setenv("METRALE_NO_DEFERRED_TEXT", "1")
     knobs.cache_clear()
     try:
-        llm = LLM(tiny_model_dir, device="cpu")
+        llm = LLM(tiny_model_dir, device="cpu", async_scheduling=False)
         stream = llm.stream(PROMPTS[0], params(max_tokens=5))
         first = next(stream)
         assert first.outputs[0].token_ids and not llm.engine.emitter.has_pending

@@ -278,7 +278,8 @@ def test_on_cuda_graphs_drafts_ahead_and_output_is_plain_decodings(case):
         for i in range(32)
     ]
     kw = dict(device="cuda", dtype="bfloat16", deterministic=True, max_num_seqs=32)
-    want = token_ids(LLM(default_model_dir(), **kw).generate(prompts, params, use_tqdm=False))
+    plain = LLM(default_model_dir(), **kw, async_scheduling=False)
+    want = token_ids(plain.generate(prompts, params, use_tqdm=False))
     spec = {"method": "ngram", "num_drafts": 3, "dcut": False}
     llm = LLM(default_model_dir(), **kw, spec=spec, async_scheduling=case == "async")
     runner, verified = llm.engine.runner, []

@@ -93,7 +93,7 @@ def run(args) -> dict:
         mamba_ssm_cache_dtype=getattr(args, "mamba_ssm_cache_dtype", "float32"),
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         deterministic=getattr(args, "deterministic", False),
-        async_scheduling=getattr(args, "async_scheduling", False),
+        async_scheduling=getattr(args, "async_scheduling", True),
     )
     try:
         return _measure(llm, drafter, args, device, alphas, forced)

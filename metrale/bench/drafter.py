@@ -160,7 +160,7 @@ def drafter_e2e(args) -> dict:
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         spec={"method": args.e2e_drafter, "num_drafts": args.num_drafts},
         deterministic=getattr(args, "deterministic", False),
-        async_scheduling=getattr(args, "async_scheduling", False),
+        async_scheduling=getattr(args, "async_scheduling", True),
     )
     heldout = args.heldout or sysconfig.get_paths()["stdlib"]
     per_slot = args.steady_requests_per_slot

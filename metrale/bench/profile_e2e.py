@@ -5,8 +5,8 @@ checkpoint (`--model`) with its own drafter (`--drafter mtp|ngram`) on held-out 
     python -m metrale.bench.profile_e2e --shape qwen3-8b --batch 1 --max-tokens 48
     python -m metrale.bench.profile_e2e --model metrale/assets/default-model --drafter mtp --batch 8
     python -m metrale.bench.profile_e2e --shape qwen3-8b --batch 64 --alpha 0.5 --forced --dcut
-    python -m metrale.bench.profile_e2e --shape qwen3-8b --batch 64 --forced --async-scheduling \
-        --phases
+    python -m metrale.bench.profile_e2e --shape qwen3-8b --batch 64 --forced \
+        --no-async-scheduling --phases
 """
 
 from __future__ import annotations
@@ -191,7 +191,12 @@ def main() -> None:
     )
     ap.add_argument("--dcut", action="store_true", help="--shape: D-Cut picks the depths")
     ap.add_argument("--phases", action="store_true", help="wall time per phase, not cProfile")
-    ap.add_argument("--async-scheduling", action="store_true", help="the asynchronous engine")
+    ap.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the asynchronous engine (the default; --no-async-scheduling: the synchronous one)",
+    )
     ap.add_argument(
         "--kernels", action="store_true", help="device busy time and top kernels (CUDA)"
     )
