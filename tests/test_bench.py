@@ -47,6 +47,8 @@ def test_bench_writes_table_json_and_png(tmp_path, capsys):
     result = json.loads(stdout[-1])
     assert json.loads((out / "bench.json").read_text())["verify_cost"] == result["verify_cost"]
     assert any("x_roofline" in line for line in stdout)
+    # the engine that ran is named: the ratios depend on it (the default: async scheduling)
+    assert result["async_scheduling"] is True and "async scheduling)" in stdout[0]
     assert [d["batch"] for d in result["decode"]] == [1, 3]
     assert all(d["ms"] > 0 and d["roofline_ratio"] > 0 for d in result["decode"])
     cost = result["verify_cost"]
@@ -124,6 +126,7 @@ def test_bench_e2e_drafter_on_the_default_model(tmp_path, capsys):
     result = json.loads(printed.strip().splitlines()[-1])
     assert "steady state (2 requests per slot)" in printed
     assert "req_tpot_x" in printed
+    assert result["async_scheduling"] is True and "async scheduling)" in printed
     assert result == json.loads((out / "drafter_e2e.json").read_text())
     assert result["model"] == str(default_model_dir())
     assert [r["batch"] for r in result["e2e"]] == [1, 2]
@@ -288,9 +291,11 @@ def test_bench_forced_acceptance_with_dcut(tmp_path, capsys):
     args = ["bench", "--shape", "tiny", "--device", "cpu", "--batch-sizes", "1,2", "--q", "1,3"]
     args += ["--context", "16", "--e2e-batch-sizes", "2", "--max-tokens", "24"]
     args += ["--alpha", "0,1", "--forced-acceptance", "--dcut", "--num-drafts", "2"]
-    args += ["--out", str(out)]
+    args += ["--out", str(out), "--no-async-scheduling"]
     assert main(args) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    printed = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(printed[-1])
+    assert result["async_scheduling"] is False and "synchronous)" in printed[0]
     assert result["acceptance"] == "forced" and result["alpha"] == [0.0, 1.0]
     zero, one = result["e2e"]
     assert zero["acceptance"] == one["acceptance"] == "forced"

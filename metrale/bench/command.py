@@ -28,7 +28,13 @@ from metrale.bench.anchor import anchor_step_times
 from metrale.bench.e2e import end_to_end
 from metrale.bench.profile_step import step_launches
 from metrale.bench.shapes import batch_weight_bytes, write_shape
-from metrale.bench.timing import bandwidth, capture_line, capture_report, weight_bytes
+from metrale.bench.timing import (
+    bandwidth,
+    capture_line,
+    capture_report,
+    scheduling_label,
+    weight_bytes,
+)
 from metrale.engine.calibrate import step_times
 from metrale.engine.heap import freeze_startup_heap
 from metrale.speculative.dcut import VerifyCostModel
@@ -195,7 +201,8 @@ def table(result: dict) -> str:
     tp = result.get("tensor_parallel_size", 1)
     ranks = f" x {tp} ranks (roofline of one rank's weights)" if tp > 1 else ""
     lines = [
-        f"{result['shape']} on {result['device']}{ranks} ({result['dtype']}), "
+        f"{result['shape']} on {result['device']}{ranks} "
+        f"({result['dtype']}, {scheduling_label(result)}), "
         f"bandwidth {result['bandwidth_GBps']:.0f} GB/s, roofline {result['roofline_ms']:.3f} ms"
     ]
     qs = result["verify_cost"]["q"]

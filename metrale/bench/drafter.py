@@ -40,7 +40,7 @@ from pathlib import Path
 from metrale.api import LLM
 from metrale.bench.acceptance import heldout_prompts
 from metrale.bench.e2e import REPEATS, prefill_seconds
-from metrale.bench.timing import capture_line, capture_report
+from metrale.bench.timing import capture_line, capture_report, scheduling_label
 from metrale.config import SamplingParams
 from metrale.engine.calibrate import sync
 from metrale.engine.heap import freeze_startup_heap
@@ -214,6 +214,7 @@ def drafter_e2e(args) -> dict:
         "num_drafts": args.num_drafts,
         "device": str(llm.engine.runner.device),
         "dtype": str(llm.engine.runner.dtype),
+        "async_scheduling": llm.engine.config.async_scheduling,
         "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens,
         "heldout": str(heldout),
@@ -234,7 +235,7 @@ def _spec_columns(row: dict) -> str:
 def format_drafter_e2e(result: dict) -> str:
     lines = [
         f"{result['drafter']} K={result['num_drafts']} on {result['model']} "
-        f"({result['device']}, {result['dtype']})",
+        f"({result['device']}, {result['dtype']}, {scheduling_label(result)})",
         "batch  plain_tok_s  spec_tok_s  speedup  tpot_plain_ms  tpot_spec_ms  decode_x  "
         "req_tpot_x  accept_len  identical  verify_share  host_ms  gated",
     ]

@@ -76,6 +76,12 @@ def capture_report(runner) -> dict:
     }
 
 
+def scheduling_label(result: dict) -> str:
+    """Which engine a bench ran (its ratios depend on it: an asynchronous plain step hides its
+    host work behind the device, a verify step does not)."""
+    return "async scheduling" if result.get("async_scheduling") else "synchronous"
+
+
 def capture_line(report: dict) -> str | None:
     """`capture_report` as one line of the bench's table (None: nothing was captured)."""
     if not report["programs_captured"]:
