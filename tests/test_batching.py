@@ -120,10 +120,10 @@ def test_a_failing_forward_ends_only_its_sequence(tiny_model_dir, prompts, monke
     runner = llm.engine.runner
     real_execute = runner.execute
 
-    def execute(batch):
+    def execute(batch, **kw):  # (`defer`: a step launched ahead fails the same way)
         if any(e.seq.request_id == "req-2" for e in batch.entries):
             raise RuntimeError("NaN in the forward")
-        return real_execute(batch)
+        return real_execute(batch, **kw)
 
     monkeypatch.setattr(runner, "execute", execute)
     params = [params_for(i, sampled=False) for i in range(5)]

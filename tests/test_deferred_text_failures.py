@@ -84,9 +84,9 @@ def test_a_detokenizer_failure_ends_only_its_sequence(tiny_model_dir):
     executes = {"n": 0}
     real_execute = engine.runner.execute
 
-    def execute(batch):
+    def execute(batch, **kw):
         executes["n"] += 1
-        return real_execute(batch)
+        return real_execute(batch, **kw)
 
     engine.runner.execute = execute
     armed = {"done": False}

@@ -214,9 +214,9 @@ def test_a_failure_mid_forward_ends_only_its_sequence_and_corrupts_no_state(
     real_execute, real_layer = runner.execute, layer.forward
     current: list = []
 
-    def execute(batch):
+    def execute(batch, **kw):
         current[:] = [e.seq.request_id for e in batch.entries]
-        return real_execute(batch)
+        return real_execute(batch, **kw)
 
     calls = iter(range(10**6))
 

@@ -316,7 +316,7 @@ def fail_when(llm: LLM, monkeypatch, request_id: str, after: int = 0) -> list[bo
     real = runner.execute
     seen, shared = [0], []
 
-    def execute(batch):
+    def execute(batch, **kw):
         mine = [e.seq for e in batch.entries if e.seq.request_id == request_id]
         if mine:
             seen[0] += 1
@@ -327,7 +327,7 @@ def fail_when(llm: LLM, monkeypatch, request_id: str, after: int = 0) -> list[bo
                     and any(alloc.cache.holds(p) and alloc.refs(p) > 1 for p in mine[0].block_table)
                 )
                 raise RuntimeError(f"injected failure in {request_id}")
-        return real(batch)
+        return real(batch, **kw)
 
     monkeypatch.setattr(runner, "execute", execute)
     return shared

@@ -99,9 +99,9 @@ def record_failures(runner) -> list[Exception]:
     sequence at a time, whose output would hide the failure."""
     failures, execute = [], runner.execute
 
-    def recording(batch):
+    def recording(batch, **kw):
         try:
-            return execute(batch)
+            return execute(batch, **kw)
         except Exception as e:
             failures.append(e)
             raise

@@ -22,9 +22,9 @@ def test_ttft_and_inter_token_gaps_follow_the_step_time(tiny_model_dir, spec):
     runner = llm.engine.runner
     execute = runner.execute
 
-    def slow(batch):
+    def slow(batch, **kw):
         time.sleep(DELAY)  # every step takes at least DELAY
-        return execute(batch)
+        return execute(batch, **kw)
 
     runner.execute = slow
     n = 12
@@ -54,17 +54,17 @@ def test_decode_time_starts_at_the_step_that_made_the_first_token(tiny_model_dir
     """With deferred text the caller gets the first token a step late (`ttft` measures that);
     the request's prefill / decode split is the engine's: decode time starts when the first
     token is committed, so a slow second step counts as decode (found in review: the bench's
-    per-request time per token missed a step)."""
-    llm = LLM(tiny_model_dir, device="cpu")
+    per-request time per token missed a step). Synchronous: it counts the steps' forwards."""
+    llm = LLM(tiny_model_dir, device="cpu", async_scheduling=False)
     engine = llm.engine
     execute = engine.runner.execute
     calls = []
 
-    def second_is_slow(batch):
+    def second_is_slow(batch, **kw):
         calls.append(1)
         if len(calls) == 2:
             time.sleep(0.2)  # before the step that returns the first token
-        return execute(batch)
+        return execute(batch, **kw)
 
     engine.runner.execute = second_is_slow
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)

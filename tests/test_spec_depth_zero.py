@@ -42,10 +42,10 @@ class Recorder:
             self.steps[-1]["step"] = spec._steps
             return real_propose(seqs, caps)
 
-        def execute(batch):
+        def execute(batch, **kw):
             self.steps[-1]["drafts"] += sum(len(e.drafts) for e in batch.entries)
             self.steps[-1]["phases"].append(batch.phase)
-            return real_execute(batch)
+            return real_execute(batch, **kw)
 
         def observe(verdicts):
             self.steps[-1]["observed"] = True
@@ -108,7 +108,10 @@ def test_sequences_planned_deeper_than_zero_are_drafted_every_step(request, targ
     plain = LLM(path, device="cpu").generate(PROMPTS, greedy(), use_tqdm=False)
     reference = [o.outputs[0].token_ids for o in plain]
     drafter = ReplayDrafter(dict(zip(map(tuple, PROMPTS), reference, strict=True)), 1.0, 200)
-    llm = LLM(path, device="cpu", drafter=drafter, spec={"num_drafts": 3, "dcut": True})
+    # synchronous: the asynchronous engine also launches a step for the sequences its last
+    # step ended (thrown away), a decoding step that drafts nothing
+    spec = {"num_drafts": 3, "dcut": True}
+    llm = LLM(path, device="cpu", drafter=drafter, spec=spec, async_scheduling=False)
     llm.engine.spec.cost = VerifyCostModel.from_points({(1, 4.0): 1.01, (4, 4.0): 1.01})
     rec = Recorder(llm)
     outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
