@@ -160,9 +160,9 @@ def test_a_packing_that_raises_leaves_the_device_rows_right(monkeypatch):
 
 
 def test_packed_slots_are_each_rows_page_and_offset():
-    """`pack_spans` writes a span's slots a page-run at a time (`slots_of`, and one run inline
-    for a span within a page): every row's slot is still its page's first slot plus its offset
-    there, for spans within a page, across pages, empty, and at page ends."""
+    """`pack_spans` writes a span's slots a page-run at a time (`slots_of`): every row's slot is
+    still its page's first slot plus its offset there, for spans within a page, across pages,
+    empty, and at page ends."""
     from metrale.engine.kv_cache import slots_of
     from metrale.engine.step_metadata import pack_spans
 

@@ -39,13 +39,7 @@ def pack_spans(
         end = start + len(tokens)
         input_ids += tokens
         positions += range(start, end)
-        first = start // page
-        if tokens and (end - 1) // page == first:
-            # within one page (every decode row, most verify spans): one run of slots
-            base = (table[first] - first) * page
-            slots += range(base + start, base + end)
-        else:
-            slots += slots_of(table, start, end, page)
+        slots += slots_of(table, start, end, page)
         total += len(tokens)
         starts.append(total)
         seq_lens.append(end)
