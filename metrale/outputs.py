@@ -23,6 +23,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None
+    error_by_request: bool = False  # the request caused `error` (a 4xx), not the engine
     # speculative decoding of this output: drafts verified and accepted
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

@@ -130,6 +130,7 @@ def test_a_failing_forward_ends_only_its_sequence(tiny_model_dir, prompts, monke
     outs = llm.generate(prompts[:5], params, use_tqdm=False)
     assert outs[2].outputs[0].finish_reason == "error"
     assert "NaN in the forward" in outs[2].outputs[0].error
+    assert not outs[2].outputs[0].error_by_request  # the engine's failure: a 500 when served
     monkeypatch.undo()
     expected = alone(tiny_model_dir, prompts[:5], params)
     for i in (0, 1, 3, 4):

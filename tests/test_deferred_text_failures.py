@@ -113,5 +113,6 @@ def test_a_detokenizer_failure_ends_only_its_sequence(tiny_model_dir):
         )
     failed = streams["r1"][-1].outputs[0]
     assert failed.finish_reason == "error" and "detokenizer" in failed.error
+    assert not failed.error_by_request
     assert failed.token_ids == ref[1].outputs[0].token_ids[: len(failed.token_ids)]
     assert executes["n"] <= 14, executes["n"]  # one execute a step: no isolation re-runs

@@ -72,6 +72,7 @@ def test_an_unservable_grammar_mid_output_fails_each_request_alike(shipped_ngram
     assert (outs[1].text, outs[1].finish_reason) == (outs[0].text, outs[0].finish_reason)
     # the error is llguidance's own, not a refusal the masks made impossible
     assert outs[0].error.startswith("structured: ") and "refused token" not in outs[0].error
+    assert outs[0].error_by_request  # the request's own grammar: a 400 when served
     ok = SamplingParams(max_tokens=3, temperature=0, structured={"regex": "[0-9]{3}"})
     assert shipped_ngram.generate(["x"], ok, use_tqdm=False)[0].outputs[0].text.isdigit()
 

@@ -85,6 +85,20 @@ def test_fcfs_admission_and_budget():
     assert sched.waiting == [c]  # max_num_seqs reached
 
 
+def test_a_sequence_the_pool_can_never_hold_fails_as_its_own_error():
+    """Past admission's checks (a scheduler used on its own): a prompt larger than the whole pool
+    fails alone, marked as the request's fault (the server's 400), and frees what it held."""
+    alloc = PageAllocator(num_pages=5, page_size=4)
+    sched = Scheduler(alloc, max_num_seqs=2, max_num_batched_tokens=64)
+    big, small = make_seq(0, 40), make_seq(1, 3)
+    for s in (big, small):
+        sched.add(s)
+    batch = sched.schedule()
+    assert batch.failed == [big] and [e.seq for e in batch.entries] == [small]
+    assert big.error.startswith("sequence needs ") and big.error_by_request
+    assert not small.error_by_request and small.error is None
+
+
 def test_paged_attention_matches_dense_causal_attention():
     torch.manual_seed(0)
     heads, kv_heads, dim, page = 4, 2, 8, 4

@@ -80,20 +80,30 @@ def test_a_failed_stream_ends_with_the_error_event(server):
 
 def _output(*reasons_and_errors):
     outputs = [
-        CompletionOutput(index=i, text="", token_ids=[], finish_reason=r, error=e)
-        for i, (r, e) in enumerate(reasons_and_errors)
+        CompletionOutput(
+            index=i, text="", token_ids=[], finish_reason=r, error=e, error_by_request=own
+        )
+        for i, (r, e, own) in enumerate(reasons_and_errors)
     ]
     return RequestOutput("r", None, [1], outputs, finished=True)
 
 
 def test_errors_the_request_caused_are_4xx():
-    """A grammar that failed on a token, or a sequence the pool can never hold: the request's
-    own fault (400); any other engine error the server's (500); none without an error."""
-    assert generation_error([_output(("stop", None), ("length", None))]) is None
-    grammar = generation_error([_output(("stop", None), ("error", "structured: no match"))])
+    """An error the engine marks as the request's own (`error_by_request`: its grammar failed on
+    a token, it can never fit the pool) is a 400; any other engine error the server's (500),
+    whatever its message says; none without an error."""
+    assert generation_error([_output(("stop", None, False), ("length", None, False))]) is None
+    grammar = generation_error(
+        [_output(("stop", None, False), ("error", "structured: no match", True))]
+    )
     assert grammar.status == 400 and "structured: no match" in grammar.message
-    pages = generation_error([_output(("error", "sequence needs 9 KV pages, the pool has 4"))])
+    pages = generation_error(
+        [_output(("error", "sequence needs 9 KV pages, the pool has 4", True))]
+    )
     assert pages.status == 400
-    other = generation_error([_output(("error", "ValueError: drafter failed"))])
+    other = generation_error([_output(("error", "ValueError: drafter failed", False))])
     assert other.status == 500 and other.type == "internal_error"
-    assert generation_error([_output(("error", None))]).status == 500
+    # the cause decides, not the message: an engine error that happens to read like one
+    alike = generation_error([_output(("error", "structured: the drafter's mask failed", False))])
+    assert alike.status == 500
+    assert generation_error([_output(("error", None, False))]).status == 500

@@ -139,6 +139,7 @@ class Emitter:
             # llguidance ran out of its limits following the grammar (its error says which)
             why = seq.grammar.matcher.get_error() or f"the grammar refused token {token.token_id}"
             seq.error = f"structured: {why.splitlines()[0]}"
+            seq.error_by_request = True
 
     def _append(self, seq: Sequence, token: SampledToken) -> str:
         self._record(seq, token)
@@ -181,6 +182,7 @@ class Emitter:
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                     error=seq.error,
+                    error_by_request=seq.error_by_request,
                     num_draft_tokens=seq.num_draft_tokens,
                     num_accepted_tokens=seq.num_accepted_tokens,
                     delta_text=delta_text,

@@ -120,6 +120,7 @@ class Scheduler:
         self.allocator.free(seq)
         self._release_slot(seq)
         seq.error = f"sequence needs {pages} KV pages, the pool has {self.allocator.num_usable}"
+        seq.error_by_request = True
         return True
 
     def schedule(self, hold: bool = False) -> Batch | None:

@@ -49,6 +49,9 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    # the request itself caused `error` (its grammar failed on a token, it can never fit the KV
+    # pool), as a check at admission would have found: the server answers 400, not 500
+    error_by_request: bool = False
     num_preemptions: int = 0
     # per emitted token: {token_id: Logprob} (the emitted token first, then the top-k)
     logprobs: list[dict[int, Any]] = field(default_factory=list)

@@ -62,19 +62,17 @@ class APIError(Exception):
         return ErrorResponse(error=error).model_dump()
 
 
-# Engine errors that the request itself caused (its grammar failed on a token, or it cannot fit
-# the KV pool): a 400, as a check at admission would have given; any other is the server's (500).
-_REQUEST_ERRORS = ("structured:", "sequence needs ")
-
-
 def generation_error(outs: list[RequestOutput]) -> APIError | None:
     """The error of the first completion that the engine ended with finish_reason "error", as
-    vLLM answers one (the request fails whole, with the engine's message), else None."""
+    vLLM answers one (the request fails whole, with the engine's message), else None: a 400
+    where the request itself caused it (`CompletionOutput.error_by_request`: its grammar failed
+    on a token, it can never fit the KV pool), as a check at admission would have; else the
+    server's, a 500."""
     for out in outs:
         for c in out.outputs:
             if c.finish_reason == "error":
                 why = c.error or "the engine failed this request"
-                if why.startswith(_REQUEST_ERRORS):
+                if c.error_by_request:
                     return APIError(f"generation failed: {why}", None, 400)
                 return APIError(f"generation failed: {why}", None, 500, "internal_error")
     return None
