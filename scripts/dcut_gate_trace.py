@@ -5,7 +5,7 @@ step sample the gate takes (`HostCost.plain`, `HostCost.speculative`), and every
 (its wall milliseconds and the verify-step count so far). Runs alternate plain and speculative,
 as the bench's do.
 
-    python scripts/dcut_gate_trace.py --batch 64 --alpha 0.5 --async-scheduling   # qwen3-8b
+    python scripts/dcut_gate_trace.py --batch 64 --alpha 0.5 --no-async-scheduling   # qwen3-8b
     python scripts/dcut_gate_trace.py --batch 64 --drafter ngram   # the shipped model, held out
 """
 
@@ -77,7 +77,12 @@ def main() -> None:
         choices=("ngram", "mtp", "dflash"),
         help="the shipped model with this drafter instead of --shape",
     )
-    ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the engine's default; --no-async-scheduling: the synchronous engine",
+    )
     ap.add_argument("--runs", type=int, default=4)
     args = ap.parse_args()
     trace_gate()
