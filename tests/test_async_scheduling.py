@@ -347,8 +347,9 @@ def test_a_drafter_that_learns_from_every_step_keeps_it_synchronous(tiny_model_d
 
 
 def test_mtp_speculation_under_async_scheduling_is_the_synchronous_engine(tiny_model_dir, tmp_path):
-    """A real MTP head (it observes every step): the engine stays synchronous throughout, and
-    every request, speculative or not, gets the synchronous engine's tokens."""
+    """A real MTP head (it observes every step of a sequence that drafts with it): the engine
+    stays synchronous while one runs (here to the end: the request without speculation ends
+    first), and every request, speculative or not, gets the synchronous engine's tokens."""
     import shutil
 
     from metrale.config import ModelConfig
@@ -366,6 +367,79 @@ def test_mtp_speculation_under_async_scheduling_is_the_synchronous_engine(tiny_m
     _same(outs, ref)
     assert llm.engine.telemetry.spec.num_draft_tokens > 0
     assert llm.engine._ahead.launches_ahead == 0
+
+
+def test_an_mtp_engine_runs_requests_without_speculation_ahead():
+    """MTP learns from the sequences that draft with it alone (`observes_drafting_only`): an
+    engine with an MTP head serving requests with `speculative=False` runs their steps ahead
+    (before, every step waited: `metrale bench`'s plain runs of an MTP cell were synchronous),
+    and a speculative request arriving mid-run is still shown every step from its prompt on:
+    the synchronous engine's tokens, and its drafts and acceptance to the draft, which a missed
+    catch-up of its prompt changes (checked by making the engine skip it)."""
+    from metrale.default_model import default_model_dir
+
+    plain = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, speculative=False)
+    spec = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+    def run(async_scheduling: bool):
+        llm = LLM(
+            default_model_dir(),
+            device="cpu",
+            spec={"method": "mtp", "num_drafts": 3},
+            async_scheduling=async_scheduling,
+        )
+        engine, outs, steps = llm.engine, {}, 0
+        for i, prompt in enumerate(["def fibonacci(n):", "import os\nimport sys\n"]):
+            engine.add_request(f"plain{i}", prompt, plain)
+        while engine.has_unfinished_requests():
+            steps += 1
+            if steps == 4:  # after a few steps launched ahead
+                engine.add_request("spec", "def quicksort(items):\n    if len(items) <= 1:", spec)
+            for out in engine.step():
+                outs[out.request_id] = out
+        counts = (
+            outs["spec"].outputs[0].num_draft_tokens,
+            outs["spec"].outputs[0].num_accepted_tokens,
+        )
+        tokens = {k: o.outputs[0].token_ids for k, o in outs.items()}
+        return engine, tokens, counts
+
+    engine, tokens, counts = run(True)
+    _, ref_tokens, ref_counts = run(False)
+    assert tokens == ref_tokens and counts == ref_counts and counts[1] > 0
+    assert engine._ahead.launches_ahead >= 3  # the plain steps before the arrival, at least
+    assert not engine._sync_seq_ids  # every sequence left its count at its end
+
+
+def test_an_mtp_hook_after_a_program_wants_a_sequence_that_drafts_with_it():
+    """`ModelRunner._follow` (the GPU path's catch-up queued after a program) is not bound to a
+    step none of whose sequences drafts with MTP (`after_verify_seqs`): such a step may leave
+    its verdicts on the device (`execute(defer=True)` refuses a step with a hook)."""
+    from types import SimpleNamespace
+
+    from metrale.engine.program_shapes import RaggedShape
+    from metrale.engine.runner import ModelRunner
+    from metrale.engine.sequence import ScheduledSeq, Sequence
+    from metrale.speculative.drafter import may_draft
+
+    def entry(i: int, speculative: bool) -> ScheduledSeq:
+        params = SamplingParams(max_tokens=4, speculative=speculative)
+        return ScheduledSeq(
+            Sequence(i, f"r{i}", [1, 2, 3], params, 0, (), arrival=i, num_computed_tokens=2), 1
+        )
+
+    runner = SimpleNamespace(
+        replayed_shape=RaggedShape(2, 2, 4),
+        after_verify=lambda *a: None,
+        after_verify_seqs=may_draft,
+        after_verify_drafts_only=False,
+        forced_acceptance=None,
+        verify_raw_argmax=False,
+    )
+    plain = [entry(0, False), entry(1, False)]
+    assert ModelRunner._follow(runner, SimpleNamespace(entries=plain), plain) is None
+    mixed = [entry(0, False), entry(1, True)]
+    assert ModelRunner._follow(runner, SimpleNamespace(entries=mixed), mixed) is not None
 
 
 @pytest.mark.gpu

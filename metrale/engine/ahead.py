@@ -23,7 +23,9 @@ Where the engine stays synchronous (the step waits for the one before it):
   runs synchronously, and so does a step whose drafts were all cut (a probe: its verdicts teach
   D-Cut each sequence's first draft, and only a synchronous commit observes them). A step D-Cut
   plans at depth 0 everywhere runs ahead like a plain one. A drafter that learns from every
-  step (MTP, not `stateless`) keeps the whole engine synchronous;
+  step (MTP, not `stateless`) keeps the whole engine synchronous while a sequence it learns
+  from is unfinished (`runs_ahead`: MTP `observes_drafting_only`, so an engine serving only
+  requests with `speculative=False` runs ahead);
 - any unfinished sequence that follows a grammar (the mask needs its last token) or has a
   repetition, presence or frequency penalty (they count its tokens), `may_run_ahead`;
 - a step that would preempt or fail a running sequence (`Scheduler.schedule(hold=True)` refuses);
@@ -42,6 +44,7 @@ from metrale.engine.isolation import run_batch
 from metrale.engine.sequence import Batch, Phase, Sequence, SequenceStatus
 from metrale.engine.step_output import StepOutput
 from metrale.outputs import RequestOutput
+from metrale.speculative.drafter import may_draft
 
 FINISHED = SequenceStatus.FINISHED
 log = logging.getLogger(__name__)
@@ -49,10 +52,16 @@ log = logging.getLogger(__name__)
 
 def runs_ahead(seq: Sequence, spec) -> bool:
     """Whether a sequence's steps may be launched before the one before them is settled (those
-    its drafter drafts for never are: `AheadStepper.step` settles first)."""
+    its drafter drafts for never are: `AheadStepper.step` settles first). Not one a drafter
+    learns from every step of (MTP catches up from its hidden states): a drafter that is not
+    `stateless` and sees every sequence's steps, or one that `observes_drafting_only` and a
+    sequence that may draft."""
     params = seq.params
-    if spec is not None and not getattr(spec.drafter, "stateless", False):
-        return False
+    drafter = None if spec is None else spec.drafter
+    if drafter is not None and not getattr(drafter, "stateless", False):
+        learns = not getattr(drafter, "observes_drafting_only", False) or may_draft(seq)
+        if learns:
+            return False
     return (
         seq.grammar is None
         and params.repetition_penalty == 1.0

@@ -131,6 +131,10 @@ class LLMEngine(RequestAdmission):
         if cache is not None and self.spec is not None:
             # a drafter whose K/V rows live in the pages reads them on a prefix hit too
             cache.draft_kv = getattr(self.spec.drafter, "page_kv", None)
+        if self.spec is not None:
+            # every unfinished sequence that may draft with a drafter that is not `stateless`
+            # is one of these (`ahead.runs_ahead`; with grammars and penalties beside them)
+            self.spec.drafting_pending = lambda: self.sync_seqs > 0
         if self.spec is not None and self.spec.cfg.dcut and self.runner.graphs is not None:
             self._calibrate_dcut()
         # NOTE: hybrid targets stay synchronous: a prefix-cache snapshot saved when a step is

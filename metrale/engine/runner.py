@@ -229,9 +229,11 @@ class ModelRunner:
         # waits for the verdicts: called with (entries, the program's shape, the target's token
         # at each sampling row, in row order) (the MTP catch-up, `MTPDrafter._catch_up_verified`;
         # DFlash's next drafts, `DFlashDrafter._draft_ahead`, which wants only steps with drafts:
-        # `after_verify_drafts_only`).
+        # `after_verify_drafts_only`; MTP's, only steps with a sequence `after_verify_seqs`
+        # accepts: one that drafts with it).
         self.after_verify: Callable | None = None
         self.after_verify_drafts_only = False
+        self.after_verify_seqs: Callable | None = None
         self.replayed_shape = None  # the program the step replayed, if any
         self.replayed_ids = None  # and its input ids on the device (its real rows first)
         log.info(
@@ -391,7 +393,7 @@ class ModelRunner:
         when it applies: a program ran the step (a ragged one, where every entry samples, or a
         prefill one), and what the verdicts accept follows from those tokens alone (not the
         bench's forced acceptance, not raw-argmax judging)."""
-        shape = self.replayed_shape
+        shape, wants = self.replayed_shape, self.after_verify_seqs
         if (
             self.after_verify is None
             or shape is None
@@ -399,6 +401,7 @@ class ModelRunner:
             or self.forced_acceptance is not None
             or self.verify_raw_argmax
             or (self.after_verify_drafts_only and not any(e.drafts for e in entries))
+            or (wants is not None and not any(wants(e.seq) for e in batch.entries))
         ):
             return None
         hook = self.after_verify

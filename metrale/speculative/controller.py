@@ -84,6 +84,9 @@ class SpeculativeDecoder(DepthPlanning):
         # whether this step's verdicts go to `observe` (False: nothing drafted, and the drafter
         # is `stateless`, so the step is a plain decode step end to end)
         self.observing = False
+        # Whether an unfinished sequence may draft (`drafter.may_draft`), for a drafter that
+        # `observes_drafting_only`: the engine sets it (True: every step is observed)
+        self.drafting_pending: Callable[[], bool] = lambda: True
         # What drafting costs the step on the host (the seconds of `prepare` and `observe`).
         # Priced for a `stateless` drafter only: its drafting is host work a depth-0 step skips
         # whole. A stateful one (MTP) catches up every step whatever the plan and chains its
@@ -94,6 +97,13 @@ class SpeculativeDecoder(DepthPlanning):
         # (whole steps scaled between widths by the calibrated forward, looked up when asked:
         # the engine calibrates `cost` after this)
         self.host = HostCost(bool(priced), forward=lambda width: self.cost.plain_seconds(width))
+
+    def _observes_every_step(self) -> bool:
+        """Whether the drafter is shown a step it drafted nothing for: not a `stateless` one;
+        one that `observes_drafting_only` while a sequence that may draft is unfinished."""
+        if getattr(self.drafter, "stateless", False):
+            return False
+        return not getattr(self.drafter, "observes_drafting_only", False) or self.drafting_pending()
 
     @property
     def needs_verdicts(self) -> bool:
@@ -202,7 +212,7 @@ class SpeculativeDecoder(DepthPlanning):
                 seq.draft = None
             self._proposed, self._sources, self._asked = {}, set(), 0
             self._planned_width, self._planned_drafted, self._ahead = len(running), 0, None
-            self.observing = not getattr(self.drafter, "stateless", False)
+            self.observing = self._observes_every_step()
             return []
         seqs, caps = [], []
         for seq in running:
@@ -231,7 +241,7 @@ class SpeculativeDecoder(DepthPlanning):
             seqs, caps = [seqs[i] for i in kept], [caps[i] for i in kept]
         # A drafter that declares itself `stateless` learns nothing from verdicts it did not
         # draft for; any other is shown every step's verdicts, as the protocol says.
-        self.observing = bool(seqs) or not getattr(self.drafter, "stateless", False)
+        self.observing = bool(seqs) or self._observes_every_step()
         if not seqs:
             return []
         self._asked = len(seqs)

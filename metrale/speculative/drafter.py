@@ -59,13 +59,22 @@ class Verdict:
     picks: list[int] = field(default_factory=list)
 
 
+def may_draft(seq: Sequence) -> bool:
+    """Whether `seq`'s request lets it draft at all (speculation on, a depth above 0)."""
+    params = seq.params
+    return params.speculative and params.num_drafts != 0
+
+
 class Drafter(Protocol):
     name: str
     # True when the drafter needs the target's hidden states in `observe`.
     needs_hidden: bool
     # Optional (default False): a drafter that learns nothing from `observe` may say so with
     # `stateless = True`; the engine then skips `observe` on steps where nothing was drafted, so
-    # those steps are plain decode steps. Any other drafter sees every step's verdicts.
+    # those steps are plain decode steps. Any other drafter sees every step's verdicts, or with
+    # `observes_drafting_only = True` (optional, default False) only while a sequence that may
+    # draft (`may_draft`) is unfinished: it learns from those sequences alone, so the steps of
+    # the others (`speculative=False`, `num_drafts=0`) may run ahead (`engine/ahead.py`).
     # Optional (default False): `own_tokens = True` says every draft is made of the sequence's
     # own tokens (prompt lookup), so in the vocabulary: the controller skips checking each one.
     # Optional (default None): a drafter that keeps K/V rows in the target's pages says which

@@ -41,7 +41,7 @@ from metrale.knobs import (
     mtp_catchup_enabled,
     mtp_refeed_accepted_enabled,
 )
-from metrale.speculative.drafter import Draft, Verdict
+from metrale.speculative.drafter import Draft, Verdict, may_draft
 from metrale.speculative.mtp_graphs import DraftChainGraphs
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 class MTPDrafter:
     name = "mtp"
     needs_hidden = True
+    # it catches up from every step of a sequence that drafts with it, and of no other: the
+    # steps of the rest run ahead under asynchronous scheduling (`engine/ahead.py`)
+    observes_drafting_only = True
 
     def __init__(self, runner, max_seqs: int, num_slots: int | None = None) -> None:
         """`max_seqs`: sequences drafted per step at most (the MTP dispatch cap); `num_slots`:
@@ -67,7 +70,7 @@ class MTPDrafter:
         # Its layer's K/V rows live in the target's pages, each fed the token after its
         # position: a prefix-cache hit maps a page only where they are whole and were fed the
         # same token (the debug refeed shift writes other rows: never shared).
-        self.page_kv = DraftKV(self._drafts, self._wrote_kv, next_token=True)
+        self.page_kv = DraftKV(may_draft, self._wrote_kv, next_token=True)
         # Per sequence, on the host: [position p of its newest committed row (it predicts the
         # token at p + 2), rows the last chain wrote (positions p + 1 .. p + chain_rows)]. On
         # the device, by state slot: that row's next_hidden and the first draft it predicts, so
@@ -103,15 +106,11 @@ class MTPDrafter:
         if self.chain_graphs is not None and not (self.refeed_shift or self.refeed_debug):
             runner.after_verify = self._catch_up_verified
             runner.after_verify_drafts_only = False  # it catches up after every step
-
-    @staticmethod
-    def _drafts(seq: Sequence) -> bool:
-        """Whether `seq` drafts with it (and so reads its layer's K/V rows)."""
-        return seq.params.speculative and seq.params.num_drafts != 0
+            runner.after_verify_seqs = may_draft  # of the sequences that draft with it
 
     def _wrote_kv(self, seq: Sequence) -> bool:
         """Whether its layer's K/V rows are written for every committed row of `seq`."""
-        return self._drafts(seq) and not self.refeed_shift
+        return may_draft(seq) and not self.refeed_shift
 
     def _forward(self, step: int, spans, hidden: torch.Tensor):
         """One MTP module over spans (block table, first position, tokens at p + 1)."""
@@ -142,7 +141,7 @@ class MTPDrafter:
             row += e.num_rows
             if not e.samples:
                 ends.append((row - 1, seq.tokens(first + e.num_rows, first + e.num_rows + 1)[0]))
-            if seq.slot < 0 or not seq.params.speculative or seq.params.num_drafts == 0:
+            if seq.slot < 0 or not may_draft(seq):
                 owners.append(scratch)
                 keeps.append(0)
                 every.append(1)
@@ -177,7 +176,7 @@ class MTPDrafter:
         ahead_rows: dict[int, tuple] = {}
         for v in verdicts:
             seq, rows = v.seq, 0 if v.hidden is None else v.hidden.shape[0]
-            if rows == 0 or not seq.params.speculative or seq.params.num_drafts == 0:
+            if rows == 0 or not may_draft(seq):
                 continue
             if seq.slot < 0:
                 continue
