@@ -84,10 +84,7 @@ def test_async_engine_gives_the_synchronous_output(request, target):
     llm, outs = _run(path, prompts, params, async_scheduling=True)
     _same(outs, ref)
     stepper = llm.engine._ahead
-    if target == "hybrid":  # hybrid targets stay synchronous (prefix-cache snapshots)
-        assert stepper is None
-    else:
-        assert stepper.launches_ahead > stepper.launches // 2  # it did run ahead
+    assert stepper.launches_ahead > stepper.launches // 2  # it did run ahead
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
     assert llm.engine.sync_seqs == 0 and not llm.engine.requests
 
@@ -103,7 +100,7 @@ def test_chunked_prefill_and_preemption_under_async_scheduling(request, target):
     llm, outs = _run(path, prompts, params, async_scheduling=True, **small)
     assert llm.engine.telemetry.preemptions > 0
     _same(outs, ref)
-    assert target == "hybrid" or llm.engine._ahead.launches_ahead > 0
+    assert llm.engine._ahead.launches_ahead > 0
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
 
 
@@ -167,6 +164,40 @@ def test_arrivals_and_aborts_mid_stream(request, target):
             ref.finish_reason,
         )
         assert seen_async[rid] == seen_sync[rid] == (ref.token_ids, ref.text)
+
+
+@pytest.mark.parametrize("target", ["dense", "hybrid"])
+def test_a_launch_that_fails_once_after_its_forward_runs_again_on_the_right_state(
+    request, target, monkeypatch
+):
+    """A step launched ahead that raises after its forward ran (a hybrid target's GDN state
+    advanced by its rows, its K/V written): it runs again synchronously, each sequence alone
+    after its state is rebuilt, and every request still gets the synchronous engine's tokens
+    (run again whole, the hybrid's would have started from the state the failed run left)."""
+    path = _target(request, target)
+    prompts = _prompts(5, seed=8)
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)] * 5
+    _, ref = _run(path, prompts, params)
+    llm = LLM(path, device="cpu", async_scheduling=True)
+    runner = llm.engine.runner
+    real_execute = runner.execute
+    deferred = {"n": 0}
+
+    def execute(batch, defer=False):
+        out = real_execute(batch, defer=defer)
+        if defer:
+            deferred["n"] += 1
+            if deferred["n"] in (4, 7):  # a transient failure, after the forward
+                raise RuntimeError("the device said no")
+        return out
+
+    monkeypatch.setattr(runner, "execute", execute)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    _same(outs, ref)
+    # (a hybrid's two failed steps ran one sequence at a time; a dense one's again whole)
+    assert llm.engine.retried_batches == (2 if target == "hybrid" else 0)
+    assert llm.engine._ahead.launches_ahead > 0
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
 
 
 def test_a_failing_forward_ends_only_its_sequence(tiny_model_dir, monkeypatch):
@@ -242,7 +273,7 @@ def test_speculative_requests_under_async_scheduling(request, target, dcut):
     _same(outs, plain)
     tel = llm.engine.telemetry.spec
     assert tel.num_drafts > 0
-    assert target == "hybrid" or llm.engine._ahead.launches_ahead > 0  # prefill, depth 0
+    assert llm.engine._ahead.launches_ahead > 0  # prefill, depth 0
     assert llm.engine.sync_seqs == 0 and not llm.engine.requests
 
 
@@ -467,5 +498,5 @@ def test_on_cuda_graphs_the_async_engine_gives_the_same_bits(tmp_path, tokenizer
             assert (c.token_ids, c.text, c.finish_reason) == (d.token_ids, d.text, d.finish_reason)
             assert c.logprobs == d.logprobs
     stepper = llm.engine._ahead
-    assert target == "hybrid" or stepper.launches_ahead > stepper.launches // 2
+    assert stepper.launches_ahead > stepper.launches // 2
     assert llm.engine.runner.graph_refusals == 0

@@ -51,6 +51,8 @@ def test_greedy_output_equals_uncached(hybrid_dir, prefix_len, engine, variant, 
     assert run_turns(llm, prompts) == expected
     stats, tel = llm.engine.telemetry.prefix_cache, llm.engine.telemetry
     assert watch.checks > 0 and stats.hits > 0 and stats.snapshots_restored > 0
+    # (asynchronous scheduling, the default: snapshots saved as their steps are launched)
+    assert llm.engine._ahead.launches_ahead > 0
     if engine == "tight":
         assert tel.preemptions > 0 and stats.evicted_pages > 0
         assert stats.snapshots_saved > 2 * llm.engine.config.max_num_seqs  # some were reused
@@ -90,6 +92,9 @@ def test_mtp_drafts_stay_lossless(hybrid_mtp_dir):  # noqa: F811
     assert run_turns(llm, prompts) == expected
     tel = llm.engine.telemetry
     assert tel.prefix_cache.snapshots_restored > 0 and tel.spec.num_draft_tokens > 0
+    # MTP's K/V rows in the pages offer them at the commit, and a snapshot with them: this
+    # engine stays synchronous (a snapshot saved at a settle held the next step's state)
+    assert llm.engine._ahead is None
 
 
 def test_snapshot_policy_branch_point_then_prompt_end(hybrid_dir):  # noqa: F811

@@ -29,7 +29,13 @@ Where the engine stays synchronous (the step waits for the one before it):
 - any unfinished sequence that follows a grammar (the mask needs its last token) or has a
   repetition, presence or frequency penalty (they count its tokens), `may_run_ahead`;
 - a step that would preempt or fail a running sequence (`Scheduler.schedule(hold=True)` refuses);
-- a step whose launch raises: it runs again through `isolation.run_batch`, after the step before.
+- a step whose launch raises: it runs again through `isolation.run_batch`, after the step before
+  (one sequence at a time, a hybrid target's state rebuilt first: the failed launch may have
+  advanced it);
+- every step of a hybrid target with prefix caching and a drafter that keeps K/V rows in the
+  pages (MTP): its state snapshots are saved with those pages, at the commit (`LLMEngine`).
+A hybrid target's prefix-cache snapshots are otherwise saved as their step is launched
+(`_advance`), with its pages, before the next step advances the state.
 """
 
 from __future__ import annotations
@@ -95,6 +101,7 @@ class AheadStepper:
         self.launches = 0
         self.launches_ahead = 0
         self._waited = 0.0
+        self._failed = False  # the last `_launch` raised (not: it did not defer)
         # launched steps whose placeholders are out and not yet committed, with the device
         # tokens they read (`_withdraw`)
         self._open: list[tuple[Launched, object]] = []
@@ -174,7 +181,7 @@ class AheadStepper:
                 if prev is not None:
                     self._settle(prev, changed)
                     prev = None
-                self._run_now(batch, start, changed)
+                self._run_now(batch, start, changed, self._failed)
                 ran_now = batch
         if prev is not None:
             self._settle(prev, changed)
@@ -194,14 +201,19 @@ class AheadStepper:
         if launched is not None:
             self.launches += 1
             self.launches_ahead += ahead
-            # after the step before is settled: one placeholder a sequence at most
+            # after the step before is settled: one placeholder a sequence at most; open
+            # before its placeholders go out, so that an exception while they do takes back
+            # those already out (found in review: a prefix-cache commit raising left token 0
+            # in every output)
+            self._open = [(launched, launched.tokens)]
             self._advance(launched)
             # (a step whose sequences the step before all ended is thrown away now: kept, it
             # was settled by the next call, whenever a request came, and counted as a step
             # whose time was the idle time between them; found in review)
             if any(not e.seq.is_finished for e in launched.batch.entries):
                 self.launched = launched
-                self._open = [(launched, launched.tokens)]
+            else:
+                self._open = []
             spec = engine.spec
             if (
                 ahead
@@ -222,6 +234,7 @@ class AheadStepper:
 
     def _launch(self, batch: Batch, start: float) -> Launched | None:
         engine = self.engine
+        self._failed = False
         if not self.may_run_ahead():  # the step after waits for this one anyway: no deferral
             return None
         runner = engine.runner
@@ -234,14 +247,18 @@ class AheadStepper:
             # said, not swallowed: a launch that always failed would silently make the engine
             # synchronous (found in review: tests whose wrappers refused `defer` did)
             log.warning("a step launched ahead failed; it runs again synchronously", exc_info=True)
+            self._failed = True
             return None
         finally:
             runner.while_forward_runs = None
         return Launched(batch, out, start, batch.num_prompt_rows)
 
-    def _run_now(self, batch: Batch, start: float, changed: dict) -> None:
+    def _run_now(self, batch: Batch, start: float, changed: dict, failed: bool = False) -> None:
         """A step the synchronous way (`isolation.run_batch`), without the sequences that the
-        step before ended meanwhile."""
+        step before ended meanwhile. `failed`: its launch raised, perhaps after a hybrid
+        target's layers advanced some sequences' state: each runs alone after its state is
+        rebuilt, as a failed synchronous step does (run again whole, a failure that did not
+        recur ran on the advanced state)."""
         engine = self.engine
         batch = Batch([e for e in batch.entries if not e.seq.is_finished])
         prompt_rows = batch.num_prompt_rows  # before the commit moves the counters
@@ -250,7 +267,7 @@ class AheadStepper:
         runner = engine.runner
         runner.while_forward_runs = engine.while_forward(batch)
         try:
-            out = run_batch(engine, batch)
+            out = run_batch(engine, batch, rebuild=failed and engine.runner.hybrid)
         finally:
             runner.while_forward_runs = None
         emitted = engine._commit(out, changed)

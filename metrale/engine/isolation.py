@@ -19,29 +19,34 @@ from metrale.engine.step_output import StepOutput
 log = logging.getLogger(__name__)
 
 
-def run_batch(engine, batch: Batch) -> StepOutput:
+def run_batch(engine, batch: Batch, rebuild: bool = False) -> StepOutput:
     """Run the batch; if the forward fails, isolate the failing sequence(s) by running each
-    alone, so one bad sequence never takes the others down."""
+    alone, so one bad sequence never takes the others down. `rebuild`: the batch's forward
+    failed already (a step launched ahead, `engine/ahead.py`): each runs alone at once, a hybrid
+    target's state rebuilt first."""
     if not batch.entries:
         return StepOutput([], [], torch.empty(0), [])
-    try:
-        return engine.runner.execute(batch)
-    except DistributedError:
-        raise  # a rank is gone: no sequence can run, so none is retried alone
-    except Exception as e:  # noqa: BLE001 (isolation: any error ends only its sequence)
-        if len(batch.entries) == 1:
-            log.exception("sequence %s failed", batch.entries[0].seq.request_id)
-            engine._fail(batch.entries[0].seq, f"{type(e).__name__}: {e}")
-            return StepOutput([], [], torch.empty(0), [])
-        # said, so that a step that keeps failing (and running N times) is seen; counted, so
-        # that a timing of this step (D-Cut's `timed_step`) is not taken as a step's cost
+    if rebuild:
         engine.retried_batches += 1
-        log.warning(
-            "a batch of %d sequences failed (%s: %s); running each alone",
-            len(batch.entries),
-            type(e).__name__,
-            e,
-        )
+    else:
+        try:
+            return engine.runner.execute(batch)
+        except DistributedError:
+            raise  # a rank is gone: no sequence can run, so none is retried alone
+        except Exception as e:  # noqa: BLE001 (isolation: any error ends only its sequence)
+            if len(batch.entries) == 1:
+                log.exception("sequence %s failed", batch.entries[0].seq.request_id)
+                engine._fail(batch.entries[0].seq, f"{type(e).__name__}: {e}")
+                return StepOutput([], [], torch.empty(0), [])
+            # said, so that a step that keeps failing (and running N times) is seen; counted,
+            # so that a timing of this step (D-Cut's `timed_step`) is not taken as a step's cost
+            engine.retried_batches += 1
+            log.warning(
+                "a batch of %d sequences failed (%s: %s); running each alone",
+                len(batch.entries),
+                type(e).__name__,
+                e,
+            )
     parts = []
     for entry in batch.entries:
         if engine.runner.hybrid and not rebuild_state(engine, entry):

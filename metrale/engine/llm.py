@@ -137,9 +137,14 @@ class LLMEngine(RequestAdmission):
             self.spec.drafting_pending = lambda: self.sync_seqs > 0
         if self.spec is not None and self.spec.cfg.dcut and self.runner.graphs is not None:
             self._calibrate_dcut()
-        # NOTE: hybrid targets stay synchronous: a prefix-cache snapshot saved when a step is
-        # settled would hold the state the next step already advanced (found in review)
-        ahead = self.config.async_scheduling and not self.runner.hybrid
+        # NOTE: a hybrid target's prefix-cache snapshots are saved when a step is launched,
+        # with its pages (`AheadStepper._advance`); where a drafter keeps K/V rows in the pages
+        # (MTP) they wait for the commit, and a snapshot saved then would hold the state the
+        # next step already advanced (found in review): that engine stays synchronous
+        snapshots_at_commit = (
+            self.runner.hybrid and cache is not None and cache.draft_kv is not None
+        )
+        ahead = self.config.async_scheduling and not snapshots_at_commit
         self._ahead = AheadStepper(self) if ahead else None
 
     def _calibrate_dcut(self) -> None:
