@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from metrale import LLM, SamplingParams
 
 
@@ -114,6 +116,38 @@ def test_an_exception_while_a_launched_step_moves_the_counters_loses_nothing(tin
         assert errors == 1 and engine.allocator.num_free == engine.allocator.num_usable
         finals[async_on] = got
     assert finals[True] == finals[False]
+
+
+@pytest.mark.parametrize("async_on", [False, True], ids=["sync", "async"])
+def test_an_exception_after_a_sequence_ended_ends_it_and_keeps_its_output(tiny_model_dir, async_on):
+    """The prefix cache's commit raises once in the step that ends a request (its last token
+    fills a page): the request still ends there, with `max_tokens` tokens (before: it ran one
+    step more and returned max_tokens + 1), and its final output comes with the next step
+    (`LLMEngine._carried`), though no sequence is left to run (found in review)."""
+    for fail_at in (1, 2):  # a page filled mid-way, then the last step's
+        llm = LLM(tiny_model_dir, device="cpu", async_scheduling=async_on, page_size=4)
+        engine, cache = llm.engine, llm.engine.allocator.cache
+        real, calls = cache.commit, [0]
+
+        def commit(seq, real=real, calls=calls, fail_at=fail_at):
+            calls[0] += 1
+            if calls[0] == fail_at:
+                raise RuntimeError("injected")
+            return real(seq)
+
+        cache.commit = commit
+        engine.add_request("a", [5, 6, 7], _greedy(6), final_only=True)  # 9 rows: 2 pages + 1
+        final, errors = None, 0
+        while engine.has_unfinished_requests():
+            try:
+                outs = engine.step()
+            except RuntimeError:
+                errors += 1
+                continue
+            final = next((o.outputs[0] for o in outs if o.finished), final)
+        assert errors == 1 and final is not None, fail_at
+        assert (len(final.token_ids), final.finish_reason) == (6, "length"), fail_at
+        assert engine.allocator.num_free == engine.allocator.num_usable and not engine.requests
 
 
 def test_the_step_after_the_last_is_not_counted(tiny_model_dir):

@@ -110,10 +110,13 @@ class AheadStepper:
         return self.engine.sync_seqs == 0
 
     def step(self) -> list[RequestOutput]:
+        engine = self.engine
+        changed, engine._carried = engine._carried, {}
         try:
-            return self._step()
+            return self._step(changed)
         except BaseException:
             self._withdraw()
+            engine._carried = changed  # what it committed reaches the caller with the next step
             raise
 
     def _withdraw(self) -> None:
@@ -134,9 +137,8 @@ class AheadStepper:
                 seq.num_computed_tokens -= entry.num_rows
                 seq.noise_epoch -= 1
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self, changed: dict[str, dict[int, tuple[str, list[int]]]]) -> list[RequestOutput]:
         engine = self.engine
-        changed: dict[str, dict[int, tuple[str, list[int]]]] = {}
         start, retried = time.perf_counter(), engine.retried_batches
         self._waited = 0.0  # seconds this step waits for the device (reading verdicts)
         prev, self.launched = self.launched, None

@@ -106,6 +106,9 @@ class LLMEngine(RequestAdmission):
         self.requests: dict[str, Request] = {}
         # Unfinished sequences whose steps must wait for the one before (`ahead.runs_ahead`)
         self._sync_seq_ids: set[int] = set()
+        # the outputs of a step an exception cut short (request id -> seq id -> delta), which
+        # the next step returns (a request it ended has no step after it but that one)
+        self._carried: dict[str, dict[int, tuple[str, list[int]]]] = {}
         self._rng = random.Random(self.config.seed)
         self._next_seq_id = 0
         # The tokens a sequence can reach: max_model_len, or what the KV pool holds when that is
@@ -179,7 +182,7 @@ class LLMEngine(RequestAdmission):
         return self.model_config.vocab_size
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._carried)
 
     def shutdown(self) -> None:
         self.runner.shutdown()
@@ -191,7 +194,7 @@ class LLMEngine(RequestAdmission):
         `async_scheduling`, those of the step launched by the call before: `engine/ahead.py`)."""
         if self._ahead is not None:
             return self._ahead.step()
-        changed: dict[str, dict[int, tuple[str, list[int]]]] = {}
+        changed, self._carried = self._carried, {}
         start, retried = time.perf_counter(), self.retried_batches
         batch = None
         emitted = prompt_rows = 0
@@ -209,6 +212,9 @@ class LLMEngine(RequestAdmission):
             self.runner.while_forward_runs = None
             emitted = self._commit(out, changed)
             self._mark_errors(batch, changed)
+        except BaseException:
+            self._carried = changed  # what it committed reaches the caller with the next step
+            raise
         finally:
             # NOTE: recorded on every exit path, a failing step included.
             if batch is not None:
@@ -306,6 +312,16 @@ class LLMEngine(RequestAdmission):
         past `num_computed_tokens` and are overwritten by later steps, never read."""
         if self.emitter.has_pending:  # not drained during the forward: before this step's tokens
             self.emitter.drain()
+        finished: list[Sequence] = []
+        try:
+            return self._commit_rows(out, changed, advanced, finished)
+        finally:
+            # (an exception after a sequence ended, out of the drafter's side or the cache,
+            # left it running past its last token: it decoded once more; found in review)
+            self._finish(finished)
+
+    def _commit_rows(self, out: StepOutput, changed: dict, advanced: bool, finished: list) -> int:
+        """`_commit`'s work but ending the sequences it ends (`finished` gets them)."""
         verdict_of = {id(v.entry): v for v in out.verdicts}
         now, requests = time.perf_counter(), self.telemetry.request
         # A step that drafted nothing, with a drafter that keeps no per-step state, has nothing
@@ -314,7 +330,6 @@ class LLMEngine(RequestAdmission):
         observing = not advanced and self.spec is not None and self.spec.observing
         needs_hidden = observing and self.spec.drafter.needs_hidden
         drafter_verdicts: list[Verdict] = []
-        finished: list[Sequence] = []
         cache = self.allocator.cache
         page = 0 if cache is None else cache.page_size
         filled: list[Sequence] = []  # sequences whose committed rows filled a page
@@ -375,7 +390,6 @@ class LLMEngine(RequestAdmission):
         for seq in filled:
             if seq.status is SequenceStatus.RUNNING:
                 cache.commit(seq)
-        self._finish(finished)
         return emitted
 
     def _finish(self, seqs: list[Sequence]) -> None:
