@@ -167,6 +167,27 @@ def test_the_step_after_the_last_is_not_counted(tiny_model_dir):
     assert counts[True] == counts[False]
 
 
+def test_a_step_whose_requests_were_all_aborted_is_not_timed_as_the_idle_gap(tiny_model_dir):
+    """A launched step whose requests were all aborted (a client left) is settled at the abort:
+    kept, the next request's first step settled it, and it was counted as one step lasting the
+    whole idle time in between (found in review: 2.8 s against 0.08 s synchronously). The
+    steps counted, and the prompt rows, are the synchronous engine's, right after the abort."""
+    got = {}
+    for async_on in (False, True):
+        llm = LLM(tiny_model_dir, device="cpu", async_scheduling=async_on)
+        engine, tel = llm.engine, llm.engine.telemetry
+        engine.add_request("a", [5, 6, 7], _greedy(50))
+        for _ in range(3):
+            engine.step()
+        engine.abort_request("a")
+        assert engine._ahead is None or engine._ahead.launched is None
+        counted = (tel.steps, tel.prefill_tokens)
+        llm.generate([[8, 9]], _greedy(2), use_tqdm=False)
+        got[async_on] = (counted, tel.steps, tel.prefill_tokens)
+        assert engine.allocator.num_free == engine.allocator.num_usable
+    assert got[True] == got[False]
+
+
 def test_a_failing_launch_is_logged(tiny_model_dir, caplog):
     """A step launched ahead that raises runs again synchronously, and says so: a launch that
     always failed silently made the engine synchronous."""

@@ -213,6 +213,13 @@ def test_admission_counts_sequences_and_keys_guard_the_docs(tiny_model_dir):
         thread.join(120)
         assert first["r"].status_code == 200
         srv.wait_idle()
+        # several prompts of more sequences than the capacity, on an idle server: served, as one
+        # prompt of as many (n) is; admitted prompt by prompt, the later ones were refused by
+        # the earlier ones, a 503 "retry later" every time (found in review)
+        several = {"prompt": [[3], [4], [5]], "max_tokens": 2, "n": 2}
+        resp = httpx.post(srv.url + CMPL, json=several, headers=auth, timeout=60)
+        assert resp.status_code == 200 and len(resp.json()["choices"]) == 6
+        srv.wait_idle()
     finally:
         srv.close()
 

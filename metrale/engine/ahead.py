@@ -119,6 +119,24 @@ class AheadStepper:
             engine._carried = changed  # what it committed reaches the caller with the next step
             raise
 
+    def settle_ended(self) -> None:
+        """Settle now a launched step none of whose sequences is unfinished any more (their
+        requests were aborted: a client left). Kept, it waited for the next request, however
+        long the engine then idled, and was counted as a step lasting that gap, as the step
+        launched for sequences the step before ended was (ba239c4); settled now, it is counted
+        as the synchronous engine counts the step it ran before the abort (its prompt rows
+        included). A failure to read it is logged, not raised: the abort itself is done."""
+        launched = self.launched
+        if launched is None or any(not e.seq.is_finished for e in launched.batch.entries):
+            return
+        self.launched = None
+        try:
+            self._settle(launched, {})
+        except Exception:  # noqa: BLE001 (the next step meets a device that failed anyway)
+            log.warning("settling a step whose requests were all aborted failed", exc_info=True)
+        finally:
+            self._open = []
+
     def _withdraw(self) -> None:
         """An exception escaped `step` (the server's engine loop goes on after one): every step
         launched and not committed takes its placeholders back and moves its sequences'

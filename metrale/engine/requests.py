@@ -159,6 +159,8 @@ class RequestAdmission:
         for seq in live:
             seq.finish_reason = "abort"
         self._finish(live)
+        if self._ahead is not None:  # a launched step left with no live sequence: settled now
+            self._ahead.settle_ended()
         changed = {request_id: {s.seq_id: ("", []) for s in request.seqs}}
         now = time.perf_counter()
         # its deferred text: those tokens reach the caller now, as a step's would (`_outputs`)

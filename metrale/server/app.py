@@ -197,8 +197,11 @@ def create_app(
         return await asyncio.to_thread(validate_now, prompt, params, body)
 
     def submit(request_id: str, ids: list[int], params) -> asyncio.Queue:
+        return submit_all([(request_id, ids, params)])[0]
+
+    def submit_all(requests: list) -> list[asyncio.Queue]:
         try:
-            return loop.submit(request_id, ids, params)
+            return loop.submit_all(requests)
         except Busy as e:
             raise APIError(str(e), None, 503, "server_busy", "server_busy") from None
 
@@ -276,10 +279,10 @@ def create_app(
         all_ids = [await validate(p, params, body) for p in prompts]  # every prompt checked first
         base = loop.new_id("cmpl")
         ids = [f"{base}-{i}" for i in range(len(prompts))]
-        queues = []
         try:
-            for request_id, prompt_ids in zip(ids, all_ids, strict=True):
-                queues.append(submit(request_id, prompt_ids, params))
+            # all admitted at once, or none: one by one, the later prompts were refused by the
+            # earlier ones past the capacity, even on an idle server (found in review)
+            queues = submit_all([(r, p, params) for r, p in zip(ids, all_ids, strict=True)])
             finals = await asyncio.gather(
                 *(final_output(request, r, q) for r, q in zip(ids, queues, strict=False))
             )

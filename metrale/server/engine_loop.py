@@ -73,20 +73,33 @@ class EngineLoop:
 
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams) -> asyncio.Queue:
         """Queue an already validated request; returns the queue its outputs arrive on."""
+        return self.submit_all([(request_id, prompt, params)])[0]
+
+    def submit_all(
+        self, requests: list[tuple[str, list[int], SamplingParams]]
+    ) -> list[asyncio.Queue]:
+        """Queue already validated requests together (a completions call's prompts): all are
+        admitted or none (Busy). As one request of n sequences, they may exceed the capacity
+        when nothing else is live: admitted one by one, the later ones were refused by the
+        earlier ones, so on an idle server such a call got a 503 "retry later" every time."""
         if self.fatal is not None:
             raise Busy(f"the engine stopped: {self.fatal}")
         if self.draining:
             raise Busy("the server is shutting down")
         capacity = self.max_waiting + self.engine.config.max_num_seqs
-        pending = _Pending(request_id, prompt, params, asyncio.Queue(), asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        pendings = [_Pending(r, p, params, asyncio.Queue(), loop) for r, p, params in requests]
+        seqs = sum(p.params.n for p in pendings)
         with self._admission:
-            if self._live and self._live_seqs + params.n > capacity:
+            if self._live and self._live_seqs + seqs > capacity:
                 raise Busy(f"{self._live_seqs} sequences in flight; retry later")
-            self._live[request_id] = pending
-            self._live_seqs += params.n
-        self._inbox.put(("add", pending))
+            for pending in pendings:
+                self._live[pending.request_id] = pending
+            self._live_seqs += seqs
+        for pending in pendings:
+            self._inbox.put(("add", pending))
         self._wake.set()
-        return pending.outputs
+        return [pending.outputs for pending in pendings]
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
