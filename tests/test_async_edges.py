@@ -10,6 +10,7 @@ import logging
 import pytest
 
 from metrale import LLM, SamplingParams
+from tests.test_hybrid_engine import hybrid_dir  # noqa: F401 (a module fixture)
 
 
 def _greedy(n: int, **kw) -> SamplingParams:
@@ -206,3 +207,59 @@ def test_a_failing_launch_is_logged(tiny_model_dir, caplog):
     assert len(outs[0].outputs[0].token_ids) == 4
     assert "runs again synchronously" in caplog.text
     assert llm.engine._ahead.launches_ahead == 0
+
+
+def test_an_exception_out_of_a_step_leaves_a_hybrid_state_on_its_counters(hybrid_dir):  # noqa: F811
+    """A hybrid target: an exception out of `step()` after a launched forward advanced the
+    Gated-DeltaNet state (in the prefix cache's commit of a launched step; reading back the
+    step before, with this one launched) moves counters back or leaves them unmoved; the state
+    is rebuilt to match them, so every request still gets the synchronous engine's tokens
+    (before: their rows ran again on the advanced state; found in review)."""
+    import pytest
+
+    from metrale.engine import step_output
+
+    def run(async_on: bool, where: str | None, prompts):
+        llm = LLM(hybrid_dir, device="cpu", async_scheduling=async_on, page_size=4)
+        engine, cache, calls = llm.engine, llm.engine.allocator.cache, [0]
+        real_commit, real_settle = cache.commit, step_output.StepOutput.settle
+
+        def second() -> bool:
+            calls[0] += 1
+            return calls[0] == 2
+
+        def commit(seq):
+            if second():
+                raise RuntimeError("injected")
+            return real_commit(seq)
+
+        def settle(self):
+            if second():
+                raise RuntimeError("injected")
+            return real_settle(self)
+
+        mp = pytest.MonkeyPatch()
+        if where == "commit":
+            mp.setattr(cache, "commit", commit)
+        elif where == "settle":
+            mp.setattr(step_output.StepOutput, "settle", settle)
+        try:
+            for i, p in enumerate(prompts):
+                engine.add_request(str(i), p, _greedy(8), final_only=True)
+            got, errors = {}, 0
+            while engine.has_unfinished_requests():
+                try:
+                    outs = engine.step()
+                except RuntimeError:
+                    errors += 1
+                    continue
+                got.update({o.request_id: o.outputs[0].token_ids for o in outs})
+        finally:
+            mp.undo()
+        assert engine.allocator.num_free == engine.allocator.num_usable
+        return got, errors
+
+    two = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [9, 10, 11]]
+    for where, prompts in (("commit", two), ("settle", [*two, [40, 41, 42, 43, 44, 45]])):
+        ref, _ = run(False, None, prompts)
+        assert run(True, where, prompts) == (ref, 1)

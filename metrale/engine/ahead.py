@@ -46,8 +46,8 @@ from dataclasses import dataclass
 
 from metrale.distributed.parallel import DistributedError
 from metrale.engine.device_tokens import DeviceRow
-from metrale.engine.isolation import run_batch
-from metrale.engine.sequence import Batch, Phase, Sequence, SequenceStatus
+from metrale.engine.isolation import rebuild_state, run_batch
+from metrale.engine.sequence import Batch, Phase, ScheduledSeq, Sequence, SequenceStatus
 from metrale.engine.step_output import StepOutput
 from metrale.outputs import RequestOutput
 from metrale.speculative.drafter import may_draft
@@ -105,6 +105,9 @@ class AheadStepper:
         # launched steps whose placeholders are out and not yet committed, with the device
         # tokens they read (`_withdraw`)
         self._open: list[tuple[Launched, object]] = []
+        # a step whose forward ran (launched) and whose counters have not moved yet: on a
+        # hybrid target its sequences' state is past their counters until `_advance`
+        self._launching: Launched | None = None
 
     def may_run_ahead(self) -> bool:
         return self.engine.sync_seqs == 0
@@ -114,8 +117,9 @@ class AheadStepper:
         changed, engine._carried = engine._carried, {}
         try:
             return self._step(changed)
-        except BaseException:
-            self._withdraw()
+        except BaseException as e:
+            # (no forward runs again after a rank is gone, nor on an interrupt)
+            self._withdraw(rebuild=isinstance(e, Exception) and not isinstance(e, DistributedError))
             engine._carried = changed  # what it committed reaches the caller with the next step
             raise
 
@@ -137,14 +141,18 @@ class AheadStepper:
         finally:
             self._open = []
 
-    def _withdraw(self) -> None:
+    def _withdraw(self, rebuild: bool = True) -> None:
         """An exception escaped `step` (the server's engine loop goes on after one): every step
         launched and not committed takes its placeholders back and moves its sequences'
         counters back, so that their rows run again, as the synchronous engine runs again the
         rows of a step it did not commit. Without this an unsettled step's placeholder stayed
         in other requests' output as token 0 (found in review)."""
         opened, self._open = self._open, []
+        launching, self._launching = self._launching, None
         self.launched = None
+        ran = [launched.batch for launched, _ in opened]
+        if launching is not None:
+            ran.append(launching.batch)
         for launched, tokens in opened:
             for entry in launched.batch.entries:
                 seq = entry.seq
@@ -154,6 +162,19 @@ class AheadStepper:
                 seq.drop_inflight()
                 seq.num_computed_tokens -= entry.num_rows
                 seq.noise_epoch -= 1
+        if rebuild and self.engine.runner.hybrid:
+            # A launched forward advanced its sequences' recurrent state past where their
+            # counters now stand (moved back above, or never moved): rebuilt to match them, as
+            # a failed step's are (`isolation.rebuild_state`); run again on the advanced state,
+            # their rows gave other tokens than the synchronous engine's (found in review).
+            seen: set[int] = set()
+            for batch in ran:
+                for entry in batch.entries:
+                    seq = entry.seq
+                    if seq.seq_id in seen or seq.status is not SequenceStatus.RUNNING:
+                        continue
+                    seen.add(seq.seq_id)
+                    rebuild_state(self.engine, ScheduledSeq(seq, 0))
 
     def _step(self, changed: dict[str, dict[int, tuple[str, list[int]]]]) -> list[RequestOutput]:
         engine = self.engine
@@ -197,6 +218,7 @@ class AheadStepper:
             ran_now = batch
         elif batch.entries:
             launched = self._launch(batch, start)
+            self._launching = launched
             if launched is None:  # its launch raised: after the step before, synchronously
                 if prev is not None:
                     self._settle(prev, changed)
@@ -227,6 +249,7 @@ class AheadStepper:
             # in every output)
             self._open = [(launched, launched.tokens)]
             self._advance(launched)
+            self._launching = None
             # (a step whose sequences the step before all ended is thrown away now: kept, it
             # was settled by the next call, whenever a request came, and counted as a step
             # whose time was the idle time between them; found in review)
