@@ -72,7 +72,11 @@ def test_batch_equals_alone_with_chunked_prefill_and_preemption(hybrid_dir):
 @pytest.mark.parametrize("dcut", [False, True])
 @pytest.mark.parametrize("variant", ["write_on_accept", "per_row_slots"])
 def test_speculation_is_lossless_and_commits_the_accepted_state(hybrid_dir, alpha, dcut, variant):
-    plain_llm = llm_for(hybrid_dir)
+    # Synchronous engines: the state each leaves in slot 0 is compared below, and a step run
+    # ahead past a sequence's last token advances its slot's state by a thrown-away row (a
+    # slot's next sequence starts from a fresh state: `engine/ahead.py`)
+    sync = dict(async_scheduling=False)
+    plain_llm = llm_for(hybrid_dir, **sync)
     plain = plain_llm.generate(PROMPTS, greedy(24))
     truth = {tuple(p): o.outputs[0].token_ids for p, o in zip(PROMPTS, plain, strict=True)}
     drafter = ReplayDrafter(truth, alpha, vocab_size=320, seed=7)
@@ -83,6 +87,7 @@ def test_speculation_is_lossless_and_commits_the_accepted_state(hybrid_dir, alph
         spec={"num_drafts": 3, "dcut": dcut},
         max_num_batched_tokens=24,
         hybrid_verify_state=variant,
+        **sync,
     )
     spec = spec_llm.generate(PROMPTS, greedy(24))
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
