@@ -40,6 +40,18 @@ def test_pages_a_launched_step_fills_are_hit_by_the_next_step(tiny_model_dir):
     assert sum(got[True][0]) >= 64  # two requests hit both shared pages
 
 
+def _step_through(engine) -> tuple[list, int]:
+    """Step `engine` to the end as the server's engine loop does, going on after an exception
+    out of a step: every output, in order, and the exceptions counted."""
+    outs, errors = [], 0
+    while engine.has_unfinished_requests():
+        try:
+            outs += engine.step()
+        except RuntimeError:
+            errors += 1
+    return outs, errors
+
+
 def _drive_failing_emit(path, async_on: bool, fail_at: int):
     """Requests a and b; the emitter raises once, at a's `fail_at`-th emission, out of the
     step (as a detokenizer failure would); the loop goes on as the server's engine loop does."""
@@ -57,16 +69,8 @@ def _drive_failing_emit(path, async_on: bool, fail_at: int):
         return real(seq, tokens)
 
     engine.emitter.emit = emit
-    finals, errors = {}, 0
-    while engine.has_unfinished_requests():
-        try:
-            outs = engine.step()
-        except RuntimeError:
-            errors += 1
-            continue
-        for o in outs:
-            if o.finished:
-                finals[o.request_id] = o.outputs[0].token_ids
+    outs, errors = _step_through(engine)
+    finals = {o.request_id: o.outputs[0].token_ids for o in outs if o.finished}
     assert engine.allocator.num_free == engine.allocator.num_usable
     return finals, errors
 
@@ -95,7 +99,7 @@ def test_an_exception_while_a_launched_step_moves_the_counters_loses_nothing(tin
     for async_on in (False, True):
         llm = LLM(tiny_model_dir, device="cpu", async_scheduling=async_on, page_size=4)
         engine, cache = llm.engine, llm.engine.allocator.cache
-        real, calls, errors = cache.commit, [0], 0
+        real, calls = cache.commit, [0]
 
         def commit(seq, real=real, calls=calls):
             calls[0] += 1
@@ -106,14 +110,8 @@ def test_an_exception_while_a_launched_step_moves_the_counters_loses_nothing(tin
         cache.commit = commit
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, _greedy(8), final_only=True)
-        got = {}
-        while engine.has_unfinished_requests():
-            try:
-                outs = engine.step()
-            except RuntimeError:
-                errors += 1
-                continue
-            got.update({o.request_id: o.outputs[0].token_ids for o in outs})
+        outs, errors = _step_through(engine)
+        got = {o.request_id: o.outputs[0].token_ids for o in outs}
         assert errors == 1 and engine.allocator.num_free == engine.allocator.num_usable
         finals[async_on] = got
     assert finals[True] == finals[False]
@@ -138,14 +136,8 @@ def test_an_exception_after_a_sequence_ended_ends_it_and_keeps_its_output(tiny_m
 
         cache.commit = commit
         engine.add_request("a", [5, 6, 7], _greedy(6), final_only=True)  # 9 rows: 2 pages + 1
-        final, errors = None, 0
-        while engine.has_unfinished_requests():
-            try:
-                outs = engine.step()
-            except RuntimeError:
-                errors += 1
-                continue
-            final = next((o.outputs[0] for o in outs if o.finished), final)
+        outs, errors = _step_through(engine)
+        final = next((o.outputs[0] for o in reversed(outs) if o.finished), None)
         assert errors == 1 and final is not None, fail_at
         assert (len(final.token_ids), final.finish_reason) == (6, "length"), fail_at
         assert engine.allocator.num_free == engine.allocator.num_usable and not engine.requests
@@ -246,14 +238,8 @@ def test_an_exception_out_of_a_step_leaves_a_hybrid_state_on_its_counters(hybrid
         try:
             for i, p in enumerate(prompts):
                 engine.add_request(str(i), p, _greedy(8), final_only=True)
-            got, errors = {}, 0
-            while engine.has_unfinished_requests():
-                try:
-                    outs = engine.step()
-                except RuntimeError:
-                    errors += 1
-                    continue
-                got.update({o.request_id: o.outputs[0].token_ids for o in outs})
+            outs, errors = _step_through(engine)
+            got = {o.request_id: o.outputs[0].token_ids for o in outs}
         finally:
             mp.undo()
         assert engine.allocator.num_free == engine.allocator.num_usable
