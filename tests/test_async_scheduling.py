@@ -442,16 +442,16 @@ def test_an_mtp_engine_runs_requests_without_speculation_ahead():
     assert not engine._sync_seq_ids  # every sequence left its count at its end
 
 
-def test_an_mtp_hook_after_a_program_wants_a_sequence_that_drafts_with_it():
+def test_an_mtp_hook_after_a_program_is_not_bound_to_a_step_left_on_the_device():
     """`ModelRunner._follow` (the GPU path's catch-up queued after a program) is not bound to a
-    step none of whose sequences drafts with MTP (`after_verify_seqs`): such a step may leave
-    its verdicts on the device (`execute(defer=True)` refuses a step with a hook)."""
+    step left on the device (`defer`): under MTP only steps of sequences that do not draft with
+    it run ahead (`runs_ahead`), in which the catch-up has no work (bound, it stood in the
+    way of leaving the verdicts pending). A step run synchronously still gets it."""
     from types import SimpleNamespace
 
     from metrale.engine.program_shapes import RaggedShape
     from metrale.engine.runner import ModelRunner
     from metrale.engine.sequence import ScheduledSeq, Sequence
-    from metrale.speculative.drafter import may_draft
 
     def entry(i: int, speculative: bool) -> ScheduledSeq:
         params = SamplingParams(max_tokens=4, speculative=speculative)
@@ -462,13 +462,12 @@ def test_an_mtp_hook_after_a_program_wants_a_sequence_that_drafts_with_it():
     runner = SimpleNamespace(
         replayed_shape=RaggedShape(2, 2, 4),
         after_verify=lambda *a: None,
-        after_verify_seqs=may_draft,
         after_verify_drafts_only=False,
         forced_acceptance=None,
         verify_raw_argmax=False,
     )
     plain = [entry(0, False), entry(1, False)]
-    assert ModelRunner._follow(runner, SimpleNamespace(entries=plain), plain) is None
+    assert ModelRunner._follow(runner, SimpleNamespace(entries=plain), plain, defer=True) is None
     mixed = [entry(0, False), entry(1, True)]
     assert ModelRunner._follow(runner, SimpleNamespace(entries=mixed), mixed) is not None
 

@@ -50,7 +50,7 @@ from metrale.engine.isolation import rebuild_state, run_batch
 from metrale.engine.sequence import Batch, Phase, ScheduledSeq, Sequence, SequenceStatus
 from metrale.engine.step_output import StepOutput
 from metrale.outputs import RequestOutput
-from metrale.speculative.drafter import may_draft
+from metrale.speculative.drafter import learns_from_every_step
 
 FINISHED = SequenceStatus.FINISHED
 log = logging.getLogger(__name__)
@@ -63,11 +63,8 @@ def runs_ahead(seq: Sequence, spec) -> bool:
     `stateless` and sees every sequence's steps, or one that `observes_drafting_only` and a
     sequence that may draft."""
     params = seq.params
-    drafter = None if spec is None else spec.drafter
-    if drafter is not None and not getattr(drafter, "stateless", False):
-        learns = not getattr(drafter, "observes_drafting_only", False) or may_draft(seq)
-        if learns:
-            return False
+    if spec is not None and learns_from_every_step(spec.drafter, seq):
+        return False
     return (
         seq.grammar is None
         and params.repetition_penalty == 1.0

@@ -229,11 +229,9 @@ class ModelRunner:
         # waits for the verdicts: called with (entries, the program's shape, the target's token
         # at each sampling row, in row order) (the MTP catch-up, `MTPDrafter._catch_up_verified`;
         # DFlash's next drafts, `DFlashDrafter._draft_ahead`, which wants only steps with drafts:
-        # `after_verify_drafts_only`; MTP's, only steps with a sequence `after_verify_seqs`
-        # accepts: one that drafts with it).
+        # `after_verify_drafts_only`). Never a step left on the device (`execute(defer=True)`).
         self.after_verify: Callable | None = None
         self.after_verify_drafts_only = False
-        self.after_verify_seqs: Callable | None = None
         self.replayed_shape = None  # the program the step replayed, if any
         self.replayed_ids = None  # and its input ids on the device (its real rows first)
         log.info(
@@ -335,7 +333,7 @@ class ModelRunner:
             hidden, logits, state, state_entries = replayed
         self._overlap()
         # the drafter's work on the step's rows, queued before the verdicts' host sync
-        follow = self._follow(batch, entries := [e for e, _ in sampling])
+        follow = self._follow(batch, entries := [e for e, _ in sampling], defer)
         if not sampling:
             if verify_state:  # unreachable: drafts only come with sampling entries
                 raise RuntimeError("a verify step without sampling entries")
@@ -349,7 +347,7 @@ class ModelRunner:
             apply_grammar_masks(entries, logits, self.grammar_vocab)
         greedy = all(is_plain_greedy(e.seq.params, len(e.seq.output_token_ids)) for e in entries)
         if defer:
-            if follow is not None or verify_state or any(e.drafts for e in entries):
+            if verify_state or any(e.drafts for e in entries):
                 raise RuntimeError("only a step without drafts can leave its verdicts pending")
             pending = (
                 pending_greedy(entries, logits.argmax(dim=-1))
@@ -388,20 +386,22 @@ class ModelRunner:
             # the step's own, as it was before this work moved here.
             log.exception("host work overlapped with the forward failed")
 
-    def _follow(self, batch: Batch, entries: list[ScheduledSeq]):
+    def _follow(self, batch: Batch, entries: list[ScheduledSeq], defer: bool = False):
         """`after_verify` bound to this step, given the target's token at each sampling row,
         when it applies: a program ran the step (a ragged one, where every entry samples, or a
         prefill one), and what the verdicts accept follows from those tokens alone (not the
-        bench's forced acceptance, not raw-argmax judging)."""
-        shape, wants = self.replayed_shape, self.after_verify_seqs
+        bench's forced acceptance, not raw-argmax judging). Not a step left on the device
+        (`defer`): it has no drafts, and no sequence a drafter learns from every step of
+        (`ahead.runs_ahead` keeps those synchronous: MTP's), so no hook has work in it."""
+        shape = self.replayed_shape
         if (
-            self.after_verify is None
+            defer
+            or self.after_verify is None
             or shape is None
             or (isinstance(shape, RaggedShape) and len(entries) != len(batch.entries))
             or self.forced_acceptance is not None
             or self.verify_raw_argmax
             or (self.after_verify_drafts_only and not any(e.drafts for e in entries))
-            or (wants is not None and not any(wants(e.seq) for e in batch.entries))
         ):
             return None
         hook = self.after_verify

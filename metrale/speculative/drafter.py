@@ -65,6 +65,14 @@ def may_draft(seq: Sequence) -> bool:
     return params.speculative and params.num_drafts != 0
 
 
+def learns_from_every_step(drafter, seq: Sequence) -> bool:
+    """Whether `drafter` is shown every step of `seq`: not a `stateless` one; one that
+    `observes_drafting_only` where `seq` may draft."""
+    if getattr(drafter, "stateless", False):
+        return False
+    return not getattr(drafter, "observes_drafting_only", False) or may_draft(seq)
+
+
 class Drafter(Protocol):
     name: str
     # True when the drafter needs the target's hidden states in `observe`.

@@ -106,7 +106,6 @@ class MTPDrafter:
         if self.chain_graphs is not None and not (self.refeed_shift or self.refeed_debug):
             runner.after_verify = self._catch_up_verified
             runner.after_verify_drafts_only = False  # it catches up after every step
-            runner.after_verify_seqs = may_draft  # of the sequences that draft with it
 
     def _wrote_kv(self, seq: Sequence) -> bool:
         """Whether its layer's K/V rows are written for every committed row of `seq`."""
