@@ -204,9 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--steady-requests-per-slot",
         type=int,
-        default=4,
-        help="--e2e-drafter: also stream this many requests per slot through each batch size's "
-        "slots (steady state, as a server sees; 0: closed batches only)",
+        default=None,
+        help="also stream this many requests per slot through each end-to-end batch size's "
+        "slots (steady state, as a server sees; 0: closed batches only; default 4 with "
+        "--e2e-drafter, 0 otherwise)",
     )
     modes = bench.add_subparsers(dest="bench_mode", metavar="serve")
     serve_bench = modes.add_parser(

@@ -345,3 +345,27 @@ def test_steady_state_streams_requests_through_the_slots(tiny_model_dir):
     with pytest.raises(RuntimeError), concurrency(llm, 1):
         raise RuntimeError
     assert engine.scheduler.max_num_seqs == 4
+
+
+def test_bench_grid_streams_requests_at_the_forced_acceptance(tmp_path, capsys):
+    """`--steady-requests-per-slot 2`: each end-to-end cell is also run with twice as many
+    requests as slots streamed through them, at the same forced acceptance (alpha 1: every
+    verify accepts its K drafts, so the acceptance length is near K + 1); without the flag the
+    grid runs closed batches only."""
+    out = tmp_path / "bench"
+    args = ["bench", "--shape", "tiny", "--device", "cpu", "--batch-sizes", "1,2", "--q", "1,3"]
+    args += ["--context", "16", "--e2e-batch-sizes", "2", "--max-tokens", "12"]
+    args += ["--alpha", "1", "--forced-acceptance", "--num-drafts", "2"]
+    assert main([*args, "--out", str(out), "--steady-requests-per-slot", "2"]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(printed[-1])
+    assert result["steady_requests_per_slot"] == 2
+    (row,) = result["e2e"]
+    steady = row["steady"]
+    assert steady["requests"] == 4 and steady["output_tokens"] >= 4 * 6
+    assert 2.5 < steady["mean_acceptance_length"] <= 3.0
+    assert steady["tokens_per_s_plain"] > 0 and steady["speedup"] > 0
+    assert any("steady state, 4 requests through 2 slots" in line for line in printed)
+    assert main([*args, "--out", str(tmp_path / "closed")]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["steady_requests_per_slot"] == 0 and "steady" not in result["e2e"][0]

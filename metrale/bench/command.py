@@ -12,6 +12,10 @@ end-to-end speed with and without speculation at a known acceptance, in one proc
   cost curve just measured; without it every verify has K drafts), timing the second of two
   runs of each (graphs captured, caches warm); the speedup is set against the ideal
   (1 - alpha^(K+1)) / (1 - alpha) x T(1) / T(K+1).
+- Steady state (`--steady-requests-per-slot N`): also N x B requests of varied lengths streamed
+  through B slots at the same acceptance (`_steady`), as a server sees them: a closed batch
+  ends with its slowest sequence, and with speculation its sequences finish apart, so its tail
+  runs narrow verify steps that a stream of arrivals would fill.
 
 It prints a table, writes JSON (also the last stdout line) and a PNG plot. Tiny shapes run on CPU.
 """
@@ -25,7 +29,9 @@ import torch
 
 from metrale.api import LLM
 from metrale.bench.anchor import anchor_step_times
-from metrale.bench.e2e import end_to_end
+from metrale.bench.drafter import concurrency, steady_state
+from metrale.bench.e2e import end_to_end, random_prompts
+from metrale.bench.forced import ForcedAcceptance
 from metrale.bench.profile_step import step_launches
 from metrale.bench.shapes import batch_weight_bytes, write_shape
 from metrale.bench.timing import (
@@ -35,6 +41,7 @@ from metrale.bench.timing import (
     scheduling_label,
     weight_bytes,
 )
+from metrale.config import SamplingParams
 from metrale.engine.calibrate import step_times
 from metrale.engine.heap import freeze_startup_heap
 from metrale.speculative.dcut import VerifyCostModel
@@ -165,6 +172,8 @@ def _measure(llm: LLM, drafter, args, device: torch.device, alphas, forced: bool
         # D-Cut plans the end-to-end runs with the verify cost curve just measured.
         llm.engine.spec.cost = VerifyCostModel.from_json(result["verify_cost"])
     k = args.num_drafts
+    per_slot = args.steady_requests_per_slot or 0  # (the grid's default: closed batches only)
+    result["steady_requests_per_slot"] = per_slot
     for a in alphas:
         expected = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1
         for b in args.e2e_batch_sizes:
@@ -176,6 +185,8 @@ def _measure(llm: LLM, drafter, args, device: torch.device, alphas, forced: bool
             # sits below alpha's; the ideal at the measured length separates that from engine
             # overhead.
             row["ideal_speedup_at_measured_acceptance"] = row["mean_acceptance_length"] * cost
+            if per_slot:
+                row["steady"] = _steady(llm, drafter, b, per_slot, args.max_tokens, a, forced)
             result["e2e"].append(row)
     runner = llm.engine.runner
     if device.type == "cuda" and tp == 1:  # kernels of one batch-1 decode step (profiler)
@@ -195,6 +206,27 @@ def _measure(llm: LLM, drafter, args, device: torch.device, alphas, forced: bool
         ssm = runner.states.pool.ssm
         result["ssm_state_dtype"] = str(ssm[0].dtype).removeprefix("torch.") if ssm else None
     return result
+
+
+def _steady(
+    llm: LLM, drafter: ReplayDrafter, slots: int, per_slot: int, max_tokens: int, alpha, forced
+) -> dict:
+    """`drafter.steady_state` at a replayed or forced acceptance: `per_slot` x `slots` random
+    prompts, their plain continuations (as long as the longest request) recorded for the replay
+    drafter, then streamed through `slots` slots with and without speculation."""
+    prompts = random_prompts(slots * per_slot, llm.engine.vocab_size, seed=1000 + slots)
+    longest = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens * 3 // 2, ignore_eos=True, speculative=False
+    )
+    with concurrency(llm, slots):
+        plain = llm.generate(prompts, longest, use_tqdm=False)
+    drafter.record({tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain)}, alpha)
+    runner = llm.engine.runner
+    runner.forced_acceptance = ForcedAcceptance(alpha, seed=slots) if forced else None
+    try:
+        return steady_state(llm, prompts, slots, max_tokens)
+    finally:
+        runner.forced_acceptance = None
 
 
 def table(result: dict) -> str:
@@ -232,6 +264,14 @@ def table(result: dict) -> str:
             f"({e['speedup']:.2f}x); acceptance length {e['mean_acceptance_length']:.2f}, "
             f"{e['graph_refusals']} refusals, {e['distinct_verify_keys']} verify keys"
         )
+        if "steady" in e:
+            s = e["steady"]
+            lines.append(
+                f"    steady state, {s['requests']} requests through {e['batch']} slots: "
+                f"{s['tokens_per_s_plain']:.1f} -> {s['tokens_per_s_spec']:.1f} tok/s, speedup "
+                f"{s['speedup']:.2f}; acceptance length {s['mean_acceptance_length']:.2f}, "
+                f"verify steps {s['verify_step_share']:.0%} of steps"
+            )
     if "state_pool_bytes" in result:
         peak = result["peak_memory_bytes"]
         lines.append(

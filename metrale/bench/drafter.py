@@ -163,7 +163,7 @@ def drafter_e2e(args) -> dict:
         async_scheduling=getattr(args, "async_scheduling", True),
     )
     heldout = args.heldout or sysconfig.get_paths()["stdlib"]
-    per_slot = args.steady_requests_per_slot
+    per_slot = 4 if args.steady_requests_per_slot is None else args.steady_requests_per_slot
     prompts_all = heldout_prompts(
         Path(heldout),
         llm.tokenizer,
