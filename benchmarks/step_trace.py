@@ -10,12 +10,17 @@ step: a closed batch's tail, the probes, the re-plans.
     python benchmarks/step_trace.py ngram 8 trace-ngram-b8.json
     python benchmarks/step_trace.py replay 64 trace.json --shape qwen3-8b --alpha 0.5 \
         --no-async-scheduling  # a random-weight shape, forced acceptance at alpha, D-Cut on
+    python benchmarks/step_trace.py replay 64 trace.json --requests-per-slot 4  # steady state
+
+`--requests-per-slot N`: N x batch requests of varied lengths (`max_tokens` / 2 to 3 / 2, as
+`metrale bench`'s steady state) stream through `batch` slots instead of one closed batch.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import sysconfig
 import time
 from pathlib import Path
@@ -52,7 +57,9 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-8b", help="replay: the random-weight shape")
     ap.add_argument("--alpha", type=float, default=0.8, help="replay: forced acceptance rate")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--requests-per-slot", type=int, default=1, help="N > 1: steady state")
     args = ap.parse_args()
+    count = args.batch * args.requests_per_slot
     replay = args.drafter == "replay"
     if replay:
         llm, drafter = replay_engine(
@@ -64,7 +71,7 @@ def main() -> None:
             spec={"num_drafts": 3, "dcut": True},
             async_scheduling=args.async_scheduling,
         )
-        prompts = random_prompts(args.batch, min(1000, llm.engine.vocab_size), seed=0)
+        prompts = random_prompts(count, min(1000, llm.engine.vocab_size), seed=0)
     else:
         llm = LLM(
             "metrale/assets/default-model",
@@ -75,7 +82,7 @@ def main() -> None:
             async_scheduling=args.async_scheduling,
         )
         stdlib = Path(sysconfig.get_paths()["stdlib"])
-        prompts = heldout_prompts(stdlib, llm.tokenizer, args.batch, 128)
+        prompts = heldout_prompts(stdlib, llm.tokenizer, count, 128)
     engine = llm.engine
     times: dict[str, float] = {}
     for obj, name in [
@@ -142,12 +149,19 @@ def main() -> None:
     engine.step = traced
     result = {}
     outs: list = []  # the plain runs' outputs: what the replay drafter replays
+    rng = random.Random(args.batch)
+    lengths = [args.max_tokens] * count
+    if args.requests_per_slot > 1:  # as `bench.drafter.steady_state`
+        low, high = max(args.max_tokens // 2, 1), args.max_tokens * 3 // 2
+        lengths = [rng.randint(low, high) for _ in lengths]
     with concurrency(llm, args.batch):
         for label, speculative in (("plain", False), ("spec", True)):
-            params = SamplingParams(
-                temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
-                speculative=speculative,
-            )  # fmt: skip
+            params = [
+                SamplingParams(
+                    temperature=0.0, max_tokens=n, ignore_eos=True, speculative=speculative
+                )
+                for n in lengths
+            ]
             if replay and speculative:
                 # the replay drafter proposes plain decoding's tokens; forced acceptance draws
                 # how many of them a verify accepts
