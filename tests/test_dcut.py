@@ -48,7 +48,8 @@ def objective(inputs, depths, cost) -> float:
 def brute_force(inputs, cost, max_rows=None, uniform=False, canonical=False) -> float:
     n = len(inputs)
     if uniform:
-        top = min(x.max_depth for x in inputs)
+        # One depth for all, up to the deepest drafts (shorter ones padded: rows, no tokens).
+        top = max(x.max_depth for x in inputs)
         space = [[d] * n for d in range(top + 1)]
     elif canonical:
         # Any depth up to the deepest drafts (padding allowed), never rising along the slots.
@@ -172,9 +173,20 @@ def test_equal_depths_above_width_cap():
     assert len(set(choose_depths(inputs, cost, width_cap=10))) > 1
     depths = choose_depths(inputs, cost, width_cap=9)
     assert len(set(depths)) == 1 and depths[0] > 0
-    # The uniform depth stops at the shallowest sequence's drafts.
+    # A sequence with one draft (an n-gram's short match, a request a token from max_tokens)
+    # does not pin the batch at its depth: it is padded (the uniform depth once stopped at the
+    # shallowest sequence's drafts, and in a stream of requests some sequence always had one).
     capped = [*inputs[:9], PlanInput(99, 1, [0.9])]
-    assert choose_depths(capped, cost, width_cap=9) == [1] * 10
+    assert choose_depths(capped, cost, width_cap=9) == depths
+    p = plan(capped, cost, width_cap=9)
+    assert p.rows == 10 * (depths[0] + 1)  # the padded rows are priced
+    padded = sum(expected_tokens(x, depths[0]) for x in capped)
+    assert p.expected_tokens == pytest.approx(padded)  # and buy nothing
+    assert padded == pytest.approx(sum(expected_tokens(x, depths[0]) for x in inputs[:9]) + 1.9)
+    # where padding is not worth its rows, the depth stops short of the deepest drafts
+    steep = VerifyCostModel.from_points({(10, 2.0): 1.05, (10, 3.0): 1.1, (10, 5.0): 5.0})
+    shallow = [PlanInput(s, 1, [0.9]) for s in range(9)] + [PlanInput(9, 4, [0.9] * 4)]
+    assert choose_depths(shallow, steep, width_cap=9) == [1] * 10
 
 
 def test_max_rows_caps_the_table():

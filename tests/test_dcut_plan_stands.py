@@ -7,6 +7,8 @@ back with none decodes plainly beside the others, whose planned depths stand: no
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from metrale import LLM
@@ -106,14 +108,14 @@ def test_a_plan_wider_than_the_width_cap_stands_while_sequences_come_and_go(tiny
     dec._worth_drafting = lambda *args: (plans.append(args), real(*args))[1]
     seqs = _decoding(6)
     capped = [3, 3, 1, 3]  # one sequence near its max_tokens
-    want = [[3, 3, 3, 3], capped, capped, [1, 1, 1, 1]]
+    want = [[3, 3, 3, 3], capped, capped, capped]
     batches = [seqs[:4], seqs[1:5], seqs[2:6], seqs[:4]]
     for step, (running, depths_wanted) in enumerate(zip(batches, want), start=1):
         dec._steps = step
         picked, depths, planned = dec._planned(running, [3] * 4 if step == 1 else capped)
         assert planned and [s.seq_id for s in picked] == [s.seq_id for s in running]
-        # step 1's depth for all, each within its cap; planned again at step 4, where a
-        # uniform plan goes no deeper than the shallowest cap
+        # step 1's depth for all, each within its cap; planned again at step 4, where the
+        # sequence near its max_tokens keeps its cap and does not pin the others at it
         assert depths == depths_wanted
     assert len(plans) == 2  # steps 1 and 4: the plan of step 1 stood for steps 2 and 3
 
@@ -176,3 +178,34 @@ def test_a_sequence_back_on_another_slot_is_planned_anew(tiny_model_dir):
     depth_of = dict((s.seq_id, d) for s, d in zip(picked, depths, strict=True))
     by_slot = [depth_of.get(s.seq_id, 0) for s in sorted(back, key=lambda s: s.slot)]
     assert by_slot == sorted(by_slot, reverse=True), by_slot
+
+
+class OneShort:
+    """Drafts its cap for every sequence but slot 0's, which gets one token (an n-gram's short
+    match)."""
+
+    name, needs_hidden, stateless = "one-short", False, True
+
+    def propose(self, seqs, caps):
+        return [Draft([5] * (1 if s.slot == 0 else cap)) for s, cap in zip(seqs, caps, strict=True)]
+
+    def observe(self, verdicts) -> None:
+        pass
+
+    def release(self, seq) -> None:
+        pass
+
+
+def test_one_short_draft_does_not_pin_a_wide_batch_at_its_depth(tiny_model_dir):
+    """Above `dcut_width_cap` every sequence is verified at one depth; a sequence that drafted
+    fewer tokens is padded up to it (its extra rows buy nothing), not the whole batch cut down
+    to that sequence's drafts (which made a batch of 64 in a stream of requests verify at depth
+    1 most steps: some sequence always drafted one token, or had one left)."""
+    dec, cuts = _decoder(tiny_model_dir, OneShort())
+    dec.any_depths = False  # canonical tables: the short draft makes the cut plan again
+    dec.cfg = dataclasses.replace(dec.cfg, dcut_width_cap=4)
+    seqs = _decoding(8)
+    assert dec._prepare(seqs) == []
+    assert len(cuts) == 1
+    assert [len(s.draft.tokens) for s in seqs] == [3] * 8
+    assert seqs[0].draft.tokens == [5, 5, 5]  # padded by repeating its last token
