@@ -209,3 +209,18 @@ def test_one_short_draft_does_not_pin_a_wide_batch_at_its_depth(tiny_model_dir):
     assert len(cuts) == 1
     assert [len(s.draft.tokens) for s in seqs] == [3] * 8
     assert seqs[0].draft.tokens == [5, 5, 5]  # padded by repeating its last token
+
+
+@pytest.mark.parametrize("any_depths", [False, True])
+def test_a_wide_cut_pads_a_short_draft_only_for_canonical_tables(tiny_model_dir, any_depths):
+    """After drafting (`_cut`, e.g. at a probe step), a wide batch's one depth pads a shorter
+    draft where the programs need one depth mix (row-table programs), and leaves it as drafted
+    where any mix runs (ragged programs): padded rows there bought nothing."""
+    dec, _ = _decoder(tiny_model_dir, OneShort())
+    dec.any_depths = any_depths
+    dec.cfg = dataclasses.replace(dec.cfg, dcut_width_cap=4)
+    seqs = _decoding(8)
+    live = [(s, Draft([5] * (1 if s.slot == 0 else 3))) for s in seqs]
+    dec._cut(live, {s.seq_id: 3 for s in seqs})
+    assert len(seqs[0].draft.tokens) == (1 if any_depths else 3)
+    assert [len(s.draft.tokens) for s in seqs[1:]] == [3] * 7

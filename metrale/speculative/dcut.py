@@ -212,10 +212,11 @@ class PlanInput:
 class Plan:
     """The batch in dispatch order: `inputs[order[p]]` verifies `depths[p]` drafts.
 
-    Under the canonical arm `depths[p]` can exceed that sequence's `max_depth`, when padding a
-    low slot lets deeper sequences after it go deep: the caller pads its drafts to the depth
-    (rows are rows to the kernel). `expected_tokens` counts padding as never accepted.
-    `rows = sum(depths) + len(depths)`.
+    `depths[p]` can exceed that sequence's `max_depth`: under the canonical arm, when padding a
+    low slot lets deeper sequences after it go deep, and above the width cap, where one depth
+    stands for all: the caller pads its drafts to the depth (rows are rows to the kernel) or,
+    where the programs take any mix of depths, verifies what it drafted. `expected_tokens`
+    counts padding as never accepted; `rows = sum(depths) + len(depths)` prices it.
     """
 
     order: list[int]

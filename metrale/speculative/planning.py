@@ -215,10 +215,13 @@ class DepthPlanning:
     def _cut(self, live: list[tuple[Sequence, Draft]], cap_of: dict[int, int]) -> None:
         """D-Cut: per-sequence depths from the acceptance estimates and the verify cost.
 
-        NOTE: the canonical deal may give a sequence more rows than it drafted (padded rows);
-        never more than its cap, or an accepted padded row would emit past `max_tokens` or
-        write KV past `max_model_len`. That sequence then breaks the canonical table: correct
-        output first."""
+        NOTE: the canonical deal, or one depth for a batch wider than `dcut_width_cap`, may give
+        a sequence more rows than it drafted (padded rows); never more than its cap, or an
+        accepted padded row would emit past `max_tokens` or write KV past `max_model_len`.
+        That sequence then breaks the canonical table: correct output first. Where the
+        target's programs take any mix of depths (`any_depths`), nothing needs the padding:
+        each sequence verifies no more than it drafted (found in review: a wide probe step
+        padded every short n-gram draft to the batch's depth, rows that buy nothing)."""
         inputs = [
             PlanInput(
                 slot=seq.slot,
@@ -232,6 +235,8 @@ class DepthPlanning:
         for idx, depth in zip(chosen.order, chosen.depths, strict=True):
             seq, draft = live[idx]
             depth = min(depth, cap_of[seq.seq_id])
+            if self.any_depths:
+                depth = min(depth, len(draft.tokens))
             seq.draft = pad_draft(draft, depth, self.vocab_size) if depth else None
 
     def timed_step(self, batch: Batch, seconds: float | None) -> None:
