@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sysconfig
 import time
 from pathlib import Path
 
 from metrale.api import LLM
 from metrale.bench.acceptance import heldout_prompts
-from metrale.bench.drafter import concurrency
+from metrale.bench.drafter import concurrency, steady_lengths
 from metrale.bench.e2e import random_prompts, replay_engine
 from metrale.bench.forced import ForcedAcceptance
 from metrale.config import SamplingParams
@@ -149,11 +148,9 @@ def main() -> None:
     engine.step = traced
     result = {}
     outs: list = []  # the plain runs' outputs: what the replay drafter replays
-    rng = random.Random(args.batch)
     lengths = [args.max_tokens] * count
     if args.requests_per_slot > 1:  # as `bench.drafter.steady_state`
-        low, high = max(args.max_tokens // 2, 1), args.max_tokens * 3 // 2
-        lengths = [rng.randint(low, high) for _ in lengths]
+        lengths = steady_lengths(count, args.max_tokens, seed=args.batch)
     with concurrency(llm, args.batch):
         for label, speculative in (("plain", False), ("spec", True)):
             params = [

@@ -29,9 +29,9 @@ import torch
 
 from metrale.api import LLM
 from metrale.bench.anchor import anchor_step_times
-from metrale.bench.drafter import concurrency, steady_state
+from metrale.bench.drafter import concurrency, steady_lengths, steady_state
 from metrale.bench.e2e import end_to_end, random_prompts
-from metrale.bench.forced import ForcedAcceptance
+from metrale.bench.forced import forcing
 from metrale.bench.profile_step import step_launches
 from metrale.bench.shapes import batch_weight_bytes, write_shape
 from metrale.bench.timing import (
@@ -215,18 +215,13 @@ def _steady(
     prompts, their plain continuations (as long as the longest request) recorded for the replay
     drafter, then streamed through `slots` slots with and without speculation."""
     prompts = random_prompts(slots * per_slot, llm.engine.vocab_size, seed=1000 + slots)
-    longest = SamplingParams(
-        temperature=0.0, max_tokens=max_tokens * 3 // 2, ignore_eos=True, speculative=False
-    )
+    longest = max(steady_lengths(len(prompts), max_tokens, seed=slots))
+    params = SamplingParams(temperature=0.0, max_tokens=longest, ignore_eos=True, speculative=False)
     with concurrency(llm, slots):
-        plain = llm.generate(prompts, longest, use_tqdm=False)
+        plain = llm.generate(prompts, params, use_tqdm=False)
     drafter.record({tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain)}, alpha)
-    runner = llm.engine.runner
-    runner.forced_acceptance = ForcedAcceptance(alpha, seed=slots) if forced else None
-    try:
+    with forcing(llm.engine.runner, alpha, seed=slots, on=forced):
         return steady_state(llm, prompts, slots, max_tokens)
-    finally:
-        runner.forced_acceptance = None
 
 
 def table(result: dict) -> str:

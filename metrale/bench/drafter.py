@@ -111,6 +111,12 @@ def timed_pair(llm: LLM, prompts, plain_params, spec_params, width: int | None =
     return outs[False], t_plain, outs[True], t_spec, figures
 
 
+def steady_lengths(count: int, max_tokens: int, seed: int) -> list[int]:
+    """`count` seeded output lengths in [max_tokens / 2, 3 max_tokens / 2] (`steady_state`)."""
+    rng = random.Random(seed)
+    return [rng.randint(max(max_tokens // 2, 1), max_tokens * 3 // 2) for _ in range(count)]
+
+
 def steady_state(llm: LLM, prompts: list[list[int]], slots: int, max_tokens: int) -> dict:
     """Tokens/s with and without speculation when `prompts` stream through `slots` slots.
 
@@ -118,8 +124,7 @@ def steady_state(llm: LLM, prompts: list[list[int]], slots: int, max_tokens: int
     outputs vary: with equal lengths, plain decoding would finish and admit whole waves of
     requests at once (one prefill step per wave) while speculation, whose sequences finish
     apart, admits them one at a time, and the comparison would measure that artefact."""
-    rng = random.Random(slots)
-    lengths = [rng.randint(max(max_tokens // 2, 1), max_tokens * 3 // 2) for _ in prompts]
+    lengths = steady_lengths(len(prompts), max_tokens, seed=slots)
 
     def params(speculative: bool) -> list[SamplingParams]:
         return [

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from metrale.api import LLM
-from metrale.bench.forced import ForcedAcceptance
+from metrale.bench.forced import forcing
 from metrale.bench.shapes import write_shape
 from metrale.config import SamplingParams
 from metrale.engine.calibrate import sync
@@ -100,14 +100,11 @@ def end_to_end(
     plain, t_plain = timed_generate(llm, prompts, plain_params)
     t_prefill = prefill_seconds(llm, prompts)
     drafter.record({tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain)}, alpha)
-    runner.forced_acceptance = ForcedAcceptance(alpha, seed=batch) if forced else None
-    try:
+    with forcing(runner, alpha, seed=batch, on=forced):
         llm.generate(prompts, params, use_tqdm=False)  # warm-up, outside the counters below
         before = _counters(llm)
         graphs_before = runner.graphs.cache.stats() if runner.graphs else None
         spec, t_spec = timed_generate(llm, prompts, params, warm=False)
-    finally:
-        runner.forced_acceptance = None
     after = _counters(llm)
     # over all timed runs (ratios from the totals; verify steps per run, a mean)
     delta = [a - b for a, b in zip(after, before, strict=True)]

@@ -14,6 +14,8 @@ results as forced.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -46,3 +48,14 @@ class ForcedAcceptance:
         # `emitted` already holds the target's pick on every row: where a real draft matched
         # greedily, the draft is the pick.
         return acc._replace(num_accepted=accepted_prefix(matches, layout), matches=matches)
+
+
+@contextmanager
+def forcing(runner, alpha: float, seed: int, on: bool = True) -> Iterator[None]:
+    """Forced acceptance at `alpha` on `runner` for the block (`on`: else the replayed one), off
+    after it whatever happens."""
+    runner.forced_acceptance = ForcedAcceptance(alpha, seed=seed) if on else None
+    try:
+        yield
+    finally:
+        runner.forced_acceptance = None
