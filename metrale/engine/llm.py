@@ -18,6 +18,7 @@ from metrale.config import EngineConfig, ModelConfig
 from metrale.distributed.parallel import check_tp
 from metrale.engine.ahead import AheadStepper
 from metrale.engine.calibrate import measured_cost_model
+from metrale.engine.commit import commit_rows
 from metrale.engine.emitter import Emitter
 from metrale.engine.isolation import run_batch
 from metrale.engine.kv_cache import PageAllocator
@@ -25,12 +26,12 @@ from metrale.engine.prefix_cache import build_prefix_cache
 from metrale.engine.requests import Request, RequestAdmission
 from metrale.engine.runner import ModelRunner
 from metrale.engine.scheduler import Scheduler
-from metrale.engine.sequence import Batch, Phase, Sequence, SequenceStatus
+from metrale.engine.sequence import Batch, Phase, Sequence
 from metrale.engine.step_output import StepOutput
 from metrale.hub import resolve_model
 from metrale.knobs import knobs
 from metrale.outputs import RequestOutput
-from metrale.speculative.drafter import Drafter, Verdict
+from metrale.speculative.drafter import Drafter
 from metrale.speculative.setup import dflash_dir, speculative_decoder
 from metrale.structured.grammar import GrammarCompiler
 from metrale.telemetry import Telemetry
@@ -314,83 +315,11 @@ class LLMEngine(RequestAdmission):
             self.emitter.drain()
         finished: list[Sequence] = []
         try:
-            return self._commit_rows(out, changed, advanced, finished)
+            return commit_rows(self, out, changed, advanced, finished)
         finally:
             # (an exception after a sequence ended, out of the drafter's side or the cache,
             # left it running past its last token: it decoded once more; found in review)
             self._finish(finished)
-
-    def _commit_rows(self, out: StepOutput, changed: dict, advanced: bool, finished: list) -> int:
-        """`_commit`'s work but ending the sequences it ends (`finished` gets them)."""
-        verdict_of = {id(v.entry): v for v in out.verdicts}
-        now, requests = time.perf_counter(), self.telemetry.request
-        # A step that drafted nothing, with a drafter that keeps no per-step state, has nothing
-        # to tell the speculative side: it is a plain decode step.
-        # (a step launched ahead drafted nothing, for a `stateless` drafter)
-        observing = not advanced and self.spec is not None and self.spec.observing
-        needs_hidden = observing and self.spec.drafter.needs_hidden
-        drafter_verdicts: list[Verdict] = []
-        cache = self.allocator.cache
-        page = 0 if cache is None else cache.page_size
-        filled: list[Sequence] = []  # sequences whose committed rows filled a page
-        emitted = 0
-        for entry, end in zip(out.entries, out.row_ends, strict=True):
-            seq, first = entry.seq, entry.seq.num_computed_tokens
-            v = verdict_of.get(id(entry))
-            accepted = 0 if v is None else v.num_accepted
-            committed = entry.num_rows - len(entry.drafts) + accepted
-            if advanced:
-                if seq.is_finished:
-                    continue
-                if v is not None:  # its token replaces the placeholder
-                    seq.drop_inflight()
-            else:
-                seq.num_computed_tokens += committed
-            if page and seq.num_computed_tokens >= (seq.num_registered_pages + 1) * page:
-                filled.append(seq)
-            tokens: list[int] = []
-            if v is not None:
-                seq.num_draft_tokens += len(entry.drafts)
-                seq.num_accepted_tokens += accepted
-                if not advanced:  # else counted at launch (the next step's noise keys on it)
-                    seq.noise_epoch += 1
-                before = len(seq.output_token_ids)
-                delta = self.emitter.emit(seq, v.tokens)
-                tokens = seq.output_token_ids[before:]
-                emitted += len(tokens)
-                if tokens and seq.first_commit_time is None:
-                    seq.first_commit_time = now
-                if delta is not None:  # else its tokens and text come with the next step's
-                    if tokens:
-                        requests.emitted(seq, len(tokens), now)
-                    deltas = changed.setdefault(seq.request_id, {})
-                    earlier = deltas.get(seq.seq_id, ("", []))
-                    deltas[seq.seq_id] = (earlier[0] + delta[0], earlier[1] + delta[1])
-                if seq.finish_reason is not None:
-                    finished.append(seq)
-            if observing:
-                row = end - entry.num_rows
-                drafter_verdicts.append(
-                    Verdict(
-                        seq=seq,
-                        drafts=entry.drafts,
-                        num_accepted=accepted,
-                        emitted=tokens,
-                        matches=[] if v is None else v.matches,
-                        hidden=out.hidden[row : row + committed] if needs_hidden else None,
-                        first_position=first,
-                        picks=[] if v is None else v.picks,
-                    )
-                )
-        if observing:
-            for seq, message in self.spec.observe(drafter_verdicts):
-                self._fail(seq, message)
-                changed.setdefault(seq.request_id, {}).setdefault(seq.seq_id, ("", []))
-        # After the drafters wrote their KV rows of these positions: the pages are complete.
-        for seq in filled:
-            if seq.status is SequenceStatus.RUNNING:
-                cache.commit(seq)
-        return emitted
 
     def _finish(self, seqs: list[Sequence]) -> None:
         self.scheduler.finish(seqs)

@@ -1,0 +1,94 @@
+"""A step's commit: each sequence moves past its committed rows (its last token and the drafts
+its verdict accepted), emits its tokens, and the drafter and D-Cut observe the verdicts.
+
+Split out of `engine/llm.py`: `LLMEngine._commit` wraps it (the sequences it ends are ended in a
+`finally`), and both the synchronous engine and `engine/ahead.py` commit through it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from metrale.engine.sequence import Sequence, SequenceStatus
+from metrale.engine.step_output import StepOutput
+from metrale.speculative.drafter import Verdict
+
+if TYPE_CHECKING:
+    from metrale.engine.llm import LLMEngine
+
+
+def commit_rows(
+    engine: LLMEngine, out: StepOutput, changed: dict, advanced: bool, finished: list
+) -> int:
+    """`LLMEngine._commit`'s work but ending the sequences it ends (`finished` gets them, and
+    `_commit` ends them whatever happens here)."""
+    verdict_of = {id(v.entry): v for v in out.verdicts}
+    now, requests = time.perf_counter(), engine.telemetry.request
+    # A step that drafted nothing, with a drafter that keeps no per-step state, has nothing
+    # to tell the speculative side: it is a plain decode step.
+    # (a step launched ahead drafted nothing, for a `stateless` drafter)
+    observing = not advanced and engine.spec is not None and engine.spec.observing
+    needs_hidden = observing and engine.spec.drafter.needs_hidden
+    drafter_verdicts: list[Verdict] = []
+    cache = engine.allocator.cache
+    page = 0 if cache is None else cache.page_size
+    filled: list[Sequence] = []  # sequences whose committed rows filled a page
+    emitted = 0
+    for entry, end in zip(out.entries, out.row_ends, strict=True):
+        seq, first = entry.seq, entry.seq.num_computed_tokens
+        v = verdict_of.get(id(entry))
+        accepted = 0 if v is None else v.num_accepted
+        committed = entry.num_rows - len(entry.drafts) + accepted
+        if advanced:
+            if seq.is_finished:
+                continue
+            if v is not None:  # its token replaces the placeholder
+                seq.drop_inflight()
+        else:
+            seq.num_computed_tokens += committed
+        if page and seq.num_computed_tokens >= (seq.num_registered_pages + 1) * page:
+            filled.append(seq)
+        tokens: list[int] = []
+        if v is not None:
+            seq.num_draft_tokens += len(entry.drafts)
+            seq.num_accepted_tokens += accepted
+            if not advanced:  # else counted at launch (the next step's noise keys on it)
+                seq.noise_epoch += 1
+            before = len(seq.output_token_ids)
+            delta = engine.emitter.emit(seq, v.tokens)
+            tokens = seq.output_token_ids[before:]
+            emitted += len(tokens)
+            if tokens and seq.first_commit_time is None:
+                seq.first_commit_time = now
+            if delta is not None:  # else its tokens and text come with the next step's
+                if tokens:
+                    requests.emitted(seq, len(tokens), now)
+                deltas = changed.setdefault(seq.request_id, {})
+                earlier = deltas.get(seq.seq_id, ("", []))
+                deltas[seq.seq_id] = (earlier[0] + delta[0], earlier[1] + delta[1])
+            if seq.finish_reason is not None:
+                finished.append(seq)
+        if observing:
+            row = end - entry.num_rows
+            drafter_verdicts.append(
+                Verdict(
+                    seq=seq,
+                    drafts=entry.drafts,
+                    num_accepted=accepted,
+                    emitted=tokens,
+                    matches=[] if v is None else v.matches,
+                    hidden=out.hidden[row : row + committed] if needs_hidden else None,
+                    first_position=first,
+                    picks=[] if v is None else v.picks,
+                )
+            )
+    if observing:
+        for seq, message in engine.spec.observe(drafter_verdicts):
+            engine._fail(seq, message)
+            changed.setdefault(seq.request_id, {}).setdefault(seq.seq_id, ("", []))
+    # After the drafters wrote their KV rows of these positions: the pages are complete.
+    for seq in filled:
+        if seq.status is SequenceStatus.RUNNING:
+            cache.commit(seq)
+    return emitted
