@@ -42,10 +42,10 @@ from metrale.knobs import knobs
 from metrale.speculative.dcut import (
     AcceptanceEstimator,
     PlanInput,
-    VerifyCostModel,
     choose_depths,
     plan,
 )
+from metrale.speculative.verify_cost import VerifyCostModel
 from metrale.speculative.verify_key import (
     canonical_assignment,
     verify_batch_order,

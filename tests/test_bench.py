@@ -12,7 +12,7 @@ from metrale.api import LLM
 from metrale.bench.shapes import SHAPES, write_shape
 from metrale.cli import main
 from metrale.default_model import default_model_dir
-from metrale.speculative.dcut import VerifyCostModel
+from metrale.speculative.verify_cost import VerifyCostModel
 
 
 def test_bench_writes_table_json_and_png(tmp_path, capsys):

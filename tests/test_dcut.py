@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 from metrale.knobs import knobs
 from metrale.speculative.dcut import (
     PlanInput,
-    VerifyCostModel,
     choose_depths,
     expected_tokens,
     plan,
 )
 from metrale.speculative.estimator import AcceptanceEstimator
+from metrale.speculative.verify_cost import VerifyCostModel
 from metrale.speculative.verify_key import verify_batch_order
 
 

@@ -11,8 +11,8 @@ import pytest
 
 from metrale import LLM, SamplingParams
 from metrale.speculative import planning
-from metrale.speculative.dcut import VerifyCostModel
 from metrale.speculative.drafter import Draft
+from metrale.speculative.verify_cost import VerifyCostModel
 from tests import test_dcut_plan_stands as plan_stands
 from tests.ngram_helpers import plain_and_ngram, token_ids
 from tests.test_dcut_plan_stands import EvenSlots, _decoding

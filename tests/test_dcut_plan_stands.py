@@ -12,8 +12,8 @@ import dataclasses
 import pytest
 
 from metrale import LLM
-from metrale.speculative.dcut import VerifyCostModel
 from metrale.speculative.drafter import Draft
+from metrale.speculative.verify_cost import VerifyCostModel
 from tests.test_dcut_quiet_width import _seq
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from metrale import LLM, SamplingParams
 from metrale.engine.sequence import Sequence
-from metrale.speculative.dcut import VerifyCostModel
 from metrale.speculative.replay import ReplayDrafter
+from metrale.speculative.verify_cost import VerifyCostModel
 
 
 def _seq(i: int) -> Sequence:

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from metrale import LLM, SamplingParams
-from metrale.speculative.dcut import PlanInput, VerifyCostModel, plan
+from metrale.speculative.dcut import PlanInput, plan
 from metrale.speculative.host_cost import (
     WARMUP_SAMPLES,
     WINDOW,
@@ -18,6 +18,7 @@ from metrale.speculative.host_cost import (
     drafting_loses,
 )
 from metrale.speculative.replay import ReplayDrafter
+from metrale.speculative.verify_cost import VerifyCostModel
 from tests.test_hybrid_engine import hybrid_dir  # noqa: F401 (a module fixture)
 
 PROMPTS = [[(7 * i + 3 * j) % 200 + 3 for j in range(5 + 3 * i)] for i in range(4)]

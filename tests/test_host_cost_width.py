@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 
 from metrale import LLM
-from metrale.speculative.dcut import Plan, VerifyCostModel
+from metrale.speculative.dcut import Plan
 from metrale.speculative.host_cost import WARMUP_SAMPLES, HostCost, drafting_loses
+from metrale.speculative.verify_cost import VerifyCostModel
 
 # A host-bound target: its forward (the calibration) barely grows with the width, and so does
 # its whole step, whose host work is mostly fixed. Verify rows cost nothing more here.

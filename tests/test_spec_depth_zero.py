@@ -10,9 +10,9 @@ import pytest
 from metrale import LLM, SamplingParams
 from metrale.engine.sequence import Phase
 from metrale.speculative import planning, probes
-from metrale.speculative.dcut import VerifyCostModel
 from metrale.speculative.drafter import Draft
 from metrale.speculative.replay import ReplayDrafter
+from metrale.speculative.verify_cost import VerifyCostModel
 from tests.test_hybrid_engine import hybrid_dir  # noqa: F401 (a module fixture)
 
 PROMPTS = [[(7 * i + 3 * j) % 200 + 3 for j in range(5 + 3 * i)] for i in range(4)]

@@ -44,8 +44,8 @@ from metrale.bench.timing import (
 from metrale.config import SamplingParams
 from metrale.engine.calibrate import step_times
 from metrale.engine.heap import freeze_startup_heap
-from metrale.speculative.dcut import VerifyCostModel
 from metrale.speculative.replay import ReplayDrafter
+from metrale.speculative.verify_cost import VerifyCostModel
 
 
 def main(args) -> int:

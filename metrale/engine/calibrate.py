@@ -17,7 +17,7 @@ import torch
 
 from metrale.config import SamplingParams
 from metrale.engine.sequence import Batch, ScheduledSeq, Sequence
-from metrale.speculative.dcut import VerifyCostModel
+from metrale.speculative.verify_cost import VerifyCostModel
 
 
 def sync(device: torch.device) -> None:

@@ -17,13 +17,13 @@ from metrale.config import SpecConfig
 from metrale.engine.device_tokens import DeviceDrafts, DeviceRow
 from metrale.engine.sequence import Sequence
 from metrale.knobs import knobs
-from metrale.speculative.dcut import VerifyCostModel
 from metrale.speculative.draft_shapes import draft_caps, grammar_drafts
 from metrale.speculative.drafter import Draft, Drafter, Verdict
 from metrale.speculative.estimator import AcceptanceEstimator
 from metrale.speculative.host_cost import HostCost
 from metrale.speculative.planning import DepthPlanning
 from metrale.speculative.row_table import RowTable
+from metrale.speculative.verify_cost import VerifyCostModel
 from metrale.speculative.verify_key import (
     canonical_assignment,
     verify_batch_order,

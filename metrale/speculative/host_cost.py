@@ -1,7 +1,7 @@
 """What drafting costs a step beyond its verify rows, measured as the engine runs, and D-Cut's
 gate on it.
 
-The verify cost curve (`dcut.VerifyCostModel`) prices rows: what the forward pays for them. A
+The verify cost curve (`verify_cost.VerifyCostModel`) prices rows: what the forward pays for them. A
 speculative step also pays host work a plain step does not: the drafter's `propose`, D-Cut's cut,
 the verdict bookkeeping and, for a drafter that keeps no state, its `observe`. On a small model at
 a large batch that work costs more than the tokens it buys (the shipped model with n-gram at
@@ -44,7 +44,8 @@ from collections import deque
 from collections.abc import Callable
 
 from metrale.engine.program_cache import captures
-from metrale.speculative.dcut import Plan, VerifyCostModel
+from metrale.speculative.dcut import Plan
+from metrale.speculative.verify_cost import VerifyCostModel
 
 # A plan is dropped only when it loses to plain decoding by more than this: near break-even the
 # estimates cannot tell, and flipping costs more than either choice.
