@@ -40,11 +40,11 @@ from dataclasses import dataclass
 from metrale.engine.program_shapes import decode_bucket
 from metrale.knobs import knobs
 from metrale.speculative.dcut import (
-    AcceptanceEstimator,
     PlanInput,
     choose_depths,
     plan,
 )
+from metrale.speculative.estimator import AcceptanceEstimator
 from metrale.speculative.verify_cost import VerifyCostModel
 from metrale.speculative.verify_key import (
     canonical_assignment,
