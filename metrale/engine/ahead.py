@@ -110,14 +110,13 @@ class AheadStepper:
         return self.engine.sync_seqs == 0
 
     def step(self) -> list[RequestOutput]:
-        engine = self.engine
-        changed, engine._carried = engine._carried, {}
+        changed = self.engine._carrying()
         try:
             return self._step(changed)
         except BaseException as e:
             # (no forward runs again after a rank is gone, nor on an interrupt)
             self._withdraw(rebuild=isinstance(e, Exception) and not isinstance(e, DistributedError))
-            engine._carried = changed  # what it committed reaches the caller with the next step
+            self.engine._carry(changed)
             raise
 
     def settle_ended(self) -> None:

@@ -188,6 +188,17 @@ class LLMEngine(RequestAdmission):
     def shutdown(self) -> None:
         self.runner.shutdown()
 
+    def _carrying(self) -> dict[str, dict[int, tuple[str, list[int]]]]:
+        """A step's `changed` map (request id -> seq id -> (text, tokens)), starting from what
+        a step that raised had committed (`_carry`)."""
+        changed, self._carried = self._carried, {}
+        return changed
+
+    def _carry(self, changed: dict) -> None:
+        """A step raised: what it committed reaches the caller with the next step (its requests
+        may have ended: `has_unfinished_requests` counts them until then)."""
+        self._carried = changed
+
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -195,7 +206,7 @@ class LLMEngine(RequestAdmission):
         `async_scheduling`, those of the step launched by the call before: `engine/ahead.py`)."""
         if self._ahead is not None:
             return self._ahead.step()
-        changed, self._carried = self._carried, {}
+        changed = self._carrying()
         start, retried = time.perf_counter(), self.retried_batches
         batch = None
         emitted = prompt_rows = 0
@@ -214,7 +225,7 @@ class LLMEngine(RequestAdmission):
             emitted = self._commit(out, changed)
             self._mark_errors(batch, changed)
         except BaseException:
-            self._carried = changed  # what it committed reaches the caller with the next step
+            self._carry(changed)
             raise
         finally:
             # NOTE: recorded on every exit path, a failing step included.
