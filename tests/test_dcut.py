@@ -189,6 +189,44 @@ def test_equal_depths_above_width_cap():
     assert choose_depths(shallow, steep, width_cap=9) == [1] * 10
 
 
+@settings(max_examples=150, deadline=None)
+@given(batches(max_n=5, max_depth=4), costs(), st.one_of(st.none(), st.integers(1, 16)))
+def test_ragged_uniform_depth_prices_only_the_rows_drafted(inputs, cost, max_rows):
+    # Programs that take any mix of depths (`any_depths`): above the width cap each sequence
+    # verifies min(d, its drafts) of the one depth d, and only those rows are priced.
+    depths = choose_depths(inputs, cost, width_cap=0, max_rows=max_rows, any_depths=True)
+    assert len(set(depths)) == 1
+    real = [min(depths[0], x.max_depth) for x in inputs]
+    n = len(inputs)
+    top = max(x.max_depth for x in inputs)
+    space = [[min(d, x.max_depth) for x in inputs] for d in range(top + 1)]
+    best = max(
+        objective(inputs, ds, cost)
+        for ds in space
+        if max_rows is None or n + sum(ds) <= max_rows or not any(ds)
+    )
+    assert objective(inputs, real, cost) == pytest.approx(best, rel=1e-9)
+    if max_rows is not None and any(real):
+        assert n + sum(real) <= max_rows
+    p = plan(inputs, cost, width_cap=0, max_rows=max_rows, any_depths=True)
+    assert p.rows == n + sum(real)
+    assert p.expected_tokens == pytest.approx(
+        sum(expected_tokens(x, d) for x, d in zip(inputs, real))
+    )
+
+
+def test_short_drafts_do_not_make_a_ragged_wide_batch_go_shallow():
+    # Nine one-draft sequences and one with four, above the width cap: priced as padded rows
+    # (row-table programs) the deep drafts do not pay for nine empty rows a level; where each
+    # verifies what it drafted (ragged programs) a level past the first costs one row.
+    steep = VerifyCostModel.from_points({(10, 2.0): 1.05, (10, 3.0): 1.1, (10, 5.0): 5.0})
+    shallow = [PlanInput(s, 1, [0.9]) for s in range(9)] + [PlanInput(9, 4, [0.9] * 4)]
+    assert choose_depths(shallow, steep, width_cap=9) == [1] * 10
+    assert choose_depths(shallow, steep, width_cap=9, any_depths=True) == [4] * 10
+    assert plan(shallow, steep, width_cap=9).rows == 20
+    assert plan(shallow, steep, width_cap=9, any_depths=True).rows == 10 + 9 + 4
+
+
 def test_max_rows_caps_the_table():
     inputs = [PlanInput(s, 4, [0.99] * 4) for s in range(6)]
     flat = VerifyCostModel(knee_rows=1e9)

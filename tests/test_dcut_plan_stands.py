@@ -224,3 +224,20 @@ def test_a_wide_cut_pads_a_short_draft_only_for_canonical_tables(tiny_model_dir,
     dec._cut(live, {s.seq_id: 3 for s in seqs})
     assert len(seqs[0].draft.tokens) == (1 if any_depths else 3)
     assert [len(s.draft.tokens) for s in seqs[1:]] == [3] * 7
+
+
+@pytest.mark.parametrize("any_depths", [False, True])
+def test_a_wide_cut_prices_only_the_rows_each_sequence_drafted(tiny_model_dir, any_depths):
+    """Where any mix of depths runs (ragged programs), a wide batch's one depth costs only the
+    rows each sequence drafted: seven one-token n-gram matches beside one of three do not make
+    the third draft look seven rows dear (`dcut._choose`'s `any_depths`)."""
+    dec, _ = _decoder(tiny_model_dir, OneShort())
+    dec.any_depths = any_depths
+    dec.cfg = dataclasses.replace(dec.cfg, dcut_width_cap=4)
+    dec.cost = VerifyCostModel.from_points({(8, 2.0): 1.05, (8, 3.0): 1.2, (8, 5.0): 5.0})
+    seqs = _decoding(8)
+    live = [(s, Draft([5] * (3 if s.slot == 0 else 1))) for s in seqs]
+    dec._cut(live, {s.seq_id: 3 for s in seqs})
+    # priced as padded rows a second level costs 8 rows for one draft: depth 1 for all
+    assert len(seqs[0].draft.tokens) == (3 if any_depths else 1)
+    assert [len(s.draft.tokens) for s in seqs[1:]] == [1] * 7

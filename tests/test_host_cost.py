@@ -271,7 +271,7 @@ def test_the_perfect_plan_of_a_probe_is_made_once_for_the_same_batch(tiny_model_
     curve = {(b, q): r for b in (1, 4) for q, r in ((1.0, 1.0), (2.0, 1.1), (4.0, 1.3))}
     spec.cost = VerifyCostModel.from_points(curve, {1: 1e-3})
     made, shown = [], []
-    monkeypatch.setattr(planning, "plan", lambda *a: made.append(a) or plan(*a))
+    monkeypatch.setattr(planning, "plan", lambda *a, **k: made.append((a, k)) or plan(*a, **k))
     monkeypatch.setattr(
         planning, "drafting_loses", lambda chosen, *a: shown.append(chosen) or False
     )
@@ -284,7 +284,7 @@ def test_the_perfect_plan_of_a_probe_is_made_once_for_the_same_batch(tiny_model_
     spec.cost = VerifyCostModel.from_points(curve, {1: 2e-3})  # the engine calibrated
     spec._hopeless(four[1:], [3] * 3)
     assert len(made) == 4
-    assert shown[-1] == plan(made[-1][0], spec.cost, spec.cfg.dcut_width_cap)
+    assert shown[-1] == plan(*made[-1][0], **made[-1][1])
 
 
 def test_the_gate_files_verify_steps_under_the_count_the_plan_drafts(tiny_model_dir):

@@ -166,18 +166,22 @@ def choose_depths(
     width_cap: int,
     max_rows: int | None = None,
     canonical: bool = False,
+    any_depths: bool = False,
 ) -> list[int]:
     """Depth per input (batch order, before dispatch ordering) maximising E / T.
 
     Up to `width_cap` sequences each has its own depth; with `canonical` they must not rise
     along ascending slots (see `_monotone_depths`). Above `width_cap`: one depth for all, up to
-    the largest `max_depth` (shorter drafts are padded), the best of those.
+    the largest `max_depth`, the best of those: shorter drafts are padded to it, or, with
+    `any_depths` (programs that take any mix of depths), verify what they drafted, and only
+    those rows are priced.
 
     `max_rows` bounds the table (the widest the verify programs admit). A batch of more than
     `max_rows` sequences gets all zeros: that is a plain decode, which no verify table carries.
     """
     gains = [_gains(x) for x in inputs]
-    return _choose(gains, [x.slot for x in inputs], cost, width_cap, max_rows, canonical)
+    slots = [x.slot for x in inputs]
+    return _choose(gains, slots, cost, width_cap, max_rows, canonical, any_depths)
 
 
 def _choose(
@@ -187,6 +191,7 @@ def _choose(
     width_cap: int,
     max_rows: int | None,
     canonical: bool,
+    any_depths: bool = False,
 ) -> list[int]:
     """`choose_depths` from each input's gains (`plan` reuses them for its expected tokens)."""
     n = len(gains)
@@ -208,13 +213,22 @@ def _choose(
         # H100's qwen3-8b verify cost curve) verified 2,873 of 4,168 times at depth 1, where a
         # closed batch verified 521 of 841 at depth 3 (and the H100 measured an acceptance
         # length of 2.00 against 2.64).
-        top = min(max(len(g) for g in gains), spare // n)
-        extra = [-math.inf] * (n * top + 1)
+        # With `any_depths` a sequence verifies at most what it drafted (`planning._cut`):
+        # level d then costs only the rows of those that drafted so deep (priced at n rows a
+        # level, a batch of short n-gram drafts looked dearer than it is and went shallower)
+        deep = max(len(g) for g in gains)
+        level_rows = [0]
+        for d in range(1, deep + 1):
+            level_rows.append(
+                level_rows[-1] + (sum(len(g) >= d for g in gains) if any_depths else n)
+            )
+        top = max(d for d in range(deep + 1) if level_rows[d] <= spare)
+        extra = [-math.inf] * (level_rows[top] + 1)
         extra[0] = total = 0.0
         for d in range(1, top + 1):  # level d adds the d-th gain of each that drafted so deep
             total += sum(g[d - 1] for g in gains if len(g) >= d)
-            extra[n * d] = total
-        return [_best_extra_rows(extra, n, cost) // n] * n
+            extra[level_rows[d]] = total
+        return [level_rows.index(_best_extra_rows(extra, n, cost))] * n
     if canonical:
         return _monotone_depths(gains, sorted(range(n), key=slots.__getitem__), cost, spare)
     return _free_depths(gains, cost, spare)
@@ -225,17 +239,24 @@ def plan(
     cost: VerifyCostModel,
     width_cap: int,
     max_rows: int | None = None,
+    any_depths: bool = False,
 ) -> Plan:
     """Depths for one verify batch, in the dispatch order and arm `verify_key` gives its width.
 
     Under the canonical arm the depths are planned for that arm's deal (non-increasing along
-    ascending slots), so the deal leaves each sequence the depth planned for it.
+    ascending slots), so the deal leaves each sequence the depth planned for it. `any_depths`:
+    the target's programs take any mix of depths, and a sequence verifies no more than its
+    `max_depth` whatever depth the plan deals it (`planning._cut`); `rows` counts those rows.
     """
     canonical = canonical_assignment(len(inputs))
     gains = [_gains(x) for x in inputs]  # once: the choice and the expected tokens read them
     slots = [x.slot for x in inputs]
-    depths = _choose(gains, slots, cost, width_cap, max_rows, canonical)
+    depths = _choose(gains, slots, cost, width_cap, max_rows, canonical, any_depths)
     order, dealt = verify_batch_order(slots, depths, canonical)
     # E(d) = 1 + the first d gains; a padded row (past max_depth) has none
     expected = sum(1.0 + sum(gains[i][:d]) for i, d in zip(order, dealt))
-    return Plan(order=order, depths=dealt, expected_tokens=expected, rows=sum(dealt) + len(dealt))
+    if any_depths:
+        rows = sum(min(d, len(gains[i])) for i, d in zip(order, dealt)) + len(dealt)
+    else:
+        rows = sum(dealt) + len(dealt)
+    return Plan(order=order, depths=dealt, expected_tokens=expected, rows=rows)

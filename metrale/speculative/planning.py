@@ -147,7 +147,7 @@ class DepthPlanning:
             chosen = last[2]  # (planning 8 sequences at K = 7: about 0.3 ms on the H200's host)
         else:
             perfect = [PlanInput(s.slot, c, [1.0] * c) for s, c in zip(seqs, caps, strict=True)]
-            chosen = plan(perfect, self.cost, self.cfg.dcut_width_cap)
+            chosen = plan(perfect, self.cost, self.cfg.dcut_width_cap, any_depths=self.any_depths)
             self._perfect = (key, self.cost, chosen)
         # (the bar a plan must clear here: a probe that could not reopen the gate is wasted)
         reopen = count_bucket(len(seqs)) in self._gated
@@ -189,7 +189,7 @@ class DepthPlanning:
             PlanInput(slot=s.slot, max_depth=c, accept=self.estimator.estimate(s.seq_id, c))
             for s, c in zip(seqs, caps, strict=True)
         ]
-        return plan(inputs, self.cost, self.cfg.dcut_width_cap)
+        return plan(inputs, self.cost, self.cfg.dcut_width_cap, any_depths=self.any_depths)
 
     def _worth_drafting(self, seqs: list[Sequence], caps: list[int]):
         """(indices into `seqs`, depths) of the sequences D-Cut gives a depth when every one of
@@ -231,7 +231,7 @@ class DepthPlanning:
             for seq, draft in live
         ]
         # The drafts are paid for by now: only their rows are priced.
-        chosen = plan(inputs, self.cost, self.cfg.dcut_width_cap)
+        chosen = plan(inputs, self.cost, self.cfg.dcut_width_cap, any_depths=self.any_depths)
         for idx, depth in zip(chosen.order, chosen.depths, strict=True):
             seq, draft = live[idx]
             depth = min(depth, cap_of[seq.seq_id])
