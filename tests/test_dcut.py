@@ -215,6 +215,21 @@ def test_ragged_uniform_depth_prices_only_the_rows_drafted(inputs, cost, max_row
     )
 
 
+@settings(max_examples=100, deadline=None)
+@given(batches(max_n=5, max_depth=3), costs())
+def test_programs_taking_any_depth_mix_get_free_depths_under_the_canonical_arm(inputs, cost):
+    # The canonical arm keeps row-table keys few; ragged programs are keyed by rows and
+    # sequences alone, so there each sequence gets its own best depth (the free optimum).
+    knobs.cache_clear()
+    p = plan(inputs, cost, width_cap=64, any_depths=True)
+    depths = [0] * len(inputs)
+    for i, d in zip(p.order, p.depths, strict=True):
+        depths[i] = d
+    assert all(d <= x.max_depth for d, x in zip(depths, inputs, strict=True))
+    assert objective(inputs, depths, cost) == pytest.approx(brute_force(inputs, cost), rel=1e-9)
+    assert p.depths == sorted(p.depths, reverse=True)  # dispatched deepest first
+
+
 def test_short_drafts_do_not_make_a_ragged_wide_batch_go_shallow():
     # Nine one-draft sequences and one with four, above the width cap: priced as padded rows
     # (row-table programs) the deep drafts do not pay for nine empty rows a level; where each
