@@ -143,6 +143,53 @@ def test_an_exception_after_a_sequence_ended_ends_it_and_keeps_its_output(tiny_m
         assert engine.allocator.num_free == engine.allocator.num_usable and not engine.requests
 
 
+def _finals(engine) -> dict[str, list[int]]:
+    outs, _ = _step_through(engine)
+    return {o.request_id: o.outputs[0].token_ids for o in outs if o.finished}
+
+
+@pytest.mark.parametrize("async_on", [False, True], ids=["sync", "async"])
+def test_an_exception_after_a_step_made_its_outputs_loses_no_final_output(tiny_model_dir, async_on):
+    """An exception after a step made its outputs (the launched step's prefix-cache commit,
+    D-Cut's timing of the step) loses none of them: a request that step finished is still in
+    the engine and its final output comes with the next step. Before, the outputs had let the
+    finished request go, and the next step passed over it: its output never came (found in
+    review, async at the third prefix-cache commit; the synchronous engine lost the whole
+    step's outputs when the timing raised)."""
+    prompts = {"a": ([5, 6, 7], 3), "b": ([9, 10, 11, 12, 13], 12)}
+    spec = {"method": "ngram", "num_drafts": 2}
+
+    def run(fail_commit: int = 0, fail_timing: int = 0):
+        llm = LLM(tiny_model_dir, device="cpu", async_scheduling=async_on, page_size=4, spec=spec)
+        engine = llm.engine
+        calls = {"commit": 0, "timing": 0}
+
+        def failing(name, real, at):
+            def call(*args):
+                calls[name] += 1
+                if calls[name] == at:
+                    raise RuntimeError("injected")
+                return real(*args)
+
+            return call
+
+        cache = engine.allocator.cache
+        cache.commit = failing("commit", cache.commit, fail_commit)
+        engine.spec.timed_step = failing("timing", engine.spec.timed_step, fail_timing)
+        for rid, (prompt, n) in prompts.items():
+            engine.add_request(rid, prompt, _greedy(n), final_only=True)
+        finals = _finals(engine)
+        assert engine.allocator.num_free == engine.allocator.num_usable and not engine.requests
+        return finals, calls
+
+    reference, calls = run()
+    assert sorted(reference) == ["a", "b"]
+    for at in range(1, calls["commit"] + 1):
+        assert run(fail_commit=at)[0] == reference, ("commit", at)
+    for at in range(1, calls["timing"] + 1):
+        assert run(fail_timing=at)[0] == reference, ("timing", at)
+
+
 def test_the_step_after_the_last_is_not_counted(tiny_model_dir):
     """The step launched for sequences the step before ended is thrown away at once: not
     settled by the next request's first call and counted as a step that lasted the idle time

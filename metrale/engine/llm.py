@@ -110,6 +110,8 @@ class LLMEngine(RequestAdmission):
         # the outputs of a step an exception cut short (request id -> seq id -> delta), which
         # the next step returns (a request it ended has no step after it but that one)
         self._carried: dict[str, dict[int, tuple[str, list[int]]]] = {}
+        # (request id, request) of the finished requests this step's outputs let go (`_outputs`)
+        self._delivered: list[tuple[str, Request]] = []
         self._rng = random.Random(self.config.seed)
         self._next_seq_id = 0
         # The tokens a sequence can reach: max_model_len, or what the KV pool holds when that is
@@ -192,12 +194,19 @@ class LLMEngine(RequestAdmission):
         """A step's `changed` map (request id -> seq id -> (text, tokens)), starting from what
         a step that raised had committed (`_carry`)."""
         changed, self._carried = self._carried, {}
+        self._delivered = []
         return changed
 
     def _carry(self, changed: dict) -> None:
         """A step raised: what it committed reaches the caller with the next step (its requests
-        may have ended: `has_unfinished_requests` counts them until then)."""
+        may have ended: `has_unfinished_requests` counts them until then). A finished request
+        whose output this step had made (`_outputs`) comes back: the caller never got it (found
+        in review: an async step raising after its outputs, at the launched step's prefix-cache
+        commit, lost a finished request's final output)."""
         self._carried = changed
+        for request_id, request in self._delivered:
+            self.requests.setdefault(request_id, request)
+        self._delivered = []
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -207,6 +216,13 @@ class LLMEngine(RequestAdmission):
         if self._ahead is not None:
             return self._ahead.step()
         changed = self._carrying()
+        try:
+            return self._step(changed)
+        except BaseException:
+            self._carry(changed)
+            raise
+
+    def _step(self, changed: dict) -> list[RequestOutput]:
         start, retried = time.perf_counter(), self.retried_batches
         batch = None
         emitted = prompt_rows = 0
@@ -224,9 +240,6 @@ class LLMEngine(RequestAdmission):
             self.runner.while_forward_runs = None
             emitted = self._commit(out, changed)
             self._mark_errors(batch, changed)
-        except BaseException:
-            self._carry(changed)
-            raise
         finally:
             # NOTE: recorded on every exit path, a failing step included.
             if batch is not None:
@@ -308,6 +321,7 @@ class LLMEngine(RequestAdmission):
             outputs.append(self.emitter.output(request, deltas))
             if finished:
                 del self.requests[request_id]
+                self._delivered.append((request_id, request))
         return outputs
 
     def _run(self, batch: Batch) -> StepOutput:
