@@ -143,9 +143,19 @@ def test_an_exception_after_a_sequence_ended_ends_it_and_keeps_its_output(tiny_m
         assert engine.allocator.num_free == engine.allocator.num_usable and not engine.requests
 
 
-def _finals(engine) -> dict[str, list[int]]:
+def _finals(engine) -> dict[str, tuple]:
+    """Each request's final tokens and text, and, streamed, the concatenation of its deltas
+    (which must be them)."""
     outs, _ = _step_through(engine)
-    return {o.request_id: o.outputs[0].token_ids for o in outs if o.finished}
+    deltas: dict[str, tuple[list[int], str]] = {}
+    for o in outs:
+        ids, text = deltas.get(o.request_id, ([], ""))
+        deltas[o.request_id] = (ids + o.outputs[0].delta_token_ids, text + o.outputs[0].delta_text)
+    return {
+        o.request_id: (o.outputs[0].token_ids, o.outputs[0].text, deltas[o.request_id])
+        for o in outs
+        if o.finished
+    }
 
 
 @pytest.mark.parametrize("async_on", [False, True], ids=["sync", "async"])
@@ -155,9 +165,11 @@ def test_an_exception_after_a_step_made_its_outputs_loses_no_final_output(tiny_m
     the engine and its final output comes with the next step. Before, the outputs had let the
     finished request go, and the next step passed over it: its output never came (found in
     review, async at the third prefix-cache commit; the synchronous engine lost the whole
-    step's outputs when the timing raised)."""
+    step's outputs when the timing raised). A streamed request's deltas stay in order (made
+    again, text drained since went in front of the text they held: found in review)."""
     prompts = {"a": ([5, 6, 7], 3), "b": ([9, 10, 11, 12, 13], 12)}
     spec = {"method": "ngram", "num_drafts": 2}
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
 
     def run(fail_commit: int = 0, fail_timing: int = 0):
         llm = LLM(tiny_model_dir, device="cpu", async_scheduling=async_on, page_size=4, spec=spec)
@@ -178,12 +190,15 @@ def test_an_exception_after_a_step_made_its_outputs_loses_no_final_output(tiny_m
         engine.spec.timed_step = failing("timing", engine.spec.timed_step, fail_timing)
         for rid, (prompt, n) in prompts.items():
             engine.add_request(rid, prompt, _greedy(n), final_only=True)
+        engine.add_request("streamed", [5, 6, 7], seeded)
         finals = _finals(engine)
+        ids, text, (delta_ids, delta_text) = finals["streamed"]
+        assert (delta_ids, delta_text) == (ids, text)
         assert engine.allocator.num_free == engine.allocator.num_usable and not engine.requests
         return finals, calls
 
     reference, calls = run()
-    assert sorted(reference) == ["a", "b"]
+    assert sorted(reference) == ["a", "b", "streamed"]
     for at in range(1, calls["commit"] + 1):
         assert run(fail_commit=at)[0] == reference, ("commit", at)
     for at in range(1, calls["timing"] + 1):

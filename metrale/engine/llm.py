@@ -110,8 +110,10 @@ class LLMEngine(RequestAdmission):
         # the outputs of a step an exception cut short (request id -> seq id -> delta), which
         # the next step returns (a request it ended has no step after it but that one)
         self._carried: dict[str, dict[int, tuple[str, list[int]]]] = {}
-        # (request id, request) of the finished requests this step's outputs let go (`_outputs`)
-        self._delivered: list[tuple[str, Request]] = []
+        # outputs a step made and could not return (it raised after `_outputs`): the next
+        # step returns them first; and this step's, once made (`_outputs`), until it returns
+        self._carried_outputs: list[RequestOutput] = []
+        self._made: list[RequestOutput] | None = None
         self._rng = random.Random(self.config.seed)
         self._next_seq_id = 0
         # The tokens a sequence can reach: max_model_len, or what the KV pool holds when that is
@@ -185,7 +187,7 @@ class LLMEngine(RequestAdmission):
         return self.model_config.vocab_size
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._carried)
+        return self.scheduler.has_unfinished() or bool(self._carried or self._carried_outputs)
 
     def shutdown(self) -> None:
         self.runner.shutdown()
@@ -194,19 +196,21 @@ class LLMEngine(RequestAdmission):
         """A step's `changed` map (request id -> seq id -> (text, tokens)), starting from what
         a step that raised had committed (`_carry`)."""
         changed, self._carried = self._carried, {}
-        self._delivered = []
+        self._made = None
         return changed
 
     def _carry(self, changed: dict) -> None:
         """A step raised: what it committed reaches the caller with the next step (its requests
-        may have ended: `has_unfinished_requests` counts them until then). A finished request
-        whose output this step had made (`_outputs`) comes back: the caller never got it (found
-        in review: an async step raising after its outputs, at the launched step's prefix-cache
-        commit, lost a finished request's final output)."""
-        self._carried = changed
-        for request_id, request in self._delivered:
-            self.requests.setdefault(request_id, request)
-        self._delivered = []
+        may have ended: `has_unfinished_requests` counts them until then). If it had made its
+        outputs already (`_outputs`), those go out as made, first in the next step's: made
+        again from `changed`, a finished request had left the engine and its final output
+        never came, and text drained since went in front of the text they held (found in
+        review: an async step raising at the launched step's prefix-cache commit, a
+        synchronous one at D-Cut's timing, both after their outputs)."""
+        if self._made is None:
+            self._carried = changed
+        else:
+            self._carried_outputs, self._made = self._made, None
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -321,7 +325,9 @@ class LLMEngine(RequestAdmission):
             outputs.append(self.emitter.output(request, deltas))
             if finished:
                 del self.requests[request_id]
-                self._delivered.append((request_id, request))
+        # (those a step that raised had made first: they are earlier)
+        outputs, self._carried_outputs = self._carried_outputs + outputs, []
+        self._made = outputs
         return outputs
 
     def _run(self, batch: Batch) -> StepOutput:

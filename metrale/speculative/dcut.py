@@ -59,7 +59,8 @@ class Plan:
     low slot lets deeper sequences after it go deep, and above the width cap, where one depth
     stands for all: the caller pads its drafts to the depth (rows are rows to the kernel) or,
     where the programs take any mix of depths, verifies what it drafted. `expected_tokens`
-    counts padding as never accepted; `rows = sum(depths) + len(depths)` prices it.
+    counts padding as never accepted; `rows` prices it (`sum(depths) + len(depths)`), but
+    with `any_depths` only the rows that run: each sequence's depth capped at its `max_depth`.
     """
 
     order: list[int]
