@@ -520,14 +520,16 @@ def test_steps_past_graph_max_rows_run_eagerly_between_replays(hybrid_dir, fake_
             hybrid_verify_state=variant,
             max_num_seqs=11,
         ),
-        max_rows=12,
+        max_rows=16,
         capture=True,
     )
     runner = llm.engine.runner
     assert ids(llm.generate(prompts, params, use_tqdm=False)) == want
     assert runner.graph_refusals > 0
-    assert all(k[0].rows() <= 12 for k in runner.graphs.cache._programs)
-    replayed = [c for c in runner.graphs.recorder.calls if c[0].rows() <= 12]
+    assert all(k[0].rows() <= 16 for k in runner.graphs.cache._programs)
+    # (16 rows: a verify of four sequences at width 4; at 12 rows, three, which this
+    # workload's plans stopped bringing once D-Cut planned free depths with ragged programs)
+    replayed = [c for c in runner.graphs.recorder.calls if c[0].rows() <= 16]
     assert {c[1] for c in replayed} == {StateMode.WRITE, runner.states.verify_mode}
 
 
