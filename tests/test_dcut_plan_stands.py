@@ -242,3 +242,29 @@ def test_a_wide_cut_prices_only_the_rows_each_sequence_drafted(tiny_model_dir, a
     # priced as padded rows a second level costs 8 rows for one draft: depth 1 for all
     assert len(seqs[0].draft.tokens) == (3 if any_depths else 1)
     assert [len(s.draft.tokens) for s in seqs[1:]] == [1] * 7
+
+
+@pytest.mark.parametrize("any_depths", [False, True])
+def test_a_verify_step_is_recorded_in_the_order_it_was_dispatched(tiny_model_dir, any_depths):
+    """The verify key telemetry records the dispatch `plan` made: each sequence its own depth,
+    deepest first, where any mix of depths runs; the canonical deal for row-table programs."""
+    from types import SimpleNamespace
+
+    from metrale.speculative.verify_key import verify_batch_order, verify_graph_key
+
+    dec, _ = _decoder(tiny_model_dir, EvenSlots())
+    dec.any_depths = any_depths
+    seqs = _decoding(5)
+    depths = [1, 3, 0, 2, 1]  # four verified (the canonical arm's width), rising along slots
+    verified = [
+        SimpleNamespace(seq=s, drafts=[5] * d) for s, d in zip(seqs, depths, strict=True) if d
+    ]
+    dec._record_verify(verified)
+    slots = [e.seq.slot for e in verified]
+    order, dealt = verify_batch_order(slots, [len(e.drafts) for e in verified], not any_depths)
+    pairs = [(slots[i], d + 1) for i, d in zip(order, dealt, strict=True)]
+    assert dec.telemetry.verify_keys == {verify_graph_key(pairs, True, dec.write_on_accept)}
+    if any_depths:  # each keeps its own depth
+        assert sorted(pairs) == sorted((s, d + 1) for s, d in zip(slots, [1, 3, 2, 1], strict=True))
+    else:  # dealt deepest first along ascending slots
+        assert [d for _, d in pairs] == [4, 3, 2, 2] and slots == sorted(slots)
