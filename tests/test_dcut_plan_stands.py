@@ -212,17 +212,26 @@ def test_one_short_draft_does_not_pin_a_wide_batch_at_its_depth(tiny_model_dir):
     assert seqs[0].draft.tokens == [5, 5, 5]  # padded by repeating its last token
 
 
+def _wide_cut(tiny_model_dir, any_depths: bool, first: int, others: int, cost=None):
+    """Eight decoding sequences above a width cap of 4, slot 0 having drafted `first` tokens and
+    the others `others` (caps 3), through the cut after drafting (`_cut`): the sequences."""
+    dec, _ = _decoder(tiny_model_dir, OneShort())
+    dec.any_depths = any_depths
+    dec.cfg = dataclasses.replace(dec.cfg, dcut_width_cap=4)
+    if cost is not None:
+        dec.cost = cost
+    seqs = _decoding(8)
+    live = [(s, Draft([5] * (first if s.slot == 0 else others))) for s in seqs]
+    dec._cut(live, {s.seq_id: 3 for s in seqs})
+    return seqs
+
+
 @pytest.mark.parametrize("any_depths", [False, True])
 def test_a_wide_cut_pads_a_short_draft_only_for_canonical_tables(tiny_model_dir, any_depths):
     """After drafting (`_cut`, e.g. at a probe step), a wide batch's one depth pads a shorter
     draft where the programs need one depth mix (row-table programs), and leaves it as drafted
     where any mix runs (ragged programs): padded rows there bought nothing."""
-    dec, _ = _decoder(tiny_model_dir, OneShort())
-    dec.any_depths = any_depths
-    dec.cfg = dataclasses.replace(dec.cfg, dcut_width_cap=4)
-    seqs = _decoding(8)
-    live = [(s, Draft([5] * (1 if s.slot == 0 else 3))) for s in seqs]
-    dec._cut(live, {s.seq_id: 3 for s in seqs})
+    seqs = _wide_cut(tiny_model_dir, any_depths, first=1, others=3)
     assert len(seqs[0].draft.tokens) == (1 if any_depths else 3)
     assert [len(s.draft.tokens) for s in seqs[1:]] == [3] * 7
 
@@ -232,13 +241,8 @@ def test_a_wide_cut_prices_only_the_rows_each_sequence_drafted(tiny_model_dir, a
     """Where any mix of depths runs (ragged programs), a wide batch's one depth costs only the
     rows each sequence drafted: seven one-token n-gram matches beside one of three do not make
     the third draft look seven rows dear (`dcut._choose`'s `any_depths`)."""
-    dec, _ = _decoder(tiny_model_dir, OneShort())
-    dec.any_depths = any_depths
-    dec.cfg = dataclasses.replace(dec.cfg, dcut_width_cap=4)
-    dec.cost = VerifyCostModel.from_points({(8, 2.0): 1.05, (8, 3.0): 1.2, (8, 5.0): 5.0})
-    seqs = _decoding(8)
-    live = [(s, Draft([5] * (3 if s.slot == 0 else 1))) for s in seqs]
-    dec._cut(live, {s.seq_id: 3 for s in seqs})
+    cost = VerifyCostModel.from_points({(8, 2.0): 1.05, (8, 3.0): 1.2, (8, 5.0): 5.0})
+    seqs = _wide_cut(tiny_model_dir, any_depths, first=3, others=1, cost=cost)
     # priced as padded rows a second level costs 8 rows for one draft: depth 1 for all
     assert len(seqs[0].draft.tokens) == (3 if any_depths else 1)
     assert [len(s.draft.tokens) for s in seqs[1:]] == [1] * 7

@@ -170,6 +170,8 @@ def test_default_threshold_is_the_constant(env):
     assert not canonical_assignment(CANONICAL_KEY_MIN_WIDTH - 1)
     assert canonical_assignment(CANONICAL_KEY_MIN_WIDTH)
     assert canonical_assignment(CANONICAL_KEY_MIN_WIDTH + 100)
+    # programs taking any mix of depths never get the arm
+    assert not canonical_assignment(CANONICAL_KEY_MIN_WIDTH + 100, any_depths=True)
 
 
 def test_constant_is_read_at_call_time(env, monkeypatch):

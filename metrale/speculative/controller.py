@@ -163,8 +163,7 @@ class SpeculativeDecoder(DepthPlanning):
         0.05 ms at batch 64, which `observe` paid after the host sync of every verify step."""
         slots = tuple(e.seq.slot for e in verified)
         ks = tuple(len(e.drafts) for e in verified)
-        # (the dispatch `plan` made: the canonical deal only for row-table programs)
-        canonical = canonical_assignment(len(verified)) and not self.any_depths
+        canonical = canonical_assignment(len(verified), self.any_depths)  # as `plan` dispatched
         # A plan stands for a few steps, and with it the step's shape: worked out once.
         found = self._shapes.get((slots, ks, canonical))
         if found is None:

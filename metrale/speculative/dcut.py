@@ -255,7 +255,7 @@ def plan(
     on the host than the canonical plan), verifies no more than its `max_depth`
     (`planning._cut`), and `rows` counts those rows.
     """
-    canonical = canonical_assignment(len(inputs)) and not any_depths
+    canonical = canonical_assignment(len(inputs), any_depths)
     gains = [_gains(x) for x in inputs]  # once: the choice and the expected tokens read them
     slots = [x.slot for x in inputs]
     depths = _choose(gains, slots, cost, width_cap, max_rows, canonical, any_depths)

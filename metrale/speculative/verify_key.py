@@ -41,13 +41,15 @@ def canonical_verify_key_enabled() -> bool:
     return knobs().canonical_verify_key_enabled
 
 
-def canonical_assignment(n: int) -> bool:
-    """Whether a batch of `n` sequences gets the canonical arm.
+def canonical_assignment(n: int, any_depths: bool = False) -> bool:
+    """Whether a batch of `n` sequences gets the canonical arm. `any_depths`: the target's
+    programs take any mix of depths (ragged programs, keyed by rows and sequences alone, or
+    none): the arm, which keeps row-table keys few, buys nothing there and never applies.
 
     NOTE: the planner and the dispatcher must ask with the same width, so that the order the planner
     assigned depths in is the one dispatched.
     """
-    return canonical_verify_key_enabled() and n >= canonical_key_min_width()
+    return not any_depths and canonical_verify_key_enabled() and n >= canonical_key_min_width()
 
 
 def _check_lengths(slots: Sequence[int], ks: Sequence[int]) -> None:
