@@ -106,6 +106,21 @@ def test_paged_attention_tiles_prefill_chunks(dtype, heads, kv_heads):
     assert err < (1e-5 if dtype == torch.float32 else 1e-2), err
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(8, 8), (32, 8)])
+def test_prefill_tiles_are_numbered_across_the_step(heads, kv_heads):
+    """A prefill program's layout: many short verify sequences beside a prompt, sequences with
+    no rows (a program's spare ones), rows straddling tile boundaries at every offset. The
+    tiles are numbered across the step (`_tile_of`), so each row must be computed by exactly
+    the tile of its own sequence: the output equals the reference on every row."""
+    torch.manual_seed(2)
+    q_lens = [4, 0, 4, 3, 33, 0, 1, 4, 16, 17, 4, 0, 2, 4, 4, 0]
+    seq_lens = [50, 1, 20, 9, 33, 5, 90, 36, 16, 40, 4, 1, 70, 64, 8, 1]
+    assert max(q_lens) > paged_attention.MAX_KERNEL_ROWS
+    dtype = torch.float32
+    _, err = _against_reference(dtype, heads, kv_heads, 32, 16, 128, q_lens, seq_lens)
+    assert err < 1e-5, err
+
+
 def test_num_splits_fills_the_gpu_and_ignores_decode_padding():
     cpu = torch.device("cpu")  # counted as 132 multiprocessors
     assert paged_attention.num_splits(1, 8, cpu) == paged_attention.MAX_SPLITS

@@ -8,9 +8,14 @@ softmax, and row r sees keys up to its own position (causal within the verify ro
 sequences run, each (sequence, head) is split over its pages into `num_splits` programs
 (flash-decoding) and a second kernel combines their partial softmaxes.
 
-Prefill chunks (more than MAX_KERNEL_ROWS rows in a sequence) tile the query rows instead: the
-third program axis picks a tile of PREFILL_TILE_ROWS rows, which reads the pages up to its last
-row's position only (causal). Every shape runs the same compiled kernel, so a step that mixes
+Prefill chunks (more than MAX_KERNEL_ROWS rows in a sequence) tile the query rows instead: each
+program takes one tile of PREFILL_TILE_ROWS (rows x heads), which reads the pages up to its last
+row's position only (causal). The tiles are numbered across the step (`_tile_of`), sequence after
+sequence, so the grid is the step's rows / tile rows + its sequences, whatever the longest
+sequence: a prefill program (whose longest sequence is unknown at capture, so the grid used to
+be sequences x its rows / tile rows) holding a verify of 64 sequences beside a short prompt had
+thousands of programs per layer that found no row, 2 of its 10 ms on an H100. Every shape runs
+the same compiled kernel, so a step that mixes
 prefill chunks with decode or verify rows costs no per-shape set-up (the torch reference's SDPA
 built a cuDNN plan for each new padded shape: about 15 ms a step on the H200).
 `models/attention.TorchPagedAttention` stays the kernel's test oracle and the CPU path.
@@ -50,7 +55,24 @@ if triton is not None:
     # counts): specialised, an eager step of a new kind compiled the kernel again inside a
     # running step, which a prefix-cached serving load kept meeting. They are
     # read one scalar at a time, so the specialisation bought nothing.
-    @triton.jit(do_not_specialize=["tables_ptr", "starts_ptr", "lens_ptr", "stride_bt"])
+    @triton.jit
+    def _tile_of(starts_ptr, num_seqs, BLOCK_Q: tl.constexpr):
+        """(sequence, its first row) of this program's query tile, when tiles are numbered
+        across the step: sequence s's tiles start at tile starts[s] // BLOCK_Q + s (room for
+        its rows' tiles, one more for where they straddle a tile boundary), so the sequence is
+        the last whose first tile is at most this one (a binary search). A tile past its
+        sequence's rows (that spare one, or a sequence with none) gets a first row past them."""
+        tile = tl.program_id(0)
+        lo = tile * 0
+        hi = lo + num_seqs
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            before = tl.load(starts_ptr + mid) // BLOCK_Q + mid <= tile
+            lo = tl.where(before, mid, lo)
+            hi = tl.where(before, hi, mid)
+        return lo, (tile - (tl.load(starts_ptr + lo) // BLOCK_Q + lo)) * BLOCK_Q
+
+    @triton.jit(do_not_specialize=["tables_ptr", "starts_ptr", "lens_ptr", "stride_bt", "num_seqs"])
     def _paged_attention_kernel(
         q_ptr,
         k_ptr,
@@ -70,6 +92,7 @@ if triton is not None:
         stride_bt,
         stride_ot,
         stride_oh,
+        num_seqs,
         NUM_HEADS: tl.constexpr,
         GROUP: tl.constexpr,
         GROUP_P: tl.constexpr,
@@ -82,13 +105,17 @@ if triton is not None:
         PRECISION: tl.constexpr,
         DOT_F32: tl.constexpr,
     ):
-        seq = tl.program_id(0)
         kvh = tl.program_id(1)
-        split = tl.program_id(2)  # the KV split; with Q_TILED, the tile of query rows
+        if Q_TILED:  # axis 0: a tile of query rows of the whole step
+            seq, first_row = _tile_of(starts_ptr, num_seqs, BLOCK_Q)
+            split = 0
+        else:  # axis 0: the sequence; axis 2: its KV split
+            seq = tl.program_id(0)
+            first_row = 0
+            split = tl.program_id(2)
         start = tl.load(starts_ptr + seq)
         q_len = tl.load(starts_ptr + seq + 1) - start
         seq_len = tl.load(lens_ptr + seq)
-        first_row = split * BLOCK_Q if Q_TILED else 0
         # tile row = query row * GROUP_P + head in group (GROUP padded to a power of two)
         m_idx = tl.arange(0, BLOCK_Q * GROUP_P)
         row = first_row + m_idx // GROUP_P
@@ -264,14 +291,17 @@ class TritonPagedAttention(TorchPagedAttention):
         k_cache, v_cache = kv_cache[0], kv_cache[1]  # [pages, page, Hkv, D]
         q = q.to(k_cache.dtype)
         splits = 1 if tiled else num_splits(meta.num_seqs, kv_heads, q.device)
-        programs = -(-meta.max_query_len // block_q) if tiled else splits
         rows = q.shape[0]
+        if tiled:  # every sequence's tiles, numbered across the step (`_tile_of`)
+            grid = (rows // block_q + meta.num_seqs, kv_heads, 1)
+        else:
+            grid = (meta.num_seqs, kv_heads, splits)
         if splits > 1:
             part_ml = torch.empty(rows, heads, splits, 2, dtype=torch.float32, device=q.device)
             part_acc = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=q.device)
         else:
             part_ml = part_acc = out  # unused
-        _paged_attention_kernel[(meta.num_seqs, kv_heads, programs)](
+        _paged_attention_kernel[grid](
             q,
             k_cache,
             v_cache,
@@ -290,6 +320,7 @@ class TritonPagedAttention(TorchPagedAttention):
             meta.block_tables.stride(0),
             out.stride(0),
             out.stride(1),
+            meta.num_seqs,
             NUM_HEADS=heads,
             GROUP=group,
             GROUP_P=group_p,
