@@ -17,6 +17,7 @@ from metrale.engine.program_shapes import (
     all_prefill_shapes,
     all_ragged_shapes,
     default_max_rows,
+    dense_prefill_row_bucket,
     max_ragged_seqs,
     padding_rows,
     prefill_program_rows,
@@ -133,7 +134,7 @@ def test_every_prefill_step_fits_a_captured_shape(max_seqs, max_q):
     sampling row (1 + K per sequence at most)."""
     captured = set(all_prefill_shapes(max_seqs, 256, max_q))
     for seqs in range(1, min(max_seqs, 256) + 1):
-        for rows in sorted({seqs, seqs + 1, 2 * seqs + 3, 100, 255, 256}):
+        for rows in sorted({seqs, seqs + 1, 2 * seqs + 3, 100, 129, 200, 255, 256}):
             if not seqs <= rows <= 256:
                 continue
             shape = prefill_shape(seqs, rows, max_q)
@@ -143,6 +144,29 @@ def test_every_prefill_step_fits_a_captured_shape(max_seqs, max_q):
             assert sum(shape.layout()) == shape.rows()
     with pytest.raises(ValueError):
         prefill_shape(3, 2, 4)
+
+
+def test_dense_prefill_row_buckets_pad_a_quarter_at_most_past_128_rows():
+    """A dense prefill program's row bucket holds the step's rows, is its own bucket (so the
+    start-up capture meets it), pads to a power of two up to 128 rows and by less than a
+    quarter past that (a step of a few hundred rows is arithmetic-bound: padding 268 rows to 512
+    nearly doubled a verify step with a prompt beside it), and every power of two is one (the
+    widest program, `prefill_program_rows`, is a bucket)."""
+    last = 0
+    for rows in range(1, 4097):
+        bucket = dense_prefill_row_bucket(rows)
+        assert rows <= bucket and dense_prefill_row_bucket(bucket) == bucket
+        assert bucket >= last  # more rows never take a smaller program
+        last = bucket
+        if rows <= 128:
+            assert bucket == max(16, 1 << (rows - 1).bit_length())
+        else:
+            assert 4 * bucket < 5 * rows
+    assert dense_prefill_row_bucket(268) == 320
+    for b in range(4, 13):
+        assert dense_prefill_row_bucket(1 << b) == max(16, 1 << b)
+    rows = sorted({s.rows() for s in all_prefill_shapes(64, 2048, 4)})
+    assert rows == sorted({dense_prefill_row_bucket(n) for n in range(1, 2049)})
 
 
 @pytest.mark.parametrize("num_drafts, max_model_len", [(0, None), (3, None), (3, 80)])

@@ -216,8 +216,8 @@ def test_prefill_programs_past_a_short_model_length(tiny_model_dir, dense_dflash
     from tests.test_program_shapes import record_failures
 
     spec = {"method": "dflash", "model": str(dense_dflash), "num_drafts": 3}
-    # one first step of 3 x 44 rows: a 256-row program, its padding rows at positions 0 .. 123
-    prompts = [[(5 * i + 7 * j) % 300 + 3 for j in range(44)] for i in range(3)]
+    # one first step of 12 x 44 rows: a 640-row program, its padding rows at positions 0 .. 111
+    prompts = [[(5 * i + 7 * j) % 300 + 3 for j in range(44)] for i in range(12)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     want = plain(tiny_model_dir, prompts, params)
     llm = LLM(tiny_model_dir, device="cpu", dtype="float32", spec=spec, max_model_len=64)
@@ -229,7 +229,7 @@ def test_prefill_programs_past_a_short_model_length(tiny_model_dir, dense_dflash
     got = llm.generate(prompts, params, use_tqdm=False)
     assert not failures
     assert [o.outputs[0].token_ids for o in got] == want
-    assert any(isinstance(s, PrefillShape) and s.rows() == 256 for s in runner.graphs.shapes)
+    assert any(isinstance(s, PrefillShape) and s.rows() == 640 for s in runner.graphs.shapes)
 
 
 class EagerProgram:
