@@ -84,7 +84,6 @@ def test_graphed_chain_and_catch_up_draft_what_the_eager_drafter_drafts(
         paged_kernel=True,
         max_q=num_drafts + 1,
         max_seqs=8,
-        keep_hidden=True,
     )
     try:
         drafter.chain_graphs = mtp_graphs.DraftChainGraphs(

@@ -53,7 +53,6 @@ def graphed_mtp(kwargs: dict, max_rows: int | None = None) -> LLM:
         max_q=engine.config.spec.num_drafts + 1,
         max_seqs=max_seqs,
         prefill_rows=runner.prefill_limit,
-        keep_hidden=True,
     )
     drafter.chain_graphs = mtp_graphs.DraftChainGraphs(
         runner,
@@ -156,7 +155,6 @@ def test_hybrid_target_catch_up_in_its_verify_program(
         max_q=4,
         max_seqs=4,
         verify_mode=runner.states.verify_mode,
-        keep_hidden=True,
     )
     drafter.chain_graphs = mtp_graphs.DraftChainGraphs(
         runner, drafter.heads, 4, runner.graphs.max_model_len, 4, (drafter._first, drafter._hidden)

@@ -70,7 +70,6 @@ class GraphRunner:
         max_seqs: int = 1,
         prefill_rows: int = 0,
         verify_mode: StateMode | None = None,
-        keep_hidden: bool = False,
     ) -> None:
         """`paged_kernel`: the attention reads pages itself (no gather to a fixed length), so
         programs need no KV bucket in their key. `state_pool`: a hybrid target's state.
@@ -80,8 +79,8 @@ class GraphRunner:
         `prefill_rows` rows (rounded down to a power of two; 0: none) replay prefill programs (a
         hybrid's keyed by rows per sequence too, in `prefill_widths`, and none wider). `max_rows`
         None: as many rows as any step of `max_seqs` sequences can need, so no step is
-        refused. `keep_hidden`: programs also leave their hidden states in the workspace
-        (`hidden`), where a drafter's programs read them (the MTP catch-up)."""
+        refused. Programs leave their hidden states in the workspace (`hidden`), where a
+        drafter's programs read them too (the MTP catch-up)."""
         self.model, self.page_size, self.device = model, page_size, device
         self.state_pool = state_pool
         self.max_model_len = max_model_len
@@ -136,10 +135,11 @@ class GraphRunner:
         vocab = model.head_weight.shape[0]
         logit_rows = max([decode_rows] + [shape.samples for shape in prefill])
         self.logits = zeros(min(ws.rows, logit_rows), vocab, dtype=torch.float32)
-        self.hidden = None
-        if keep_hidden:
-            hidden_size = model.config.hidden_size
-            self.hidden = zeros(ws.rows, hidden_size, dtype=model.head_weight.dtype)
+        # Every program leaves its hidden states here too, for the same reason: one returned
+        # from the graph stayed in its pool for good (a prefill program's is a few MB), and
+        # with them in the way later captures could not reuse what earlier ones freed.
+        hidden_size = model.config.hidden_size
+        self.hidden = zeros(ws.rows, hidden_size, dtype=model.head_weight.dtype)
         # a prefill program's rows whose logits it computes (padding: row 0)
         self.sample_rows = zeros(ws.rows)
         # a hybrid target's state entries: where each sequence starts, where each row's state
@@ -192,8 +192,7 @@ class GraphRunner:
                 else:  # padding sequences read and write the dummy entry alone
                     state = self.state_pool.view(self.state_read[:seqs], StateMode.WRITE)
                     hidden = self.model(ids, positions, meta, state)
-                if self.hidden is not None:
-                    self.hidden[:rows].copy_(hidden)
+                hidden = self.hidden[:rows].copy_(hidden)
                 logits = self.model.compute_logits(
                     hidden, self.sample_rows[:samples], out=self.logits[:samples]
                 )
@@ -215,8 +214,7 @@ class GraphRunner:
                     self.state_read[:seqs], mode, state_rows if mode is StateMode.ROWS else None
                 )
                 hidden = self.model(ids, positions, meta, state)
-            if self.hidden is not None:
-                self.hidden[:rows].copy_(hidden)
+            hidden = self.hidden[:rows].copy_(hidden)
             return hidden, self.model.compute_logits(hidden, out=self.logits[:rows]), state
 
         return run

@@ -198,7 +198,6 @@ class ModelRunner:
                 max_seqs=cfg.max_num_seqs,
                 prefill_rows=self.prefill_limit,
                 verify_mode=None if self.states is None else self.states.verify_mode,
-                keep_hidden=self.mtp is not None,  # the MTP catch-up reads them
             )
         self.taps = None
         if self.dflash is not None:  # before any capture: the programs write the taps too

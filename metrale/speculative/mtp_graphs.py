@@ -180,8 +180,6 @@ class DraftChainGraphs:
         numbers per sequence."""
         self.max_q, self.catch_up_seqs = max_q, num_slots
         self.target = self.runner.graphs
-        if self.target.hidden is None:
-            raise ValueError("the MTP catch-up programs need a GraphRunner with keep_hidden")
         t = self.target
 
         def fits(shape) -> bool:  # the workspace may be smaller (`graph_max_rows`, a hybrid's)
