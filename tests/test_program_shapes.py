@@ -169,6 +169,19 @@ def test_dense_prefill_row_buckets_pad_a_quarter_at_most_past_128_rows():
     assert rows == sorted({dense_prefill_row_bucket(n) for n in range(1, 2049)})
 
 
+@pytest.mark.parametrize("max_seqs", [1, 3, 8, 100, 160, 200, 256, 300])
+def test_prefill_steps_of_many_sequences_fit_a_captured_shape(max_seqs):
+    """Row buckets between powers of two: a step of 129-256 sequences and 129-224 rows pads to
+    a 160-224-row program of the 256-sequence bucket, which start-up must have captured too
+    (it paired each sequence bucket with its most sequences, and so only rows from 256)."""
+    limit, max_q = 512, 4
+    captured = set(all_prefill_shapes(max_seqs, limit, max_q))
+    for seqs in range(1, max_seqs + 1):
+        for rows in sorted({seqs, seqs + 1, 129, 161, 200, 224, 225, 300, 512}):
+            if seqs <= rows <= limit:
+                assert prefill_shape(seqs, rows, max_q) in captured, (seqs, rows)
+
+
 @pytest.mark.parametrize("num_drafts, max_model_len", [(0, None), (3, None), (3, 80)])
 def test_prefill_programs_are_lossless_with_arrivals(tiny_model_dir, num_drafts, max_model_len):
     """Prompts of several lengths arriving while others decode (chunked, mixed with decode and

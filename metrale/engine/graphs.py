@@ -170,8 +170,9 @@ class GraphRunner:
         )
 
     def _capture(self, table: RowTable, extra: tuple[int, StateMode | None]):
-        """(graph, hidden [R, H], logits [R, V], hybrid state or None): the outputs (and the
-        state's pending rows) live in the graph's pool and are rewritten by every replay."""
+        """(graph, hidden [R, H], logits [R, V], hybrid state or None): the hidden states and
+        logits are views of the workspace, which every program's replay rewrites; the state's
+        pending rows live in the graph's pool and are rewritten by its own replays."""
         # a rebuilt program has new pending rows: a commit captured for the old one must go
         self._commits.pop((table, extra), None)
         self.fill_dummy(table)
@@ -256,7 +257,7 @@ class GraphRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, GDNState | None]:
         """Copy the step's inputs (laid out as `table` says, padding included) into the
         workspace and replay the table's program; returns the hidden states and logits of every
-        row, in the program's pool (the next replay of the same program overwrites them), and a
+        row, in the workspace (the next replay of any program overwrites them), and a
         hybrid target's state view. `state`: a hybrid target's `StateSlots.addresses` (mode,
         entries read [B], row entries [B, T] or None). Raises ValueError (from the cache) when
         the table is refused. `sample_rows`: a prefill program's gathered rows (padded to its

@@ -226,9 +226,11 @@ def prefill_shape(num_seqs: int, num_rows: int, sample_rows_per_seq: int) -> Pre
 
 def all_prefill_shapes(max_seqs: int, max_rows: int, sample_rows_per_seq: int) -> list:
     """Every prefill shape of up to `max_seqs` sequences and `max_rows` rows (a power of two;
-    captured at start-up): each row bucket up to `max_rows` with each sequence bucket it holds."""
+    captured at start-up): each row bucket up to `max_rows` with each sequence bucket it holds,
+    that is whose fewest sequences it holds (row buckets between powers of two: 160 rows hold
+    129 sequences, the 256 bucket's fewest, not its 256; found in review)."""
     shapes = set()
-    for num_seqs in {min(1 << b, max_seqs) for b in range(max_seqs.bit_length() + 1)}:
+    for num_seqs in {min((1 << b) // 2 + 1, max_seqs) for b in range(max_seqs.bit_length() + 1)}:
         rows = PREFILL_MIN_ROWS
         while rows <= max_rows:
             if rows >= num_seqs:
