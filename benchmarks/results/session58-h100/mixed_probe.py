@@ -2,14 +2,23 @@
 a ragged verify program (64 x 4 rows) against prefill programs holding the same verify rows
 plus a 16-row prompt (the steady state's mixed step), padded to 320 and 512 rows, and a
 prefill program of exactly the verify rows. Every sequence sits on the dummy page."""
+
 import sys
+
 import torch
+
 from metrale.bench.e2e import replay_engine
 from metrale.engine.kv_cache import DUMMY_PAGE
 from metrale.engine.program_shapes import PrefillShape, ragged_shape
 
-llm, _ = replay_engine("qwen3-8b", 0.0, max_model_len=512, max_num_seqs=64,
-                       kv_cache_memory_gb=8.0, spec={"num_drafts": 3, "dcut": True})
+llm, _ = replay_engine(
+    "qwen3-8b",
+    0.0,
+    max_model_len=512,
+    max_num_seqs=64,
+    kv_cache_memory_gb=8.0,
+    spec={"num_drafts": 3, "dcut": True},
+)
 runner = llm.engine.runner
 g = runner.graphs
 dev = runner.device
@@ -22,9 +31,11 @@ def setup(shape, rows_per_seq, ctx):
     for k in rows_per_seq:
         starts.append(starts[-1] + k)
         if k <= 4:
-            pos += list(range(ctx - k, ctx)); lens.append(ctx)
+            pos += list(range(ctx - k, ctx))
+            lens.append(ctx)
         else:
-            pos += list(range(k)); lens.append(max(k, 1))
+            pos += list(range(k))
+            lens.append(max(k, 1))
     n = len(rows_per_seq)
     g.query_start_loc[: n + 1] = torch.tensor(starts, device=dev)
     g.seq_lens[:n] = torch.tensor(lens, device=dev)
@@ -66,5 +77,6 @@ for rows in (256, 288, 320, 512):
 # the prompt alone beside nothing: how much of a prefill program is its padding rows
 for rows in (256, 320, 512):
     shape = PrefillShape(rows, 65, 256)
-    print("prefill", shape, "one 16-row prompt + padding", f"{time_it(shape, [16, rows - 16] + [0] * 63):.3f} ms")
+    ms = time_it(shape, [16, rows - 16] + [0] * 63)
+    print("prefill", shape, "one 16-row prompt + padding", f"{ms:.3f} ms")
 sys.stdout.flush()
