@@ -197,9 +197,9 @@ def prefill_row_bucket(num_rows: int) -> int:
 
 # Dense prefill programs' row buckets are powers of two up to here, quarter octaves past it. A
 # step of a few hundred rows of a large model is bound by its arithmetic, not by reading its
-# weights, so padding it to the next power of two nearly doubled its cost: on an H100, 64
-# sequences verifying 4 rows each beside a 16-row prompt (268 rows) ran padded to 512 in 17 ms,
-# against 8.4 ms for the verify alone; padded to 320 it pays a fifth more at most.
+# weights, so padding it to the next power of two nearly doubled its cost: on an H100 (qwen3-8b
+# shape), 64 sequences verifying 4 rows each beside a 16-row prompt (268 rows) replayed in
+# 12.0 ms padded to 512 rows and in 9.8 ms padded to 320, against 8.3 ms for the verify alone.
 PREFILL_FINE_ROWS = 128
 
 

@@ -15,9 +15,9 @@ sequence, so the grid is the step's rows / tile rows + its sequences, whatever t
 sequence: a prefill program (whose longest sequence is unknown at capture, so the grid used to
 be sequences x its rows / tile rows) holding a verify of 64 sequences beside a short prompt had
 thousands of programs per layer that found no row, 2 of its 10 ms on an H100. Every shape runs
-the same compiled kernel, so a step that mixes
-prefill chunks with decode or verify rows costs no per-shape set-up (the torch reference's SDPA
-built a cuDNN plan for each new padded shape: about 15 ms a step on the H200).
+the same compiled kernel, so a step that mixes prefill chunks with decode or verify rows costs no
+per-shape set-up (the torch reference's SDPA built a cuDNN plan for each new padded shape: about
+15 ms a step on the H200).
 `models/attention.TorchPagedAttention` stays the kernel's test oracle and the CPU path.
 
 Nothing here runs without CUDA and Triton; `TritonPagedAttention` falls back to the reference for
@@ -50,11 +50,7 @@ MAX_KERNEL_ROWS = 16
 PREFILL_TILE_ROWS = 64
 
 if triton is not None:
-    # Not specialised on the step's metadata (the block table's width, and the addresses of
-    # views into one packed buffer, 16-byte aligned or not with the step's row and sequence
-    # counts): specialised, an eager step of a new kind compiled the kernel again inside a
-    # running step, which a prefix-cached serving load kept meeting. They are
-    # read one scalar at a time, so the specialisation bought nothing.
+
     @triton.jit
     def _tile_of(starts_ptr, num_seqs, BLOCK_Q: tl.constexpr):
         """(sequence, its first row) of this program's query tile, when tiles are numbered
@@ -72,6 +68,12 @@ if triton is not None:
             hi = tl.where(before, hi, mid)
         return lo, (tile - (tl.load(starts_ptr + lo) // BLOCK_Q + lo)) * BLOCK_Q
 
+    # Not specialised on the step's metadata (the block table's width, and the addresses of
+    # views into one packed buffer, 16-byte aligned or not with the step's row and sequence
+    # counts): specialised, an eager step of a new kind compiled the kernel again inside a
+    # running step, which a prefix-cached serving load kept meeting. They are
+    # read one scalar at a time, so the specialisation bought nothing. The number of sequences
+    # likewise: a step of one sequence would have compiled a kernel of its own.
     @triton.jit(do_not_specialize=["tables_ptr", "starts_ptr", "lens_ptr", "stride_bt", "num_seqs"])
     def _paged_attention_kernel(
         q_ptr,
