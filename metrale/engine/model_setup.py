@@ -14,6 +14,7 @@ import torch
 from metrale.config import EngineConfig, ModelConfig
 from metrale.distributed.parallel import TPGroup, local_config
 from metrale.engine.kv_cache import allocate_kv_cache, kv_page_bytes
+from metrale.models.layers import HiddenTaps
 from metrale.models.loader import load_weights
 from metrale.models.qwen3 import Qwen3ForCausalLM
 from metrale.models.qwen3_next import Qwen3NextForCausalLM, ZeroCentredRMSNorm
@@ -222,3 +223,26 @@ class TargetVocab:
 
     def compute_logits(self, hidden, rows=None, out=None):
         return self.model.compute_logits(hidden, rows, out)
+
+
+def attach_dflash(runner, cfg: EngineConfig, num_drafts: int) -> HiddenTaps:
+    """The taps of the target layers the runner's DFlash drafter reads, set on its model: every
+    forward writes its rows' context K/V into the drafter's pool (`runner.dflash_kv`, allocated
+    with the KV pool and addressed by the same block tables), inside its own program (see
+    `speculative/dflash.py`)."""
+    d = runner.dflash.config
+    rows = max(cfg.max_num_batched_tokens, cfg.max_num_seqs * (num_drafts + 1))
+    if runner.graphs is not None:
+        rows = max(rows, runner.graphs.cache.workspace.rows)
+    taps = HiddenTaps(
+        d.target_layer_ids,
+        runner.model_cfg.hidden_size,
+        rows,
+        runner.device,
+        runner.dtype,
+        sink=lambda taps, positions, slots: runner.dflash.write_context(
+            runner.dflash_kv, taps, positions, slots
+        ),
+    )
+    runner.model.model.taps = taps
+    return taps

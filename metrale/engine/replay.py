@@ -156,10 +156,10 @@ def _replay_gdn_prefill(runner, batch: Batch, sample_rows: list[int]):
     eager forward does; entries of fresh sequences are zeroed, and those resuming from a prefix
     snapshot loaded, before it runs (`StateSlots.addresses`)."""
     entries: list[ScheduledSeq | None] = list(batch.entries)
-    longest = max(e.num_rows for e in entries)
     # Drafts (a verify's state mode), or a sequence wider than any program: eagerly.
-    if any(e.drafts for e in entries) or longest > runner.graphs.prefill_widths[-1]:
+    if any(e.drafts for e in batch.entries) or not gdn_prefill_replays(runner, batch.entries):
         return None
+    longest = max(e.num_rows for e in batch.entries)
     spans = spans_of(batch)
     dev_rows = table_rows(runner, batch.entries)
     num_rows, num_seqs = batch.num_rows, len(spans)
@@ -176,6 +176,17 @@ def _replay_gdn_prefill(runner, batch: Batch, sample_rows: list[int]):
         return None
     hidden, logits, _ = ran
     return _kept_hidden(hidden, num_rows), logits[: len(sample_rows)], None, entries
+
+
+def gdn_prefill_replays(runner, entries: list[ScheduledSeq]) -> bool:
+    """Whether a hybrid target's prefill program takes these entries (no drafts): the runner
+    keeps programs, and the rows and each sequence's rows fit the widest."""
+    graphs = runner.graphs
+    if graphs is None or not graphs.prefill_widths:
+        return False
+    rows = sum(e.num_rows for e in entries)
+    longest = max(e.num_rows for e in entries)
+    return rows <= graphs.prefill_rows and longest <= graphs.prefill_widths[-1]
 
 
 def _kept_hidden(hidden: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -20,12 +20,19 @@ from metrale.engine.logits_pipeline import is_plain_greedy
 from metrale.engine.model_setup import (
     TargetVocab,
     allocate_kv_pools,
+    attach_dflash,
     build_target,
     num_pages_for,
     pages_wanted,
 )
 from metrale.engine.program_shapes import RaggedShape
-from metrale.engine.replay import replay_decode, replay_prefill, spans_of, table_rows
+from metrale.engine.replay import (
+    gdn_prefill_replays,
+    replay_decode,
+    replay_prefill,
+    spans_of,
+    table_rows,
+)
 from metrale.engine.sequence import Batch, Phase, ScheduledSeq
 from metrale.engine.state_cache import StateSlots
 from metrale.engine.step_metadata import pack_spans
@@ -41,7 +48,6 @@ from metrale.kernels.batch_invariant import check_invariant_support, make_batch_
 from metrale.kernels.paged_attention import TritonPagedAttention, triton_available
 from metrale.models.attention import AttentionMetadata, TorchPagedAttention
 from metrale.models.dflash import load_dflash
-from metrale.models.layers import HiddenTaps
 from metrale.models.mtp import load_mtp
 from metrale.structured.masks import apply_grammar_masks
 
@@ -201,7 +207,7 @@ class ModelRunner:
             )
         self.taps = None
         if self.dflash is not None:  # before any capture: the programs write the taps too
-            self._attach_dflash(cfg, num_drafts)
+            self.taps = attach_dflash(self, cfg, num_drafts)
         # the target's programs captured before the first request: (programs, seconds, bytes
         # of device memory they took), `metrale bench` reports it; None where none are
         self.startup_capture: tuple[int, float, int] | None = None
@@ -241,28 +247,6 @@ class ModelRunner:
             self.page_size,
         )
 
-    def _attach_dflash(self, cfg: EngineConfig, num_drafts: int) -> None:
-        """The DFlash drafter's context K/V layers (their pool, `dflash_kv`, allocated with the
-        KV pool and addressed by the same block tables) and the taps of the target layers it
-        reads."""
-        d = self.dflash.config
-        rows = max(cfg.max_num_batched_tokens, cfg.max_num_seqs * (num_drafts + 1))
-        if self.graphs is not None:
-            rows = max(rows, self.graphs.cache.workspace.rows)
-        # Every forward writes its rows' context K/V, inside its own program (see
-        # `speculative/dflash.py`).
-        self.taps = HiddenTaps(
-            d.target_layer_ids,
-            self.model_cfg.hidden_size,
-            rows,
-            self.device,
-            self.dtype,
-            sink=lambda taps, positions, slots: self.dflash.write_context(
-                self.dflash_kv, taps, positions, slots
-            ),
-        )
-        self.model.model.taps = self.taps
-
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (once; later calls do nothing)."""
         if self.tp_size > 1:
@@ -286,13 +270,19 @@ class ModelRunner:
         input_ids, positions, meta = self._metadata(batch)
         return self.model.compute_logits(self._forward(batch, input_ids, positions, meta)[0])
 
-    def _forward(self, batch: Batch, input_ids, positions, meta, verify: bool = False):
+    def _forward(
+        self, batch: Batch, input_ids, positions, meta, verify: bool = False, head_seqs: int = 0
+    ):
         """The target's eager forward -> (hidden [T, H], the hybrid state it ran on or None);
         a hybrid target also takes its sequences' state slots (`verify`: a forward with drafts,
-        whose state `StateSlots.commit` settles once the acceptance is known)."""
+        whose state `StateSlots.commit` settles once the acceptance is known; `head_seqs`: that
+        many prompt chunks first, which advance theirs in place, `SplitState`)."""
         if self.states is None:
             return self.model(input_ids, positions, meta), None
-        state = self.states.bind(batch.entries, verify)
+        if head_seqs:
+            state = self.states.bind_split(batch.entries, head_seqs)
+        else:
+            state = self.states.bind(batch.entries, verify)
         return self.model(input_ids, positions, meta, state), state
 
     @torch.inference_mode()
@@ -301,13 +291,19 @@ class ModelRunner:
         drafts (k = 0 is a plain decode). One host sync copies the verdicts back; with `defer`
         (a step without drafts, grammars or penalties: `engine/ahead.py`) none: the copies are
         queued behind the step and its output's `settle` reads them."""
+        head_seqs = 0  # a hybrid's prompt chunks first, beside a verify (`SplitState`)
         if self.hybrid:
             prefill = [e for e in batch.entries if not e.drafts and e.num_rows > 1]
             verifies = any(e.drafts for e in batch.entries)
             if prefill and verifies and len(prefill) < len(batch.entries):
-                # Verify-mode state only for the verify rows: prefill chunks run on their own.
+                # Verify-mode state only for the verify rows: the prompt chunks advance theirs
+                # in place. One forward where no prefill program would run them (its programs
+                # are all WRITE); else two, each replaying a program.
                 rest = [e for e in batch.entries if e.drafts or e.num_rows == 1]
-                return StepOutput.merge([self.execute(Batch(prefill)), self.execute(Batch(rest))])
+                if gdn_prefill_replays(self, prefill):
+                    parts = [self.execute(Batch(prefill)), self.execute(Batch(rest))]
+                    return StepOutput.merge(parts)
+                batch, head_seqs = Batch(prefill + rest), len(prefill)
         verify_state = self.hybrid and any(e.drafts for e in batch.entries)
         graphed = self.graphs is not None and batch.phase in (Phase.DECODE, Phase.VERIFY)
         if graphed:
@@ -324,7 +320,9 @@ class ModelRunner:
             replayed = replay_prefill(self, batch, rows)
         if replayed is None:
             input_ids, positions, meta = self._metadata(batch)
-            hidden, state = self._forward(batch, input_ids, positions, meta, verify_state)
+            hidden, state = self._forward(
+                batch, input_ids, positions, meta, verify_state, head_seqs
+            )
             logits, state_entries = None, list(batch.entries)
         else:
             # logits: the sampling rows', in order; state_entries: the sequences of the

@@ -29,7 +29,7 @@ import torch
 
 from metrale.engine.sequence import ScheduledSeq
 from metrale.engine.staging import to_device_packed
-from metrale.models.gdn_state import GDNState, StateMode
+from metrale.models.gdn_state import GDNState, SplitState, StateMode
 
 DUMMY_ENTRY = 0
 
@@ -155,9 +155,22 @@ class StateSlots:
         mode, read, rows = self.addresses(list(entries), verify)
         return self.pool.view(read, mode, rows)
 
+    def bind_split(self, entries: list[ScheduledSeq], head_seqs: int) -> SplitState:
+        """The state an eager forward over `entries` takes whose first `head_seqs` (prompt
+        chunks) advance in place and the rest verify (`gdn_state.SplitState`)."""
+        head, tail = entries[:head_seqs], entries[head_seqs:]
+        return SplitState(
+            self.bind(head, False),
+            self.bind(tail, True),
+            head_seqs,
+            sum(e.num_rows for e in head),
+            max(e.num_rows for e in head),
+            max(e.num_rows for e in tail),
+        )
+
     def commit(
         self,
-        state: GDNState,
+        state: GDNState | SplitState,
         entries: list[ScheduledSeq | None],
         last_rows: list[int],
         apply: Callable[[GDNState, torch.Tensor], None] | None = None,
@@ -166,6 +179,10 @@ class StateSlots:
         state becomes its state after row last_rows[b] (0-based: its last token plus the
         accepted drafts; ignored for padding). `apply(state, num_rows)` runs a write-on-accept
         commit (default `state.commit`; the graph runner's for a replayed program)."""
+        if isinstance(state, SplitState):  # the prompt chunks' rows were written in place
+            p = state.head_seqs
+            self.commit(state.tail, entries[p:], last_rows[p:], apply)
+            return
         if self.per_row:
             for e, row in zip(entries, last_rows, strict=True):
                 if e is not None:

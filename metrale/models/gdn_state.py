@@ -21,6 +21,9 @@ entry `read[b]` of every layer (`read=None`: entry b). A new sequence's entry mu
          program keeps these buffers while it is cached, beside its logits (about 1.2 MB per row
          at that shape over 36 layers).
 
+A step that verifies beside prompt chunks takes a `SplitState`: the prompt chunks' entries in
+WRITE mode, the verify's in its mode, in one forward.
+
 The gates reach `delta_rule` either as g and beta or, where the Triton kernels run
 (`fuses_gates`), as the layer's raw gate inputs (`gdn_recurrent.GateInputs`), which the kernels
 turn into g and beta in registers: no launch to make them. The torch path materialises them.
@@ -293,3 +296,30 @@ class GDNState:
         for conv, ssm in zip(self.conv, self.ssm, strict=True):
             conv.index_fill_(0, entries, 0)
             ssm.index_fill_(0, entries, 0)
+
+
+@dataclass
+class SplitState:
+    """The state of one forward over two groups of sequences that treat it differently: the
+    first `head_seqs` (prompt chunks, whose rows advance their entries in place: WRITE) and the
+    rest (a verify's sequences and plain decodes, in the verify mode: DEFER or ROWS). A step
+    that verifies beside a prompt chunk runs as one forward: every layer but the GDN layers'
+    mixing (conv, delta rule, gated norm) runs once over all rows, and the mixing runs once per
+    group, over its own rows (`head_rows` packed first, at most `head_width` a sequence; the
+    rest at most `tail_width`). Run as two forwards, such a step read the weights twice. Only
+    the tail is committed (`StateSlots.commit`)."""
+
+    head: GDNState
+    tail: GDNState
+    head_seqs: int
+    head_rows: int
+    head_width: int
+    tail_width: int
+
+    def layouts(self, query_start_loc: torch.Tensor, num_rows: int) -> tuple[RowLayout, ...]:
+        """The two groups' row layouts, each over its own rows from 0 (the packed rows of
+        `query_start_loc` [B+1], the head's first)."""
+        p, n = self.head_seqs, self.head_rows
+        head = RowLayout.build(query_start_loc[: p + 1], self.head_width, n)
+        tail = RowLayout.build(query_start_loc[p:] - n, self.tail_width, num_rows - n)
+        return head, tail

@@ -24,7 +24,7 @@ from metrale.kernels.dispatch import hybrid_kernels_enabled
 from metrale.kernels.gdn_recurrent import GateInputs
 from metrale.models.activations import sigmoid, softplus
 from metrale.models.gdn import GatedRMSNorm, RowLayout
-from metrale.models.gdn_state import GDNState
+from metrale.models.gdn_state import GDNState, SplitState
 
 
 class Qwen3NextGatedDeltaNet(nn.Module):
@@ -99,11 +99,30 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         if packed.is_cuda:  # the old storage is freed: let the reads above finish first
             torch.cuda.current_stream(packed.device).synchronize()
 
-    def forward(self, hidden: torch.Tensor, layout: RowLayout, state: GDNState) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, layout: RowLayout, state: GDNState | SplitState
+    ) -> torch.Tensor:
+        """`layout` is the forward's rows; with a `SplitState`, the mixing runs once per group
+        of sequences (`SplitState.layouts`), the projections once over all rows."""
         if hybrid_kernels_enabled(hidden):
             return self._fused(hidden, layout, state)
         rows = hidden.shape[0]
         mixed, z, b, a = self._split(self.in_proj_qkvz(hidden), self.in_proj_ba(hidden))
+        if isinstance(state, SplitState):
+            n = state.head_rows
+            head, tail = state.layouts(layout.query_start_loc, rows)
+            out = torch.cat(
+                [
+                    self._torch_mix(mixed[:n], z[:n], b[:n], a[:n], head, state.head),
+                    self._torch_mix(mixed[n:], z[n:], b[n:], a[n:], tail, state.tail),
+                ]
+            )
+        else:
+            out = self._torch_mix(mixed, z, b, a, layout, state)
+        return self.out_proj(out.reshape(rows, self.value_dim))
+
+    def _torch_mix(self, mixed, z, b, a, layout: RowLayout, state: GDNState) -> torch.Tensor:
+        """The torch path's conv, delta rule and gated norm over the layout's rows."""
         conv_in = layout.pad(mixed)  # [B, T, conv_dim]
         bsz, t = conv_in.shape[:2]
         conv = state.causal_conv(
@@ -114,8 +133,7 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         beta = layout.pad(sigmoid(b))  # [B, T, Hv]
         g = layout.pad(-self.A_log.float().exp() * softplus(a.float() + self.dt_bias))
         out = state.delta_rule(self.state_index, q, k, v, g, beta)
-        out = self.norm(layout.unpad(out), z)  # [N, Hv, dv]
-        return self.out_proj(out.reshape(rows, self.value_dim))
+        return self.norm(layout.unpad(out), z)  # [N, Hv, dv]
 
     def _heads(self, conv: torch.Tensor, bsz: int, t: int) -> tuple[torch.Tensor, ...]:
         q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -123,20 +141,38 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         k = k.view(bsz, t, self.num_k_heads, self.head_k_dim)
         return q, k, v.view(bsz, t, self.num_v_heads, self.head_v_dim)
 
-    def _fused(self, hidden: torch.Tensor, layout: RowLayout, state: GDNState) -> torch.Tensor:
+    def _fused(
+        self, hidden: torch.Tensor, layout: RowLayout, state: GDNState | SplitState
+    ) -> torch.Tensor:
         """The same layer in six launches (five at decode): one in-projection GEMM,
         `gdn_fused.prepare`, the conv and delta-rule kernels (through `state`),
-        `gdn_fused.gated_norm`, out_proj."""
+        `gdn_fused.gated_norm`, out_proj (with a `SplitState`, the middle four per group)."""
         if self._in_proj is None:
             self._flatten()
         # the projections' own product (the deterministic mode's batch-invariant one if set)
         product = invariant_linear if isinstance(self.in_proj_qkvz, InvariantLinear) else F.linear
         proj = product(hidden, self._in_proj)  # [N, conv_dim + value_dim + 2 Hv]
+        if isinstance(state, SplitState):
+            n = state.head_rows
+            head, tail = state.layouts(layout.query_start_loc, hidden.shape[0])
+            out = torch.cat(
+                [
+                    self._fused_mix(proj[:n], head, state.head),
+                    self._fused_mix(proj[n:], tail, state.tail),
+                ]
+            )
+        else:
+            out = self._fused_mix(proj, layout, state)
+        return self.out_proj(out)
+
+    def _fused_mix(self, proj: torch.Tensor, layout: RowLayout, state: GDNState) -> torch.Tensor:
+        """The fused path's prepare, conv, delta rule and gated norm over the layout's rows
+        -> [N, value_dim]."""
         mixed, z, ba = proj.split([self.conv_dim, self.value_dim, 2 * self.num_v_heads], -1)
         # Where the delta rule runs as a Triton kernel, it makes g and beta from a and b itself:
         # `prepare` then only pads (-inf on padding rows), and at decode launches nothing. The
         # torch delta rule gets g and beta from `prepare` (one launch, not its half-dozen ops).
-        raw = state.fuses_gates(hidden)
+        raw = state.fuses_gates(proj)
         # A decode step (one row per sequence) with the raw gates pads nothing: `prepare` makes
         # views and needs no index or lengths, nor does anything below: the layout derives none
         decode = layout.width == 1
@@ -156,5 +192,4 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         norm = self.norm
         # one row per sequence: the kernel reads no row_seq, row_offset
         seq, offset = (None, None) if decode else (layout.row_seq, layout.row_offset)
-        out = gdn_fused.gated_norm(out, z, norm.weight, norm.eps, seq, offset)
-        return self.out_proj(out)
+        return gdn_fused.gated_norm(out, z, norm.weight, norm.eps, seq, offset)
