@@ -179,6 +179,33 @@ def hybrid_wide_dir(tmp_path_factory, tokenizer_dir):
     return write_hybrid(path, tokenizer_dir, seed=5, **wide)
 
 
+def test_hybrid_verify_beside_a_prompt_chunk_runs_on_every_rank(hybrid_wide_dir):
+    """A step that verifies beside a prompt chunk runs as two forwards under tensor
+    parallelism (the workers address one state mode a forward): never a forward that fails and
+    is run again one sequence at a time (found in review: the one-forward `SplitState` did)."""
+    from metrale.speculative.replay import ReplayDrafter
+
+    prompts = [HYBRID_PROMPTS[0], HYBRID_PROMPTS[3], HYBRID_PROMPTS[2], HYBRID_PROMPTS[1] * 2]
+    single = LLM(hybrid_wide_dir, device="cpu", dtype="float32")
+    want = [o.outputs[0].token_ids for o in single.generate(prompts, greedy(10), use_tqdm=False)]
+    llm = tp_llm(
+        hybrid_wide_dir,
+        2,
+        drafter=ReplayDrafter(dict(zip(map(tuple, prompts), want)), 0.6, vocab_size=320, seed=11),
+        spec={"num_drafts": 3, "dcut": False},
+        max_num_batched_tokens=20,
+        max_num_seqs=2,  # the later prompts are admitted beside verifies
+        async_scheduling=False,
+    )
+    try:
+        outs = llm.generate(prompts, greedy(10), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert llm.engine.retried_batches == 0
+        assert llm.engine.telemetry.spec.num_draft_tokens > 0
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize(
     "size, variant, expert_parallel",
     [

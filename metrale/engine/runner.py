@@ -298,9 +298,10 @@ class ModelRunner:
             if prefill and verifies and len(prefill) < len(batch.entries):
                 # Verify-mode state only for the verify rows: the prompt chunks advance theirs
                 # in place. One forward where no prefill program would run them (its programs
-                # are all WRITE); else two, each replaying a program.
+                # are all WRITE); else two, each replaying a program. Two under tensor
+                # parallelism too: the workers address one state mode a forward.
                 rest = [e for e in batch.entries if e.drafts or e.num_rows == 1]
-                if gdn_prefill_replays(self, prefill):
+                if self.tp_size > 1 or gdn_prefill_replays(self, prefill):
                     parts = [self.execute(Batch(prefill)), self.execute(Batch(rest))]
                     return StepOutput.merge(parts)
                 batch, head_seqs = Batch(prefill + rest), len(prefill)
