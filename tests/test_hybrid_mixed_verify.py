@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from metrale import LLM
-from metrale.engine import runner as runner_mod
+from metrale.engine import replay as replay_mod
 from metrale.engine.runner import ModelRunner
 from metrale.models.gdn_state import SplitState
 from metrale.speculative.replay import ReplayDrafter
@@ -90,7 +90,7 @@ def test_verify_beside_a_prompt_chunk_is_one_forward_equal_to_two(
 
     # the same steps as two forwards (what a hybrid does where a prefill program runs them)
     calls.clear()
-    monkeypatch.setattr(runner_mod, "gdn_prefill_replays", lambda runner, entries: True)
+    monkeypatch.setattr(replay_mod, "gdn_prefill_replays", lambda runner, entries: True)
     two_llm, two = _run(hybrid_dir, truth, variant, async_scheduling, device)
     assert not any(c[0] and c[1] for c in calls) and not any(c[2] for c in calls)
 

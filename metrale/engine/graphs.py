@@ -8,7 +8,9 @@ kernel it does not. A hybrid target's programs also read their sequences' state 
 workspace (`state_read`, and `state_rows` for a per-row-slot verify), and a write-on-accept
 verify program returns the `GDNState` whose pending rows `StateSlots.commit` settles. Prefill
 programs (`program_shapes.PrefillShape` for dense targets, `GDNPrefillShape` for hybrids, whose
-state they advance in WRITE mode) compute logits only for the rows that sample.
+state they advance in WRITE mode) compute logits only for the rows that sample, and so do a
+hybrid's mixed programs (`GDNMixedShape`: a verify beside prompt chunks in one forward, captured on
+first use).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from metrale.engine.kv_cache import DUMMY_PAGE
 from metrale.engine.program_cache import CACHE_CAP, ProgramCache, capture, kv_bucket
 from metrale.engine.program_cache import Workspace as Workspace  # re-exported
 from metrale.engine.program_shapes import (
+    MIXED_HEAD_SEQS,
+    GDNMixedShape,
     GDNPrefillShape,
     PrefillShape,
     RaggedShape,
@@ -35,8 +39,11 @@ from metrale.engine.program_shapes import (
 )
 from metrale.engine.state_cache import DUMMY_ENTRY
 from metrale.models.attention import AttentionMetadata
-from metrale.models.gdn_state import GDNState, StateMode
+from metrale.models.gdn_state import GDNState, SplitState, StateMode
 from metrale.speculative.row_table import RowTable
+
+# Mixed programs kept at most (`GraphRunner.mixed`): each holds its verify's pending rows.
+MIXED_PROGRAMS = 32
 
 
 def ragged_programs(
@@ -118,6 +125,14 @@ class GraphRunner:
             ),
         )
         self._ragged_shapes = shapes
+        # A hybrid's mixed programs (a verify beside prompt chunks, `GDNMixedShape`): keyed by
+        # two shapes, too many to capture at start-up, so each is captured the first time a step
+        # needs it, and at most MIXED_PROGRAMS are kept (each holds its pending verify rows).
+        self.mixed: ProgramCache | None = None
+        if state_pool is not None and max_q > 1 and self.prefill_widths:
+            self.mixed = ProgramCache(
+                self._capture, max_rows, cap=MIXED_PROGRAMS, min_seqs=self.cache.workspace.seqs
+            )
         ws = self.cache.workspace
         pages = -(-max_model_len // page_size) + 1
 
@@ -133,7 +148,7 @@ class GraphRunner:
         # one's logits, which the step has consumed by then. Prefill programs write only their
         # gathered rows, so their width does not grow it.
         vocab = model.head_weight.shape[0]
-        logit_rows = max([decode_rows] + [shape.samples for shape in prefill])
+        logit_rows = max([decode_rows + MIXED_HEAD_SEQS] + [shape.samples for shape in prefill])
         self.logits = zeros(min(ws.rows, logit_rows), vocab, dtype=torch.float32)
         # Every program leaves its hidden states here too, for the same reason: one returned
         # from the graph stayed in its pool for good (a prefill program's is a few MB), and
@@ -154,7 +169,7 @@ class GraphRunner:
 
     def _meta(self, table, bucket: int) -> AttentionMetadata:
         rows, seqs = table.rows(), table.num_seqs
-        if isinstance(table, (RaggedShape, PrefillShape, GDNPrefillShape)):
+        if isinstance(table, (RaggedShape, PrefillShape, GDNPrefillShape, GDNMixedShape)):
             q = table.max_q  # a hybrid's GDN layers view the rows as [seqs, q]
         else:
             q = max(run.k for run in table.runs)
@@ -182,6 +197,8 @@ class GraphRunner:
 
     def _forward_fn(self, table, bucket: int, mode: StateMode | None):
         rows, seqs = table.rows(), table.num_seqs
+        if isinstance(table, GDNMixedShape):
+            return self._mixed_fn(table, bucket, mode)
         if isinstance(table, (PrefillShape, GDNPrefillShape)):
             samples = table.samples
 
@@ -220,6 +237,37 @@ class GraphRunner:
 
         return run
 
+    def _mixed_fn(self, table: GDNMixedShape, bucket: int, mode: StateMode):
+        """A mixed program's forward: the head's sequences (prompt chunks) on the first state
+        entries in WRITE mode, the tail's on the next in the verify's `mode` (its per-row slots,
+        [tail seqs, tail width], at the start of `state_rows`); logits of `sample_rows`."""
+        rows, samples = table.rows(), table.samples
+        hs, ts, width = table.head.num_seqs, table.tail.num_seqs, table.tail.max_q
+
+        def mixed():
+            meta = self._meta(table, bucket)
+            state_rows = self.state_rows[: ts * width].view(ts, width)
+            state = SplitState(
+                self.state_pool.view(self.state_read[:hs], StateMode.WRITE),
+                self.state_pool.view(
+                    self.state_read[hs : hs + ts],
+                    mode,
+                    state_rows if mode is StateMode.ROWS else None,
+                ),
+                hs,
+                table.head.rows(),
+                table.head.width,
+                width,
+            )
+            hidden = self.model(self.input_ids[:rows], self.positions[:rows], meta, state)
+            hidden = self.hidden[:rows].copy_(hidden)
+            logits = self.model.compute_logits(
+                hidden, self.sample_rows[:samples], out=self.logits[:samples]
+            )
+            return hidden, logits, state
+
+        return mixed
+
     def fill_dummy(self, table: RowTable) -> None:
         """Capture-time inputs: every sequence on the dummy page, its k rows at positions
         0..k-1 (the capture's warm-up really runs: every row must see a key, or its output
@@ -227,7 +275,7 @@ class GraphRunner:
         seqs = table.num_seqs
         self.input_ids.zero_()
         self.slots.fill_(DUMMY_PAGE * self.page_size)
-        if isinstance(table, (RaggedShape, PrefillShape, GDNPrefillShape)):
+        if isinstance(table, (RaggedShape, PrefillShape, GDNPrefillShape, GDNMixedShape)):
             lens = table.layout()
         else:
             lens = [run.k for run in table.runs for _ in range(run.count)]
@@ -269,7 +317,8 @@ class GraphRunner:
         )
         mode = None if state is None else state[0]
         self._last_key = (table, (bucket, mode))
-        graph, hidden, logits, state_view = self.cache.get(table, (bucket, mode))
+        cache = self.mixed if isinstance(table, GDNMixedShape) else self.cache
+        graph, hidden, logits, state_view = cache.get(table, (bucket, mode))
         self.load(input_ids, positions, slots, starts, seq_lens, tables)
         seqs = seq_lens.shape[0]
         if state is not None:
@@ -307,6 +356,10 @@ class GraphRunner:
         torch.cuda.synchronize(self.device)
         return captured, time.perf_counter() - start
 
+    def holds(self, key) -> bool:
+        """Whether a program of this (table, extra) key is cached."""
+        return key in self.cache or (self.mixed is not None and key in self.mixed)
+
     def commit(self, state: GDNState, num_rows: torch.Tensor) -> None:
         """`state.commit(num_rows)` for the program just replayed (write-on-accept), as a graph
         of its own: one launch instead of a few hundred. The first time, the capture's warm-up
@@ -323,5 +376,5 @@ class GraphRunner:
         graph, _ = capture(lambda: state.commit(rows), self.pool, self.device)
         self._commits[self._last_key] = graph
         if len(self._commits) > self.cache.cap:  # bounded like the programs: drop evicted ones
-            for key in [k for k in self._commits if k not in self.cache]:
+            for key in [k for k in self._commits if not self.holds(k)]:
                 del self._commits[key]

@@ -271,6 +271,57 @@ class GDNPrefillShape:
         )
 
 
+@dataclass(frozen=True, order=True)
+class GDNMixedShape:
+    """A hybrid target's program for a step that verifies beside prompt chunks
+    (`gdn_state.SplitState`): the chunks laid out as a prefill program's `head` (its state
+    advanced in place), then the verify's sequences as a ragged program's `tail` (in the verify's
+    state mode). Logits for the head's sampling rows and every tail row."""
+
+    head: GDNPrefillShape
+    tail: RaggedShape
+
+    def rows(self) -> int:
+        return self.head.rows() + self.tail.rows()
+
+    @property
+    def num_seqs(self) -> int:
+        return self.head.num_seqs + self.tail.num_seqs
+
+    @property
+    def max_q(self) -> int:
+        return max(self.head.width, self.tail.max_q)
+
+    @property
+    def samples(self) -> int:
+        return self.head.samples + self.tail.rows()
+
+    def layout(self) -> list[int]:
+        return self.head.layout() + self.tail.layout()
+
+    def __str__(self) -> str:
+        return f"GDN mixed: {self.head} + {self.tail}"
+
+
+# The most prompt chunks (a sequence bucket) a mixed program takes beside a verify; more run as
+# two programs. Steady serving admits one or two requests a step.
+MIXED_HEAD_SEQS = 4
+
+
+def gdn_mixed_shape(
+    head: list[int], tail_seqs: int, tail_rows: int, widths: list[int], max_q: int
+) -> GDNMixedShape | None:
+    """The mixed program of prompt chunks of `head` rows each beside a verify of `tail_seqs`
+    sequences and `tail_rows` rows, or None where none takes them (too many chunks, or one
+    wider than every prefill program)."""
+    if len(head) > MIXED_HEAD_SEQS or max(head) > widths[-1]:
+        return None
+    return GDNMixedShape(
+        gdn_prefill_shape(len(head), sum(head), max(head), widths),
+        ragged_shape(tail_seqs, tail_rows, max_q),
+    )
+
+
 def fill_rows(rows: int, seqs: int, width: int) -> list[int]:
     """`rows` rows over `seqs` sequences of at most `width` rows each, filling each in turn."""
     out, left = [], rows

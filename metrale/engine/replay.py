@@ -17,6 +17,7 @@ from metrale.engine.kv_cache import DUMMY_PAGE
 from metrale.engine.program_shapes import (
     decode_bucket,
     fill_rows,
+    gdn_mixed_shape,
     gdn_prefill_shape,
     padding_rows,
     prefill_shape,
@@ -187,6 +188,88 @@ def gdn_prefill_replays(runner, entries: list[ScheduledSeq]) -> bool:
     rows = sum(e.num_rows for e in entries)
     longest = max(e.num_rows for e in entries)
     return rows <= graphs.prefill_rows and longest <= graphs.prefill_widths[-1]
+
+
+def split_mixed(runner, batch: Batch) -> tuple[Batch, int, list[Batch] | None]:
+    """How a hybrid target runs a step: (the batch, how many prompt chunks it holds first beside
+    a verify, run in one forward on a `SplitState`: 0 for any other step; or the parts to run
+    apart). A verify's state mode is for its rows alone: the chunks advance their state in
+    place. One forward (a mixed program, or eagerly) unless only a prefill program would take
+    the chunks, or under tensor parallelism (the workers address one state mode a forward)."""
+    prefill = [e for e in batch.entries if not e.drafts and e.num_rows > 1]
+    if (
+        not prefill
+        or len(prefill) == len(batch.entries)
+        or not any(e.drafts for e in batch.entries)
+    ):
+        return batch, 0, None
+    rest = [e for e in batch.entries if e.drafts or e.num_rows == 1]
+    if runner.tp_size > 1 or (
+        mixed_shape(runner, prefill, rest) is None and gdn_prefill_replays(runner, prefill)
+    ):
+        return batch, 0, [Batch(prefill), Batch(rest)]
+    return Batch(prefill + rest), len(prefill), None
+
+
+def mixed_shape(runner, head: list[ScheduledSeq], tail: list[ScheduledSeq]):
+    """The mixed program (`program_shapes.GDNMixedShape`) of a hybrid step whose prompt chunks
+    `head` run beside the verify `tail`, or None where the runner keeps none that takes it."""
+    graphs = runner.graphs
+    if graphs is None or graphs.mixed is None:
+        return None
+    shape = gdn_mixed_shape(
+        [e.num_rows for e in head],
+        len(tail),
+        sum(e.num_rows for e in tail),
+        graphs.prefill_widths,
+        graphs.max_q,
+    )
+    ws = graphs.mixed.workspace
+    if shape is None or shape.rows() > graphs.mixed.max_rows or shape.num_seqs > ws.seqs:
+        return None
+    return shape
+
+
+def replay_gdn_mixed(runner, batch: Batch, head_seqs: int, sample_rows: list[int]):
+    """`replay_decode`'s result for a hybrid step whose first `head_seqs` entries are prompt
+    chunks and the rest a verify, from its mixed program, or None (eagerly then). The program's
+    rows: the chunks, then padding sequences of the prefill shape's width; the verify's
+    sequences, then the ragged shape's padding sequences. The real rows and the sampling rows
+    are gathered from there in batch order."""
+    head, tail = batch.entries[:head_seqs], batch.entries[head_seqs:]
+    shape = mixed_shape(runner, head, tail)
+    if shape is None:
+        return None
+    head_rows, tail_rows = sum(e.num_rows for e in head), sum(e.num_rows for e in tail)
+    head_pads = fill_rows(
+        shape.head.rows() - head_rows, shape.head.num_seqs - len(head), shape.head.width
+    )
+    tail_pads = padding_rows(shape.tail, len(tail), tail_rows)
+    spans = spans_of(Batch(head)) + _pads(runner, head_pads, shape.head.width)
+    spans += spans_of(Batch(tail)) + _pads(runner, tail_pads, shape.tail.max_q)
+    heads = head + [None] * len(head_pads)
+    tails = tail + [None] * len(tail_pads)
+    state = runner.states.split_addresses(heads, tails, shape.tail.max_q)
+    gap = shape.head.rows() - head_rows  # the head's padding rows, before the tail's rows
+    real = [*range(head_rows), *range(shape.head.rows(), shape.head.rows() + tail_rows)]
+    samples = [r if r < head_rows else r + gap for r in sample_rows]
+    samples += [0] * (shape.samples - len(samples))
+    dev_rows = table_rows(runner, batch.entries)
+    if dev_rows is not None:
+        dummy = runner.block_tables.dummy_row
+        dev_rows = [dummy if e is None else e.seq.slot for e in heads + tails]
+    ran = run_program(runner, shape, spans, state, samples, rows=dev_rows)
+    if ran is None:
+        return None
+    hidden, logits, state_view = ran
+    (index,) = to_device_packed([real], runner.device)
+    return hidden.index_select(0, index), logits[: len(sample_rows)], state_view, heads + tails
+
+
+def _pads(runner, rows: list[int], width: int) -> list:
+    """Padding sequences of these rows on the dummy page (tables `width` rows long)."""
+    table = [DUMMY_PAGE] * -(-width // runner.page_size)
+    return [(table, 0, [0] * r) for r in rows]
 
 
 def _kept_hidden(hidden: torch.Tensor, num_rows: int) -> torch.Tensor:

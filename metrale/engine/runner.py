@@ -27,10 +27,11 @@ from metrale.engine.model_setup import (
 )
 from metrale.engine.program_shapes import RaggedShape
 from metrale.engine.replay import (
-    gdn_prefill_replays,
     replay_decode,
+    replay_gdn_mixed,
     replay_prefill,
     spans_of,
+    split_mixed,
     table_rows,
 )
 from metrale.engine.sequence import Batch, Phase, ScheduledSeq
@@ -293,18 +294,9 @@ class ModelRunner:
         queued behind the step and its output's `settle` reads them."""
         head_seqs = 0  # a hybrid's prompt chunks first, beside a verify (`SplitState`)
         if self.hybrid:
-            prefill = [e for e in batch.entries if not e.drafts and e.num_rows > 1]
-            verifies = any(e.drafts for e in batch.entries)
-            if prefill and verifies and len(prefill) < len(batch.entries):
-                # Verify-mode state only for the verify rows: the prompt chunks advance theirs
-                # in place. One forward where no prefill program would run them (its programs
-                # are all WRITE); else two, each replaying a program. Two under tensor
-                # parallelism too: the workers address one state mode a forward.
-                rest = [e for e in batch.entries if e.drafts or e.num_rows == 1]
-                if self.tp_size > 1 or gdn_prefill_replays(self, prefill):
-                    parts = [self.execute(Batch(prefill)), self.execute(Batch(rest))]
-                    return StepOutput.merge(parts)
-                batch, head_seqs = Batch(prefill + rest), len(prefill)
+            batch, head_seqs, apart = split_mixed(self, batch)
+            if apart is not None:
+                return StepOutput.merge([self.execute(part) for part in apart])
         verify_state = self.hybrid and any(e.drafts for e in batch.entries)
         graphed = self.graphs is not None and batch.phase in (Phase.DECODE, Phase.VERIFY)
         if graphed:
@@ -317,7 +309,9 @@ class ModelRunner:
         replayed = self.replayed_shape = None
         if graphed:
             replayed = replay_decode(self, batch)
-        elif self.graphs is not None:  # a step with prompt chunks (dense targets)
+        elif self.graphs is not None and head_seqs:  # a hybrid's verify beside prompt chunks
+            replayed = replay_gdn_mixed(self, batch, head_seqs, rows)
+        elif self.graphs is not None:  # a step with prompt chunks
             replayed = replay_prefill(self, batch, rows)
         if replayed is None:
             input_ids, positions, meta = self._metadata(batch)

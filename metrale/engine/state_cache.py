@@ -155,6 +155,20 @@ class StateSlots:
         mode, read, rows = self.addresses(list(entries), verify)
         return self.pool.view(read, mode, rows)
 
+    def split_addresses(
+        self, head: list[ScheduledSeq | None], tail: list[ScheduledSeq | None], width: int
+    ) -> tuple[StateMode, torch.Tensor, torch.Tensor | None]:
+        """`addresses` of a mixed program (`GDNMixedShape`): the head's sequences (prompt
+        chunks, WRITE) then the tail's (the verify's, padded to `width` rows), their entries
+        read [B] in one, and the tail's per-row slots [tail B, width] (or None)."""
+        head_read, _ = self._plan(head, False)
+        tail_read, rows = self._plan(tail, True, width)
+        packed = to_device_packed(
+            [head_read + tail_read] + ([] if rows is None else [rows]), self.device
+        )
+        rows_t = None if rows is None else packed[1].view(len(tail), width)
+        return self.verify_mode, packed[0], rows_t
+
     def bind_split(self, entries: list[ScheduledSeq], head_seqs: int) -> SplitState:
         """The state an eager forward over `entries` takes whose first `head_seqs` (prompt
         chunks) advance in place and the rest verify (`gdn_state.SplitState`)."""
