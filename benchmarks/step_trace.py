@@ -171,6 +171,10 @@ def main() -> None:
                 total = (time.perf_counter() - start) * 1e3
             result[label] = {"total_ms": total, "steps": list(steps)}
             print(f"{label}: {total:.2f} ms, {len(steps)} steps")
+    graphs = engine.runner.graphs
+    if graphs is not None and graphs.mixed is not None:  # a hybrid's mixed programs, all runs
+        result["spec"]["mixed_programs"] = graphs.mixed.stats()
+        print(f"mixed programs: {graphs.mixed.stats()}")
     Path(args.out).write_text(json.dumps(result, indent=0))
 
 

@@ -42,8 +42,10 @@ from metrale.models.attention import AttentionMetadata
 from metrale.models.gdn_state import GDNState, SplitState, StateMode
 from metrale.speculative.row_table import RowTable
 
-# Mixed programs kept at most (`GraphRunner.mixed`): each holds its verify's pending rows.
-MIXED_PROGRAMS = 32
+# Mixed programs kept at most (`GraphRunner.mixed`). A write-on-accept one holds its verify's
+# pending rows (about 1.3 MB a row at the Qwen3-Next shapes: some 340 MB at 64 sequences and
+# K = 3); a steady load of 64 slots met about a dozen keys.
+MIXED_PROGRAMS = 16
 
 
 def ragged_programs(
