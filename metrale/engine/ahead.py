@@ -342,6 +342,9 @@ class AheadStepper:
                 seq.inflight = DeviceRow(tokens, row - 1, 1)
             if page and seq.num_computed_tokens >= (seq.num_registered_pages + 1) * page:
                 cache.commit(seq)
+        states = self.engine.runner.states
+        if page and states is not None:  # a hybrid's snapshots, all at once
+            states.flush_snapshots()
 
     def _settle(self, launched: Launched, changed: dict) -> None:
         """Read a launched step's verdicts and commit them (the counters moved already)."""

@@ -91,4 +91,6 @@ def commit_rows(
     for seq in filled:
         if seq.status is SequenceStatus.RUNNING:
             cache.commit(seq)
+    if filled and engine.runner.states is not None:  # a hybrid's snapshots, all at once
+        engine.runner.states.flush_snapshots()
     return emitted
