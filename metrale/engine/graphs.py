@@ -150,7 +150,9 @@ class GraphRunner:
         # one's logits, which the step has consumed by then. Prefill programs write only their
         # gathered rows, so their width does not grow it.
         vocab = model.head_weight.shape[0]
-        logit_rows = max([decode_rows + MIXED_HEAD_SEQS] + [shape.samples for shape in prefill])
+        # (a mixed program's: the prompt chunks' sampling rows beside a verify's)
+        mixed_rows = MIXED_HEAD_SEQS if self.mixed is not None else 0
+        logit_rows = max([decode_rows + mixed_rows] + [shape.samples for shape in prefill])
         self.logits = zeros(min(ws.rows, logit_rows), vocab, dtype=torch.float32)
         # Every program leaves its hidden states here too, for the same reason: one returned
         # from the graph stayed in its pool for good (a prefill program's is a few MB), and
@@ -248,14 +250,11 @@ class GraphRunner:
 
         def mixed():
             meta = self._meta(table, bucket)
-            state_rows = self.state_rows[: ts * width].view(ts, width)
-            state = SplitState(
-                self.state_pool.view(self.state_read[:hs], StateMode.WRITE),
-                self.state_pool.view(
-                    self.state_read[hs : hs + ts],
-                    mode,
-                    state_rows if mode is StateMode.ROWS else None,
-                ),
+            state = SplitState.of(
+                self.state_pool,
+                self.state_read[: hs + ts],
+                mode,
+                self.state_rows[: ts * width].view(ts, width),
                 hs,
                 table.head.rows(),
                 table.head.width,

@@ -102,9 +102,7 @@ def _replay_ragged(runner, batch: Batch):
     hybrid = runner.states is not None
     width = 1 if hybrid and num_rows == num_seqs else runner.graphs.max_q
     shape = ragged_shape(num_seqs, num_rows, width)
-    dummy_table = [DUMMY_PAGE] * -(-runner.graphs.max_q // runner.page_size)
-    for rows in padding_rows(shape, num_seqs, num_rows):
-        spans.append((dummy_table, 0, [0] * rows))
+    spans += _pads(runner, padding_rows(shape, num_seqs, num_rows), runner.graphs.max_q)
     entries: list[ScheduledSeq | None] = list(batch.entries)
     state = None
     if hybrid:
@@ -165,9 +163,8 @@ def _replay_gdn_prefill(runner, batch: Batch, sample_rows: list[int]):
     dev_rows = table_rows(runner, batch.entries)
     num_rows, num_seqs = batch.num_rows, len(spans)
     shape = gdn_prefill_shape(num_seqs, num_rows, longest, runner.graphs.prefill_widths)
-    dummy_table = [DUMMY_PAGE] * -(-shape.width // runner.page_size)
     pads = fill_rows(shape.rows() - num_rows, shape.num_seqs - num_seqs, shape.width)
-    spans += [(dummy_table, 0, [0] * rows) for rows in pads]
+    spans += _pads(runner, pads, shape.width)
     entries += [None] * len(pads)
     state = runner.states.addresses(entries, False, width=shape.width)
     samples = sample_rows + [0] * (shape.samples - len(sample_rows))
@@ -190,25 +187,25 @@ def gdn_prefill_replays(runner, entries: list[ScheduledSeq]) -> bool:
     return rows <= graphs.prefill_rows and longest <= graphs.prefill_widths[-1]
 
 
-def split_mixed(runner, batch: Batch) -> tuple[Batch, int, list[Batch] | None]:
+def split_mixed(runner, batch: Batch):
     """How a hybrid target runs a step: (the batch, how many prompt chunks it holds first beside
-    a verify, run in one forward on a `SplitState`: 0 for any other step; or the parts to run
-    apart). A verify's state mode is for its rows alone: the chunks advance their state in
-    place. One forward (a mixed program, or eagerly) unless only a prefill program would take
-    the chunks, or under tensor parallelism (the workers address one state mode a forward)."""
+    a verify, run in one forward on a `SplitState`: 0 for any other step; the mixed program
+    that runs them, or None: eagerly; or the parts to run apart). A verify's state mode is for
+    its rows alone: the chunks advance their state in place. One forward (a mixed program, or
+    eagerly) unless only a prefill program would take the chunks, or under tensor parallelism
+    (the workers address one state mode a forward)."""
     prefill = [e for e in batch.entries if not e.drafts and e.num_rows > 1]
     if (
         not prefill
         or len(prefill) == len(batch.entries)
         or not any(e.drafts for e in batch.entries)
     ):
-        return batch, 0, None
+        return batch, 0, None, None
     rest = [e for e in batch.entries if e.drafts or e.num_rows == 1]
-    if runner.tp_size > 1 or (
-        mixed_shape(runner, prefill, rest) is None and gdn_prefill_replays(runner, prefill)
-    ):
-        return batch, 0, [Batch(prefill), Batch(rest)]
-    return Batch(prefill + rest), len(prefill), None
+    shape = None if runner.tp_size > 1 else mixed_shape(runner, prefill, rest)
+    if runner.tp_size > 1 or (shape is None and gdn_prefill_replays(runner, prefill)):
+        return batch, 0, None, [Batch(prefill), Batch(rest)]
+    return Batch(prefill + rest), len(prefill), shape, None
 
 
 def mixed_shape(runner, head: list[ScheduledSeq], tail: list[ScheduledSeq]):
@@ -230,16 +227,13 @@ def mixed_shape(runner, head: list[ScheduledSeq], tail: list[ScheduledSeq]):
     return shape
 
 
-def replay_gdn_mixed(runner, batch: Batch, head_seqs: int, sample_rows: list[int]):
+def replay_gdn_mixed(runner, batch: Batch, head_seqs: int, shape, sample_rows: list[int]):
     """`replay_decode`'s result for a hybrid step whose first `head_seqs` entries are prompt
-    chunks and the rest a verify, from its mixed program, or None (eagerly then). The program's
-    rows: the chunks, then padding sequences of the prefill shape's width; the verify's
-    sequences, then the ragged shape's padding sequences. The real rows and the sampling rows
-    are gathered from there in batch order."""
+    chunks and the rest a verify, from its mixed program `shape` (`split_mixed`), or None
+    (eagerly then). The program's rows: the chunks, then padding sequences of the prefill
+    shape's width; the verify's sequences, then the ragged shape's padding sequences. The real
+    rows and the sampling rows are gathered from there in batch order."""
     head, tail = batch.entries[:head_seqs], batch.entries[head_seqs:]
-    shape = mixed_shape(runner, head, tail)
-    if shape is None:
-        return None
     head_rows, tail_rows = sum(e.num_rows for e in head), sum(e.num_rows for e in tail)
     head_pads = fill_rows(
         shape.head.rows() - head_rows, shape.head.num_seqs - len(head), shape.head.width

@@ -292,9 +292,9 @@ class ModelRunner:
         drafts (k = 0 is a plain decode). One host sync copies the verdicts back; with `defer`
         (a step without drafts, grammars or penalties: `engine/ahead.py`) none: the copies are
         queued behind the step and its output's `settle` reads them."""
-        head_seqs = 0  # a hybrid's prompt chunks first, beside a verify (`SplitState`)
+        head_seqs, mixed = 0, None  # a hybrid's prompt chunks first, beside a verify
         if self.hybrid:
-            batch, head_seqs, apart = split_mixed(self, batch)
+            batch, head_seqs, mixed, apart = split_mixed(self, batch)
             if apart is not None:
                 return StepOutput.merge([self.execute(part) for part in apart])
         verify_state = self.hybrid and any(e.drafts for e in batch.entries)
@@ -309,8 +309,8 @@ class ModelRunner:
         replayed = self.replayed_shape = None
         if graphed:
             replayed = replay_decode(self, batch)
-        elif self.graphs is not None and head_seqs:  # a hybrid's verify beside prompt chunks
-            replayed = replay_gdn_mixed(self, batch, head_seqs, rows)
+        elif mixed is not None:  # a hybrid's verify beside prompt chunks
+            replayed = replay_gdn_mixed(self, batch, head_seqs, mixed, rows)
         elif self.graphs is not None:  # a step with prompt chunks
             replayed = replay_prefill(self, batch, rows)
         if replayed is None:

@@ -188,14 +188,10 @@ class StateSlots:
         """The state an eager forward over `entries` takes whose first `head_seqs` (prompt
         chunks) advance in place and the rest verify (`gdn_state.SplitState`)."""
         head, tail = entries[:head_seqs], entries[head_seqs:]
-        return SplitState(
-            self.bind(head, False),
-            self.bind(tail, True),
-            head_seqs,
-            sum(e.num_rows for e in head),
-            max(e.num_rows for e in head),
-            max(e.num_rows for e in tail),
-        )
+        width = max(e.num_rows for e in tail)
+        mode, read, rows = self.split_addresses(list(head), list(tail), width)
+        head_rows, head_width = sum(e.num_rows for e in head), max(e.num_rows for e in head)
+        return SplitState.of(self.pool, read, mode, rows, head_seqs, head_rows, head_width, width)
 
     def commit(
         self,

@@ -315,11 +315,40 @@ class SplitState:
     head_rows: int
     head_width: int
     tail_width: int
+    # (the query_start_loc they were built from, the layouts): every GDN layer of the forward
+    # asks, and each layout derives its index tensors once (`RowLayout`)
+    _layouts: tuple | None = field(default=None, init=False, repr=False)
+
+    @classmethod
+    def of(
+        cls,
+        pool: GDNState,
+        read: torch.Tensor,
+        mode: StateMode,
+        rows: torch.Tensor | None,
+        head_seqs: int,
+        head_rows: int,
+        head_width: int,
+        tail_width: int,
+    ) -> SplitState:
+        """Views of `pool` for one such forward: the first `head_seqs` entries of `read` in
+        WRITE mode, the rest in the verify's `mode` (ROWS: `rows` [tail sequences, width])."""
+        return cls(
+            pool.view(read[:head_seqs], StateMode.WRITE),
+            pool.view(read[head_seqs:], mode, rows if mode is StateMode.ROWS else None),
+            head_seqs,
+            head_rows,
+            head_width,
+            tail_width,
+        )
 
     def layouts(self, query_start_loc: torch.Tensor, num_rows: int) -> tuple[RowLayout, ...]:
         """The two groups' row layouts, each over its own rows from 0 (the packed rows of
-        `query_start_loc` [B+1], the head's first)."""
+        `query_start_loc` [B+1], the head's first); built once a forward."""
+        if self._layouts is not None and self._layouts[0] is query_start_loc:
+            return self._layouts[1]
         p, n = self.head_seqs, self.head_rows
         head = RowLayout.build(query_start_loc[: p + 1], self.head_width, n)
         tail = RowLayout.build(query_start_loc[p:] - n, self.tail_width, num_rows - n)
+        self._layouts = (query_start_loc, (head, tail))
         return head, tail
