@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from metrale import LLM, SamplingParams
-from metrale.engine.program_shapes import RaggedShape
 from metrale.speculative import dflash as dflash_mod
 from metrale.speculative.dflash import accepted_blocks
 from tests.ahead_helpers import ahead_case
@@ -22,15 +21,21 @@ from tests.test_spec_dflash import PROMPTS, EagerProgram, plain, ragged_programs
 
 
 def test_accepted_blocks_equal_a_python_reference():
+    """Sequences' rows among other rows (a prompt chunk's: rows without picks, or its last row
+    sampled), their picks among other sequences' picks."""
     rng = random.Random(0)
     for _ in range(50):
         seqs = rng.randint(1, 6)
         ks = [rng.randint(0, 4) for _ in range(seqs)]
         depth = max(max(ks), 1)
-        ids, picks, first_rows, counts = [], [], [], []
+        ids, picks, first_rows, first_picks, counts = [], [], [], [], []
         want_ids, want_lens = [], []
         for k in ks:
+            chunk = rng.randint(0, 3)  # a prompt chunk's rows first, its last sampled or not
+            ids += [rng.randint(0, 3) for _ in range(chunk)]
+            picks += [rng.randint(0, 3) for _ in range(chunk and rng.randint(0, 1))]
             first_rows.append(len(ids))
+            first_picks.append(len(picks))
             rows = [rng.randint(0, 3) for _ in range(1 + k)]  # last token, then k drafts
             chosen = [rng.randint(0, 3) for _ in range(1 + k)]  # the target's pick after each
             ids += rows
@@ -48,6 +53,7 @@ def test_accepted_blocks_equal_a_python_reference():
             torch.tensor(ids),
             torch.tensor(picks),
             torch.tensor(first_rows),
+            torch.tensor(first_picks),
             torch.tensor(ks),
             torch.tensor(counts),
             depth,
@@ -72,19 +78,29 @@ def fake_capture(fn, pool, device):
     return program, program.out
 
 
-def graphed(model_dir, drafter_dir, monkeypatch, ahead: bool = True, **kw) -> LLM:
-    """An engine whose target steps replay ragged programs and whose drafter replays its draft
-    programs (stand-ins that run the function), as on the GPU; with `ahead`, drafting ahead."""
+def graphed(
+    model_dir, drafter_dir, monkeypatch, ahead: bool = True, prefill_rows: int = 0, **kw
+) -> LLM:
+    """An engine whose target steps replay ragged programs (and steps with prompt chunks of up
+    to `prefill_rows` rows prefill programs) and whose drafter replays its draft programs
+    (stand-ins that run the function), as on the GPU; with `ahead`, drafting ahead."""
     monkeypatch.setattr(dflash_mod, "capture", fake_capture)
     monkeypatch.setattr(dflash_mod, "STARTUP_CONTEXT_ROWS", 512)
     spec = {"method": "dflash", "model": str(drafter_dir), "num_drafts": 3, "dcut": False}
     llm = LLM(model_dir, device="cpu", dtype="float32", spec=spec, max_num_seqs=6, **kw)
     engine = llm.engine
-    ragged_programs(engine)
+    ragged_programs(engine, prefill_rows)
     drafter = engine.spec.drafter
     drafter.graphs = dflash_mod.DraftGraphs(drafter, 6, 256, None)
+    llm.ahead_shapes = []  # the programs after which it drafted ahead
+
+    def draft_ahead(entries, shape, tokens):
+        drafter._draft_ahead(entries, shape, tokens)
+        if drafter._ahead is not None:
+            llm.ahead_shapes.append(type(shape).__name__)
+
     if ahead:
-        engine.runner.after_verify = drafter._draft_ahead
+        engine.runner.after_verify = draft_ahead
         engine.runner.after_verify_drafts_only = True
     return llm
 
@@ -113,18 +129,23 @@ def verified_drafts(llm: LLM) -> tuple[list, list]:
         ]
         seen.extend(now)
         again[0] += sum(r in last[0] for r, _, _ in now)
-        ragged = isinstance(runner.replayed_shape, RaggedShape)
-        last[0] = {r for r, _, _ in now} if ragged else set()
+        replayed = runner.replayed_shape is not None  # a program: its hook drafted ahead
+        last[0] = {r for r, _, _ in now} if replayed else set()
         return out
 
     runner.execute = recording
     return seen, again
 
 
-@pytest.mark.parametrize("drafter", ["echo", "random_drafter"])
-def test_drafts_made_ahead_are_the_drafters_own(request, tiny_model_dir, monkeypatch, drafter):
+@pytest.mark.parametrize(
+    ("drafter", "prefill_rows"), [("echo", 0), ("random_drafter", 0), ("random_drafter", 256)]
+)
+def test_drafts_made_ahead_are_the_drafters_own(
+    request, tiny_model_dir, monkeypatch, drafter, prefill_rows
+):
     """Greedy output is plain decoding's, most drafts come from ahead, and every verified draft
-    is the one the drafter makes without drafting ahead (so is the acceptance)."""
+    is the one the drafter makes without drafting ahead (so is the acceptance). With prefill
+    programs, steps that verify beside a prompt chunk draft ahead too."""
     path = request.getfixturevalue(drafter)
     params = [
         SamplingParams(temperature=0.0, max_tokens=12 + 4 * i, ignore_eos=True) for i in range(8)
@@ -132,7 +153,7 @@ def test_drafts_made_ahead_are_the_drafters_own(request, tiny_model_dir, monkeyp
     want = plain(tiny_model_dir, PROMPTS[:8], params)
     drafts, accepted = [], []
     for ahead in (False, True):
-        llm = graphed(tiny_model_dir, path, monkeypatch, ahead)
+        llm = graphed(tiny_model_dir, path, monkeypatch, ahead, prefill_rows)
         seen, again = verified_drafts(llm)
         drafts.append(seen)
         assert tokens_of(llm, PROMPTS[:8], params) == want
@@ -141,6 +162,7 @@ def test_drafts_made_ahead_are_the_drafters_own(request, tiny_model_dir, monkeyp
     assert accepted[0] == accepted[1]
     # every verify of a sequence that verified in the step before took its drafts from ahead
     assert llm.engine.spec.drafter.drafted_ahead == again[0] > 0.5 * len(drafts[1])
+    assert ("PrefillShape" in llm.ahead_shapes) == (prefill_rows > 0)
 
 
 @pytest.mark.parametrize("case", ["seeded", "preemption", "async", "mixed"])

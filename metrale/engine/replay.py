@@ -257,6 +257,9 @@ def replay_gdn_mixed(runner, batch: Batch, head_seqs: int, shape, sample_rows: l
         return None
     hidden, logits, state_view = ran
     (index,) = to_device_packed([real], runner.device)
+    # a drafter's hook reads the step's rows in batch order, as other programs leave them
+    runner.replayed_shape = shape
+    runner.replayed_ids = runner.replayed_ids.index_select(0, index)
     return hidden.index_select(0, index), logits[: len(sample_rows)], state_view, heads + tails
 
 

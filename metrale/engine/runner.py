@@ -239,7 +239,7 @@ class ModelRunner:
         self.after_verify: Callable | None = None
         self.after_verify_drafts_only = False
         self.replayed_shape = None  # the program the step replayed, if any
-        self.replayed_ids = None  # and its input ids on the device (its real rows first)
+        self.replayed_ids = None  # and its real rows' input ids on the device, in batch order
         log.info(
             "model on %s (%s): %d KV pages of %d rows",
             self.device,

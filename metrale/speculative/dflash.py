@@ -49,7 +49,6 @@ import torch
 from metrale.engine.device_tokens import DeviceClock, DeviceDrafts, HostCopy
 from metrale.engine.graphs import capture
 from metrale.engine.kv_cache import DUMMY_PAGE
-from metrale.engine.program_shapes import RaggedShape
 from metrale.engine.sequence import Sequence
 from metrale.engine.staging import to_device_packed
 from metrale.knobs import knobs
@@ -92,13 +91,15 @@ class DFlashDrafter:
     @torch.inference_mode()
     def _draft_ahead(self, entries, shape, tokens: torch.Tensor) -> None:
         """The next step's drafts of the sequences of a verify step the target just replayed as
-        ragged program `shape` (`entries` in row order, each sampling its 1 + k rows, `tokens`
-        the target's pick at each), queued on the device before the host reads the verdicts:
-        each sequence's accepted drafts are its leading drafts equal to the target's picks, its
-        bonus token the pick after them, its context every row up to it. Sequences that do not
-        draft, or whose rows are not exactly a decode's or a verify's, are left out."""
+        program `shape` (ragged, or with prompt chunks: a dense target's prefill program, a
+        hybrid's mixed one; `entries` in row order, `tokens` the target's pick at each sampling
+        row: a sampling entry's last 1 + k), queued on the device before the host reads the
+        verdicts: each sequence's accepted drafts are its leading drafts equal to the target's
+        picks, its bonus token the pick after them, its context every row up to it. Sequences
+        that do not draft, or whose rows are not exactly a decode's or a verify's (prompt
+        chunks), are left out."""
         self._ahead = None
-        if self.graphs is None or not isinstance(shape, RaggedShape):
+        if self.graphs is None:
             return
         try:
             self._ahead = self._drafted_ahead(entries, tokens)
@@ -109,28 +110,32 @@ class DFlashDrafter:
 
     def _drafted_ahead(self, entries, tokens: torch.Tensor):
         """`_draft_ahead`'s work: its drafts, or None."""
-        # A ragged program holds decode and verify rows alone (prompt chunks run in prefill
-        # programs), and each entry samples every row: its picks sit at its rows.
-        live, row = [], 0  # (seq, its first row, k)
+        # (seq, its first row, its first pick, k): a sampling entry's picks follow the last
+        # sampling entry's, its rows the last entry's (prompt chunks that do not sample have
+        # rows and no pick)
+        live, row, pick = [], 0, 0
         for e in entries:
             seq, k = e.seq, len(e.drafts)
             params = seq.params
             if (
-                params.speculative
+                e.samples
+                and params.speculative
                 and params.num_drafts != 0
                 and e.num_rows == 1 + k
                 and seq.num_computed_tokens == seq.num_tokens - 1
             ):
-                live.append((seq, row, k))
+                live.append((seq, row, pick, k))
             row += e.num_rows
+            pick += 1 + k if e.samples else 0
         drafted = sum(k > 0 for *_, k in live)
         if not live or 2 * drafted < len(live):
             return None
         depth = max(k for *_, k in live)
         tables, width = padded_tables([seq.block_table for seq, *_ in live])
-        first_rows, ks, counts, tables_t = to_device_packed(
+        first_rows, first_picks, ks, counts, tables_t = to_device_packed(
             [
-                [r for _, r, _ in live],
+                [r for _, r, _, _ in live],
+                [p for _, _, p, _ in live],
                 [k for *_, k in live],
                 [seq.num_tokens for seq, *_ in live],  # its tokens before this step
                 tables,
@@ -141,6 +146,7 @@ class DFlashDrafter:
             self.runner.replayed_ids,
             tokens,
             first_rows,
+            first_picks,
             ks,
             counts,
             depth,
@@ -150,7 +156,7 @@ class DFlashDrafter:
         # queued before the drafter's forward: reading it does not wait for that
         context = HostCopy(lens)
         # the longest context: every draft accepted
-        longest = max(seq.num_tokens + k for seq, _, k in live)
+        longest = max(seq.num_tokens + k for seq, *_, k in live)
         out = self.graphs.run(ids, lens, tables_t.view(len(live), width), longest)
         if out is None:
             return None
@@ -248,6 +254,7 @@ def accepted_blocks(
     input_ids: torch.Tensor,
     picks: torch.Tensor,
     first_rows: torch.Tensor,
+    first_picks: torch.Tensor,
     ks: torch.Tensor,
     counts: torch.Tensor,
     depth: int,
@@ -257,13 +264,14 @@ def accepted_blocks(
     """On the device, after a verify: each sequence's next block `[bonus, MASK x (B - 1)]`
     [S, B] and its context length [S] (its tokens but the bonus).
 
-    Sequence s's rows start at row `first_rows[s]`: its last token, then its `ks[s]` drafts (in
-    `input_ids`), and at each row `picks` holds the target's token after it; it had `counts[s]`
-    tokens. Its accepted drafts are the leading ones equal to the pick before them, the bonus
-    the pick after the last accepted."""
+    Sequence s's rows start at row `first_rows[s]` of `input_ids`: its last token, then its
+    `ks[s]` drafts; `picks` holds the target's token after each of them from `first_picks[s]`
+    on; it had `counts[s]` tokens. Its accepted drafts are the leading ones equal to the pick
+    before them, the bonus the pick after the last accepted."""
     step = torch.arange(depth + 1, device=picks.device)
-    rows = (first_rows[:, None] + step).clamp(max=picks.shape[0] - 1)
-    chosen = picks[rows]  # [S, depth + 1]
+    # (a sequence shallower than `depth` reads past its rows: masked by `ks`, clamped in range)
+    rows = (first_rows[:, None] + step).clamp(max=input_ids.shape[0] - 1)
+    chosen = picks[(first_picks[:, None] + step).clamp(max=picks.shape[0] - 1)]  # [S, depth + 1]
     proposed = input_ids[rows][:, 1:]  # [S, depth]: the drafts
     equal = (proposed == chosen[:, :-1]) & (step[None, :-1] < ks[:, None])
     accepted = equal.long().cumprod(dim=1).sum(dim=1)

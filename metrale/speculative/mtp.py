@@ -7,17 +7,14 @@ KV at p, and the last row's output gives the first draft. `propose` chains the r
 comes from the module fed with draft j and the previous step's own output hidden, one row per
 sequence per depth (module `j % num_layers`), writing the MTP KV of positions p+1, p+2, ...
 
-Rows of accepted drafts were already written by the chain, with the drafter's own hidden. By
-default they are kept (one catch-up row per verify, as the reference system does); with
-`METRALE_MTP_CATCHUP=1` and `METRALE_MTP_REFEED_ACCEPTED=1`, and only while the drafter serves
-one sequence (`SpecConfig.mtp_max_seqs` = 1), they are re-fed with the target's hiddens,
-`METRALE_MTP_REFEED_SHIFT` pairing each token with the hidden that many rows earlier (a probe of
-the mapping; 0 is right) and `METRALE_MTP_REFEED_DEBUG=1` logging a fingerprint of each re-fed
-hidden. Rows the chain never wrote (prefill, plain decodes, the bonus row) are always fed.
+Rows of accepted drafts were already written by the chain, with the drafter's own hidden, and
+are kept (one catch-up row per verify, as the reference system does); with one sequence
+(`SpecConfig.mtp_max_seqs` = 1), `METRALE_MTP_CATCHUP=1 METRALE_MTP_REFEED_ACCEPTED=1` re-feed
+them with the target's hiddens (`METRALE_MTP_REFEED_SHIFT`, `..._DEBUG`: probes, `knobs.py`).
+Rows the chain never wrote (prefill, plain decodes, the bonus row) are always fed.
 
-On CUDA with graphs, the whole chain is one captured program and the catch-up a ragged one
-(`mtp_graphs.py`), prompt chunks in prefill-shaped ones (in pieces when an eager step holds
-more rows than those), and the CPU runs all eagerly.
+On CUDA with graphs the chain is one captured program, the catch-up a ragged or prefill-shaped
+one (`mtp_graphs.py`; in pieces past those); the CPU runs all eagerly.
 
 NOTE: rollback: chain rows of rejected drafts lie past the committed positions; the next
 catch-up rewrites them before any row reads them. The MTP KV shares the target's block tables,
@@ -32,7 +29,7 @@ import torch
 
 from metrale.engine.device_tokens import DeviceDrafts, DeviceRow
 from metrale.engine.prefix_cache import DraftKV
-from metrale.engine.program_shapes import PrefillShape
+from metrale.engine.program_shapes import PrefillShape, RaggedShape
 from metrale.engine.sequence import Sequence
 from metrale.engine.staging import to_device_packed
 from metrale.knobs import (
@@ -131,7 +128,9 @@ class MTPDrafter:
         scratch entry."""
         graphs, scratch = self.chain_graphs, self._first.shape[0] - 1
         prefill = isinstance(shape, PrefillShape)
-        if len(entries) > graphs.catch_up_seqs or not (prefill or shape.max_q == graphs.max_q):
+        ragged = isinstance(shape, RaggedShape) and shape.max_q == graphs.max_q
+        # (a hybrid's mixed program lays its rows out otherwise: caught up from the verdicts)
+        if len(entries) > graphs.catch_up_seqs or not (prefill or ragged):
             return  # `observe` catches them up from the verdicts
         owners, keeps, every, eligible, drafted = [], [], [], 0, 0
         ends, row = [], 0  # (last row, the next prompt token) of chunks the prompt goes on after

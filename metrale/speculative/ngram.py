@@ -20,7 +20,6 @@ from array import array
 import numpy as np
 import torch
 
-from metrale.engine.program_shapes import PrefillShape, RaggedShape
 from metrale.engine.sequence import Sequence
 from metrale.kernels.ngram_lookup import device_lookup_supported
 from metrale.speculative.drafter import Draft, Verdict
@@ -205,15 +204,12 @@ class NgramDrafter:
 
     def draft_ahead(self, entries, shape, tokens: torch.Tensor, input_ids) -> None:
         """`ModelRunner.after_verify` of a verify step whose program just ran (`entries` in row
-        order, `tokens` the target's pick at each sampled row, `input_ids` the program's, real
-        rows first: a dense target's ragged or prefill program, a hybrid's ragged one): the next
-        drafts of its sequences, made on the device behind the forward
+        order, `tokens` the target's pick at each sampled row, `input_ids` its real rows' ids in
+        batch order: a ragged program, a dense target's prefill program or a hybrid's mixed
+        one): the next drafts of its sequences, made on the device behind the forward
         (`DeviceNgramTable.draft_ahead`) when they are `DEVICE_MIN_SEQS` or more. A speed-up
         only: if it raises, `propose` drafts as usual."""
         table = self.device_table
-        if not isinstance(shape, (RaggedShape, PrefillShape)):
-            table.drop_ahead()
-            return
         try:
             table.draft_ahead(entries, tokens, input_ids, DEVICE_MIN_SEQS)
         except Exception:  # noqa: BLE001 (never fail the verify step for it)
