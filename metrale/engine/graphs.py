@@ -6,7 +6,9 @@ state mode) key. The reference attention gathers every key up to a fixed length 
 so with it the key carries the KV length rounded up to a power of two; with the Triton paged
 kernel it does not. A hybrid target's programs also read their sequences' state entries from the
 workspace (`state_read`, and `state_rows` for a per-row-slot verify), and a write-on-accept
-verify program returns the `GDNState` whose pending rows `StateSlots.commit` settles. Prefill
+verify program returns the `GDNState` whose pending rows `StateSlots.commit` settles (every
+program leaves them in the pool's one `PendingBuffers`, read by its commit before the next
+program runs). Prefill
 programs (`program_shapes.PrefillShape` for dense targets, `GDNPrefillShape` for hybrids, whose
 state they advance in WRITE mode) compute logits only for the rows that sample, and so do a
 hybrid's mixed programs (`GDNMixedShape`: a verify beside prompt chunks in one forward, captured on
@@ -39,12 +41,12 @@ from metrale.engine.program_shapes import (
 )
 from metrale.engine.state_cache import DUMMY_ENTRY
 from metrale.models.attention import AttentionMetadata
+from metrale.models.gdn_pending import PendingBuffers
 from metrale.models.gdn_state import GDNState, SplitState, StateMode
 from metrale.speculative.row_table import RowTable
 
-# Mixed programs kept at most (`GraphRunner.mixed`). A write-on-accept one holds its verify's
-# pending rows (about 1.3 MB a row at the Qwen3-Next shapes: some 340 MB at 64 sequences and
-# K = 3); a steady load of 64 slots met about a dozen keys.
+# Mixed programs kept at most (`GraphRunner.mixed`); a steady load of 64 slots met about a
+# dozen keys.
 MIXED_PROGRAMS = 16
 
 
@@ -129,7 +131,7 @@ class GraphRunner:
         self._ragged_shapes = shapes
         # A hybrid's mixed programs (a verify beside prompt chunks, `GDNMixedShape`): keyed by
         # two shapes, too many to capture at start-up, so each is captured the first time a step
-        # needs it, and at most MIXED_PROGRAMS are kept (each holds its pending verify rows).
+        # needs it, and at most MIXED_PROGRAMS are kept.
         self.mixed: ProgramCache | None = None
         if state_pool is not None and max_q > 1 and self.prefill_widths:
             self.mixed = ProgramCache(
@@ -137,6 +139,9 @@ class GraphRunner:
             )
         ws = self.cache.workspace
         pages = -(-max_model_len // page_size) + 1
+        if state_pool is not None and verify_mode is StateMode.DEFER and max_q > 1:
+            # every write-on-accept program's pending rows, in one place (`PendingBuffers`)
+            state_pool.pending_out = PendingBuffers.for_pool(state_pool, ws.seqs * max_q)
 
         def zeros(*shape, dtype=torch.long):
             return torch.zeros(*shape, dtype=dtype, device=device)
@@ -190,8 +195,8 @@ class GraphRunner:
 
     def _capture(self, table: RowTable, extra: tuple[int, StateMode | None]):
         """(graph, hidden [R, H], logits [R, V], hybrid state or None): the hidden states and
-        logits are views of the workspace, which every program's replay rewrites; the state's
-        pending rows live in the graph's pool and are rewritten by its own replays."""
+        logits are views of the workspace, which every program's replay rewrites, and so are
+        a write-on-accept state's pending rows (`PendingBuffers`)."""
         # a rebuilt program has new pending rows: a commit captured for the old one must go
         self._commits.pop((table, extra), None)
         self.fill_dummy(table)

@@ -93,13 +93,14 @@ def conv_in_pool(
     final: torch.Tensor | None = None,
     rows: torch.Tensor | None = None,
     starts: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """x [B, T, D] (padded rows; any row strides, unit channel stride); weight [D, 4] (None: only
     advance the windows, no output); pool [S, D, 3]. Sequence b's window comes from entry
     read[b] and its first lengths[b] rows shift in; with lengths None, starts [B+1] (the packed
     offsets, `query_start_loc`) give them as starts[b+1] - starts[b], read in the kernel (no
-    launch to make lengths). Returns SiLU(conv) [B, T, D] in x's dtype, or None without a
-    weight."""
+    launch to make lengths). Returns SiLU(conv) [B, T, D] in x's dtype (into `out` if given, a
+    contiguous tensor of that shape), or None without a weight."""
     if (lengths is None) == (starts is None):
         raise ValueError("conv_in_pool takes lengths or starts, one of them")
     bsz, seq, dim = x.shape
@@ -107,7 +108,10 @@ def conv_in_pool(
         raise ValueError(f"conv pool of shape {tuple(pool.shape)}: want contiguous [S, {dim}, 3]")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    out = None if weight is None else torch.empty(bsz, seq, dim, dtype=x.dtype, device=x.device)
+    if weight is None:
+        out = None
+    elif out is None:
+        out = torch.empty(bsz, seq, dim, dtype=x.dtype, device=x.device)
     block = min(triton.next_power_of_2(dim), 256)
     _conv_kernel[(bsz, triton.cdiv(dim, block))](
         x,

@@ -118,13 +118,15 @@ def prepare(
     lengths: torch.Tensor | None,
     *,
     raw: bool = False,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mixed [N, C] (the conv input, unit column stride), ba [N, 2 Hv] (b then a, unit column
     stride), the layout's index [B, T] and lengths [B] -> (conv input [B, T, C]: a view of mixed
     when T == 1, g [B, T, Hv] float32, beta [B, T, Hv] in ba's dtype). `raw`: (conv input, a, b)
     instead, the gate inputs padded with -inf for the delta-rule kernel to turn into g and beta
     (`gdn_recurrent.GateInputs`); when T == 1 all three are views and nothing runs, and index
-    and lengths may be None (one row per sequence: a decode step's layout need not make them)."""
+    and lengths may be None (one row per sequence: a decode step's layout need not make them).
+    `out`: contiguous tensors of those shapes and dtypes to write the three into (T > 1)."""
     hv = a_log.shape[0]
     if index is None or lengths is None:
         if not raw:
@@ -137,9 +139,14 @@ def prepare(
     if raw and not pad:  # decode: one row per sequence, nothing to pad
         return mixed.unsqueeze(1), ba[:, hv:].unsqueeze(1), ba[:, :hv].unsqueeze(1)
     assert index is not None and lengths is not None
-    g = torch.empty(bsz, t, hv, dtype=ba.dtype if raw else torch.float32, device=ba.device)
-    beta = torch.empty(bsz, t, hv, dtype=ba.dtype, device=ba.device)
-    conv = torch.empty(bsz, t, channels, dtype=mixed.dtype, device=mixed.device) if pad else None
+    if out is not None and pad:
+        conv, g, beta = out
+    else:
+        g = torch.empty(bsz, t, hv, dtype=ba.dtype if raw else torch.float32, device=ba.device)
+        beta = torch.empty(bsz, t, hv, dtype=ba.dtype, device=ba.device)
+        conv = (
+            torch.empty(bsz, t, channels, dtype=mixed.dtype, device=mixed.device) if pad else None
+        )
     block_c = min(triton.next_power_of_2(channels), 1024)
     if bsz:
         _prepare_kernel[(bsz * t, triton.cdiv(channels, block_c) if pad else 1)](

@@ -47,6 +47,7 @@ from metrale.models.gdn import (
     recurrent_gated_delta_rule,
     window_after,
 )
+from metrale.models.gdn_pending import PendingBuffers
 
 # Prefill chunks of more rows than this run the chunked (WY) kernel on the GPU; shorter ones, and
 # every verify, the recurrent kernel (a chunk is 16 rows: fewer leave its matmuls mostly empty).
@@ -86,6 +87,8 @@ class GDNState:
     pending: dict[int, PendingRows] = field(default_factory=dict)
     # per layer: the conv's inputs [B, T, conv_dim], to re-base the window at commit
     pending_conv: dict[int, torch.Tensor] = field(default_factory=dict)
+    # where DEFER forwards write their pending rows, where a graph runner set them
+    pending_out: PendingBuffers | None = None
     # forwards of more rows per sequence run the chunked kernel on the GPU; the deterministic
     # mode sets it past any row count, so a row takes the recurrent form whatever shares its
     # step (the chunked form's 16-row blocks start at the chunk's first row)
@@ -121,7 +124,22 @@ class GDNState:
         """The same entries, addressed for one forward."""
         if (mode is StateMode.ROWS) != (rows is not None):
             raise ValueError(f"mode {mode.value} with rows={'given' if rows is not None else None}")
-        return GDNState(self.conv, self.ssm, read, rows, mode, chunk_min_rows=self.chunk_min_rows)
+        return GDNState(
+            self.conv,
+            self.ssm,
+            read,
+            rows,
+            mode,
+            pending_out=self.pending_out,
+            chunk_min_rows=self.chunk_min_rows,
+        )
+
+    def pending_outputs(self, layer: int, bsz: int, t: int) -> tuple[torch.Tensor, ...] | None:
+        """Where a DEFER forward of [bsz, t] padded rows on the Triton path writes layer
+        `layer`'s conv input, raw gates and conv output (`PendingBuffers.views`), or None."""
+        if self.mode is not StateMode.DEFER or self.pending_out is None or t == 1:
+            return None
+        return self.pending_out.views(layer, bsz, t)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.conv + self.ssm)
@@ -203,11 +221,13 @@ class GDNState:
         conv_in: torch.Tensor,
         weight: torch.Tensor,
         lengths: torch.Tensor | RowLayout,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The layer's causal conv (+ SiLU) over padded rows conv_in [B, T, conv_dim] (lengths
         [B] real rows each, or the forward's `RowLayout`: the conv kernel then reads them from
         its `query_start_loc`, and the layout makes no lengths tensor for it), continuing each
-        sequence's window and storing the windows as `mode` says -> [B, T, conv_dim]."""
+        sequence's window and storing the windows as `mode` says -> [B, T, conv_dim] (the
+        kernel writes it into `out` if given)."""
         bsz = conv_in.shape[0]
         store = self.conv[layer]
         read = self._read(bsz, store.device)
@@ -224,6 +244,7 @@ class GDNState:
                 final=read if self.mode is StateMode.WRITE else None,
                 rows=self.rows if self.mode is StateMode.ROWS else None,
                 starts=None if layout is None else layout.query_start_loc,
+                out=out,
             )
         if isinstance(lengths, RowLayout):
             lengths = lengths.lengths

@@ -177,12 +177,27 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         # views and needs no index or lengths, nor does anything below: the layout derives none
         decode = layout.width == 1
         index, lengths = (None, None) if raw and decode else (layout.index, layout.lengths)
+        # a write-on-accept verify's pending rows: where the graph runner keeps them for every
+        # program (`gdn_state.PendingBuffers`), else new tensors
+        kept = None
+        if raw and index is not None:
+            kept = state.pending_outputs(self.state_index, *index.shape)
         conv_in, g, beta = gdn_fused.prepare(
-            mixed, ba, self.A_log, self.dt_bias, index, lengths, raw=raw
+            mixed,
+            ba,
+            self.A_log,
+            self.dt_bias,
+            index,
+            lengths,
+            raw=raw,
+            out=None if kept is None else kept[:3],
         )  # raw: g, beta hold the (padded) gate inputs a, b
         bsz, t = conv_in.shape[:2]
         # the layout itself: the conv kernel reads the rows per sequence from its offsets
-        conv = state.causal_conv(self.state_index, conv_in, self.conv1d.weight[:, 0], layout)
+        weight = self.conv1d.weight[:, 0]
+        conv = state.causal_conv(
+            self.state_index, conv_in, weight, layout, None if kept is None else kept[3]
+        )
         q, k, v = self._heads(conv, bsz, t)
         if raw:
             gates = GateInputs(g, beta, self.A_log, self.dt_bias)

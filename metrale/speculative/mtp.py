@@ -163,20 +163,16 @@ class MTPDrafter:
     @torch.inference_mode()
     def observe(self, verdicts: list[Verdict]) -> None:
         spans, hiddens, owners = [], [], []
-        # Every committed row catches up in one captured program: decode and verify rows (at
-        # most 1 + K per sequence) in a ragged one, with prompt chunks in a prefill-shaped one.
-        # Past those, in pieces of a prefill program's rows, one program after the other; where
-        # no program takes them, the short spans in one and the rest eagerly. Without graphs
-        # all eagerly.
+        # Every committed row catches up in one program (ragged, or prefill-shaped with prompt
+        # chunks); past those in pieces of a prefill program's rows, in order; where no program
+        # takes them, the short spans in one and the rest eagerly; without graphs all eagerly.
         max_q = 0 if self.chain_graphs is None else self.chain_graphs.max_q
         short, eager = [], []  # indices into spans
         verified, self._verified = self._verified, {}
         ahead_rows: dict[int, tuple] = {}
         for v in verdicts:
             seq, rows = v.seq, 0 if v.hidden is None else v.hidden.shape[0]
-            if rows == 0 or not may_draft(seq):
-                continue
-            if seq.slot < 0:
+            if rows == 0 or not may_draft(seq) or seq.slot < 0:
                 continue
             done = verified.get(seq.seq_id)
             if done is not None and done[0] == v.first_position:
@@ -362,13 +358,9 @@ class MTPDrafter:
         steps = max(k for _, _, k, _ in live) - 1
         columns = None
         if steps > 0 and self.chain_graphs is not None:
-            columns = self.chain_graphs.chain(
-                first,
-                hidden,
-                [state[0] for _, _, _, state in live],
-                [seq.block_table for _, seq, _, _ in live],
-                steps,
-            )
+            positions = [state[0] for _, _, _, state in live]
+            tables = [seq.block_table for _, seq, _, _ in live]
+            columns = self.chain_graphs.chain(first, hidden, positions, tables, steps)
         if steps == 0:
             table = first[:, None]
         elif columns is not None:
