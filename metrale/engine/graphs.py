@@ -140,8 +140,10 @@ class GraphRunner:
         ws = self.cache.workspace
         pages = -(-max_model_len // page_size) + 1
         if state_pool is not None and verify_mode is StateMode.DEFER and max_q > 1:
-            # every write-on-accept program's pending rows, in one place (`PendingBuffers`)
-            state_pool.pending_out = PendingBuffers.for_pool(state_pool, ws.seqs * max_q)
+            # every write-on-accept program's pending rows, in one place (`PendingBuffers`):
+            # as many as the widest verify (a mixed program's tail is a verify shape too)
+            rows = max_ragged_seqs(max_seqs, max_q) * max_q
+            state_pool.pending_out = PendingBuffers.for_pool(state_pool, rows)
 
         def zeros(*shape, dtype=torch.long):
             return torch.zeros(*shape, dtype=dtype, device=device)
