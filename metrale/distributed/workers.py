@@ -174,19 +174,6 @@ class TPGDNState(GDNState):
 
     send: Callable | None = None
 
-    def view(self, read, mode, rows=None) -> TPGDNState:
-        v = super().view(read, mode, rows)
-        return TPGDNState(
-            v.conv,
-            v.ssm,
-            v.read,
-            v.rows,
-            v.mode,
-            pending_out=v.pending_out,
-            chunk_min_rows=v.chunk_min_rows,
-            send=self.send,
-        )
-
     def reset(self, entries: torch.Tensor) -> None:
         self.send([CMD_STATE_RESET, entries])
         super().reset(entries)

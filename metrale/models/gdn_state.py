@@ -31,7 +31,7 @@ turn into g and beta in registers: no launch to make them. The torch path materi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import NamedTuple
 
@@ -121,18 +121,11 @@ class GDNState:
     def view(
         self, read: torch.Tensor | None, mode: StateMode, rows: torch.Tensor | None = None
     ) -> GDNState:
-        """The same entries, addressed for one forward."""
+        """The same entries, addressed for one forward: every other field (and a subclass's,
+        such as the tensor-parallel pool's) kept, no pending rows yet."""
         if (mode is StateMode.ROWS) != (rows is not None):
             raise ValueError(f"mode {mode.value} with rows={'given' if rows is not None else None}")
-        return GDNState(
-            self.conv,
-            self.ssm,
-            read,
-            rows,
-            mode,
-            pending_out=self.pending_out,
-            chunk_min_rows=self.chunk_min_rows,
-        )
+        return replace(self, read=read, rows=rows, mode=mode, pending={}, pending_conv={})
 
     def pending_outputs(self, layer: int, bsz: int, t: int) -> tuple[torch.Tensor, ...] | None:
         """Where a DEFER forward of [bsz, t] padded rows on the Triton path writes layer
