@@ -16,6 +16,7 @@ from typing import TypedDict
 
 from tqdm.auto import tqdm
 
+from metrale.chat_prompt import chat_prompt_ids
 from metrale.config import EngineConfig, SamplingParams
 from metrale.engine.llm import LLMEngine
 from metrale.outputs import RequestOutput
@@ -198,11 +199,17 @@ class LLM:
         if not isinstance(stream, bool):
             raise ValueError(f"stream must be a bool, got {type(stream).__name__}")
         messages = _chat_messages(messages)
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = chat_prompt_ids(self.tokenizer, messages, self.engine.context_len)[0]
+        try:
+            self.engine.validate(ids, SamplingParams())  # the prompt's own checks (its length)
+        except ValueError as e:  # a conversation's fault is its messages'
+            raise ValueError(f"messages: {str(e).removeprefix('prompt: ')}") from None
         if stream:
             return self.stream(ids, sampling_params)
-        return self.generate([ids], sampling_params, use_tqdm=False)[0]
+        try:
+            return self.generate([ids], sampling_params, use_tqdm=False)[0]
+        except ValueError as e:  # (one conversation: no prompt index to name)
+            raise ValueError(str(e).removeprefix("prompts[0]: ")) from None
 
 
 def _params(params: SamplingParams | dict | None) -> SamplingParams:

@@ -40,6 +40,12 @@ def llm(tiny_model_dir):
         ),
         (lambda llm: llm.chat(USER, 5), "^sampling_params must be"),
         (lambda llm: llm.chat(USER, stream="yes"), "^stream must be a bool"),
+        # a conversation's own faults name its messages, not a prompt (found in review: a
+        # lone surrogate was a TypeError from the tokenizer)
+        (lambda llm: llm.chat([{"role": "user", "content": "\ud800"}]), "^messages: not valid"),
+        (lambda llm: llm.chat([{"role": "user", "content": "x " * 200}]), r"^messages: \d+ tok"),
+        (lambda llm: llm.chat([{"role": "user", "content": ""}] * 65), "^messages: 65 messages"),
+        (lambda llm: llm.chat(USER, {"max_tokens": 1, "logit_bias": {99999: 1}}), "^logit_bias"),
     ],
 )
 def test_arguments_of_the_wrong_type_are_value_errors_naming_them(llm, call, match):

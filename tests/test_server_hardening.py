@@ -17,6 +17,7 @@ import time
 import httpx
 import pytest
 
+from metrale.tokenizer import Tokenizer
 from tests.test_server import Server, free_port
 
 CHAT = "/v1/chat/completions"
@@ -75,6 +76,10 @@ def error_of(resp, status, param="?"):
         (CMPL, {"prompt": "x", "stop": ["a"] * 5000}, 400, "stop"),  # bounded stop work
         (CHAT, {**user("hi"), "top_logprobs": 2}, 400, "top_logprobs"),  # needs logprobs
         (CMPL, {"prompt": "x", "logit_bias": {"1_0": 1}}, 400, "logit_bias"),
+        # conversations that cannot fit, refused before the tokenizer holds the GIL on them
+        (CHAT, {**user(""), "messages": [{"role": "user", "content": ""}] * 300}, 400, "messages"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "x" * 900000}]}, 400, "messages"),
+        ("/tokenize", {"messages": [{"role": "user", "content": ""}] * 1100}, 400, "messages"),
     ],
 )
 def test_bad_fields_get_4xx_and_nothing_runs(server, path, body, status, param):
@@ -98,6 +103,40 @@ def test_malformed_bodies_and_routes_use_the_openai_shape(server):
     )
     error_of(httpx.get(server.url + "/v1/nothing"), 404)
     error_of(httpx.get(server.url + CMPL), 405)
+    assert_healthy(server)
+
+
+def test_a_conversation_rendered_past_the_context_is_refused_before_tokenising(
+    server, tiny_model_dir
+):
+    """Short messages under every per-message bound whose rendered template cannot fit: the
+    tokenizer would hold the GIL over all of it (found in review: 1,000,000 one-character
+    messages stalled /health for 33 s), so the rendered text is bounded too."""
+    chars = Tokenizer.from_dir(tiny_model_dir).max_token_chars * 256
+    content = "y" * (chars // 250)
+    body = {**user(""), "messages": [{"role": "user", "content": content}] * 250}
+    error = error_of(httpx.post(server.url + CHAT, json=body, timeout=30), 400, "messages")
+    assert "rendered" in error["message"]
+    assert_healthy(server)
+
+
+def test_health_answers_head_probes(server):
+    resp = httpx.head(server.url + "/health", timeout=5)
+    assert resp.status_code == 200 and not resp.content
+
+
+def test_a_regex_that_does_not_compile_says_why(server):
+    body = {"prompt": "x", "max_tokens": 4, "structured_outputs": {"regex": "("}}
+    error = error_of(httpx.post(server.url + CMPL, json=body, timeout=30), 400)
+    assert error["message"].endswith("regex parse error: unclosed group"), error
+    schema = {"type": "string", "pattern": "a{5,2}"}
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    error = error_of(
+        httpx.post(server.url + CHAT, json={**user("hi"), "response_format": fmt}, timeout=30),
+        400,
+        "response_format",
+    )
+    assert "invalid repetition count range" in error["message"] and "a{5,2}" in error["message"]
     assert_healthy(server)
 
 

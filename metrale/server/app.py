@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from metrale import __version__
+from metrale.chat_prompt import chat_error, chat_prompt_ids
 from metrale.config import SamplingParams
 from metrale.server.engine_loop import Busy, EngineLoop
 from metrale.server.extra_routes import add_extra_routes
@@ -247,7 +248,8 @@ def create_app(
                 collecting.cancel()
         return collecting.result() if collecting in done else None
 
-    @app.get("/health", response_model=HealthResponse)
+    # (HEAD too: load balancers' health probes often send it)
+    @app.api_route("/health", methods=["GET", "HEAD"], response_model=HealthResponse)
     async def health():
         if loop.fatal is not None:  # the engine cannot run (a tensor-parallel rank failed)
             body = HealthResponse(status="error", error=loop.fatal)
@@ -310,17 +312,12 @@ def create_app(
             plan = plan_tools(body, engine.tokenizer, engine.grammars)
             messages = [m.for_template() for m in body.messages]
             messages, tools = plan.render(messages, engine.tokenizer)
-            chars = sum(len(m["content"]) for m in messages)
-            if chars > engine.context_len * engine.tokenizer.max_token_chars:
-                raise APIError(f"messages: {chars} characters cannot fit the context", "messages")
             try:
-                text = engine.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tools=tools, **variables
+                ids, text = chat_prompt_ids(
+                    engine.tokenizer, messages, engine.context_len, tools, variables
                 )
-                text.encode("utf-8")
             except Exception as e:  # noqa: BLE001 (a template fails as it fails: the input's fault)
-                raise APIError(f"messages: {type(e).__name__}: {e}", "messages") from None
-            ids = engine.tokenizer.encode(text, add_special_tokens=False)
+                raise APIError(chat_error(e), "messages") from None
             if not ids:
                 raise APIError("messages: the chat template rendered nothing", "messages")
             return ids, reasoning and opens_block(text), plan
@@ -370,7 +367,14 @@ def create_app(
                 raise failed
             if chat:
                 return chat_response(
-                    final, request_id, params, model_name, reasoning, opened, tools
+                    final,
+                    request_id,
+                    params,
+                    model_name,
+                    engine.tokenizer,
+                    reasoning,
+                    opened,
+                    tools,
                 )
             return completion_response(
                 [final], request_id, params, engine.tokenizer, model_name, bool(body.echo)

@@ -9,6 +9,7 @@ import asyncio
 from fastapi import FastAPI
 
 from metrale import __version__
+from metrale.chat_prompt import chat_error, chat_prompt_ids
 from metrale.server.protocol import APIError, now
 from metrale.server.response_schemas import (
     DetokenizeResponse,
@@ -51,10 +52,13 @@ def add_extra_routes(app: FastAPI, engine, model_name: str) -> None:
             def render() -> list[int]:
                 messages = [m.for_template() for m in body.messages]
                 messages, tools = render_tools(messages, body.tools, tok)
-                text = tok.apply_chat_template(
-                    messages, add_generation_prompt=True, tools=tools, **variables
-                )
-                return tok.encode(text, add_special_tokens=False)
+                try:
+                    # (as lenient as the prompt's bound below: it counts, it runs nothing)
+                    return chat_prompt_ids(
+                        tok, messages, engine.max_model_len, tools, variables, slack=4
+                    )[0]
+                except Exception as e:  # noqa: BLE001 (a template fails as it fails)
+                    raise APIError(chat_error(e), "messages") from None
 
         else:
             prompt = body.prompt
