@@ -469,3 +469,27 @@ def test_the_grammar_refuses_what_does_not_parse():
         ids = tokenizer.encode(text, add_special_tokens=False)
         matcher = llguidance.LLMatcher(grammars.tokenizer, grammar, log_level=0)
         assert (matcher.validate_tokens(ids) == len(ids)) is ok
+
+
+@pytest.mark.parametrize("name", ["default", "enum", "const", "examples", "$ref"])
+def test_refs_resolve_under_properties_and_definitions_named_like_keywords(name):
+    """A property or definition may be called "default", "enum" or "$ref": a name there, not
+    the keyword, whose schema's $refs are rebased like any other (found in review: they were
+    kept as literal values, and the tool grammar named a pointer that did not exist)."""
+    tokenizer, grammars = _tool_tokenizer("text")
+    refs = {
+        "type": "object",
+        "properties": {name: {"$ref": f"#/$defs/{name}"}},
+        "$defs": {name: {"$ref": "#/$defs/City"}, "City": {"type": "string", "maxLength": 5}},
+        "required": [name],
+    }
+    function = ChatCompletionRequest(messages=CHAT, tools=TOOLS).tools[0].function
+    function = function.model_copy(update={"name": "city", "parameters": refs})
+    grammar = llguidance.grammar_from("lark", tool_call_grammar([function], parallel=False))
+    assert llguidance.LLMatcher.validate_grammar(grammar, grammars.tokenizer) == ""
+    key = json.dumps(name)
+    for city, ok in (("Paris", True), ("Parisian", False)):
+        call = f'{{"name": "city", "arguments": {{{key}: "{city}"}}}}'
+        ids = tokenizer.encode(f"<tool_call>\n{call}\n</tool_call>", add_special_tokens=False)
+        matcher = llguidance.LLMatcher(grammars.tokenizer, grammar, log_level=0)
+        assert (matcher.validate_tokens(ids) == len(ids)) is ok, (name, city)

@@ -38,6 +38,7 @@ from pydantic import (
 from metrale.server.protocol import APIError
 from metrale.server.tool_parser import CLOSE, OPEN, ToolParsing
 from metrale.structured import StructuredOutput
+from metrale.structured.grammar import error_summary
 
 
 class _Body(BaseModel):
@@ -201,6 +202,16 @@ def render_tools(
 # JSON as Qwen3 writes it (json.dumps' separators), with no other whitespace
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _DATA_KEYWORDS = ("const", "enum", "default", "examples")  # values, not schemas
+# keywords whose value maps names (a property's, a definition's) to schemas: a name there is
+# never a keyword (a property called "enum" or "$ref" holds a schema like any other)
+_NAMED_SCHEMAS = (
+    "properties",
+    "patternProperties",
+    "$defs",
+    "definitions",
+    "dependentSchemas",
+    "dependencies",
+)
 
 
 def _rebased(schema, base: str):
@@ -215,6 +226,8 @@ def _rebased(schema, base: str):
             out[key] = base + value[1:]
         elif key in _DATA_KEYWORDS:
             out[key] = value
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            out[key] = {name: _rebased(sub, base) for name, sub in value.items()}
         else:
             out[key] = _rebased(value, base)
     return out
@@ -294,8 +307,7 @@ def _check_schema(i: int, function: FunctionDefinition, grammars) -> None:
     except ValueError as e:
         error = str(e)
     if error:
-        message = error.strip().splitlines()[0]
-        raise APIError(f"tools[{i}].function.parameters: {message}", "tools")
+        raise APIError(f"tools[{i}].function.parameters: {error_summary(error)}", "tools")
 
 
 def plan_tools(body, tokenizer, grammars) -> ToolPlan:
