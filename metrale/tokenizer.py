@@ -29,6 +29,19 @@ _REPLACEMENT = "\ufffd"
 logger = logging.getLogger(__name__)
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: each of the 256 characters a byte-level token is
+    spelt with -> the byte it stands for (printable Latin-1 bytes stand for themselves, the
+    others for 256 + their order)."""
+    kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    shifted = [b for b in range(256) if b not in kept]
+    return {chr(b): b for b in kept} | {chr(256 + i): b for i, b in enumerate(shifted)}
+
+
+_BYTE_OF = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
@@ -177,6 +190,7 @@ class Tokenizer:
         # byte of an invalid run as its own, so its detokenizer takes one id a push.
         self.byte_level = isinstance(self._tok.decoder, tokenizers.decoders.ByteLevel)
         added = self._tok.get_added_tokens_decoder()
+        self._added_ids = frozenset(added)
         # Exactly the ids that `decode(..., skip_special_tokens=True)` drops.
         self._skip_ids = frozenset(i for i, t in added.items() if t.special)
         named = (self._id_of(c) for c in self.special_tokens.values())
@@ -233,6 +247,24 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (OpenAI's logprobs `bytes`): a byte-level token's own
+        bytes, a byte-fallback token's (`<0xE6>`) byte, though neither decodes alone to more
+        than U+FFFD; a SentencePiece piece's text, its spaces included; an added token's text;
+        else its decoded text's UTF-8."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id not in self._added_ids:
+            if self.byte_level:
+                return bytes(_BYTE_OF.get(ch, ord(ch) & 0xFF) for ch in piece)
+            if _BYTE_FALLBACK.fullmatch(piece):
+                return bytes([int(piece[3:5], 16)])
+            if "\u2581" in piece:  # SentencePiece's space (decoded alone, a leading one goes)
+                return piece.replace("\u2581", " ").encode()
+            return self.decode([token_id], skip_special_tokens=False).encode()
+        return piece.encode()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._add_bos is None:

@@ -12,10 +12,12 @@ import shutil
 import httpx
 import pytest
 
-from metrale.outputs import CompletionOutput, RequestOutput
+from metrale.default_model import default_model_dir
+from metrale.outputs import CompletionOutput, Logprob, RequestOutput
 from metrale.sampling_params import SamplingParams
-from metrale.server.protocol import chat_response
+from metrale.server.protocol import chat_logprobs, chat_response
 from metrale.server.reasoning import ThinkSplitter, split_whole
+from metrale.tokenizer import Tokenizer
 from tests.test_server import Server
 
 # Qwen3's switch, reduced: with thinking off the template writes an empty block itself.
@@ -116,7 +118,7 @@ def test_whole_response_puts_the_block_in_reasoning_content():
     text = "<think>\nweigh it\n</think>\n\nthe answer"
     c = CompletionOutput(index=0, text=text, token_ids=[1, 2, 3], finish_reason="stop")
     out = RequestOutput("r", None, [5], [c], finished=True)
-    body = chat_response(out, "chatcmpl-1", SamplingParams(), "tiny", reasoning=True)
+    body = chat_response(out, "chatcmpl-1", SamplingParams(), "tiny", None, reasoning=True)
     message = body.model_dump()["choices"][0]["message"]
     assert message == {
         "role": "assistant",
@@ -189,3 +191,17 @@ def test_a_block_the_template_opened_is_reasoning_until_it_closes(server):
     thought = "".join(c[0]["delta"].get("reasoning_content") or "" for c in deltas if c)
     assert thought == whole["reasoning_content"]
     assert split_whole("a</think>\n\nb", opened=True) == ("a", "b")
+
+
+def test_chat_logprobs_give_each_tokens_own_bytes():
+    """A byte-level token that is a piece of a character reads as U+FFFD; its `bytes` are its
+    own, so the client can rebuild the character (found in review: they were U+FFFD's)."""
+    tok = Tokenizer.from_dir(default_model_dir())
+    ids = tok.encode("日本", add_special_tokens=False)
+    other = tok.encode(" x", add_special_tokens=False)[0]
+    entries = [{t: Logprob(-0.1, 1, tok.decode([t])), other: Logprob(-3.0, 2, " x")} for t in ids]
+    c = CompletionOutput(0, "日本", ids, logprobs=entries, finish_reason="length")
+    content = chat_logprobs(c, tok, 2).model_dump()["content"]
+    assert [e["token"] for e in content] == [tok.decode([t]) for t in ids]
+    assert bytes(b for e in content for b in e["bytes"]) == "日本".encode()
+    assert [e["top_logprobs"][1]["bytes"] for e in content] == [list(b" x")] * len(ids)

@@ -434,3 +434,18 @@ def test_transformers_loads_default_model(model_dir):
     with torch.no_grad():
         logits = model(torch.tensor([ours.encode("hello")])).logits
     assert logits.shape == (1, 5, 512) and torch.isfinite(logits).all()
+
+
+def test_token_bytes_are_the_bytes_each_token_stands_for(tok):
+    """OpenAI's logprobs `bytes`: a token's own bytes, though a piece of a character decodes
+    alone to U+FFFD (found in review: they were the UTF-8 of that U+FFFD)."""
+    text = "日本語🎉 def f(x):\n\treturn 'é'"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any(tok.decode([i]) == "\ufffd" for i in ids)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    assert tok.token_bytes(tok.eos_token_ids[0]) == tok.id_to_token(tok.eos_token_ids[0]).encode()
+    sp, vocab = _byte_fallback_tokenizer()
+    assert sp.token_bytes(vocab["<0xE6>"]) == b"\xe6"
+    assert sp.token_bytes(vocab["\u2581a"]) == b" a"
+    ids = sp.encode("a é", add_special_tokens=False)
+    assert b"".join(sp.token_bytes(i) for i in ids) == "a é".encode()

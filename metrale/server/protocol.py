@@ -162,19 +162,23 @@ def _top(entry: dict, k: int) -> list:
     return sorted(ranked, key=lambda lp: lp.rank)
 
 
-def chat_logprobs(c: CompletionOutput, k: int, start: int = 0) -> ChatLogprobs | None:
+def chat_logprobs(c: CompletionOutput, tokenizer, k: int, start: int = 0) -> ChatLogprobs | None:
+    """The chat `logprobs` object for tokens[start:]: each token's text, logprob and bytes (the
+    token's own: a byte-level token's text may be U+FFFD, a piece of a character)."""
     if c.logprobs is None:
         return None
 
-    def item(lp) -> dict:
-        token = lp.decoded_token or ""
-        return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode())}
+    def item(token_id: int, lp) -> dict:
+        raw = list(tokenizer.token_bytes(token_id))
+        return {"token": lp.decoded_token or "", "logprob": lp.logprob, "bytes": raw}
 
     content = []
     for entry in c.logprobs[start:]:
-        first = next(iter(entry.values()))  # the emitted token
-        top = [TopLogprob(**item(lp)) for lp in _top(entry, k)]
-        content.append(ChatTokenLogprob(**item(first), top_logprobs=top))
+        first = next(iter(entry.items()))  # the emitted token
+        ranked = [(i, lp) for i, lp in entry.items() if lp.rank is not None and lp.rank <= k]
+        ranked.sort(key=lambda pair: pair[1].rank)
+        top = [TopLogprob(**item(*pair)) for pair in ranked]
+        content.append(ChatTokenLogprob(**item(*first), top_logprobs=top))
     return ChatLogprobs(content=content)
 
 
@@ -232,6 +236,7 @@ def chat_response(
     request_id: str,
     params,
     model_name: str,
+    tokenizer,
     reasoning: bool = False,
     opened: bool = False,
     tools: ToolParsing | None = None,
@@ -253,7 +258,7 @@ def chat_response(
         choice = ChatChoice(
             index=c.index,
             message=message,
-            logprobs=chat_logprobs(c, k),
+            logprobs=chat_logprobs(c, tokenizer, k),
             finish_reason=finish,
             stop_reason=c.stop_reason,
         )

@@ -117,7 +117,7 @@ async def sse_events(
                 choice = ChatStreamChoice(
                     index=c.index,
                     delta=delta,
-                    logprobs=chat_logprobs(c, k, sent[c.index]),
+                    logprobs=chat_logprobs(c, style.tokenizer, k, sent[c.index]),
                     finish_reason=finish,
                     stop_reason=c.stop_reason,
                 )

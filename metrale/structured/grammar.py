@@ -145,11 +145,11 @@ class GrammarCompiler:
         error = llguidance.LLMatcher.validate_grammar(text, tokenizer, limits=LIMITS)
         matcher = refused = None
         if error:
-            refused = error.strip().splitlines()[0]
+            refused = error_summary(error)
         else:
             matcher = llguidance.LLMatcher(tokenizer, text, log_level=0, limits=LIMITS)
             error = matcher.get_error() or _forced_start_error(matcher)
-            refused = f"too complex: {error.splitlines()[0]}" if error else None
+            refused = f"too complex: {error_summary(error)}" if error else None
             # (the end-of-text ids: the engine's, and llguidance's own when it was given none)
             ends = (*self.eos_token_ids, tokenizer.eos_token)
             if refused is None and _accepts_nothing(matcher, ends):
@@ -198,3 +198,18 @@ def _forced_start_error(matcher: llguidance.LLMatcher) -> str:
     probe = matcher.deep_copy()
     probe.consume_token(forced[0])
     return probe.get_error()
+
+
+def error_summary(error: str) -> str:
+    """One line of llguidance's multi-line error: its first line, with the reason its regex
+    parser gives further down (`error: unclosed group`) and, where the first line does not
+    quote it, the pattern at fault (a JSON schema's `pattern`)."""
+    lines = [line.strip() for line in error.strip().splitlines()]
+    summary = lines[0].rstrip(":") if lines else ""
+    reason = next((line[6:].strip() for line in lines[1:] if line.startswith("error:")), "")
+    if reason and reason not in summary:
+        summary = f"{summary}: {reason}" if summary else reason
+        pattern = lines[1] if len(lines) > 2 and lines[0].endswith("regex parse error:") else ""
+        if pattern and pattern not in lines[0]:
+            summary += f" (in the pattern {pattern!r})"
+    return summary
