@@ -60,6 +60,7 @@ def _arg_type(convert, check, expected: str):
 
 _PORT = _arg_type(int, lambda v: 0 <= v <= 65535, "a port in 0..65535")
 _POSITIVE = _arg_type(int, lambda v: v > 0, "a positive integer")
+_COUNT_OR_ZERO = _arg_type(int, lambda v: v >= 0, "an integer >= 0")
 _SECONDS = _arg_type(float, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
 
 
@@ -69,7 +70,9 @@ def _device(text: str) -> str:
     return text if text == "auto" else str(torch.device(text))
 
 
-_DEVICE = _arg_type(_device, lambda v: True, "auto or a torch device (cpu, cuda, cuda:1 ...)")
+_DEVICE = _arg_type(
+    _device, lambda v: v.split(":")[0] in ("auto", "cpu", "cuda"), "auto, cpu, cuda or cuda:N"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--q", type=_int_list, default=[1, 2, 4], help="rows per sequence, 1,2,4,8,16"
     )
-    bench.add_argument("--context", type=int, default=128, help="cached tokens per sequence")
+    bench.add_argument("--context", type=_POSITIVE, default=128, help="cached tokens per sequence")
     bench.add_argument(
         "--alpha",
         type=_float_list,
@@ -191,8 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--heldout", default=None, help="held-out text: a folder or file (default: the stdlib)"
     )
-    bench.add_argument("--num-prompts", type=int, default=16, help="held-out prompts")
-    bench.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt")
+    bench.add_argument("--num-prompts", type=_POSITIVE, default=16, help="held-out prompts")
+    bench.add_argument("--prompt-tokens", type=_POSITIVE, default=128, help="tokens per prompt")
     bench.add_argument("--ks", type=_int_list, default=[1, 2, 3, 4, 5], help="draft depths K")
     bench.add_argument("--drafters", default="mtp,ngram,dflash", help="drafters to report")
     bench.add_argument(
@@ -203,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--steady-requests-per-slot",
-        type=int,
+        type=_COUNT_OR_ZERO,
         default=None,
         help="also stream this many requests per slot through each end-to-end batch size's "
         "slots (steady state, as a server sees; 0: closed batches only; default 4 with "
@@ -360,6 +363,17 @@ def main(argv: list[str] | None = None) -> int:
         # OSError: an --out path that exists as a file, a directory without write permission,
         # ... (FileNotFoundError is one); a clear message, not a traceback
         print(f"metrale {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except (MemoryError, RuntimeError) as e:
+        # (torch.OutOfMemoryError is a RuntimeError; the CPU allocator raises a plain one)
+        text = str(e).strip() or repr(e)
+        if not isinstance(e, MemoryError) and not ("out of memory" in text or "allocate" in text):
+            raise
+        print(
+            f"metrale {args.command}: error: out of memory ({text.splitlines()[0]}); lower "
+            "max_num_seqs, max_num_batched_tokens, max_model_len or the KV cache's size",
+            file=sys.stderr,
+        )
         return 2
 
 

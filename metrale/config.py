@@ -26,6 +26,13 @@ __all__ = [
 ]
 
 HYBRID_VERIFY_STATES = ("write_on_accept", "per_row_slots")
+# Bounds far past any real use, so that a typo is an error naming the option, not a host
+# allocation of gigabytes (block tables by sequences, the rotary table by a step's rows)
+MAX_NUM_SEQS = 1 << 16
+MAX_BATCHED_TOKENS = 1 << 20
+MAX_PAGE_SIZE = 1 << 16
+MAX_TENSOR_PARALLEL = 1 << 10
+MAX_TIMEOUT_S = 7 * 24 * 3600
 
 
 def _opt(default, help_text: str):
@@ -145,19 +152,29 @@ class EngineConfig:
             )
         flags = ("cuda_graphs", "expert_parallel", "prefix_caching", "deterministic")
         require_bools(self, (*flags, "async_scheduling"))
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
+        if self.seed >= 2**63:  # torch's generators take a 64-bit seed
+            raise ValueError(f"seed must be below 2**63, got {self.seed!r}")
         if not isinstance(self.device, str):
             raise ValueError(
                 f"device must be a string such as 'auto' or 'cuda:0', got {self.device!r}"
             )
         timeout = self.distributed_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"distributed_timeout_s must be a positive number, got {timeout!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
+        # (a timedelta of it: inf or 1e300 overflowed when the group formed)
+        if not is_real(timeout) or not 0 < timeout <= MAX_TIMEOUT_S:
+            raise ValueError(
+                f"distributed_timeout_s must be a number in (0, {MAX_TIMEOUT_S}], got {timeout!r}"
+            )
+        for name, hi in (
+            ("max_num_seqs", MAX_NUM_SEQS),
+            ("max_num_batched_tokens", MAX_BATCHED_TOKENS),
+            ("page_size", MAX_PAGE_SIZE),
+            ("tensor_parallel_size", MAX_TENSOR_PARALLEL),
+        ):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= hi:
+                raise ValueError(f"{name} must be an integer in [1, {hi}], got {value!r}")
         for name, lo in (
             ("max_model_len", 2),
             ("num_kv_pages", 2),
@@ -170,7 +187,8 @@ class EngineConfig:
                 isinstance(value, bool) or not isinstance(value, int) or value < lo
             ):
                 raise ValueError(f"{name} must be None or an integer >= {lo}, got {value!r}")
-        if not isinstance(self.num_lookahead_rows, int) or self.num_lookahead_rows < 0:
+        rows = self.num_lookahead_rows
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
             raise ValueError(
                 f"num_lookahead_rows must be an integer >= 0, got {self.num_lookahead_rows!r}"
             )
@@ -198,6 +216,8 @@ class EngineConfig:
             device = torch.device(self.device)
         except RuntimeError as e:
             raise ValueError(f"device: {self.device!r} is not a torch device ({e})") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device: {self.device!r} is not supported (auto, cpu, cuda[:N])")
         if device.type == "cuda":
             if not torch.cuda.is_available():
                 raise ValueError(

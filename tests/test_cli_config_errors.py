@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import socket
 
 import pytest
 import tokenizers
@@ -50,6 +51,29 @@ def test_gpu_memory_utilization_must_be_a_number(value):
         EngineConfig(gpu_memory_utilization=value)
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        # bools passed as integers; values whose tables took gigabytes of host memory, a
+        # timeout a timedelta overflowed on, a device torch names but metrale does not run
+        # on (all found in review)
+        ("max_num_seqs", True),
+        ("page_size", True),
+        ("num_lookahead_rows", True),
+        ("max_num_seqs", 100_000_000),
+        ("max_num_batched_tokens", 100_000_000),
+        ("distributed_timeout_s", math.inf),
+        ("distributed_timeout_s", 1e300),
+        ("seed", -1),
+        ("seed", 2**64),
+        ("device", "meta"),
+    ],
+)
+def test_engine_options_out_of_range_name_their_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**{field: value}).resolve_device()
+
+
 def test_a_kv_pool_beyond_the_device_memory_names_num_kv_pages():
     model = ModelConfig.from_hf(default_model_dir())
     cfg = EngineConfig(device="cpu", num_kv_pages=10**12)
@@ -91,12 +115,26 @@ def test_serve_refuses_bad_listener_flags_at_parse_time(argv, capsys):
         ({"max_body_bytes": 0}, "max_body_bytes"),
         ({"shutdown_grace": -5.0}, "shutdown_grace"),
         ({"shutdown_grace": math.inf}, "shutdown_grace"),
+        ({"api_key": ""}, "api_key"),  # (it turned authentication off: found in review)
+        ({"api_key": "  "}, "api_key"),
+        ({"host": "999.1.1.1"}, "host"),
+        ({"host": "no such host.invalid"}, "host"),
     ],
 )
 def test_serve_options_are_checked_before_the_model_loads(kwargs, field):
-    options = {"port": 8000, "max_body_bytes": 1024, "shutdown_grace": 30.0, **kwargs}
+    options = {"port": 0, "max_body_bytes": 1024, "shutdown_grace": 30.0, **kwargs}
     with pytest.raises(ValueError, match=field):
         check_serve_options(**options)
+
+
+def test_a_port_in_use_is_named_before_the_model_loads():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ValueError, match=f"port: cannot listen on 127.0.0.1:{port}"):
+            check_serve_options(port, 1024, 30.0)
+    check_serve_options(port, 1024, 30.0)  # free again
 
 
 # 4. a checkpoint's invalid sampling defaults

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -32,6 +33,8 @@ def build(
     """(FastAPI app, EngineLoop) for a model directory (the default model when None)."""
     from metrale.server.app import create_app
     from metrale.server.engine_loop import EngineLoop
+
+    check_api_key(api_key)
 
     if model is None:
         from metrale.default_model import default_model_dir
@@ -143,11 +146,32 @@ def startup_banner(loop, host: str, port: int, keyed: bool) -> str:
     )
 
 
-def check_serve_options(port, max_body_bytes, shutdown_grace) -> None:
+def check_api_key(api_key) -> None:
+    """An API key is None (no key) or a non-empty string: an empty one turned authentication
+    off while the banner said a key was required (found in review)."""
+    if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
+        raise ValueError("api_key must be a non-empty string (leave it out to serve without one)")
+
+
+def check_serve_options(
+    port, max_body_bytes, shutdown_grace, host: str = "127.0.0.1", api_key=None
+) -> None:
     """Refuse bad listener settings before the model loads (minutes, on a large one): uvicorn
-    would only fail on them at bind time, or accept a negative body limit or grace period."""
+    would only fail on them at bind time (a host that does not resolve, a port in use, in its
+    own words), or accept a negative body limit or grace period."""
+    check_api_key(api_key)
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port must be an integer in [0, 65535], got {port!r}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"host: {host!r} does not resolve to an address ({e})") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ValueError(f"port: cannot listen on {host}:{port} ({e.strerror})") from None
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int):
         raise ValueError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
     if max_body_bytes < 1:
@@ -172,7 +196,7 @@ def serve(
     """Serve until SIGINT or SIGTERM, then drain and return (exit status 0): new requests get a
     503, in-flight ones have `shutdown_grace` seconds to finish, then each remaining one ends
     with finish_reason "abort" in a well-formed response or final chunk."""
-    check_serve_options(port, max_body_bytes, shutdown_grace)
+    check_serve_options(port, max_body_bytes, shutdown_grace, host, api_key)
     import uvicorn
 
     class Server(uvicorn.Server):
