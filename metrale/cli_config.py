@@ -72,17 +72,13 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def spec_options(args: argparse.Namespace) -> dict | None:
+    flags = (
+        ("--num-drafts", args.num_drafts),
+        ("--draft-model", args.draft_model),
+        ("--no-dcut", args.no_dcut or None),
+    )
     if args.speculative_config is not None:
-        given = [
-            flag
-            for flag, value in (
-                ("--spec", args.spec),
-                ("--num-drafts", args.num_drafts),
-                ("--draft-model", args.draft_model),
-                ("--no-dcut", args.no_dcut or None),
-            )
-            if value is not None
-        ]
+        given = [flag for flag, value in (("--spec", args.spec), *flags) if value is not None]
         if given:
             raise ValueError(
                 f"--speculative-config and {', '.join(given)}: say it all in one of them"
@@ -99,8 +95,13 @@ def spec_options(args: argparse.Namespace) -> dict | None:
             if name in spec:
                 raise ValueError(f"--speculative-config: {name} given twice (as {key})")
             spec[name] = value
+        if spec.get("method") is None:  # (it ran without speculation, saying nothing)
+            raise ValueError("--speculative-config: give a method (ngram, mtp or dflash)")
         return spec
     if args.spec is None:
+        given = [flag for flag, value in flags if value is not None]
+        if given:  # (they were ignored: found in review)
+            raise ValueError(f"{', '.join(given)}: speculative options need --spec")
         return None
     k = 4 if args.num_drafts is None else args.num_drafts
     spec = {"method": args.spec, "num_drafts": k, "dcut": not args.no_dcut}

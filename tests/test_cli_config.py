@@ -62,6 +62,10 @@ def test_generate_keeps_its_sampling_seed():
         (["--speculative-config", "{}", "--num-drafts", "7"], "--num-drafts"),
         (["--speculative-config", '{"num_drafts": 2, "num_speculative_tokens": 3}'], "twice"),
         (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization"),
+        # speculative flags without a method were ignored, silently (found in review)
+        (["--num-drafts", "7"], "--num-drafts: speculative options need --spec"),
+        (["--no-dcut", "--draft-model", "d"], "--draft-model, --no-dcut: speculative"),
+        (["--speculative-config", '{"num_speculative_tokens": 3}'], "give a method"),
     ],
 )
 def test_bad_engine_flags_are_one_line(argv, message):
