@@ -104,6 +104,9 @@ def run_repl(llm, params, system: str | None = None, stdin=sys.stdin, out=sys.st
             print("(conversation cleared)", file=out)
             continue
         if command == "/system" or command.startswith("/system "):
+            if not _is_text(command):
+                print("(that system prompt is not valid UTF-8 text; it is unchanged)", file=out)
+                continue
             session.system = command[len("/system") :].strip() or None
             print("(system prompt set)" if session.system else "(system prompt cleared)", file=out)
             continue
@@ -114,12 +117,32 @@ def run_repl(llm, params, system: str | None = None, stdin=sys.stdin, out=sys.st
     return 0
 
 
+def _is_text(line: str) -> bool:
+    """Whether `line` is text a tokenizer takes: not undecodable input bytes (stdin reads
+    them as lone surrogates), on which the tokenizer raised a TypeError (found in review)."""
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def say(session: ChatSession, line: str, out) -> None:
     """One user turn and the reply to it; a turn that fails (a template that refuses the
     history, say) is reported and undone, and the session goes on."""
+    if not _is_text(line):
+        print("(that line is not valid UTF-8 text; nothing was sent)", file=out)
+        return
     message = {"role": "user", "content": line}
     if not session.fits_alone(message):
-        print("(that message alone does not fit the context; nothing was sent)", file=out)
+        # (the system prompt is part of it: name it when it alone leaves no room)
+        whose = "with the system prompt " if session.system else ""
+        if session.system and not session.fits_alone({"role": "user", "content": ""}):
+            print(
+                "(the system prompt alone does not fit the context; /system changes it)", file=out
+            )
+            return
+        print(f"(that message {whose}does not fit the context; nothing was sent)", file=out)
         return
     session.turns.append(message)
     try:

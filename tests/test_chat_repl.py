@@ -122,6 +122,26 @@ def test_a_message_too_long_alone_keeps_the_history(small_llm):
     assert session.turns == before and "does not fit" in out.getvalue()
 
 
+def test_undecodable_input_and_an_oversized_system_prompt_are_said_not_raised(small_llm):
+    """A line of bytes stdin could not decode (lone surrogates) is refused and the session goes
+    on; a system prompt that alone fills the context is named as the cause (found in review:
+    a TypeError, and the user's message blamed)."""
+    import io
+
+    from metrale.chat_repl import say
+
+    session = ChatSession(small_llm, SamplingParams(temperature=0.0, max_tokens=4))
+    out = io.StringIO()
+    say(session, "hi \udcff there", out)
+    assert "not valid UTF-8" in out.getvalue() and session.turns == []
+    say(session, "short one", io.StringIO())
+    assert len(session.turns) == 2
+    session.system = "word " * 500
+    out = io.StringIO()
+    say(session, "short two", out)
+    assert "system prompt alone does not fit" in out.getvalue() and len(session.turns) == 2
+
+
 def test_dropping_keeps_the_roles_alternating(small_llm):
     params = SamplingParams(temperature=0.0, max_tokens=8)
     session = ChatSession(small_llm, params)
