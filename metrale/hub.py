@@ -23,7 +23,13 @@ def is_hub_id(model: str | Path) -> bool:
 def resolve_model(model: str | Path, revision: str | None = None) -> Path:
     """The checkpoint directory for a local path or a Hub id (FileNotFoundError, saying what
     was tried, when neither gives one)."""
+    if not isinstance(model, (str, Path)) or not str(model).strip():
+        raise ValueError(f"model must be a checkpoint directory or a Hub id, got {model!r}")
+    if revision is not None and (not isinstance(revision, str) or not revision.strip()):
+        raise ValueError(f"revision must be a branch, tag or commit name, got {revision!r}")
     path = Path(model).expanduser()
+    if path.is_file():  # (config.json given for its directory, say)
+        raise FileNotFoundError(f"model: {path} is a file; give the checkpoint's directory")
     if path.is_dir():
         return path
     if not is_hub_id(model):

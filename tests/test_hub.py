@@ -72,3 +72,36 @@ def test_path_like_names_are_never_hub_ids():
     assert is_hub_id("acme/model")
     for name in ("./acme/model", "../acme", "~/acme/m", "/abs/path"):
         assert not is_hub_id(name), name
+
+
+def test_bench_resolves_a_hub_id_and_bad_names_are_value_errors(tiny_model_dir, tmp_path):
+    """`metrale bench --model ORG/NAME` reads the same local cache as generate and serve (found
+    in review: it took the id for a directory); a model or revision that is no name at all is
+    a ValueError naming it, a file a clear error."""
+    cache = fake_cache(tmp_path / "hub", tiny_model_dir)
+    code = (
+        "import argparse\n"
+        "from metrale.bench.acceptance import run_acceptance\n"
+        "from metrale.hub import resolve_model\n"
+        "for bad in (5, '', None):\n"
+        "    try:\n"
+        "        resolve_model(bad)\n"
+        "    except ValueError as e:\n"
+        "        print('ERR', e)\n"
+        "try:\n"
+        "    resolve_model('acme/tiny-qwen3', revision=5)\n"
+        "except ValueError as e:\n"
+        "    print('ERR', e)\n"
+        "print(resolve_model('acme/tiny-qwen3'))\n"
+        "args = argparse.Namespace(model='acme/tiny-qwen3', heldout=None, drafters='ngram',\n"
+        "    num_prompts=2, prompt_tokens=16, ks=[1], device='cpu', dtype=None, seed=0)\n"
+        "print('RAN', sorted(run_acceptance(args)))\n"
+    )
+    result = run(code, cache)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.strip().splitlines()
+    assert [line.split(",")[0] for line in lines[:3]] == [
+        "ERR model must be a checkpoint directory or a Hub id"
+    ] * 3
+    assert lines[3].startswith("ERR revision must be")
+    assert COMMIT in lines[4] and lines[-1].startswith("RAN")

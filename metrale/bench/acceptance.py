@@ -26,6 +26,7 @@ import torch
 
 from metrale.api import LLM
 from metrale.config import ModelConfig, SamplingParams
+from metrale.hub import resolve_model
 from metrale.models.dflash import DFlashConfig
 from metrale.models.mtp import detect_mtp_layout
 from metrale.telemetry import SpecTelemetry
@@ -319,6 +320,7 @@ def run_acceptance(args) -> dict:
         from metrale.default_model import default_model_dir
 
         model = default_model_dir()
+    model = resolve_model(model)  # (a Hub id too: its snapshot in the local HF cache)
     heldout = getattr(args, "heldout", None) or sysconfig.get_paths()["stdlib"]
     drafters = getattr(args, "drafters", None) or DRAFTERS
     if isinstance(drafters, str):
@@ -326,8 +328,8 @@ def run_acceptance(args) -> dict:
     prompts = heldout_prompts(
         heldout,
         Tokenizer.from_dir(model),
-        num_prompts=getattr(args, "num_prompts", None) or 16,
-        prompt_tokens=getattr(args, "prompt_tokens", None) or 128,
+        num_prompts=_given(args, "num_prompts", 16),
+        prompt_tokens=_given(args, "prompt_tokens", 128),
         seed=getattr(args, "seed", None) or 0,
         glob=getattr(args, "glob", None) or "**/*.py",
     )
@@ -342,3 +344,10 @@ def run_acceptance(args) -> dict:
     )
     report["heldout"], report["seed"] = str(heldout), getattr(args, "seed", None) or 0
     return report
+
+
+def _given(args, name: str, default: int) -> int:
+    """`args.name` where it was given (0 included: `heldout_prompts` refuses it by name, where
+    `or default` ran 16 prompts instead, found in review), else `default`."""
+    value = getattr(args, name, None)
+    return default if value is None else value

@@ -44,6 +44,7 @@ from metrale.bench.timing import (
 from metrale.config import SamplingParams
 from metrale.engine.calibrate import step_times
 from metrale.engine.heap import freeze_startup_heap
+from metrale.hub import resolve_model
 from metrale.speculative.replay import ReplayDrafter
 from metrale.speculative.verify_cost import VerifyCostModel
 
@@ -85,9 +86,10 @@ def run(args) -> dict:
         from metrale.default_model import default_model_dir
 
         args.model = str(default_model_dir())
-    model_dir = (
-        Path(args.model) if args.model else write_shape(args.shape, Path(args.out) / "shape")
-    )
+    if args.model:
+        model_dir = resolve_model(args.model)  # (a Hub id: its snapshot in the local HF cache)
+    else:
+        model_dir = write_shape(args.shape, Path(args.out) / "shape")
     alphas = list(args.alpha)
     forced = getattr(args, "forced_acceptance", False)
     drafter = ReplayDrafter({}, alphas[0], vocab_size=2)

@@ -11,6 +11,7 @@ with `--compare-prefix-caching` runs the load twice, with and without caching
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
@@ -271,6 +272,26 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _checked(convert, ok, expected: str):
+    """An argparse type refusing, by the flag's name, what would only fail every request (a 0
+    `--output-len`: 400s, and no word of the flag: found in review)."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    return parse
+
+
+_COUNT = _checked(int, lambda v: v > 0, "a positive integer")
+_SECONDS = _checked(float, lambda v: 0 < v < float("inf"), "a positive number of seconds")
+
+
 def add_serve_bench_args(p) -> None:
     p.add_argument("--base-url", default=None, help="the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="instead: start `metrale serve` on this model")
@@ -308,19 +329,19 @@ def add_serve_bench_args(p) -> None:
     )
     p.add_argument("--served-model", default=None, help="model name (default: /v1/models' first)")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    p.add_argument("--num-prompts", type=int, default=100, help="requests to send")
+    p.add_argument("--num-prompts", type=_COUNT, default=100, help="requests to send")
     p.add_argument(
         "--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (inf: all)"
     )
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     p.add_argument("--prompt-file", default=None, help="one prompt per line (else random words)")
     p.add_argument(
-        "--input-len", type=int, default=64, help="words per random prompt (or user turn)"
+        "--input-len", type=_COUNT, default=64, help="words per random prompt (or user turn)"
     )
-    p.add_argument("--output-len", type=int, default=64, help="max_tokens per request")
+    p.add_argument("--output-len", type=_COUNT, default=64, help="max_tokens per request")
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM, metrale)")
     p.add_argument("--seed", type=int, default=0, help="seeds the prompts and arrivals")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request at most")
+    p.add_argument("--timeout", type=_SECONDS, default=600.0, help="seconds per request at most")
     p.add_argument("--out", default=None, help="also write the JSON report here")
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from metrale.bench.serve_bench import run_load
+from metrale.hub import resolve_model
 
 
 def _free_port() -> int:
@@ -41,7 +42,7 @@ def _model_dir(args) -> tuple[Path, list[str]]:
 
         folder = Path(tempfile.mkdtemp(prefix="metrale-shape-"))
         return write_shape(args.shape, folder / args.shape), ["--load-format", "dummy"]
-    return Path(args.model), []
+    return resolve_model(args.model), []  # (a Hub id: its snapshot in the local HF cache)
 
 
 @contextlib.contextmanager
