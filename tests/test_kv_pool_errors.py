@@ -219,3 +219,9 @@ def test_a_worker_that_refuses_the_settings_is_a_value_error():
     theirs.send("ready")
     _expect(1, proc, ours, "ready", 5.0)
     assert issubclass(ShardSettingsError, ValueError)
+
+
+def test_a_budget_below_one_sequence_names_kv_cache_memory_gb(tiny_model_dir):
+    """Found in review: the message read 'the KV budget of 0.00 GiB' and named no option."""
+    with pytest.raises(ValueError, match=r"^kv_cache_memory_gb: the KV budget of 1e-05 GiB"):
+        LLM(tiny_model_dir, device="cpu", max_model_len=1024, kv_cache_memory_gb=1e-5)

@@ -54,9 +54,11 @@ def num_pages_for(
     affordable = int(budget * 2**30) // page_bytes if page_bytes else wanted
     pages = min(wanted, affordable)
     if pages < pages_per_seq:
+        field = "kv_cache_memory_gb" if budget_gb is None else "gpu_memory_utilization"
         raise ValueError(
-            f"the KV budget of {budget:.2f} GiB holds {pages} pages, fewer than one "
-            f"sequence of max_model_len={max_model_len} needs ({pages_per_seq})"
+            f"{field}: the KV budget of {budget:.3g} GiB holds {pages} pages of "
+            f"{cfg.page_size} tokens, fewer than one sequence of max_model_len={max_model_len} "
+            f"needs ({pages_per_seq}); raise it, or lower max_model_len"
         )
     _check_fits(cfg, (pages + 1) * page_bytes, "kv_cache_memory_gb", budget)
     return pages + 1
