@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from metrale import LLM, SamplingParams
+from metrale.speculative.replay import ReplayDrafter
 
 USER = [{"role": "user", "content": "hello there"}]
 
@@ -72,3 +73,18 @@ def test_chat_keeps_an_assistant_turn_of_tool_calls(llm):
     messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]}, *USER]
     out = llm.chat(messages, SamplingParams(max_tokens=2, temperature=0))
     assert len(out.outputs[0].token_ids) == 2
+
+
+@pytest.mark.parametrize(
+    "drafter, spec, match",
+    [
+        ("x", None, "^drafter must be a Drafter object"),
+        (object, None, "^drafter must be a Drafter object"),
+        (ReplayDrafter({}, 0.5, 512), {"method": "ngram"}, "^drafter: given with spec.method"),
+    ],
+)
+def test_a_drafter_that_is_none_or_beside_a_method_is_refused(tiny_model_dir, drafter, spec, match):
+    """Found in review: LLM(drafter="x") was taken and failed at the first step with an
+    AttributeError; a drafter beside spec.method silently won."""
+    with pytest.raises(ValueError, match=match):
+        LLM(tiny_model_dir, device="cpu", drafter=drafter, spec=spec)

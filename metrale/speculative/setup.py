@@ -38,6 +38,18 @@ def speculative_decoder(
 ) -> SpeculativeDecoder | None:
     """The engine's speculative side, or None when it does not speculate."""
     spec = config.spec
+    if drafter is not None:
+        # (a string or a class was taken and failed at the first step: found in review)
+        methods = [getattr(drafter, m, None) for m in ("propose", "observe")]
+        if isinstance(drafter, type) or not all(callable(m) for m in methods):
+            raise ValueError(
+                f"drafter must be a Drafter object (propose, observe: speculative/drafter.py), "
+                f"got {drafter!r:.80}"
+            )
+        if spec.method is not None:
+            raise ValueError(
+                f"drafter: given with spec.method={spec.method!r}; give one drafter, not both"
+            )
     if drafter is None:
         if spec.method is None:
             return None
