@@ -4,6 +4,7 @@ masks of a verify's rows follow its drafts, and bad constraints are clear errors
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -14,6 +15,7 @@ import torch
 from metrale import LLM, SamplingParams, StructuredOutput
 from metrale.default_model import default_model_dir
 from metrale.engine.sequence import ScheduledSeq, Sequence
+from metrale.speculative.draft_shapes import pad_draft
 from metrale.speculative.drafter import Draft
 from metrale.structured.grammar import GrammarCompiler
 from metrale.structured.masks import apply_grammar_masks
@@ -286,3 +288,26 @@ def test_under_cuda_graphs_outputs_match_and_speculation_changes_nothing(drafter
             assert _valid(kind, plain.outputs[0].text), (kind, plain.outputs[0].text)
             assert fast.outputs[0].token_ids == plain.outputs[0].token_ids
     assert llm.engine.runner.structured_seqs == 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_an_end_token_the_grammar_forces_mid_output_stays_lossless(method):
+    """`<|im_end|>` inside the grammar, under ignore_eos: llguidance's validation, and so the
+    verify's masks, stop at an end-of-text token, so a forced draft past one was verified
+    against an unmasked row, and speculation emitted a token the grammar forbids (found in
+    review). Forced drafts are cut where validation stops; an empty draft is never padded with
+    an end token."""
+    llm = LLM(str(default_model_dir()), device="cpu", spec={"method": method, "num_drafts": 4})
+    grammar = 'start: "ab" <|im_end|> "cd"'
+    params = SamplingParams(
+        temperature=0, max_tokens=20, ignore_eos=True, structured={"grammar": grammar}
+    )
+    plain = dataclasses.replace(params, speculative=False)
+    prompts = [[5, 6, 7], [916, 2, 9]]
+    want = [o.outputs[0] for o in llm.generate(prompts, plain, use_tqdm=False)]
+    got = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    for a, b in zip(want, got, strict=True):
+        assert a.finish_reason == "stop" and a.error is None
+        assert (b.token_ids, b.finish_reason, b.error) == (a.token_ids, "stop", None)
+    ends = llm.engine.eos_token_ids
+    assert pad_draft(Draft([]), 3, 100, ends).tokens == [min(set(range(100)) - set(ends))] * 3

@@ -23,14 +23,18 @@ def draft_caps(seq: Sequence, cfg: SpecConfig, max_model_len: int) -> int:
     return max(k, 0)
 
 
-def pad_draft(draft: Draft, depth: int, vocab_size: int) -> Draft:
+def pad_draft(draft: Draft, depth: int, vocab_size: int, avoid: tuple[int, ...] = ()) -> Draft:
     """Extend a draft to `depth` rows by repeating its last token (or cut it). The canonical arm
     may deal a sequence more rows than it drafted; a padded row is verified like any other, so
-    it costs a row and never breaks losslessness."""
+    it costs a row and never breaks losslessness. `avoid`: tokens an empty draft is not padded
+    with (under a grammar, its end-of-text tokens: the verify's masks stop before one, so a row
+    past an accepted one would go unmasked)."""
     if depth <= len(draft.tokens):
         return draft.truncate(depth)
     extra = depth - len(draft.tokens)
-    filler = draft.tokens[-1] if draft.tokens else 0
+    filler = (
+        draft.tokens[-1] if draft.tokens else next(t for t in range(vocab_size) if t not in avoid)
+    )
     probs = draft.probs
     if probs is not None:
         pad = torch.zeros(extra, probs.shape[-1], dtype=probs.dtype, device=probs.device)

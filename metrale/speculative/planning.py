@@ -237,7 +237,8 @@ class DepthPlanning:
             depth = min(depth, cap_of[seq.seq_id])
             if self.any_depths:
                 depth = min(depth, len(draft.tokens))
-            seq.draft = pad_draft(draft, depth, self.vocab_size) if depth else None
+            ends = seq.eos_token_ids if seq.grammar is not None else ()
+            seq.draft = pad_draft(draft, depth, self.vocab_size, ends) if depth else None
 
     def timed_step(self, batch: Batch, seconds: float | None) -> None:
         """The engine's step of `batch` took `seconds`, start to end (None: no sample, a step

@@ -60,7 +60,12 @@ class SequenceGrammar:
             return []
         run = self.matcher.compute_ff_bytes()  # walked once: llguidance keeps it as tokens go
         if len(run) <= FORCED_BYTES:
-            return self.matcher.compute_ff_tokens()[:limit]
+            # (cut where validation stops: at an end-of-text token the grammar itself forces,
+            # `start: "ab" <|im_end|> "cd"` under ignore_eos, validation stops, and so do the
+            # verify's masks; a draft past it was verified against an unmasked row and emitted
+            # a token the grammar forbids: found in review)
+            tokens = self.matcher.compute_ff_tokens()[:limit]
+            return tokens[: self.valid_prefix(tokens)]
         # A long run: its head alone, without the last token (the cut may split it); checked,
         # as a special token's marker or a token across the cut could make it one the grammar
         # refuses.
