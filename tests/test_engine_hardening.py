@@ -61,6 +61,42 @@ def test_a_drafter_raising_in_any_hook_fails_only_its_sequence(tiny_model_dir, h
     assert again[0].outputs[0].token_ids == want[1].outputs[0].token_ids
 
 
+class BadShape(Raises):
+    """Proposes `bad` for the sequence of prompt 0, a well-formed draft for the others."""
+
+    def __init__(self, bad) -> None:
+        super().__init__("none", 0)
+        self.bad = bad
+
+    def propose(self, seqs, caps):
+        return [
+            self.bad if s.prompt_token_ids == PROMPTS[0] else Draft([1, 2][:k])
+            for s, k in zip(seqs, caps, strict=True)
+        ]
+
+
+@pytest.mark.parametrize(
+    "bad, fails",
+    [
+        (Draft(__import__("torch").tensor([1, 2])), True),  # failed the whole step (review)
+        ([1, 2], True),  # not a Draft
+        (Draft((1, 2)), False),  # a tuple is a sequence of ids: taken
+    ],
+)
+def test_a_malformed_draft_fails_only_its_sequence(tiny_model_dir, bad, fails):
+    want = LLM(tiny_model_dir, device="cpu").generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm = LLM(tiny_model_dir, device="cpu", drafter=BadShape(bad), spec={"num_drafts": 2})
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    first = outs[0].outputs[0]
+    if fails:
+        assert first.finish_reason == "error" and "Draft" in first.error
+    else:
+        assert first.token_ids == want[0].outputs[0].token_ids
+    for got, ref in zip(outs[1:], want[1:], strict=True):
+        assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
+
+
 @pytest.mark.parametrize(
     "params, field",
     [

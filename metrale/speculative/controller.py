@@ -301,6 +301,15 @@ class SpeculativeDecoder(DepthPlanning):
         return drafts, failed
 
     def _checked(self, draft: Draft, cap: int) -> Draft:
+        """`draft` cut to `cap`, or TypeError/ValueError (its sequence alone fails): a Draft of
+        a list of in-vocabulary ids (a tensor of them failed the whole step outside this
+        isolation: found in review)."""
+        if not isinstance(draft, Draft):
+            raise TypeError(f"propose returned a {type(draft).__name__}, not a Draft")
+        if isinstance(draft.tokens, tuple):
+            draft = Draft(list(draft.tokens), draft.probs)
+        elif not isinstance(draft.tokens, (list, DeviceRow)):
+            raise TypeError(f"a Draft's tokens must be a list of ints, got {type(draft.tokens)}")
         if self._own_tokens or isinstance(draft.tokens, DeviceRow):
             # the sequence's own tokens, or a device drafter's picks from the target's head: in
             # the vocabulary by construction (and reading the latter here would wait for its
