@@ -6,7 +6,8 @@ A tokenizer's `encode` holds the GIL for as long as it runs (about 1.3 s per mil
 characters), so a worker thread does not keep it from stalling every other request on the
 server: a conversation whose text cannot fit the context is refused before it is tokenised.
 A text of n characters is at least n / `max_token_chars` tokens, and every message renders to
-at least one token, so both bounds refuse only conversations that could never run."""
+at least one token (its role's markers), so both bounds refuse only conversations that could
+never run."""
 
 from __future__ import annotations
 
@@ -28,10 +29,9 @@ def chat_prompt_ids(
     bound = context_len * slack
     if len(messages) > bound:
         raise ValueError(f"messages: {len(messages)} messages cannot fit the context")
-    chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+    # (the rendered text, not the messages' content: a template may drop content, Qwen3's an
+    # earlier turn's thinking; rendering holds the GIL no longer than any Python code does)
     limit = bound * tokenizer.max_token_chars
-    if chars > limit:
-        raise ValueError(f"messages: {chars} characters cannot fit the context")
     text = tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tools=tools, **(variables or {})
     )

@@ -74,6 +74,8 @@ class ChatSession:
 
 
 def run_repl(llm, params, system: str | None = None, stdin=sys.stdin, out=sys.stdout) -> int:
+    if system is not None and not _is_text(system):
+        raise ValueError("--system: not valid UTF-8 text")
     session = ChatSession(llm, params, system)
     interactive = stdin.isatty()
     if interactive:
@@ -88,6 +90,9 @@ def run_repl(llm, params, system: str | None = None, stdin=sys.stdin, out=sys.st
             continue
         except EOFError:
             break
+        except UnicodeDecodeError:  # (a strict locale's stdin: the line's bytes are gone)
+            print("(that line is not valid UTF-8 text; nothing was sent)", file=out)
+            continue
         if not interactive and not line:
             break
         line = line.rstrip("\n")

@@ -152,10 +152,12 @@ class EngineConfig:
             )
         flags = ("cuda_graphs", "expert_parallel", "prefix_caching", "deterministic")
         require_bools(self, (*flags, "async_scheduling"))
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
-        if self.seed >= 2**63:  # torch's generators take a 64-bit seed
-            raise ValueError(f"seed must be below 2**63, got {self.seed!r}")
+        # (torch's generators take what 64 bits hold, signed or not; past that the engine's
+        # start overflowed, naming no option: found in review)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed!r}")
         if not isinstance(self.device, str):
             raise ValueError(
                 f"device must be a string such as 'auto' or 'cuda:0', got {self.device!r}"

@@ -64,7 +64,7 @@ def test_gpu_memory_utilization_must_be_a_number(value):
         ("max_num_batched_tokens", 100_000_000),
         ("distributed_timeout_s", math.inf),
         ("distributed_timeout_s", 1e300),
-        ("seed", -1),
+        ("seed", -(2**63) - 1),
         ("seed", 2**64),
         ("device", "meta"),
     ],
@@ -135,6 +135,19 @@ def test_a_port_in_use_is_named_before_the_model_loads():
         with pytest.raises(ValueError, match=f"port: cannot listen on 127.0.0.1:{port}"):
             check_serve_options(port, 1024, 30.0)
     check_serve_options(port, 1024, 30.0)  # free again
+
+
+def test_the_listen_probe_binds_as_the_server_does():
+    """As asyncio's create_server binds (found in review: one dual-stack socket refused '::'
+    beside an IPv4 listener, and '' for all interfaces did not resolve)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        check_serve_options(port, 1024, 30.0, host="::1") if socket.has_ipv6 else None
+        with pytest.raises(ValueError, match="port: cannot listen"):
+            check_serve_options(port, 1024, 30.0, host="")  # every interface: 0.0.0.0 too
+    check_serve_options(0, 1024, 30.0, host="")
 
 
 # 4. a checkpoint's invalid sampling defaults

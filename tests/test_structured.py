@@ -311,3 +311,28 @@ def test_an_end_token_the_grammar_forces_mid_output_stays_lossless(method):
         assert (b.token_ids, b.finish_reason, b.error) == (a.token_ids, "stop", None)
     ends = llm.engine.eos_token_ids
     assert pad_draft(Draft([]), 3, 100, ends).tokens == [min(set(range(100)) - set(ends))] * 3
+
+
+@pytest.mark.parametrize(
+    "kind, source, want",
+    [
+        ("regex", "(", 'invalid regex "(" (in regex): regex parse error: unclosed group'),
+        ("regex", "(unclosed group", "regex parse error: unclosed group"),
+        ("regex", "(?P<a>x)(?P<a>y)", "regex parse error: duplicate capture group name"),
+        ("json_schema", {"pattern": "error: x("}, "unclosed group (in the pattern 'error: x(')"),
+        ("json_schema", {"pattern": "a{5,2}"}, "the start must be <= the end (in the pattern"),
+        ("lark", "start: x", 'at 1(8): unknown name: "x"'),
+    ],
+)
+def test_a_compile_error_keeps_its_reason(kind, source, want):
+    """llguidance's multi-line errors keep the regex parser's reason (found in review: only the
+    first line was kept, 'regex parse error:'; a reason or a pattern line reading like the
+    other was taken for it)."""
+    import llguidance
+
+    from metrale.structured.grammar import error_summary
+
+    if kind == "json_schema":
+        source = json.dumps({"type": "string", **source})
+    error = llguidance.LLMatcher.validate_grammar(llguidance.grammar_from(kind, source))
+    assert want in error_summary(error) and "\n" not in error_summary(error)

@@ -162,16 +162,6 @@ def check_serve_options(
     check_api_key(api_key)
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"port must be an integer in [0, 65535], got {port!r}")
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    except (socket.gaierror, UnicodeError) as e:
-        raise ValueError(f"host: {host!r} does not resolve to an address ({e})") from None
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            probe.bind(address)
-        except OSError as e:
-            raise ValueError(f"port: cannot listen on {host}:{port} ({e.strerror})") from None
     if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int):
         raise ValueError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
     if max_body_bytes < 1:
@@ -179,6 +169,37 @@ def check_serve_options(
     grace = shutdown_grace
     if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < 1e9:
         raise ValueError(f"shutdown_grace must be a finite number of seconds >= 0, got {grace!r}")
+    _probe_listen(host, port)  # (last: the cheaper checks first)
+
+
+def _probe_listen(host: str, port: int) -> None:
+    """Bind, as uvicorn's server will (asyncio's `create_server`: every address the host
+    resolves to, "" for all interfaces, IPv6 sockets v6-only, SO_REUSEADDR), and let go."""
+    try:
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"host: {host!r} does not resolve to an address ({e})") from None
+    probes = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            try:
+                probe = socket.socket(family, kind, proto)
+            except OSError:  # (an IPv6 address where IPv6 is off: asyncio skips it too)
+                continue
+            probes.append(probe)
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as e:
+                where = f"[{address[0]}]" if family == socket.AF_INET6 else address[0]
+                raise ValueError(f"port: cannot listen on {where}:{port} ({e.strerror})") from None
+    finally:
+        for probe in probes:
+            probe.close()
 
 
 def serve(

@@ -248,8 +248,10 @@ def create_app(
                 collecting.cancel()
         return collecting.result() if collecting in done else None
 
-    # (HEAD too: load balancers' health probes often send it)
-    @app.api_route("/health", methods=["GET", "HEAD"], response_model=HealthResponse)
+    # (HEAD too, out of the schema, where it would repeat GET's operation id: load balancers'
+    # health probes often send it)
+    @app.head("/health", include_in_schema=False)
+    @app.get("/health", response_model=HealthResponse)
     async def health():
         if loop.fatal is not None:  # the engine cannot run (a tensor-parallel rank failed)
             body = HealthResponse(status="error", error=loop.fatal)

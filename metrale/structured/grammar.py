@@ -207,14 +207,21 @@ def _forced_start_error(matcher: llguidance.LLMatcher) -> str:
 
 def error_summary(error: str) -> str:
     """One line of llguidance's multi-line error: its first line, with the reason its regex
-    parser gives further down (`error: unclosed group`) and, where the first line does not
-    quote it, the pattern at fault (a JSON schema's `pattern`)."""
-    lines = [line.strip() for line in error.strip().splitlines()]
-    summary = lines[0].rstrip(":") if lines else ""
-    reason = next((line[6:].strip() for line in lines[1:] if line.startswith("error:")), "")
-    if reason and reason not in summary:
-        summary = f"{summary}: {reason}" if summary else reason
-        pattern = lines[1] if len(lines) > 2 and lines[0].endswith("regex parse error:") else ""
-        if pattern and pattern not in lines[0]:
-            summary += f" (in the pattern {pattern!r})"
+    parser gives below the pattern and its caret line (`error: unclosed group`), and, where the
+    first line does not quote it, the pattern at fault (a JSON schema's `pattern`)."""
+    lines = error.strip("\n").splitlines()
+    if not lines:
+        return ""
+    summary = lines[0].strip().rstrip(":")
+    carets = next(
+        (i for i, line in enumerate(lines) if line.strip() and set(line) <= {"^", " "}), None
+    )
+    start = 1 if carets is None else carets + 1
+    reason = next((ln.strip()[6:].strip() for ln in lines[start:] if ln.startswith("error:")), "")
+    if reason:
+        summary = f"{summary}: {reason}"
+        if carets == 2 and lines[0].strip().endswith("regex parse error:"):
+            pattern = lines[1][4:] if lines[1].startswith("    ") else lines[1].strip()
+            if pattern not in lines[0]:
+                summary += f" (in the pattern {pattern!r})"
     return summary
