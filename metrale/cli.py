@@ -12,7 +12,7 @@ import logging
 import sys
 
 from metrale.bench.serve_bench import add_serve_bench_args
-from metrale.cli_config import add_config_flags, add_spec_flags, engine_options
+from metrale.cli_config import add_config_flags, add_spec_flags, arg_type, engine_options
 from metrale.config import HYBRID_VERIFY_STATES, SamplingParams
 from metrale.train.cli import add_train_parsers, cmd_train
 
@@ -41,27 +41,10 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="generate past end-of-sequence tokens")
 
 
-def _arg_type(convert, check, expected: str):
-    """An argparse type: a bad value is a usage error naming the flag (exit 2), at parse time,
-    rather than a failure after the model has loaded."""
-
-    def parse(text: str):
-        try:
-            value = convert(text)
-        except (ValueError, RuntimeError):  # RuntimeError: torch.device's refusal
-            value = None
-        if value is None or not check(value):
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-        return value
-
-    parse.__name__ = expected  # argparse names the type in some messages
-    return parse
-
-
-_PORT = _arg_type(int, lambda v: 0 <= v <= 65535, "a port in 0..65535")
-_POSITIVE = _arg_type(int, lambda v: v > 0, "a positive integer")
-_COUNT_OR_ZERO = _arg_type(int, lambda v: v >= 0, "an integer >= 0")
-_SECONDS = _arg_type(float, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
+_PORT = arg_type(int, lambda v: 0 <= v <= 65535, "a port in 0..65535")
+_POSITIVE = arg_type(int, lambda v: v > 0, "a positive integer")
+_COUNT_OR_ZERO = arg_type(int, lambda v: v >= 0, "an integer >= 0")
+_SECONDS = arg_type(float, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
 
 
 def _device(text: str) -> str:
@@ -70,7 +53,7 @@ def _device(text: str) -> str:
     return text if text == "auto" else str(torch.device(text))
 
 
-_DEVICE = _arg_type(
+_DEVICE = arg_type(
     _device, lambda v: v.split(":")[0] in ("auto", "cpu", "cuda"), "auto, cpu, cuda or cuda:N"
 )
 

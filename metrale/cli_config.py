@@ -17,6 +17,23 @@ _CHOICES = {"hybrid_verify_state": HYBRID_VERIFY_STATES, "load_format": ("safete
 _SPEC_RENAMES = {"num_speculative_tokens": "num_drafts"}
 
 
+def arg_type(convert, check, expected: str):
+    """An argparse type: a bad value is a usage error naming the flag (exit 2), at parse time,
+    rather than a failure after the model has loaded."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except (ValueError, RuntimeError):  # RuntimeError: torch.device's refusal
+            value = None
+        if value is None or not check(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    parse.__name__ = expected  # argparse names the type in some messages
+    return parse
+
+
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """A flag per EngineConfig field (but `spec`) the parser does not have already (a command's
     own `--seed` is the sampling seed); `engine_options` collects them."""

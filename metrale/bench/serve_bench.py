@@ -11,7 +11,6 @@ with `--compare-prefix-caching` runs the load twice, with and without caching
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -19,6 +18,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from metrale.cli_config import arg_type
 
 PERCENTILES = (50, 90, 99)
 _WORDS = [
@@ -272,24 +273,9 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _checked(convert, ok, expected: str):
-    """An argparse type refusing, by the flag's name, what would only fail every request (a 0
-    `--output-len`: 400s, and no word of the flag: found in review)."""
-
-    def parse(text: str):
-        try:
-            value = convert(text)
-        except ValueError:
-            value = None
-        if value is None or not ok(value):
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-        return value
-
-    return parse
-
-
-_COUNT = _checked(int, lambda v: v > 0, "a positive integer")
-_SECONDS = _checked(float, lambda v: 0 < v < float("inf"), "a positive number of seconds")
+# (a 0 `--output-len` failed every request with a 400 that named no flag: found in review)
+_COUNT = arg_type(int, lambda v: v > 0, "a positive integer")
+_SECONDS = arg_type(float, lambda v: 0 < v < float("inf"), "a positive number of seconds")
 
 
 def add_serve_bench_args(p) -> None:

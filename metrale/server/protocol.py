@@ -151,15 +151,18 @@ def completion_logprobs(
     return CompletionLogprobs(
         tokens=pieces,
         token_logprobs=[next(iter(e.values())).logprob for e in entries],
-        top_logprobs=[{lp.decoded_token or "": lp.logprob for lp in _top(e, k)} for e in entries],
+        top_logprobs=[
+            {lp.decoded_token or "": lp.logprob for _, lp in _top(e, k)} for e in entries
+        ],
         text_offset=offsets[:-1],
     )
 
 
 def _top(entry: dict, k: int) -> list:
-    """The top-k of one position's logprobs, best first (the emitted token too, if in them)."""
-    ranked = [lp for lp in entry.values() if lp.rank is not None and lp.rank <= k]
-    return sorted(ranked, key=lambda lp: lp.rank)
+    """The top-k of one position's logprobs as (token id, Logprob), best first (the emitted
+    token too, if in them)."""
+    ranked = [(i, lp) for i, lp in entry.items() if lp.rank is not None and lp.rank <= k]
+    return sorted(ranked, key=lambda pair: pair[1].rank)
 
 
 def chat_logprobs(c: CompletionOutput, tokenizer, k: int, start: int = 0) -> ChatLogprobs | None:
@@ -175,9 +178,7 @@ def chat_logprobs(c: CompletionOutput, tokenizer, k: int, start: int = 0) -> Cha
     content = []
     for entry in c.logprobs[start:]:
         first = next(iter(entry.items()))  # the emitted token
-        ranked = [(i, lp) for i, lp in entry.items() if lp.rank is not None and lp.rank <= k]
-        ranked.sort(key=lambda pair: pair[1].rank)
-        top = [TopLogprob(**item(*pair)) for pair in ranked]
+        top = [TopLogprob(**item(*pair)) for pair in _top(entry, k)]
         content.append(ChatTokenLogprob(**item(*first), top_logprobs=top))
     return ChatLogprobs(content=content)
 
