@@ -72,7 +72,10 @@ def add_spec_flags(parser: argparse.ArgumentParser) -> None:
         help="the drafter's own checkpoint (--spec dflash; default: the model's dflash/ folder)",
     )
     parser.add_argument(
-        "--num-drafts", type=int, default=None, help="drafts per verify at most (K; default 4)"
+        "--num-drafts",
+        type=int,
+        default=None,
+        help="drafts per verify at most (K; default 4, DFlash: its block size - 1)",
     )
     parser.add_argument(
         "--no-dcut",
@@ -120,8 +123,8 @@ def spec_options(args: argparse.Namespace) -> dict | None:
         if given:  # (they were ignored: found in review)
             raise ValueError(f"{', '.join(given)}: speculative options need --spec")
         return None
-    k = 4 if args.num_drafts is None else args.num_drafts
-    spec = {"method": args.spec, "num_drafts": k, "dcut": not args.no_dcut}
+    # (None: the drafter's default, 4; DFlash's block - 1)
+    spec = {"method": args.spec, "num_drafts": args.num_drafts, "dcut": not args.no_dcut}
     if args.draft_model is not None:
         spec["model"] = args.draft_model
     return spec

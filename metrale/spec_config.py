@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass
 
 SPEC_METHODS = ("ngram", "mtp", "dflash")
+# K when none is given (DFlash: its block's B - 1, `speculative.setup.resolve_num_drafts`)
+DEFAULT_NUM_DRAFTS = 4
 
 
 def require_bools(obj, names: tuple[str, ...], prefix: str = "") -> None:
@@ -28,7 +30,9 @@ class SpecConfig:
     """Speculative decoding for an engine: which drafter, how deep, how depths are planned.
 
     `method=None` turns speculation off. `num_drafts` (K) is the deepest a sequence is verified;
-    each request may lower it or opt out (`SamplingParams.num_drafts` / `.speculative`). With
+    each request may lower it or opt out (`SamplingParams.num_drafts` / `.speculative`). None:
+    the drafter's own default, `DEFAULT_NUM_DRAFTS`, or for DFlash its block's B - 1 (as SGLang
+    reads it from the drafter's config; the engine resolves it: `setup.resolve_num_drafts`). With
     `dcut`, the D-Cut planner picks each sequence's depth per step (0..K) from its observed
     acceptance and the verify cost; above `dcut_width_cap` sequences every depth is equal. The
     depths are planned before anything is drafted: only sequences given a depth are drafted
@@ -37,7 +41,7 @@ class SpecConfig:
     """
 
     method: str | None = None
-    num_drafts: int = 4
+    num_drafts: int | None = None
     # a drafter checkpoint of its own (DFlash); None: `<target dir>/dflash`
     model: str | None = None
     ngram_min: int = 1
@@ -77,6 +81,8 @@ class SpecConfig:
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"spec.model must be a path string, got {self.model!r}")
         require_bools(self, ("dcut", "verify_raw_argmax"), prefix="spec.")
+        if self.num_drafts is None and self.method != "dflash":
+            object.__setattr__(self, "num_drafts", DEFAULT_NUM_DRAFTS)
         for name, lo in (
             ("num_drafts", 1),
             ("ngram_min", 1),
@@ -86,6 +92,8 @@ class SpecConfig:
             ("dcut_replan_every", 1),
         ):
             value = getattr(self, name)
+            if name == "num_drafts" and value is None:  # DFlash's: its block's, resolved later
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                 raise ValueError(f"spec.{name} must be an integer >= {lo}, got {value!r}")
         if not isinstance(self.ngram_max, int) or self.ngram_max < self.ngram_min:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from metrale import LLM, SamplingParams
-from metrale.config import ModelConfig
+from metrale.config import ModelConfig, SpecConfig
 from metrale.engine.kv_cache import DUMMY_PAGE
 from metrale.knobs import knobs
 from metrale.models.dflash import DFlashConfig, DFlashDraftModel, load_dflash, save_dflash
@@ -97,6 +97,24 @@ def test_greedy_output_equals_plain_alone_and_in_a_batch(tiny_model_dir, dense_d
     assert [o.outputs[0].token_ids for o in got] == want
     tel = llm.engine.telemetry.spec
     assert tel.num_draft_tokens > 0  # it really drafted, and every verify was judged
+
+
+def test_depth_defaults_to_the_drafters_block(tiny_model_dir, dense_dflash):
+    """Without num_drafts DFlash verifies its block's B - 1 drafts (a block of 4: 3), as SGLang
+    defaults it from the drafter's config; the other drafters' default, 4, is more than a block
+    of 4 proposes, so `spec=dict(method="dflash")` was refused for such a drafter. Given
+    explicitly, a depth past the block is still refused, naming the field."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want = plain(tiny_model_dir, PROMPTS, params)
+    spec = {"method": "dflash", "model": str(dense_dflash), "dcut": False}
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", spec=spec)
+    assert llm.engine.config.spec.num_drafts == llm.engine.spec.cfg.num_drafts == 3
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert len(llm.engine.telemetry.spec.drafted_per_pos) == 3  # verified 3 deep
+    with pytest.raises(ValueError, match="spec.num_drafts=4"):
+        LLM(tiny_model_dir, device="cpu", dtype="float32", spec={**spec, "num_drafts": 4})
+    assert SpecConfig(method="ngram").num_drafts == SpecConfig(method="mtp").num_drafts == 4
 
 
 def test_a_batch_of_16_with_preemption(tiny_model_dir, dense_dflash):

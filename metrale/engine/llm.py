@@ -32,7 +32,7 @@ from metrale.hub import resolve_model
 from metrale.knobs import knobs
 from metrale.outputs import RequestOutput
 from metrale.speculative.drafter import Drafter
-from metrale.speculative.setup import dflash_dir, speculative_decoder
+from metrale.speculative.setup import dflash_dir, resolve_num_drafts, speculative_decoder
 from metrale.structured.grammar import GrammarCompiler
 from metrale.telemetry import Telemetry
 from metrale.tokenizer import Tokenizer
@@ -52,6 +52,7 @@ class LLMEngine(RequestAdmission):
         self.config = config or EngineConfig()
         # a directory, or a Hub id resolved through huggingface_hub (the local cache offline)
         self.model_dir = resolve_model(model_dir, self.config.revision)
+        self.config = resolve_num_drafts(self.config, self.model_dir, drafter)
         self.model_config = ModelConfig.from_hf(self.model_dir)
         if self.config.tensor_parallel_size > 1:
             check_tp(

@@ -3,10 +3,13 @@ own object), wrapped in the `SpeculativeDecoder` that plans, cuts and observes f
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from metrale.config import EngineConfig, SpecConfig
 from metrale.knobs import knobs
+from metrale.models.dflash import DFlashConfig
+from metrale.spec_config import DEFAULT_NUM_DRAFTS
 from metrale.speculative.controller import SpeculativeDecoder
 from metrale.speculative.dflash import DFlashDrafter
 from metrale.speculative.drafter import Drafter
@@ -27,6 +30,19 @@ def dflash_dir(spec: SpecConfig, model_dir: Path) -> Path | None:
             "model=DIR), or put one in the target's dflash/ folder)"
         )
     return path
+
+
+def resolve_num_drafts(config: EngineConfig, model_dir: Path, drafter) -> EngineConfig:
+    """`config` with K given: a DFlash drafter's default is its block's B - 1 drafts (its one
+    forward proposes that many; SGLang reads it from the drafter's config too), not the other
+    drafters' `DEFAULT_NUM_DRAFTS`, which a block of 4 or less cannot give."""
+    spec = config.spec
+    if spec.num_drafts is not None:
+        return config
+    k = DEFAULT_NUM_DRAFTS
+    if drafter is None:  # (with a drafter of the caller's too, `speculative_decoder` refuses)
+        k = max(DFlashConfig.from_dir(dflash_dir(spec, model_dir)).block_size - 1, 1)
+    return dataclasses.replace(config, spec=dataclasses.replace(spec, num_drafts=k))
 
 
 def speculative_decoder(
