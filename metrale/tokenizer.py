@@ -13,16 +13,13 @@ import json
 import logging
 import re
 from collections.abc import Iterable, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.sandbox
 import tokenizers
 
+from metrale.chat_template import jinja_env, pick_template
 from metrale.sampling_params import SamplingParams
 
 _REPLACEMENT = "\ufffd"
@@ -83,64 +80,6 @@ def _as_ids(value: Any) -> list[int]:
     if value is None:
         return []
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
-
-
-def _pick_template(template: Any, has_tools: bool) -> str | None:
-    """HF allows a list of named templates; like transformers, prefer `tool_use` when tools are
-    given and `default` otherwise."""
-    if template is None or isinstance(template, str):
-        return template
-    named = {t["name"]: t["template"] for t in template if isinstance(t, dict) and "name" in t}
-    if has_tools and "tool_use" in named:
-        return named["tool_use"]
-    if "default" in named:
-        return named["default"]
-    return next(iter(named.values()), None)
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks in HF
-    templates; for inference it renders its body unchanged."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> list[jinja2.nodes.Node]:
-        next(parser.stream)  # the `generation` name itself
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # Jinja's own `tojson` HTML-escapes and sorts keys; chat templates expect plain json.dumps.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def _jinja_env() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
-    # Templates come with downloaded checkpoints, so they run sandboxed and cannot mutate inputs.
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
 
 
 class Tokenizer:
@@ -238,7 +177,7 @@ class Tokenizer:
     def template_reads(self, variable: str) -> bool:
         """Whether the chat template picked when tools are given mentions `variable` (`tools`:
         it renders the tools itself; `tool_calls`: it renders assistant turns' calls)."""
-        source = _pick_template(self.chat_template, True)
+        source = pick_template(self.chat_template, True)
         return bool(source) and re.search(rf"\b{re.escape(variable)}\b", source) is not None
 
     @property
@@ -290,14 +229,14 @@ class Tokenizer:
         the template raises itself (`raise_exception`) surface as ValueError: they describe a bad
         request, not a broken engine.
         """
-        source = _pick_template(self.chat_template, bool(tools))
+        source = pick_template(self.chat_template, bool(tools))
         if not source:
             raise ValueError(
                 "this model has no chat template; send a plain prompt (completions) instead"
             )
         template = self._compiled.get(source)
         if template is None:
-            template = self._compiled[source] = _jinja_env().from_string(source)
+            template = self._compiled[source] = jinja_env().from_string(source)
         variables = {**self.special_tokens, **kwargs}
         try:
             return template.render(
