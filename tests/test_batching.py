@@ -74,6 +74,19 @@ def test_seeded_sampling_independent_of_batch_order(tiny_model_dir, prompts):
     assert [o.outputs[0].token_ids for o in other] != [o.outputs[0].token_ids for o in forward]
 
 
+def test_seeds_that_agree_in_63_bits_sample_apart(tiny_model_dir):
+    """Every seed SamplingParams takes is its own: masked to 63 bits, -1 drew 2**63 - 1's
+    tokens, -2**63 seed 0's (found in review)."""
+    llm = LLM(tiny_model_dir, device="cpu")
+    pairs = [(-1, 2**63 - 1), (-(2**63), 0), (-5, 2**63 - 5)]
+    seeds = [s for pair in pairs for s in pair]
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=12) for s in seeds]
+    outs = [o.outputs[0].token_ids for o in llm.generate([[1, 2, 3]] * 6, params, use_tqdm=False)]
+    assert all(outs[i] != outs[i + 1] for i in range(0, 6, 2))
+    again = llm.generate([[1, 2, 3]], params[0], use_tqdm=False)[0].outputs[0].token_ids
+    assert again == outs[0]
+
+
 def test_n_samples_are_distinct_and_reproducible(tiny_model_dir):
     llm = LLM(tiny_model_dir, device="cpu")
     sp = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=10)

@@ -4,7 +4,9 @@ gives a ValueError naming the field and leaves nothing queued; config edges."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -94,6 +96,36 @@ def test_a_malformed_draft_fails_only_its_sequence(tiny_model_dir, bad, fails):
         assert first.token_ids == want[0].outputs[0].token_ids
     for got, ref in zip(outs[1:], want[1:], strict=True):
         assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
+
+
+def _bad_q(kind: str, vocab: int):
+    torch = __import__("torch")
+    q = torch.full((2, vocab), 1.0 / vocab)
+    if kind == "nan":
+        q[1, 3] = float("nan")
+    elif kind == "negative":
+        q[0, 0] = -0.5
+    elif kind == "no-mass":
+        q[1] = 0.0
+    return {"1-d": q[0], "wrong-vocab": q[:, :-1]}.get(kind, q)
+
+
+@pytest.mark.parametrize("kind", ["1-d", "wrong-vocab", "nan", "negative", "no-mass"])
+def test_a_malformed_draft_distribution_fails_only_its_sequence(tiny_model_dir, kind):
+    """A q the engine cannot draw from (it draws a q draft's tokens itself) ends its sequence
+    with the reason, not the step: before, a wrong shape failed the step and was isolated by
+    running it again one sequence at a time, and a [1, V] q was broadcast to every draft."""
+    vocab = json.loads((Path(tiny_model_dir) / "config.json").read_text())["vocab_size"]
+    want = LLM(tiny_model_dir, device="cpu").generate(PROMPTS, GREEDY, use_tqdm=False)
+    drafter = BadShape(Draft([1, 2], _bad_q(kind, vocab)))
+    llm = LLM(tiny_model_dir, device="cpu", drafter=drafter, spec={"num_drafts": 2})
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    first = outs[0].outputs[0]
+    assert first.finish_reason == "error" and "probs" in first.error
+    for got, ref in zip(outs[1:], want[1:], strict=True):
+        assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert llm.engine.retried_batches == 0
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
 
 

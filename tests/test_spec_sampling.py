@@ -81,6 +81,35 @@ class RandomDrafter:
         pass
 
 
+class DishonestDrafter:
+    """Reports a q it did not draw its token from (found in review: rejection sampling trusts
+    d ~ q): `uniform` claims a uniform q and always proposes token 0 (token 0 came out about
+    min(1, 6 p(0)) of the time); `elsewhere` claims q one-hot on another token, so q(0) = 0 and
+    token 0 was accepted whenever p(0) > 0. The engine draws the verified tokens from q itself."""
+
+    name, needs_hidden, stateless = "dishonest", False, True
+
+    def __init__(self, claim: str) -> None:
+        self.claim = claim
+
+    def propose(self, seqs, max_drafts):
+        out = []
+        for k in max_drafts:
+            if self.claim == "uniform":
+                q = torch.full((k, VOCAB), 1.0 / VOCAB)
+            else:
+                q = torch.zeros(k, VOCAB)
+                q[:, VOCAB - 1] = 1.0
+            out.append(Draft([0] * k, q))
+        return out
+
+    def observe(self, verdicts):
+        pass
+
+    def release(self, seq):
+        pass
+
+
 def chi_square_pvalue(counts: dict, exact: dict, n: int) -> float:
     observed, expected, rest_o, rest_e = [], [], 0, 0.0
     for outcome, p in exact.items():
@@ -119,9 +148,14 @@ def sample_counts(model_dir, drafter) -> tuple[dict, LLM]:
     return counts, llm
 
 
-@pytest.mark.parametrize("drafter", ["none", "one-hot", "with-q"])
+@pytest.mark.parametrize(
+    "drafter", ["none", "one-hot", "with-q", "claims-uniform-q", "claims-q-elsewhere"]
+)
 def test_first_three_tokens_follow_the_target_distribution(model_dir, exact, drafter):
-    d = None if drafter == "none" else RandomDrafter(with_probs=drafter == "with-q")
+    if drafter.startswith("claims"):
+        d = DishonestDrafter("uniform" if drafter == "claims-uniform-q" else "elsewhere")
+    else:
+        d = None if drafter == "none" else RandomDrafter(with_probs=drafter == "with-q")
     counts, llm = sample_counts(model_dir, d)
     assert chi_square_pvalue(counts, exact, SAMPLES) > SIGNIFICANCE
     if d is not None:

@@ -61,7 +61,7 @@ def is_plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
     )
 
 
-def _to_int64(value: int) -> int:
+def to_int64(value: int) -> int:
     """Wrap any Python int into int64 range (two's complement), so huge or negative seeds work."""
     value &= _U64
     return value - (1 << 64) if value >= 1 << 63 else value
@@ -169,7 +169,7 @@ class SamplingBatch:
                 p.frequency_penalty,
             )
             floats.extend([settings] * r)
-            seed = _to_int64(row.seed)
+            seed = to_int64(row.seed)
             key = first_step + (row.epoch << 32 if row.fresh_noise else 0)
             ints.extend((top_k, seed, key + j, int(greedy)) for j in range(r))
             if p.logit_bias:

@@ -14,7 +14,9 @@ from metrale.engine.sequence import Sequence
 from metrale.outputs import RequestOutput
 from metrale.tokenizer import IncrementalDetokenizer
 
-SEED_MASK = (1 << 63) - 1
+# Seeds are kept to 64 bits, as the sampler reads them (`to_int64`): masked to 63, -1 and 2**63 - 1
+# drew the same tokens (found in review).
+SEED_MASK = (1 << 64) - 1
 
 
 @dataclass

@@ -17,7 +17,7 @@ from metrale.config import SpecConfig
 from metrale.engine.device_tokens import DeviceDrafts, DeviceRow
 from metrale.engine.sequence import Sequence
 from metrale.knobs import knobs
-from metrale.speculative.draft_shapes import draft_caps, grammar_drafts
+from metrale.speculative.draft_shapes import draft_caps, drawn_from_q, grammar_drafts
 from metrale.speculative.drafter import Draft, Drafter, Verdict
 from metrale.speculative.estimator import AcceptanceEstimator
 from metrale.speculative.host_cost import HostCost
@@ -285,7 +285,8 @@ class SpeculativeDecoder(DepthPlanning):
     def _propose(self, seqs: list[Sequence], caps: list[int]):
         try:
             drafts = self.drafter.propose(seqs, caps)
-            return [self._checked(d, c) for d, c in zip(drafts, caps, strict=True)], []
+            checked = [self._checked(*a) for a in zip(drafts, caps, seqs, strict=True)]
+            return checked, []
         except Exception as e:  # noqa: BLE001 (isolate: find the sequence(s) that make it fail)
             if len(seqs) == 1:  # that one sequence: it ends, the others go on
                 log.exception("drafter %s failed for %s", self.drafter.name, seqs[0].request_id)
@@ -293,17 +294,19 @@ class SpeculativeDecoder(DepthPlanning):
         drafts, failed = [], []
         for seq, cap in zip(seqs, caps, strict=True):
             try:
-                drafts.append(self._checked(self.drafter.propose([seq], [cap])[0], cap))
+                drafts.append(self._checked(self.drafter.propose([seq], [cap])[0], cap, seq))
             except Exception as e:  # noqa: BLE001
                 log.exception("drafter %s failed for %s", self.drafter.name, seq.request_id)
                 drafts.append(None)
                 failed.append((seq, f"drafter {self.drafter.name}: {type(e).__name__}: {e}"))
         return drafts, failed
 
-    def _checked(self, draft: Draft, cap: int) -> Draft:
+    def _checked(self, draft: Draft, cap: int, seq: Sequence) -> Draft:
         """`draft` cut to `cap`, or TypeError/ValueError (its sequence alone fails): a Draft of
         a list of in-vocabulary ids (a tensor of them failed the whole step outside this
-        isolation: found in review)."""
+        isolation: found in review); with a q, its tokens drawn from q (`drawn_from_q`)."""
+        if isinstance(draft, Draft) and draft.probs is not None:
+            return drawn_from_q(draft.truncate(cap), seq, self.vocab_size)
         if not isinstance(draft, Draft):
             raise TypeError(f"propose returned a {type(draft).__name__}, not a Draft")
         if isinstance(draft.tokens, tuple):

@@ -1,13 +1,17 @@
 """How many drafts a sequence may verify, and a draft reshaped to what the step verifies: padded to
-a dealt depth, or cut where a grammar forbids it (the speculative controller's helpers)."""
+a dealt depth, cut where a grammar forbids it, or drawn by the engine from the drafter's q (the
+speculative controller's helpers)."""
 
 from __future__ import annotations
 
 import torch
 
 from metrale.config import SpecConfig
+from metrale.engine.logits_pipeline import to_int64
+from metrale.engine.sampler import seeded_uniform
 from metrale.engine.sequence import Sequence
 from metrale.speculative.drafter import Draft
+from metrale.speculative.verify import DRAFT_STREAM
 
 
 def draft_caps(seq: Sequence, cfg: SpecConfig, max_model_len: int) -> int:
@@ -53,3 +57,39 @@ def grammar_drafts(seq: Sequence, draft: Draft, cap: int) -> Draft:
     if len(forced) > valid:
         return Draft(forced)
     return draft.truncate(valid)
+
+
+def drawn_from_q(draft: Draft, seq: Sequence, vocab_size: int) -> Draft:
+    """A draft with a distribution q (`Draft.probs`), its tokens drawn by the engine from q.
+
+    Rejection sampling (accept d with probability min(1, p(d)/q(d)), else a sample of
+    norm(max(0, p - q))) emits the target's distribution only when d was drawn from q; a
+    drafter that claimed a uniform q and always proposed one token made it about 6 times
+    likelier, and one that claimed a q one-hot elsewhere forced it outright (found in review).
+    So the drafter's tokens only say how deep it drafted: each row's token is drawn from its q
+    (normalised) by an exponential race on the engine's own noise, keyed like the row's other
+    noise (seed, output position, sampling-step count: the sequence has `fresh_noise`) on a
+    stream of its own, so it is independent of the accept test and the residual and is never
+    met again in a later step. A q that is not [len(tokens), vocab] of finite non-negative
+    values with mass in every row is a ValueError (its sequence alone fails)."""
+    probs, k = draft.probs, len(draft.tokens)
+    if not isinstance(probs, torch.Tensor) or probs.dim() != 2:
+        raise ValueError(f"a Draft's probs must be a 2-D tensor [drafts, vocab], got {probs!r:.60}")
+    if probs.shape[0] < k or probs.shape[1] != vocab_size:
+        raise ValueError(
+            f"a Draft's probs must be [{k}, {vocab_size}] (a row per draft over the target's "
+            f"vocabulary), got {list(probs.shape)}"
+        )
+    if k == 0:
+        return Draft([], probs[:0])
+    q = probs[:k].to(torch.float32)
+    mass = q.sum(dim=-1, keepdim=True)
+    if not bool((torch.isfinite(q).all() & (q >= 0).all() & (mass > 0).all()).item()):
+        raise ValueError("a Draft's probs must be finite, non-negative, with mass in every row")
+    q = q / mass
+    first = len(seq.output_token_ids) + (seq.noise_epoch << 32)
+    seed = torch.full((k,), to_int64(seq.seed), dtype=torch.int64, device=q.device)
+    keys = torch.arange(first, first + k, dtype=torch.int64, device=q.device)
+    u = seeded_uniform(seed, keys, vocab_size, DRAFT_STREAM)
+    tokens = q.div(u.log_().neg_()).argmax(dim=-1)
+    return Draft(tokens.tolist(), q)

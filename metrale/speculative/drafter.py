@@ -34,6 +34,8 @@ class Draft:
     tokens: list[int] | DeviceRow
     # [len(tokens), V] float32 draft distribution q (after the request's logits pipeline), or
     # None when the drafter is deterministic (one-hot q: accepted with probability p(token)).
+    # With q, the engine draws the verified tokens from it (`draft_shapes.drawn_from_q`):
+    # `tokens` then only says how deep the drafter drafted; `Verdict.drafts` has the drawn ones.
     probs: torch.Tensor | None = None
 
     def truncate(self, depth: int) -> Draft:

@@ -13,7 +13,10 @@ without speculation (the output so far plus the drafts before it), so penalties,
   one-hot q, and the emitted tokens are plain seeded decoding's, whatever the drafts, the batch
   or the depths D-Cut picked;
 - sampled rows whose drafter gave a distribution q (Leviathan/Chen): accept d with probability
-  min(1, p(d)/q(d)); on rejection emit a sample of norm(max(0, p - q)). Once a sequence has had
+  min(1, p(d)/q(d)); on rejection emit a sample of norm(max(0, p - q)). That is lossless only
+  for d drawn from q, which the engine cannot check of a drafter's token, so the engine draws
+  d from q itself before the forward (`draft_shapes.drawn_from_q`, its own noise stream): a
+  drafter that claims a q it did not draw from cannot steer the output. Once a sequence has had
   such drafts, every row of it is keyed by its sampling-step count as well (`SamplingRow.
   fresh_noise`), so a position decided in a later step never meets noise a drafter saw through
   `Verdict.picks`: neither re-proposing revealed picks nor choosing which positions get judged
@@ -44,9 +47,11 @@ from metrale.engine.sampler import (
 )
 from metrale.engine.staging import to_device_packed
 
-# Independent uniform streams for the accept test and the residual sample (see seeded_uniform).
+# Independent uniform streams for the accept test and the residual sample (see seeded_uniform),
+# and for the engine's own draw of a draft from the drafter's q (`draft_shapes.drawn_from_q`).
 ACCEPT_STREAM = 1
 RESIDUAL_STREAM = 2
+DRAFT_STREAM = 3
 
 
 class RowLayout(NamedTuple):
