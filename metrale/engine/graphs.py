@@ -364,6 +364,18 @@ class GraphRunner:
         torch.cuda.synchronize(self.device)
         return captured, time.perf_counter() - start
 
+    def pool_bytes(self) -> int:
+        """Device memory the programs' pool holds now: its segments in the caching allocator
+        (what `metrale bench` reports the start-up programs took). A difference of the device's
+        free memory read negative after other engines in one process: their programs' pools,
+        released meanwhile, gave memory back."""
+        pool = tuple(self.pool)
+        return sum(
+            s["total_size"]
+            for s in torch.cuda.memory_snapshot()
+            if tuple(s.get("segment_pool_id", ())) == pool
+        )
+
     def holds(self, key) -> bool:
         """Whether a program of this (table, extra) key is cached."""
         return key in self.cache or (self.mixed is not None and key in self.mixed)

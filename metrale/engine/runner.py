@@ -213,9 +213,8 @@ class ModelRunner:
         # of device memory they took), `metrale bench` reports it; None where none are
         self.startup_capture: tuple[int, float, int] | None = None
         if self.graphs is not None and self.graphs.ragged:
-            free = torch.cuda.mem_get_info(self.device)[0]
             programs, seconds = self.graphs.capture_ragged()
-            taken = free - torch.cuda.mem_get_info(self.device)[0]
+            taken = self.graphs.pool_bytes()
             self.startup_capture = (programs, seconds, taken)
             log.info(
                 "captured %d CUDA graphs in %.1f s (%.2f GiB)", programs, seconds, taken / 2**30
