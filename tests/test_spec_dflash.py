@@ -117,6 +117,14 @@ def test_depth_defaults_to_the_drafters_block(tiny_model_dir, dense_dflash):
     assert SpecConfig(method="ngram").num_drafts == SpecConfig(method="mtp").num_drafts == 4
 
 
+def test_a_block_of_one_is_refused_by_its_block_size(tiny_model_dir, tmp_path):
+    """A block of 1 holds no draft: refused naming the drafter's block_size, not a
+    `num_drafts=1` the user never gave (found in review)."""
+    path = write_dflash(tiny_model_dir, tmp_path / "d1", block_size=1)
+    with pytest.raises(ValueError, match="block_size 1: it proposes no drafts"):
+        LLM(tiny_model_dir, device="cpu", spec={"method": "dflash", "model": str(path)})
+
+
 def test_a_batch_of_16_with_preemption(tiny_model_dir, dense_dflash):
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     want = plain(tiny_model_dir, PROMPTS, params)

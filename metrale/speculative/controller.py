@@ -17,8 +17,8 @@ from metrale.config import SpecConfig
 from metrale.engine.device_tokens import DeviceDrafts, DeviceRow
 from metrale.engine.sequence import Sequence
 from metrale.knobs import knobs
-from metrale.speculative.draft_shapes import draft_caps, drawn_from_q, grammar_drafts
-from metrale.speculative.drafter import Draft, Drafter, Verdict
+from metrale.speculative.draft_shapes import checked_draft, draft_caps, grammar_drafts
+from metrale.speculative.drafter import Drafter, Verdict
 from metrale.speculative.estimator import AcceptanceEstimator
 from metrale.speculative.host_cost import HostCost
 from metrale.speculative.planning import DepthPlanning
@@ -285,7 +285,11 @@ class SpeculativeDecoder(DepthPlanning):
     def _propose(self, seqs: list[Sequence], caps: list[int]):
         try:
             drafts = self.drafter.propose(seqs, caps)
-            checked = [self._checked(*a) for a in zip(drafts, caps, seqs, strict=True)]
+            vocab, own = self.vocab_size, self._own_tokens
+            checked = [
+                checked_draft(d, c, seq, vocab, own)
+                for d, c, seq in zip(drafts, caps, seqs, strict=True)
+            ]
             return checked, []
         except Exception as e:  # noqa: BLE001 (isolate: find the sequence(s) that make it fail)
             if len(seqs) == 1:  # that one sequence: it ends, the others go on
@@ -294,34 +298,13 @@ class SpeculativeDecoder(DepthPlanning):
         drafts, failed = [], []
         for seq, cap in zip(seqs, caps, strict=True):
             try:
-                drafts.append(self._checked(self.drafter.propose([seq], [cap])[0], cap, seq))
+                draft = self.drafter.propose([seq], [cap])[0]
+                drafts.append(checked_draft(draft, cap, seq, self.vocab_size, self._own_tokens))
             except Exception as e:  # noqa: BLE001
                 log.exception("drafter %s failed for %s", self.drafter.name, seq.request_id)
                 drafts.append(None)
                 failed.append((seq, f"drafter {self.drafter.name}: {type(e).__name__}: {e}"))
         return drafts, failed
-
-    def _checked(self, draft: Draft, cap: int, seq: Sequence) -> Draft:
-        """`draft` cut to `cap`, or TypeError/ValueError (its sequence alone fails): a Draft of
-        a list of in-vocabulary ids (a tensor of them failed the whole step outside this
-        isolation: found in review); with a q, its tokens drawn from q (`drawn_from_q`)."""
-        if isinstance(draft, Draft) and draft.probs is not None:
-            return drawn_from_q(draft.truncate(cap), seq, self.vocab_size)
-        if not isinstance(draft, Draft):
-            raise TypeError(f"propose returned a {type(draft).__name__}, not a Draft")
-        if isinstance(draft.tokens, tuple):
-            draft = Draft(list(draft.tokens), draft.probs)
-        elif not isinstance(draft.tokens, (list, DeviceRow)):
-            raise TypeError(f"a Draft's tokens must be a list of ints, got {type(draft.tokens)}")
-        if self._own_tokens or isinstance(draft.tokens, DeviceRow):
-            # the sequence's own tokens, or a device drafter's picks from the target's head: in
-            # the vocabulary by construction (and reading the latter here would wait for its
-            # forward)
-            return draft.truncate(cap)
-        bad = [t for t in draft.tokens if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"draft token {bad[0]} is outside the vocabulary ({self.vocab_size})")
-        return draft.truncate(cap)
 
     def observe(self, verdicts: list[Verdict]) -> list[tuple[Sequence, str]]:
         """Record one step's verdicts (sequences that verified drafts and those that did not);

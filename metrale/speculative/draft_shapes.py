@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from metrale.config import SpecConfig
-from metrale.engine.logits_pipeline import to_int64
+from metrale.engine.device_tokens import DeviceRow
+from metrale.engine.logits_pipeline import GREEDY_TEMPERATURE_EPS, to_int64
 from metrale.engine.sampler import seeded_uniform
 from metrale.engine.sequence import Sequence
 from metrale.speculative.drafter import Draft
@@ -56,7 +57,65 @@ def grammar_drafts(seq: Sequence, draft: Draft, cap: int) -> Draft:
     forced = seq.grammar.forced(cap)
     if len(forced) > valid:
         return Draft(forced)
+    if draft.probs is not None and valid < len(draft.tokens):
+        # A draft drawn from q keeps its first forbidden token: its row (masked: p = 0 there)
+        # rejects it and samples norm(max(0, p - q)), as rejection sampling must. Cut before
+        # it, that row sampled p, and the output was off by q(forbidden) x (p - residual)
+        # (found in review; a one-hot draft may be cut: its row emits the target's own sample)
+        return draft.truncate(valid + 1)
     return draft.truncate(valid)
+
+
+def checked_draft(draft: Draft, cap: int, seq: Sequence, vocab_size: int, own: bool) -> Draft:
+    """A drafter's proposal for `seq` cut to `cap`, or TypeError/ValueError (its sequence alone
+    fails): a Draft of a list of in-vocabulary ids (a tensor of them failed the whole step
+    outside this isolation: found in review); with a q, its tokens drawn from q
+    (`drawn_from_q`). `own`: the drafter proposes the sequence's own tokens (no range check)."""
+    if isinstance(draft, Draft) and draft.probs is not None:
+        if seq.params.temperature >= GREEDY_TEMPERATURE_EPS:
+            return drawn_from_q(draft.truncate(cap), seq, vocab_size)
+        # greedy rows judge the argmax, lossless for any token: q is not used (checked all the
+        # same), and drawn from it the drafter's tokens were lost (an oracle's 92 of 92
+        # accepted fell to 56 of 216: review)
+        normalised_q(draft.probs, min(len(draft.tokens), cap), vocab_size)
+        draft = Draft(draft.tokens)
+    if not isinstance(draft, Draft):
+        raise TypeError(f"propose returned a {type(draft).__name__}, not a Draft")
+    if isinstance(draft.tokens, tuple):
+        draft = Draft(list(draft.tokens), draft.probs)
+    elif not isinstance(draft.tokens, (list, DeviceRow)):
+        raise TypeError(f"a Draft's tokens must be a list of ints, got {type(draft.tokens)}")
+    if own or isinstance(draft.tokens, DeviceRow):
+        # the sequence's own tokens, or a device drafter's picks from the target's head: in the
+        # vocabulary by construction (and reading the latter here would wait for its forward)
+        return draft.truncate(cap)
+    bad = [t for t in draft.tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"draft token {bad[0]} is outside the vocabulary ({vocab_size})")
+    return draft.truncate(cap)
+
+
+def normalised_q(probs, k: int, vocab_size: int) -> torch.Tensor:
+    """A drafter's q for `k` drafts as [k, vocab] float32 rows that sum to 1, or a ValueError
+    (its sequence alone fails): not [>= k, vocab] of finite non-negative values with mass in
+    every row."""
+    if not isinstance(probs, torch.Tensor) or probs.dim() != 2:
+        raise ValueError(f"a Draft's probs must be a 2-D tensor [drafts, vocab], got {probs!r:.60}")
+    if probs.shape[0] < k or probs.shape[1] != vocab_size:
+        raise ValueError(
+            f"a Draft's probs must be [{k}, {vocab_size}] (a row per draft over the target's "
+            f"vocabulary), got {list(probs.shape)}"
+        )
+    q = probs[:k].to(torch.float64)
+    if k == 0:
+        return q.float()
+    peak = q.amax(dim=-1, keepdim=True)
+    if not bool((torch.isfinite(q).all() & (q >= 0).all() & (peak > 0).all()).item()):
+        raise ValueError("a Draft's probs must be finite, non-negative, with mass in every row")
+    # scaled by each row's peak before it is summed: finite values whose sum passed float32's
+    # range normalised to zeros, and the draw then always took token 0 (found in review)
+    q = q / peak
+    return (q / q.sum(dim=-1, keepdim=True)).to(torch.float32)
 
 
 def drawn_from_q(draft: Draft, seq: Sequence, vocab_size: int) -> Draft:
@@ -70,23 +129,13 @@ def drawn_from_q(draft: Draft, seq: Sequence, vocab_size: int) -> Draft:
     (normalised) by an exponential race on the engine's own noise, keyed like the row's other
     noise (seed, output position, sampling-step count: the sequence has `fresh_noise`) on a
     stream of its own, so it is independent of the accept test and the residual and is never
-    met again in a later step. A q that is not [len(tokens), vocab] of finite non-negative
-    values with mass in every row is a ValueError (its sequence alone fails)."""
-    probs, k = draft.probs, len(draft.tokens)
-    if not isinstance(probs, torch.Tensor) or probs.dim() != 2:
-        raise ValueError(f"a Draft's probs must be a 2-D tensor [drafts, vocab], got {probs!r:.60}")
-    if probs.shape[0] < k or probs.shape[1] != vocab_size:
-        raise ValueError(
-            f"a Draft's probs must be [{k}, {vocab_size}] (a row per draft over the target's "
-            f"vocabulary), got {list(probs.shape)}"
-        )
+    met again in a later step. A q that `normalised_q` refuses is a ValueError (its sequence
+    alone fails). Greedy requests never come here: their rows judge the argmax, whatever the
+    token (`checked_draft` checks their q, then drops it)."""
+    k = len(draft.tokens)
+    q = normalised_q(draft.probs, k, vocab_size)
     if k == 0:
-        return Draft([], probs[:0])
-    q = probs[:k].to(torch.float32)
-    mass = q.sum(dim=-1, keepdim=True)
-    if not bool((torch.isfinite(q).all() & (q >= 0).all() & (mass > 0).all()).item()):
-        raise ValueError("a Draft's probs must be finite, non-negative, with mass in every row")
-    q = q / mass
+        return Draft([], q)
     first = len(seq.output_token_ids) + (seq.noise_epoch << 32)
     seed = torch.full((k,), to_int64(seq.seed), dtype=torch.int64, device=q.device)
     keys = torch.arange(first, first + k, dtype=torch.int64, device=q.device)

@@ -41,7 +41,14 @@ def resolve_num_drafts(config: EngineConfig, model_dir: Path, drafter) -> Engine
         return config
     k = DEFAULT_NUM_DRAFTS
     if drafter is None:  # (with a drafter of the caller's too, `speculative_decoder` refuses)
-        k = max(DFlashConfig.from_dir(dflash_dir(spec, model_dir)).block_size - 1, 1)
+        path = dflash_dir(spec, model_dir)
+        block = DFlashConfig.from_dir(path).block_size
+        if block < 2:
+            raise ValueError(
+                f"spec.model: the DFlash drafter at {path} has block_size {block}: it proposes "
+                "no drafts (a block holds the last token and B - 1 drafts)"
+            )
+        k = block - 1
     return dataclasses.replace(config, spec=dataclasses.replace(spec, num_drafts=k))
 
 
