@@ -182,8 +182,8 @@ ALLOWED, GRAMMAR_TEMP = [1, 3, 4], 3.0
 
 
 def test_a_q_drafter_under_a_grammar_follows_the_masked_distribution(model_dir):
-    """A draft drawn from q under a grammar keeps its first forbidden token, so its row rejects
-    it and samples the residual: cut before it, the row sampled p and the output was off
+    """Under a grammar a q drafter's drafts are judged one-hot: drawn from q and cut before
+    their first forbidden token, that row sampled p, not the residual, and the output was off
     (position 1 came out (0.33, 0.21, 0.46) against (0.29, 0.15, 0.56); found in review)."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from metrale import LLM, SamplingParams, StructuredOutput
+from metrale.config import ModelConfig
 from metrale.default_model import default_model_dir
 from metrale.engine.sequence import ScheduledSeq, Sequence
 from metrale.speculative.draft_shapes import pad_draft
@@ -311,6 +312,53 @@ def test_an_end_token_the_grammar_forces_mid_output_stays_lossless(method):
         assert (b.token_ids, b.finish_reason, b.error) == (a.token_ids, "stop", None)
     ends = llm.engine.eos_token_ids
     assert pad_draft(Draft([]), 3, 100, ends).tokens == [min(set(range(100)) - set(ends))] * 3
+
+
+class EndTokenQ:
+    """Drafts `<|im_end|>` with q one-hot on it: a q drafter's end token the grammar allows."""
+
+    name, needs_hidden, stateless = "end-q", False, True
+
+    def __init__(self, vocab: int, end: int) -> None:
+        self.vocab, self.end = vocab, end
+
+    def propose(self, seqs, caps):
+        out = []
+        for k in caps:
+            q = torch.zeros(k, self.vocab)
+            q[:, self.end] = 1.0
+            out.append(Draft([self.end] * k, q))
+        return out
+
+    def observe(self, verdicts):
+        pass
+
+    def release(self, seq):
+        pass
+
+
+def test_a_q_drafters_end_token_the_grammar_allows_mid_output_stays_lossless():
+    """A sampled request's q draft under a grammar is judged one-hot and cut where validation
+    stops (at an end token): kept past that point, `<|im_end|>` was accepted and the unmasked
+    row after it emitted what the grammar forbids ('abrc', finish "error"; found in review).
+    Seeded, the output is plain decoding's."""
+    model = str(default_model_dir())
+    vocab = ModelConfig.from_hf(model).vocab_size
+    end = LLM(model, device="cpu").tokenizer.encode("<|im_end|>", add_special_tokens=False)[0]
+    drafter = EndTokenQ(vocab, end)
+    llm = LLM(model, device="cpu", drafter=drafter, spec={"num_drafts": 3, "dcut": False})
+    grammar = 'start: "ab" <|im_end|> "cd"'
+    params = SamplingParams(
+        temperature=1.0, seed=1, max_tokens=20, ignore_eos=True, structured={"grammar": grammar}
+    )
+    plain = dataclasses.replace(params, speculative=False)
+    prompts = [[5, 6, 7], [916, 2, 9]]
+    want = [o.outputs[0] for o in llm.generate(prompts, plain, use_tqdm=False)]
+    got = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    for a, b in zip(want, got, strict=True):
+        assert a.finish_reason == "stop" and a.error is None and a.text == "abcd"
+        assert (b.token_ids, b.finish_reason, b.error) == (a.token_ids, "stop", None)
+    assert llm.engine.telemetry.spec.num_draft_tokens > 0
 
 
 @pytest.mark.parametrize(

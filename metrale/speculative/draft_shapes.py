@@ -57,12 +57,8 @@ def grammar_drafts(seq: Sequence, draft: Draft, cap: int) -> Draft:
     forced = seq.grammar.forced(cap)
     if len(forced) > valid:
         return Draft(forced)
-    if draft.probs is not None and valid < len(draft.tokens):
-        # A draft drawn from q keeps its first forbidden token: its row (masked: p = 0 there)
-        # rejects it and samples norm(max(0, p - q)), as rejection sampling must. Cut before
-        # it, that row sampled p, and the output was off by q(forbidden) x (p - residual)
-        # (found in review; a one-hot draft may be cut: its row emits the target's own sample)
-        return draft.truncate(valid + 1)
+    # (one-hot drafts only, `checked_draft`: cutting a draft at a token of its own is lossless
+    # only where each row emits the target's own sample, whatever the draft)
     return draft.truncate(valid)
 
 
@@ -72,11 +68,16 @@ def checked_draft(draft: Draft, cap: int, seq: Sequence, vocab_size: int, own: b
     outside this isolation: found in review); with a q, its tokens drawn from q
     (`drawn_from_q`). `own`: the drafter proposes the sequence's own tokens (no range check)."""
     if isinstance(draft, Draft) and draft.probs is not None:
-        if seq.params.temperature >= GREEDY_TEMPERATURE_EPS:
+        if seq.params.temperature >= GREEDY_TEMPERATURE_EPS and seq.grammar is None:
             return drawn_from_q(draft.truncate(cap), seq, vocab_size)
-        # greedy rows judge the argmax, lossless for any token: q is not used (checked all the
-        # same), and drawn from it the drafter's tokens were lost (an oracle's 92 of 92
-        # accepted fell to 56 of 216: review)
+        # Judged one-hot (q checked all the same, then dropped): lossless for any token, so the
+        # drafter's own are kept. Greedy rows judge the argmax (drawn from a soft q, an oracle's
+        # 92 of 92 accepted fell to 56 of 216). Under a grammar a draft is cut where the
+        # grammar stops validating it (`grammar_drafts`), a cut that depends on the drawn
+        # token, which rejection sampling with q does not survive: cut before a forbidden
+        # token, its row sampled p, not the residual, and the output was off; kept, an end
+        # token the grammar allows mid-output (validation stops at one) let the unmasked row
+        # after it emit what the grammar forbids (both found in review).
         normalised_q(draft.probs, min(len(draft.tokens), cap), vocab_size)
         draft = Draft(draft.tokens)
     if not isinstance(draft, Draft):
@@ -130,8 +131,8 @@ def drawn_from_q(draft: Draft, seq: Sequence, vocab_size: int) -> Draft:
     noise (seed, output position, sampling-step count: the sequence has `fresh_noise`) on a
     stream of its own, so it is independent of the accept test and the residual and is never
     met again in a later step. A q that `normalised_q` refuses is a ValueError (its sequence
-    alone fails). Greedy requests never come here: their rows judge the argmax, whatever the
-    token (`checked_draft` checks their q, then drops it)."""
+    alone fails). Greedy requests and those under a grammar never come here: their drafts are
+    judged one-hot (`checked_draft` checks their q, then drops it)."""
     k = len(draft.tokens)
     q = normalised_q(draft.probs, k, vocab_size)
     if k == 0:
