@@ -28,6 +28,7 @@ __all__ = [
     "SamplingBatch",
     "SamplingRow",
     "apply_logits_pipeline",
+    "exponential_race",
     "sample",
     "seeded_uniform",
 ]
@@ -112,13 +113,19 @@ class SamplerOutput(NamedTuple):
     top_logprobs: Tensor | None  # [N, k] f32 (raw log_softmax)
 
 
+def exponential_race(probs: Tensor, seed: Tensor, step: Tensor, stream: int) -> Tensor:
+    """[N, V] probabilities -> [N] argmax(p / E) with E ~ Exp(1) i.i.d. per token, seeded per
+    (request seed, step, stream): picks token i with probability p_i (the smallest of the
+    scaled exponentials E_i / p_i is token i's with odds p_i). `probs` is left as it is (the
+    quotient goes into the noise's buffer). The sampler, the verify's own sample and residual,
+    and the engine's draw of a draft from a drafter's q all race this one way."""
+    noise = seeded_uniform(seed, step, probs.shape[-1], stream).log_().neg_()  # E = -log(u) > 0
+    return torch.div(probs, noise, out=noise).argmax(dim=-1)
+
+
 def _exponential_race(processed: Tensor, batch: SamplingBatch) -> Tensor:
-    """argmax(p / E) with E ~ Exp(1) i.i.d. per token picks token i with probability p_i
-    (the smallest of the scaled exponentials E_i / p_i is token i's with odds p_i)."""
     probs = torch.softmax(processed, dim=-1)  # [N, V]; masked tokens have p = 0
-    u = seeded_uniform(batch.seed, batch.step, processed.shape[-1], SAMPLE_STREAM)  # [N, V]
-    exp_noise = u.log_().neg_()  # [N, V] E = -log(u) > 0 since u < 1
-    return probs.div_(exp_noise).argmax(dim=-1)  # [N]
+    return exponential_race(probs, batch.seed, batch.step, SAMPLE_STREAM)
 
 
 def sample(logits: Tensor, batch: SamplingBatch) -> SamplerOutput:

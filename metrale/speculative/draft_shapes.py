@@ -9,7 +9,7 @@ import torch
 from metrale.config import SpecConfig
 from metrale.engine.device_tokens import DeviceRow
 from metrale.engine.logits_pipeline import GREEDY_TEMPERATURE_EPS, to_int64
-from metrale.engine.sampler import seeded_uniform
+from metrale.engine.sampler import exponential_race
 from metrale.engine.sequence import Sequence
 from metrale.speculative.drafter import Draft
 from metrale.speculative.verify import DRAFT_STREAM
@@ -140,6 +140,4 @@ def drawn_from_q(draft: Draft, seq: Sequence, vocab_size: int) -> Draft:
     first = len(seq.output_token_ids) + (seq.noise_epoch << 32)
     seed = torch.full((k,), to_int64(seq.seed), dtype=torch.int64, device=q.device)
     keys = torch.arange(first, first + k, dtype=torch.int64, device=q.device)
-    u = seeded_uniform(seed, keys, vocab_size, DRAFT_STREAM)
-    tokens = q.div(u.log_().neg_()).argmax(dim=-1)
-    return Draft(tokens.tolist(), q)
+    return Draft(exponential_race(q, seed, keys, DRAFT_STREAM).tolist(), q)

@@ -43,6 +43,7 @@ from metrale.engine.sampler import (
     SAMPLE_STREAM,
     SamplingBatch,
     apply_logits_pipeline,
+    exponential_race,
     seeded_uniform,
 )
 from metrale.engine.staging import to_device_packed
@@ -118,8 +119,7 @@ def accepted_from_tokens(starts: Tensor, tokens: Tensor, inputs: Tensor, max_q: 
 
 def _race(probs: Tensor, batch: SamplingBatch, stream: int) -> Tensor:
     """Exponential race: argmax(p / E), E ~ Exp(1) seeded per (request, position, stream)."""
-    u = seeded_uniform(batch.seed, batch.step, probs.shape[-1], stream)  # [R, V]
-    return probs.div(u.log_().neg_()).argmax(dim=-1)
+    return exponential_race(probs, batch.seed, batch.step, stream)
 
 
 def accept(
