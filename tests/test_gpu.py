@@ -146,6 +146,23 @@ def test_cuda_mtp_chain_graphs_are_lossless():
     assert llm.engine.telemetry.spec.num_accepted_tokens > 48
 
 
+def test_cuda_mtp_drafts_chained_ahead_stay_on_the_device_for_few_sequences():
+    """Up to `AHEAD_ON_DEVICE_SEQS` sequences, the drafts the catch-up chained ahead are not
+    read back before their verify (its input ids take them on the device): the output still
+    equals plain greedy output, and the drafts the verdicts judged are those values."""
+    import metrale.speculative.mtp as mtp
+
+    llm = LLM(device="cuda", dtype="float32", spec={"method": "mtp", "num_drafts": 3})
+    prompts = ["def fibonacci(n):", "class Stack:\n"][: mtp.AHEAD_ON_DEVICE_SEQS]
+    params = dict(temperature=0, max_tokens=48, ignore_eos=True)
+    plain = llm.generate(prompts, SamplingParams(**params, speculative=False), use_tqdm=False)
+    spec = llm.generate(prompts, SamplingParams(**params), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    drafter = llm.engine.spec.drafter
+    assert drafter.ahead_on_device == drafter.drafted_ahead > 0
+    assert llm.engine.telemetry.spec.num_accepted_tokens > 48
+
+
 def test_cuda_batch_64_k3_ragged_programs_never_refuse(tiny_model_dir):
     """64 sequences at mixed depths (K = 3, D-Cut off): every decode and verify step replays a
     ragged program captured at start-up (no refusal, no capture mid-run), output equal to eager

@@ -43,6 +43,11 @@ from metrale.speculative.mtp_graphs import DraftChainGraphs
 
 log = logging.getLogger(__name__)
 
+# Up to this many sequences, drafts chained ahead stay on the device (the verify's input ids
+# take them) and the host packs the verify while the chain runs: H100 batch 1, 0.247 -> 0.232
+# ms a token. More read them back (batch 8: 0.39 -> 0.43 ms; H200 batch 64: 1.12x -> 0.99x).
+AHEAD_ON_DEVICE_SEQS = 4
+
 
 class MTPDrafter:
     name = "mtp"
@@ -87,6 +92,7 @@ class MTPDrafter:
         # drafts chained ahead, or None).
         self._verified: dict[int, tuple[int, tuple | None]] = {}
         self.drafted_ahead = 0  # sequence-drafts served from rows chained ahead
+        self.ahead_on_device = 0  # of them, left on the device (`AHEAD_ON_DEVICE_SEQS`)
         graphs = runner.graphs
         self.chain_graphs = (
             DraftChainGraphs(
@@ -120,12 +126,10 @@ class MTPDrafter:
     @torch.inference_mode()
     def _catch_up_verified(self, entries, shape, tokens: torch.Tensor):
         """The catch-up of a step that replayed one of the target's programs (`shape`: ragged
-        for decode and verify steps, prefill-shaped for steps with prompt chunks), queued on
-        the device before the host reads the verdicts (`ModelRunner.after_verify`) and run from
-        what that program left in the workspace: it works out the accepted drafts from
-        `tokens` (the target's pick at each sampling row) and feeds the committed rows, so the
-        host only keeps the books in `observe`. Sequences that do not draft with MTP write a
-        scratch entry."""
+        or prefill-shaped), queued before the host reads the verdicts (`after_verify`), run
+        from what that program left in the workspace: it works out the accepted drafts from
+        `tokens` (the target's pick at each sampling row) and feeds the committed rows; the
+        host keeps the books in `observe`. Non-MTP sequences write a scratch entry."""
         graphs, scratch = self.chain_graphs, self._first.shape[0] - 1
         prefill = isinstance(shape, PrefillShape)
         ragged = isinstance(shape, RaggedShape) and shape.max_q == graphs.max_q
@@ -331,12 +335,15 @@ class MTPDrafter:
             if got is None or got[2] != state[0] or not graphs.current(got[0]):
                 continue
             if table is None:
-                # A host read, usually long done: the catch-up chained them while the host
-                # emitted the last step. Left on the device (`DeviceDrafts`) they cost more
-                # host work than this read saves: on the H200, closed batch 64 went from 1.12x
-                # to 0.99x plain (means of four runs each).
-                table = graphs.ahead.tolist()
-            rows[seq.seq_id] = table[got[1]]
+                # Few sequences: left on the device (`AHEAD_ON_DEVICE_SEQS`); else a host
+                # read, usually long done (chained while the host emitted the last step)
+                few = len(live) <= AHEAD_ON_DEVICE_SEQS
+                table = DeviceDrafts(graphs.ahead.clone()) if few else graphs.ahead.tolist()
+            if isinstance(table, DeviceDrafts):
+                rows[seq.seq_id] = table.row(got[1], table.width)
+                self.ahead_on_device += 1
+            else:
+                rows[seq.seq_id] = table[got[1]]
             self.drafted_ahead += 1
         rest = [entry for entry in live if entry[1].seq_id not in rows]
         if rest:
