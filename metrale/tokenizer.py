@@ -165,6 +165,12 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     @functools.cached_property
+    def id_limit(self) -> int:
+        """One past the largest id the tokenizer knows: ids from there on (a model's embedding
+        padded past the vocabulary) decode to nothing."""
+        return 1 + max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1)
+
+    @functools.cached_property
     def max_token_chars(self) -> int:
         """The longest token's text in characters, at least 1: a text of n characters is at
         least n / max_token_chars tokens, so an over-long prompt is refused before tokenising."""
@@ -284,6 +290,7 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._stops = frozenset(stop_token_ids)
+        self._limit = tokenizer.id_limit
         self.token_ids: list[int] = []
         self.text = ""
         context = [t for t in (prompt_token_ids or ()) if not self._skipped(t)]
@@ -293,9 +300,13 @@ class IncrementalDetokenizer:
         self._slide()
 
     def _skipped(self, token_id: int) -> bool:
-        # Skipped special tokens decode to nothing, so leaving them out of the window changes no
-        # text and stops a run of them from growing it.
-        return self._skip_special and token_id in self._tokenizer._skip_ids
+        # Skipped special tokens and ids past the vocabulary decode to nothing, so leaving them
+        # out of the window changes no text and stops a run of them from growing it, or from
+        # forcing a slide while a character is open (where speculation, pushing several ids
+        # at once, and plain decoding cut at other ids: an extra U+FFFD, found in review).
+        return (
+            self._skip_special and token_id in self._tokenizer._skip_ids
+        ) or token_id >= self._limit
 
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
@@ -337,7 +348,7 @@ class IncrementalDetokenizer:
         after the cut become context only at the next slide, and by then they have closed that
         character (a normal slide needs new text after it, a forced one more than 3 bytes), so
         the decoder is back in step before any pending id; only already-emitted context text
-        decodes differently.
+        decodes differently. (Ids that make no text never count towards it: `_skipped`.)
         """
         del self._window[: self._read]
         self._read = len(self._window)
