@@ -35,11 +35,15 @@ def token_stop(seq: Sequence, max_model_len: int) -> tuple[str, int | None] | No
     return None
 
 
-def _find_stop_string(seq: Sequence, text: str, start: int) -> tuple[int, str] | None:
-    """Earliest stop-string occurrence in `text` at or after `start`."""
+def _find_stop_string(seq: Sequence, text: str, new_from: int) -> tuple[int, str] | None:
+    """Earliest stop-string occurrence in `text` that ends past `new_from` (in the new text):
+    one that ended earlier was emitted before `min_tokens`, where stop strings do not count
+    (vLLM's `StopChecker` looks at the new characters alone too). Found from where the
+    longest stop began, a shorter one held back whole before `min_tokens` ended the output
+    when a longer stop string sat beside it (found in review)."""
     best = None
     for stop in seq.params.stop:
-        idx = text.find(stop, start)
+        idx = text.find(stop, max(0, new_from - len(stop) + 1))
         if idx >= 0 and (best is None or idx < best[0]):
             best = (idx, stop)
     return best
@@ -56,9 +60,7 @@ def check_stop(
     text = seq.pending_text + new_text
     stops = seq.params.stop
     if stops and len(seq.output_token_ids) >= seq.params.min_tokens:
-        # Earlier text held no complete stop string, so a new one ends in `new_text`.
-        longest = max(map(len, stops))
-        found = _find_stop_string(seq, text, max(0, len(seq.pending_text) - longest + 1))
+        found = _find_stop_string(seq, text, len(seq.pending_text))
         if found is not None:
             idx, stop = found
             end = idx + len(stop) if seq.params.include_stop_str_in_output else idx
