@@ -67,6 +67,9 @@ class LLM:
             model = default_model_dir()
         self.engine = LLMEngine(model, engine_config_from(engine_options), drafter)
         self._ids = itertools.count()
+        # Each live request's outputs that another caller's step made (`_take`): an open
+        # `stream` and a `generate` beside it (or two streams) share the engine's steps.
+        self._outbox: dict[str, list[RequestOutput]] = {}
 
     @property
     def tokenizer(self):
@@ -94,6 +97,7 @@ class LLM:
         request_id = f"req-{next(self._ids)}"
         if not isinstance(prompt, dict):
             self.engine.add_request(request_id, prompt, _params(params), final_only)
+            self._outbox[request_id] = []
             return request_id
         key, plain = _from_dict(prompt, where)
         try:
@@ -105,7 +109,36 @@ class LLM:
                 if message.startswith(f"{name}: "):
                     raise _PromptError(f"{where}.{key}: {message[len(name) + 2 :]}") from None
             raise
+        self._outbox[request_id] = []
         return request_id
+
+    def _take(self, ids: set[str]) -> list[RequestOutput]:
+        """The next outputs of requests `ids`, in order: those other callers' steps set aside,
+        else one engine step's, whose outputs of other live requests are set aside for their
+        callers. Before this, a `generate` beside an open `stream` (or two streams) dropped
+        the other's outputs: its deltas no longer added up to its text, and a stream whose
+        last output was dropped stepped an idle engine forever (found in review)."""
+        taken = []
+        for request_id in ids:
+            box = self._outbox.get(request_id)
+            if box:
+                taken += box
+                box.clear()
+        if taken:
+            return taken
+        idle = not self.engine.has_unfinished_requests()
+        for out in self.engine.step():
+            if out.request_id in ids:
+                taken.append(out)
+            elif out.request_id in self._outbox:
+                self._outbox[out.request_id].append(out)
+        if idle and not taken:  # never finishing: say so rather than step an idle engine
+            raise RuntimeError(f"requests {sorted(ids)} are no longer in the engine")
+        return taken
+
+    def _abort(self, request_id: str) -> None:
+        self._outbox.pop(request_id, None)
+        self.engine.abort_request(request_id)
 
     def generate(
         self,
@@ -144,7 +177,7 @@ class LLM:
         except (ValueError, TypeError) as e:
             # Nothing half-queued: drop what this call added, then name the bad prompt.
             for request_id in ids:
-                self.engine.abort_request(request_id)
+                self._abort(request_id)
             if isinstance(e, _PromptError):  # a dict prompt's field, named already
                 raise ValueError(str(e)) from None
             raise ValueError(f"prompts[{len(ids)}]: {e}") from None
@@ -156,13 +189,14 @@ class LLM:
         bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not show_progress)
         try:
             while len(finals) < len(ids):
-                for out in self.engine.step():
-                    if out.finished and out.request_id in ids:
+                for out in self._take(ids - finals.keys()):
+                    if out.finished:
                         finals[out.request_id] = out
+                        self._outbox.pop(out.request_id, None)
                         bar.update(1)
         except BaseException:
             for request_id in ids - finals.keys():
-                self.engine.abort_request(request_id)
+                self._abort(request_id)
             raise
         finally:
             bar.close()
@@ -179,13 +213,14 @@ class LLM:
         finished = False
         try:
             while not finished:
-                for out in self.engine.step():
-                    if out.request_id == request_id:
-                        finished = out.finished
-                        yield out
+                for out in self._take({request_id}):
+                    finished = out.finished
+                    yield out
         finally:
-            if not finished:
-                self.engine.abort_request(request_id)
+            if finished:
+                self._outbox.pop(request_id, None)
+            else:
+                self._abort(request_id)
 
     def chat(
         self,

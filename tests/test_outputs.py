@@ -60,6 +60,48 @@ def test_stop_string_truncates_text(llm, reference, include):
     assert len(out.token_ids) < len(reference.token_ids)
 
 
+def _released(pieces: list[str], stops: list[str], min_tokens: int):
+    """Drive `check_stop` over tokens whose texts are `pieces`, as the emitter does: (text
+    released, finish reason, stop reason, tokens emitted)."""
+    from types import SimpleNamespace
+
+    from metrale.engine.stop import check_stop
+
+    params = SamplingParams(stop=stops, min_tokens=min_tokens, max_tokens=len(pieces))
+    seq = SimpleNamespace(
+        params=params, pending_text="", output_token_ids=[], error=None, grammar=None,
+        eos_token_ids=(), num_tokens=0, detokenizer=SimpleNamespace(flush=lambda: ""),
+    )  # fmt: skip
+    text = ""
+    for i, piece in enumerate(pieces):
+        seq.output_token_ids.append(1000 + i)
+        seq.num_tokens += 1
+        reason, stop_reason, released = check_stop(seq, piece, 10_000)
+        text += released
+        if reason is not None:
+            return text, reason, stop_reason, i + 1
+    return text, None, None, len(pieces)
+
+
+def test_a_stop_string_before_min_tokens_never_counts():
+    """A stop string the text completed before `min_tokens` does not end the output later,
+    whatever other stop strings are asked for (a longer one kept it in the held-back text, and
+    the first search after `min_tokens` found it there: found in review), as vLLM's
+    `StopChecker`; one completed by the `min_tokens`-th token or later does, even if it began
+    before."""
+    pieces = ["\n   ", ' """', "\n   ", " Fib", "onacci", ' """', "\n", " x"]
+    for extra in ([], ["ZZZZZZZZZZ"], ["ZZ"]):
+        assert _released(pieces, ['"""', *extra], 3) == (
+            '\n    """\n    Fibonacci ',
+            "stop",
+            '"""',
+            6,
+        )
+    # straddling the min_tokens-th token: it counts
+    assert _released(["a", '"', '""', "b"], ['"""', "ZZZZZZZZ"], 3)[1:] == ("stop", '"""', 3)
+    assert _released(["a", '"', '""', "b"], ['"""'], 4) == ('a"""b', "length", None, 4)
+
+
 def test_stream_deltas_add_up_to_generate(llm, reference):
     sp = greedy(stop=["never-appears-xyz"])
     chunks = list(llm.stream(PROMPT, sp))
@@ -67,6 +109,40 @@ def test_stream_deltas_add_up_to_generate(llm, reference):
     assert "".join(c.outputs[0].delta_text for c in chunks) == reference.text
     assert [t for c in chunks for t in c.outputs[0].delta_token_ids] == reference.token_ids
     assert chunks[-1].outputs[0].text == reference.text
+
+
+def test_streams_and_generate_share_the_engine(llm):
+    """Two open streams stepped in turn, and a `generate` while a stream is open: every
+    stream's deltas add up to its output, each ends, and each gives what it gives alone (a
+    caller's step used to drop the other requests' outputs; a stream whose last output was
+    dropped then stepped an idle engine forever)."""
+    prompts = [PROMPT, [5, 6, 7, 8, 9], [300, 301, 302]]
+    alone = [o.outputs[0] for o in llm.generate(prompts, greedy(max_tokens=9), use_tqdm=False)]
+
+    def joined(chunks):
+        assert chunks[-1].finished and not any(c.finished for c in chunks[:-1])
+        out = chunks[-1].outputs[0]
+        assert "".join(c.outputs[0].delta_text for c in chunks) == out.text
+        assert [t for c in chunks for t in c.outputs[0].delta_token_ids] == out.token_ids
+        return out.token_ids
+
+    streams = [llm.stream(p, greedy(max_tokens=9)) for p in prompts[:2]]
+    chunks: list[list] = [[], []]
+    live = [0, 1]
+    while live:
+        for i in list(live):
+            out = next(streams[i], None)
+            if out is None:
+                live.remove(i)
+            else:
+                chunks[i].append(out)
+    assert [joined(c) for c in chunks] == [a.token_ids for a in alone[:2]]
+    stream = llm.stream(prompts[0], greedy(max_tokens=9))
+    first = [next(stream)]
+    gen = llm.generate(prompts[1:], greedy(max_tokens=9), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in gen] == [a.token_ids for a in alone[1:]]
+    assert joined(first + list(stream)) == alone[0].token_ids
+    assert not llm.engine.has_unfinished_requests() and not llm._outbox
 
 
 @pytest.mark.parametrize("speculative", [False, True])
