@@ -227,14 +227,30 @@ class LLM:
         messages: list[dict],
         sampling_params: SamplingParams | None = None,
         stream: bool = False,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> RequestOutput | Iterator[RequestOutput]:
         """Apply the chat template and generate the assistant's reply. `messages` are checked
         as the server checks a body's: a message's content is a string or a list of OpenAI's
-        text parts (joined by newlines), null only on an assistant turn."""
-        if not isinstance(stream, bool):
-            raise ValueError(f"stream must be a bool, got {type(stream).__name__}")
+        text parts (joined by newlines), null only on an assistant turn.
+        `continue_final_message` (with `add_generation_prompt=False`), as vLLM's `LLM.chat`:
+        the reply goes on with the final message's text (a prefilled assistant turn)."""
+        for name, value in (
+            ("stream", stream),
+            ("add_generation_prompt", add_generation_prompt),
+            ("continue_final_message", continue_final_message),
+        ):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool, got {type(value).__name__}")
         messages = _chat_messages(messages)
-        ids = chat_prompt_ids(self.tokenizer, messages, self.engine.context_len)[0]
+        ids = chat_prompt_ids(
+            self.tokenizer,
+            messages,
+            self.engine.context_len,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )[0]
         try:
             self.engine.validate(ids, SamplingParams())  # the prompt's own checks (its length)
         except ValueError as e:  # a conversation's fault is its messages'

@@ -21,11 +21,21 @@ def chat_prompt_ids(
     tools: list | None = None,
     variables: dict[str, Any] | None = None,
     slack: int = 1,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> tuple[list[int], str]:
     """(the prompt's token ids, its text) of `messages` (as chat templates take them) under
-    `tokenizer`'s chat template, with the generation prompt. ValueError naming `messages` for a
-    conversation that cannot fit `context_len` tokens (`slack` times that, for a route that
-    only counts tokens) or whose text is not valid Unicode; a template that raises, raises."""
+    `tokenizer`'s chat template, with the generation prompt unless `add_generation_prompt` is
+    False. ValueError naming `messages` for a conversation that cannot fit `context_len` tokens
+    (`slack` times that, for a route that only counts tokens) or whose text is not valid
+    Unicode; a template that raises, raises. `continue_final_message` (vLLM's and transformers'
+    option): the prompt ends inside the final message, after its text, so that the model goes
+    on with it (a prefilled assistant turn) rather than starting a turn of its own."""
+    if continue_final_message and add_generation_prompt:
+        raise ValueError(
+            "continue_final_message: cannot be true with add_generation_prompt (the final "
+            "message would be closed and a new turn opened)"
+        )
     bound = context_len * slack
     if len(messages) > bound:
         raise ValueError(f"messages: {len(messages)} messages cannot fit the context")
@@ -33,8 +43,10 @@ def chat_prompt_ids(
     # earlier turn's thinking; rendering holds the GIL no longer than any Python code does)
     limit = bound * tokenizer.max_token_chars
     text = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tools=tools, **(variables or {})
+        messages, add_generation_prompt=add_generation_prompt, tools=tools, **(variables or {})
     )
+    if continue_final_message:
+        text = _open_final_message(text, messages[-1].get("content"))
     if len(text) > limit:  # the template's own text (many short messages, long tools)
         raise ValueError(f"messages: the rendered prompt's {len(text)} characters cannot fit")
     try:
@@ -44,9 +56,29 @@ def chat_prompt_ids(
     return tokenizer.encode(text, add_special_tokens=False), text
 
 
-def chat_error(e: Exception) -> str:
-    """The message of `chat_prompt_ids`'s failure: its own checks' as they are, a template's
-    named by its type (`messages: TemplateError: ...`)."""
-    if isinstance(e, ValueError) and str(e).startswith("messages: "):
-        return str(e)
-    return f"messages: {type(e).__name__}: {e}"
+def _open_final_message(text: str, final: Any) -> str:
+    """`text` cut right after the final message's text, as transformers' `apply_chat_template(
+    continue_final_message=True)` cuts it (where the template trimmed the message's trailing
+    spaces, after what it kept)."""
+    if not isinstance(final, str) or not final.strip():
+        raise ValueError("continue_final_message: the final message has no text to continue")
+    at = text.rfind(final.strip())
+    if at < 0:
+        raise ValueError(
+            "continue_final_message: the chat template does not render the final message's text"
+        )
+    kept = final.lstrip()
+    if text[at : at + len(kept)] != final:
+        kept = final.strip()
+    return text[: at + len(kept)]
+
+
+def chat_error(e: Exception) -> tuple[str, str]:
+    """(message, field) of `chat_prompt_ids`'s failure: its own checks' as they are, a
+    template's named by its type (`messages: TemplateError: ...`)."""
+    text = str(e)
+    if isinstance(e, ValueError):
+        for field in ("messages", "continue_final_message"):
+            if text.startswith(f"{field}: "):
+                return text, field
+    return f"messages: {type(e).__name__}: {e}", "messages"

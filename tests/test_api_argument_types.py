@@ -41,6 +41,11 @@ def llm(tiny_model_dir):
         ),
         (lambda llm: llm.chat(USER, 5), "^sampling_params must be"),
         (lambda llm: llm.chat(USER, stream="yes"), "^stream must be a bool"),
+        (lambda llm: llm.chat(USER, continue_final_message=True), "^continue_final_message: "),
+        (
+            lambda llm: llm.chat(USER, add_generation_prompt=False, continue_final_message=1),
+            "^continue_final_message must be a bool",
+        ),
         # a conversation's own faults name its messages, not a prompt (found in review: a
         # lone surrogate was a TypeError from the tokenizer)
         (lambda llm: llm.chat([{"role": "user", "content": "\ud800"}]), "^messages: not valid"),
@@ -66,6 +71,25 @@ def test_chat_content_as_text_parts_is_the_text_joined(llm):
     want = llm.chat([{"role": "user", "content": "hello\nthere"}], params)
     assert got.prompt_token_ids == want.prompt_token_ids
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_chat_continues_the_final_message(llm):
+    """`continue_final_message` (vLLM's `LLM.chat` option): the prompt ends after the final
+    message's text, so the reply goes on with it; without the generation prompt it ends after
+    that turn."""
+    messages = [*USER, {"role": "assistant", "content": "def f("}]
+    params = SamplingParams(max_tokens=2, temperature=0)
+    turns = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    cut = turns[: turns.rindex("def f(") + len("def f(")]
+    for kwargs, text in (
+        (dict(add_generation_prompt=False, continue_final_message=True), cut),
+        (dict(add_generation_prompt=False), turns),
+    ):
+        out = llm.chat(messages, params, **kwargs)
+        assert out.prompt_token_ids == llm.tokenizer.encode(text, add_special_tokens=False)
+    opened = turns + "<|im_start|>assistant\n"  # by default a new turn follows
+    ids = llm.tokenizer.encode(opened, add_special_tokens=False)
+    assert llm.chat(messages, params).prompt_token_ids == ids
 
 
 def test_chat_keeps_an_assistant_turn_of_tool_calls(llm):

@@ -64,6 +64,38 @@ def test_bad_chat_template_kwargs_get_a_400(server, kwargs, status):
     assert res.json()["error"]["param"] == "chat_template_kwargs"
 
 
+def _tokenize(server, text: str) -> list[int]:
+    body = {"prompt": text, "add_special_tokens": False}
+    return httpx.post(server.url + "/tokenize", json=body, timeout=60).json()["tokens"]
+
+
+def test_continue_final_message_and_add_generation_prompt(server):
+    """vLLM's chat fields: the prompt ends after the final message's text with
+    `continue_final_message` (a prefilled assistant turn the model goes on with), after its
+    turn without `add_generation_prompt`, with the assistant's turn opened by default; both
+    true is a 400 naming `continue_final_message` (they were ignored: found in review)."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "def f("}]
+    turns = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\ndef f("
+    cases = [
+        ({}, turns + "<|im_end|>\n<|im_start|>assistant\n"),
+        ({"add_generation_prompt": False}, turns + "<|im_end|>\n"),
+        ({"add_generation_prompt": False, "continue_final_message": True}, turns),
+    ]
+    for fields, text in cases:
+        body = {"messages": messages, **fields}
+        got = httpx.post(server.url + "/tokenize", json=body, timeout=60).json()["tokens"]
+        assert got == _tokenize(server, text), fields
+        res = chat(server, messages=messages, **fields)
+        assert res.status_code == 200 and res.json()["usage"]["prompt_tokens"] == len(got)
+    for route in ("/v1/chat/completions", "/tokenize"):
+        body = {"model": "tiny", "messages": messages, "continue_final_message": True}
+        res = httpx.post(server.url + route, json=body, timeout=60)
+        assert res.status_code == 400 and res.json()["error"]["param"] == "continue_final_message"
+    empty = [*messages[:1], {"role": "assistant", "content": " "}]
+    res = chat(server, messages=empty, add_generation_prompt=False, continue_final_message=True)
+    assert res.status_code == 400 and res.json()["error"]["param"] == "continue_final_message"
+
+
 def test_an_answer_without_a_block_is_all_content(server):
     whole = chat(server, max_tokens=8, temperature=0).json()["choices"][0]["message"]
     assert "<think>" not in whole["content"]

@@ -316,10 +316,15 @@ def create_app(
             messages, tools = plan.render(messages, engine.tokenizer)
             try:
                 ids, text = chat_prompt_ids(
-                    engine.tokenizer, messages, engine.context_len, tools, variables
+                    engine.tokenizer,
+                    messages,
+                    engine.context_len,
+                    tools,
+                    variables,
+                    **body.render_options(),
                 )
             except Exception as e:  # noqa: BLE001 (a template fails as it fails: the input's fault)
-                raise APIError(chat_error(e), "messages") from None
+                raise APIError(*chat_error(e)) from None
             if not ids:
                 raise APIError("messages: the chat template rendered nothing", "messages")
             return ids, reasoning and opens_block(text), plan

@@ -55,10 +55,16 @@ def add_extra_routes(app: FastAPI, engine, model_name: str) -> None:
                 try:
                     # (as lenient as the prompt's bound below: it counts, it runs nothing)
                     return chat_prompt_ids(
-                        tok, messages, engine.max_model_len, tools, variables, slack=4
+                        tok,
+                        messages,
+                        engine.max_model_len,
+                        tools,
+                        variables,
+                        slack=4,
+                        **body.render_options(),
                     )[0]
                 except Exception as e:  # noqa: BLE001 (a template fails as it fails)
-                    raise APIError(chat_error(e), "messages") from None
+                    raise APIError(*chat_error(e)) from None
 
         else:
             prompt = body.prompt

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from pydantic import (
+    BaseModel,
     Field,
     StrictBool,
     StrictFloat,
@@ -228,7 +229,32 @@ class CompletionRequest(_GenerationRequest):
         return [prompt]
 
 
-class ChatCompletionRequest(_GenerationRequest, ToolFields):
+class ChatRenderFields(BaseModel):
+    """How the messages end the prompt (vLLM's fields of the same names)."""
+
+    add_generation_prompt: StrictBool = Field(True, description="open the assistant's turn")
+    continue_final_message: StrictBool = Field(
+        False,
+        description="end the prompt inside the final message, for the model to go on with it "
+        "(a prefilled assistant turn; add_generation_prompt false)",
+    )
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue(cls, value, info: ValidationInfo):
+        if value and info.data.get("add_generation_prompt", True):
+            raise ValueError("cannot be true with add_generation_prompt true")
+        return value
+
+    def render_options(self) -> dict[str, bool]:
+        """`chat_prompt_ids`'s keyword arguments for these fields."""
+        return dict(
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+        )
+
+
+class ChatCompletionRequest(_GenerationRequest, ToolFields, ChatRenderFields):
     """`POST /v1/chat/completions` (its tool fields: `tools.py`)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -268,7 +294,7 @@ class ChatCompletionRequest(_GenerationRequest, ToolFields):
         return kw
 
 
-class TokenizeRequest(Body):
+class TokenizeRequest(ChatRenderFields, Body):
     """`POST /tokenize`: a text prompt, or chat messages rendered by the chat template."""
 
     model: StrictStr | None = _model()
