@@ -91,6 +91,9 @@ def test_continue_final_message_and_add_generation_prompt(server):
         body = {"model": "tiny", "messages": messages, "continue_final_message": True}
         res = httpx.post(server.url + route, json=body, timeout=60)
         assert res.status_code == 400 and res.json()["error"]["param"] == "continue_final_message"
+    for field, value in (("chat_template", "{{ messages }}"), ("documents", [{"t": "x"}])):
+        res = chat(server, **{field: value})
+        assert res.status_code == 400 and res.json()["error"]["param"] == field
     empty = [*messages[:1], {"role": "assistant", "content": " "}]
     res = chat(server, messages=empty, add_generation_prompt=False, continue_final_message=True)
     assert res.status_code == 400 and res.json()["error"]["param"] == "continue_final_message"

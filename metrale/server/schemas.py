@@ -239,11 +239,23 @@ class ChatRenderFields(BaseModel):
         "(a prefilled assistant turn; add_generation_prompt false)",
     )
 
+    # vLLM's: a template of the request's own, and RAG documents for it (refused: ignored,
+    # they would change the prompt silently)
+    chat_template: Any = _vllm_only()
+    documents: Any = _vllm_only()
+
     @field_validator("continue_final_message")
     @classmethod
     def _continue(cls, value, info: ValidationInfo):
         if value and info.data.get("add_generation_prompt", True):
             raise ValueError("cannot be true with add_generation_prompt true")
+        return value
+
+    @field_validator("chat_template", "documents", mode="before")
+    @classmethod
+    def _model_template_only(cls, value):
+        if value is not None:
+            raise ValueError("not supported: the model's own chat template renders the messages")
         return value
 
     def render_options(self) -> dict[str, bool]:
