@@ -391,6 +391,25 @@ def test_end_of_text_is_stripped_when_special_tokens_are_decoded():
     assert splitter.feed(CALL_A[20:] + "ok<|im_end|>", final=True)[0] == "ok"
 
 
+@pytest.mark.parametrize("text", ["x<|im_end|>", f"a<|im_end|>b {CALL_A}<|im_e<|im_end|>"])
+def test_end_of_text_split_across_chunks_is_stripped_as_in_the_whole(text):
+    """The end-of-text text split over a stream's pieces is dropped from the streamed content
+    as from the whole answer's (it was released piece by piece: found in review)."""
+    strip = ("<|im_end|>",)
+    want = split_tool_calls(text, NAMES, strip)
+    want = (want[0] or "", [(c.name, c.arguments) for c in want[1]])
+    for seed in range(200):
+        rng = random.Random(seed)
+        cuts = sorted(rng.sample(range(len(text) + 1), min(rng.randint(1, 8), len(text) + 1)))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        splitter, content, calls = ToolCallSplitter(NAMES, strip), "", []
+        for i, piece in enumerate(pieces):
+            more, found = splitter.feed(piece, final=i == len(pieces) - 1)
+            content += more
+            calls += [(c.name, c.arguments) for c in found]
+        assert (content, calls) == want, pieces
+
+
 # -- the grammar -------------------------------------------------------------------------------
 
 

@@ -110,7 +110,9 @@ class ToolCallSplitter:
             if self.state == "text":
                 start = buf.find(OPEN)
                 if start < 0:
-                    keep = 0 if final else _partial_suffix(buf, OPEN)
+                    # (held too: what may be the start of a text stripped from the end, so
+                    # that a stream's content drops it as the whole answer's does)
+                    keep = 0 if final else max(_partial_suffix(buf, OPEN), self._stripped(buf))
                     content += buf[: len(buf) - keep]
                     self.held = buf[len(buf) - keep :]
                     break
@@ -136,6 +138,16 @@ class ToolCallSplitter:
             buf, self.state = buf[end + len(CLOSE) :], "text"
         self.count += len(calls)
         return self._content(content, final), calls
+
+    def _stripped(self, buf: str) -> int:
+        """Length of the longest end of `buf` that begins (or is) a text of `strip`."""
+        best = 0
+        for suffix in self.strip:
+            for n in range(min(len(suffix), len(buf)), best, -1):
+                if suffix.startswith(buf[-n:]):
+                    best = n
+                    break
+        return best
 
     def _content(self, content: str, final: bool) -> str:
         """`content` to release, its leading whitespace held until other text follows."""
