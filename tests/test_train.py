@@ -385,3 +385,54 @@ def test_max_seconds_ends_the_run_with_a_checkpoint(corpus, tok_dir, tmp_path, m
     assert 1 <= summary["steps"] < OPTS.steps
     assert (tmp_path / "model.safetensors").is_file()
     assert not (tmp_path / "train_state.pt").exists()
+
+
+def test_a_run_without_heldout_writes_a_clean_checkpoint(corpus, tok_dir, tmp_path):
+    """`heldout_fraction=0` (documented) evaluates nothing: the run used to crash on an empty
+    held-out batch at its end, before the checkpoint was written. The checkpoint replaces an
+    earlier sharded one's index and shards (the engine followed the stale index), and its
+    weights are readable as the other files are (safetensors writes 0600). (Found in review.)"""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"stale")
+    opts = replace(OPTS, steps=2, eval_every=1)
+    summary = train_target(tok_dir, out, replace(corpus, heldout_fraction=0.0), SHAPE, opts)
+    assert summary["completed"] and (out / "model.safetensors").is_file()
+    assert not (out / "model.safetensors.index.json").exists()
+    assert not (out / "model-00001-of-00002.safetensors").exists()
+    mode = (out / "config.json").stat().st_mode
+    assert (out / "model.safetensors").stat().st_mode == mode
+    assert len(LLM(out, device="cpu").generate("def", SamplingParams(max_tokens=2))) == 1
+
+
+def test_training_refuses_what_would_go_wrong_later(corpus, tok_dir, target, tmp_path):
+    """Refused before any step, each naming why (found in review): a resume over changed
+    corpus files (the options alone were checked), a resume with nothing to continue (it
+    started over, overwriting a finished run's checkpoint), a target written beside drafters
+    of an earlier one, a glob leaving the corpus, a device training cannot use, a depth decay
+    whose powers overflow."""
+    from metrale.train.loop import resolve_device
+
+    root = tmp_path / "corpus"
+    write_corpus(root, files=12)
+    spec = replace(corpus, dirs=(root,))
+    opts = replace(OPTS, steps=4, eval_every=0)
+    partial = train_target(tok_dir, tmp_path / "r", spec, SHAPE, replace(opts, stop_at=2))
+    assert not partial["completed"]
+    (root / "mod_00.py").write_text("def changed():\n    return 1\n")
+    with pytest.raises(ValueError, match="corpus"):
+        train_target(tok_dir, tmp_path / "r", spec, SHAPE, replace(opts, resume=True))
+    with pytest.raises(ValueError, match="nothing to continue"):
+        train_target(tok_dir, tmp_path / "new", spec, SHAPE, replace(opts, resume=True))
+    (tmp_path / "d" / "dflash").mkdir(parents=True)
+    with pytest.raises(ValueError, match="holds dflash, trained for an earlier target"):
+        train_target(tok_dir, tmp_path / "d", spec, SHAPE, opts)
+    for glob in ("/etc/*", "../*.py", "pkg/../../*.py"):
+        with pytest.raises(ValueError, match="glob must stay inside"):
+            CorpusSpec(dirs=(root,), glob=glob)
+    for device in ("meta", "mps"):
+        with pytest.raises(ValueError, match="not supported"):
+            resolve_device(device)
+    with pytest.raises(ValueError, match="overflow"):
+        train_mtp(target[0], spec, opts, depths=5, depth_decay=1e300, out_dir=tmp_path / "m")

@@ -125,3 +125,21 @@ def test_a_run_projected_to_take_hours_is_warned_about(
         target[0], corpus, replace(opts, max_seconds=600.0), block_size=4, out_dir=tmp_path / "b"
     )
     assert "--max-seconds" not in capsys.readouterr().err  # a bounded run is not warned about
+
+
+def test_every_batch_has_an_anchor():
+    """Each batch of windows has at least one anchor, each with a whole block of labels in the
+    window, `stride` apart, whatever the stride against the window (a stride past the room left
+    some batches none, and `train dflash` crashed at such a batch: found in review)."""
+    import torch
+
+    from metrale.train.dflash import anchors_of
+
+    gen = torch.Generator().manual_seed(0)
+    for block in range(2, 9):
+        for length in range(block + 2, 40, 3):
+            for stride in (1, 2, 5, 16, 64):
+                batch = torch.randint(0, 500, (2, length), generator=gen)
+                anchors = anchors_of(batch, block, stride).tolist()
+                assert anchors and anchors[0] >= 1 and anchors[-1] + block - 1 <= length - 1
+                assert all(b - a == stride for a, b in zip(anchors, anchors[1:], strict=False))

@@ -77,6 +77,10 @@ class CorpusSpec:
                 raise ValueError(f"corpus: {d} is not a directory")
         if not self.glob:
             raise ValueError("corpus: glob must not be empty")
+        if Path(self.glob).is_absolute() or ".." in Path(self.glob).parts:
+            # (pathlib raised NotImplementedError on an absolute one; `..` read files outside
+            # the corpus directories: found in review)
+            raise ValueError(f"corpus: glob must stay inside the directories, got {self.glob!r}")
         for name in ("max_bytes", "max_file_bytes"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -245,9 +249,19 @@ class TokenData:
         index = starts.to(device)[:, None] + torch.arange(self.window, device=device)
         return self.train[index].long()
 
+    def identity(self, spec: CorpusSpec) -> dict:
+        """What a resumed run must find again: the corpus options and the digest of the files
+        they selected (the options alone let a resume train on changed files: found in
+        review)."""
+        return {**spec.describe(), "files": self.stats["fingerprint"]}
+
     def heldout_batches(self, batch_size: int, max_batches: int) -> list[torch.Tensor]:
         """Fixed consecutive windows of the held-out stream, at most `max_batches` batches."""
         n = min(self.heldout.numel() // self.window, batch_size * max_batches)
+        if n == 0:
+            # (split of no windows is one empty batch: evaluated, it crashed the end of a run
+            # with --heldout-fraction 0 before its checkpoint was written; found in review)
+            return []
         windows = self.heldout[: n * self.window].view(n, self.window).long()
         return list(windows.split(batch_size))
 

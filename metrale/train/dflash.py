@@ -52,10 +52,14 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
 
 def anchors_of(batch: torch.Tensor, block_size: int, stride: int) -> torch.Tensor:
     """Anchor positions of a batch of windows [Bw, T + 1]: every `stride` from 1 + offset, each
-    with a full block of labels inside the window; the offset is a digest of the batch."""
+    with a full block of labels inside the window; the offset is a digest of the batch, below
+    the last anchor's place too, so there is at least one (a stride past the room for anchors
+    left some batches none, and the run crashed at one of them: found in review)."""
     length = batch.shape[1]
-    offset = int(batch[:, :8].sum()) % stride
     last = length - block_size  # a + B - 1 <= length - 1
+    if last < 1:
+        raise ValueError(f"windows of {length} tokens hold no block of {block_size}")
+    offset = int(batch[:, :8].sum()) % min(stride, last)
     return torch.arange(1 + offset, last + 1, stride, device=batch.device)
 
 
@@ -193,7 +197,7 @@ def train_dflash(
     fingerprint = {
         "stage": "dflash",
         "target_config": target_raw,
-        "corpus": corpus.describe(),
+        "corpus": data.identity(corpus),
         "block_size": block_size,
         "num_layers": num_layers,
         "target_layer_ids": list(layers),

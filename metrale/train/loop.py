@@ -109,6 +109,8 @@ def resolve_device(name: str) -> torch.device:
         device = torch.device(name)
     except RuntimeError as e:
         raise ValueError(f"device: {name!r} is not a torch device ({e})") from None
+    if device.type not in ("cpu", "cuda"):  # (mps, meta, ...: tracebacks deep in a run)
+        raise ValueError(f"device: {name!r} is not supported (auto, cpu, cuda[:N])")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device: {name!r} requested but CUDA is not available")
     return device
@@ -268,7 +270,12 @@ def run_training(
             raise _unreadable(state_path, e) from None
         _log(f"{stage}: resuming from step {step} of {opts.steps} ({state_path})")
     elif opts.resume:
-        _log(f"{stage}: no {state_name} in {out_dir}; starting at step 0")
+        # (it started over and overwrote a finished run's checkpoint, said only in a log line
+        # that -q hides: found in review)
+        raise ValueError(
+            f"resume: no {state_name} in {out_dir}, nothing to continue (a completed run "
+            "leaves none); drop --resume to start a run"
+        )
 
     def save() -> None:
         flush()

@@ -44,7 +44,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from metrale.config import ModelConfig
-from metrale.models.loader import checkpoint_files
+from metrale.models.loader import checkpoint_files, like_written
 from metrale.models.mtp import QWEN3_NEXT, _module_tensor_shapes, depth_prefixes
 from metrale.train.bpe import load_tokenizer
 from metrale.train.corpus import CorpusSpec, tokenize_corpus
@@ -122,6 +122,7 @@ def save_mtp(model_dir: str | Path, tensors: dict[str, torch.Tensor]) -> None:
     (dropping entries of an earlier mtp.safetensors, which may have had other layers)."""
     model_dir = Path(model_dir)
     save_file(tensors, str(model_dir / MTP_FILE), metadata={"format": "pt"})
+    like_written(model_dir / MTP_FILE, model_dir / "config.json")
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         data = json.loads(index.read_text())
@@ -162,6 +163,12 @@ def train_mtp(
         raise ValueError(f"depths {depths} needs seq_len >= {depths + 1}, got {opts.seq_len}")
     if not 0 < depth_decay < math.inf:  # inf would weigh the depths as NaN
         raise ValueError(f"depth_decay must be > 0, got {depth_decay}")
+    try:  # (a finite decay's powers may not be: an OverflowError traceback, found in review)
+        sane = math.isclose(math.fsum(depth_weights(depths, depth_decay)), 1.0)
+    except (OverflowError, ZeroDivisionError):
+        sane = False
+    if not sane:
+        raise ValueError(f"depth_decay {depth_decay} over {depths} depths: its powers overflow")
     cfg = ModelConfig.from_hf(target_dir)
     if opts.seq_len > cfg.max_position_embeddings:
         raise ValueError(
@@ -212,7 +219,7 @@ def train_mtp(
         "stage": "mtp",
         "target_config": json.loads((target_dir / "config.json").read_text()),
         "target_weights_sha256": _weights_hash(target_dir),
-        "corpus": corpus.describe(),
+        "corpus": data.identity(corpus),
         "depths": depths,
         "depth_decay": depth_decay,
         "num_layers": num_layers,

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from metrale.config import ModelConfig
 from metrale.default_model import ENDOFTEXT, IM_END
+from metrale.models.loader import like_written
 from metrale.train.bpe import TOKENIZER_FILES, load_tokenizer
 from metrale.train.corpus import CorpusSpec, tokenize_corpus
 from metrale.train.loop import TrainOptions, run_training
@@ -117,8 +118,13 @@ def save_checkpoint(
         name: t.detach().to("cpu", torch.bfloat16).contiguous()
         for name, t in model.state_dict().items()
     }
+    # An earlier sharded checkpoint's index and shards would be loaded before this file (the
+    # engine follows the index): dropped, as transformers' save_pretrained drops them.
+    for stale in [out_dir / INDEX_FILE, *out_dir.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    like_written(out_dir / "model.safetensors", out_dir / "config.json")
     eot = config["eos_token_id"]
     tok = load_tokenizer(tokenizer_dir)
     generation = {
@@ -133,6 +139,23 @@ def save_checkpoint(
             shutil.copyfile(src, dst)
 
 
+INDEX_FILE = "model.safetensors.index.json"
+# drafters trained for the weights of a checkpoint directory
+DRAFTER_FILES = ("mtp.safetensors", "dflash")
+
+
+def check_no_stale_drafters(out_dir: Path) -> None:
+    """Refuse, before training, to write a target where drafters of an earlier target lie:
+    they would not match the new weights (a head of the same shape loads silently and drafts
+    nothing useful; found in review)."""
+    found = [name for name in DRAFTER_FILES if (out_dir / name).exists()]
+    if found:
+        raise ValueError(
+            f"out: {out_dir} holds {', '.join(found)}, trained for an earlier target: they "
+            "would not match the new weights; remove them or choose another --out"
+        )
+
+
 def train_target(
     tokenizer_dir: str | Path,
     out_dir: str | Path,
@@ -144,6 +167,7 @@ def train_target(
     completes); a run stopped early (`stop_at`, `time_limit`) leaves `train_state.pt` for
     `resume` and writes no checkpoint."""
     start = time.perf_counter()
+    check_no_stale_drafters(Path(out_dir))
     tok = load_tokenizer(tokenizer_dir)
     config = target_config(shape, tok, opts.seq_len)
     cfg = ModelConfig.from_dict(config)
@@ -163,7 +187,7 @@ def train_target(
     fingerprint = {
         "stage": "target",
         "config": config,
-        "corpus": corpus.describe(),
+        "corpus": data.identity(corpus),
         "tokenizer_sha256": tok_hash[:16],
     }
     result = run_training(
