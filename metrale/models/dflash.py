@@ -283,6 +283,8 @@ def save_dflash(model: DFlashDraftModel, path: str | Path, target_config: dict) 
     `target_config`: the target's config.json, whose vocabulary and rope the drafter shares."""
     from safetensors.torch import save_file
 
+    from metrale.models.loader import like_written
+
     cfg, path = model.config, Path(path)
     path.mkdir(parents=True, exist_ok=True)
     raw = {
@@ -312,6 +314,7 @@ def save_dflash(model: DFlashDraftModel, path: str | Path, target_config: dict) 
     # (cloned: a loaded drafter's projections are views of one packed weight)
     tensors = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     save_file(tensors, path / "model.safetensors")
+    like_written(path / "model.safetensors", path / "config.json")
     return path
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import stat
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -255,3 +256,10 @@ def load_weights(
                 )
         elif not got:
             raise CheckpointError(f"{model_dir}: missing tensor {_checkpoint_name(name, renames)}")
+
+
+def like_written(path: Path, written: Path) -> None:
+    """Give `path` the permissions of a file written as usual (`written`, beside it):
+    safetensors writes its files 0600, which another account (a server's) cannot read (found
+    in review)."""
+    path.chmod(stat.S_IMODE(written.stat().st_mode))
