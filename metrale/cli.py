@@ -302,9 +302,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _generate(llm, args: argparse.Namespace, params) -> int:
     out = sys.stdout
-    out.write(args.prompt)
-    final = None
-    for final in llm.stream(args.prompt, params):
+    stream = llm.stream(args.prompt, params)
+    # the request is checked as it is queued, at the first output: a prompt refused (too long,
+    # not UTF-8) is never echoed, its error glued to it (found in review)
+    final = next(stream)
+    out.write(args.prompt + final.outputs[0].delta_text)
+    out.flush()
+    for final in stream:
         out.write(final.outputs[0].delta_text)
         out.flush()
     out.write("\n")
@@ -342,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     }[args.command]
     try:
         return handler(args)
+    except KeyboardInterrupt:  # Ctrl-C: the request was aborted; no traceback (found in review)
+        print(file=sys.stderr)
+        return 130
     except (ValueError, OSError) as e:
         # OSError: an --out path that exists as a file, a directory without write permission,
         # ... (FileNotFoundError is one); a clear message, not a traceback

@@ -67,6 +67,17 @@ def test_bad_options_exit_with_a_named_error(tiny_model_dir, tmp_path, args, fie
     assert field in res.stderr and "Traceback" not in res.stderr
 
 
+def test_a_refused_prompt_is_not_echoed(tiny_model_dir, tmp_path):
+    """`generate` checks the prompt before it writes it: a prompt past the model's length is
+    an error on stderr, not echoed to stdout with the error glued on (found in review)."""
+    res = metrale(
+        "generate", "x = 1\n" * 400, "--model", str(tiny_model_dir), "--max-model-len", "64",
+        home=tmp_path,
+    )  # fmt: skip
+    assert res.returncode == 2 and "prompt" in res.stderr and "Traceback" not in res.stderr
+    assert res.stdout == ""
+
+
 def test_help_lists_options(tmp_path):
     res = metrale("generate", "--help", home=tmp_path)
     assert res.returncode == 0 and "--temperature" in res.stdout and "--model" in res.stdout

@@ -82,6 +82,8 @@ class LLMEngine(RequestAdmission):
             self.runner.shutdown()  # the tensor-parallel workers, if any
             raise
         log.info("%s", knobs().describe())
+        if knobs().unrecognised:  # almost always a typo: said without -v (found in review)
+            log.warning("unrecognised METRALE_* settings, ignored: %s", knobs().unrecognised)
 
     def _setup(self, drafter: Drafter | None) -> None:
         """What sits on the runner: telemetry, the page allocator (and its prefix cache), the
