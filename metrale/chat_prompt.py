@@ -42,11 +42,13 @@ def chat_prompt_ids(
     # (the rendered text, not the messages' content: a template may drop content, Qwen3's an
     # earlier turn's thinking; rendering holds the GIL no longer than any Python code does)
     limit = bound * tokenizer.max_token_chars
+    if continue_final_message:
+        messages = _tag_final_message(messages)
     text = tokenizer.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, tools=tools, **(variables or {})
     )
     if continue_final_message:
-        text = _open_final_message(text, messages[-1].get("content"))
+        text = _cut_at_tag(text)
     if len(text) > limit:  # the template's own text (many short messages, long tools)
         raise ValueError(f"messages: the rendered prompt's {len(text)} characters cannot fit")
     try:
@@ -56,21 +58,31 @@ def chat_prompt_ids(
     return tokenizer.encode(text, add_special_tokens=False), text
 
 
-def _open_final_message(text: str, final: Any) -> str:
-    """`text` cut right after the final message's text, as transformers' `apply_chat_template(
-    continue_final_message=True)` cuts it (where the template trimmed the message's trailing
-    spaces, after what it kept)."""
-    if not isinstance(final, str) or not final.strip():
+# transformers' marker (5.x `apply_chat_template(continue_final_message=True)`): appended to
+# the final message before rendering, the prompt is cut where it lands. (Finding the message's
+# own text instead cut at its last occurrence, inside the closing tag for a message of "<" or
+# "end": found in review.)
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tag_final_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str):
         raise ValueError("continue_final_message: the final message has no text to continue")
-    at = text.rfind(final.strip())
+    return [*messages[:-1], {**messages[-1], "content": final + CONTINUE_TAG}]
+
+
+def _cut_at_tag(text: str) -> str:
+    """The rendered prompt up to the marker (where the template trimmed the message's trailing
+    space, and the marker's, without what is left of it), as transformers cuts it."""
+    at = text.rfind(CONTINUE_TAG.strip())
     if at < 0:
         raise ValueError(
             "continue_final_message: the chat template does not render the final message's text"
         )
-    kept = final.lstrip()
-    if text[at : at + len(kept)] != final:
-        kept = final.strip()
-    return text[: at + len(kept)]
+    if text[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG:
+        return text[:at]
+    return text[:at].rstrip()
 
 
 def chat_error(e: Exception) -> tuple[str, str]:

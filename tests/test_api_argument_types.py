@@ -92,6 +92,28 @@ def test_chat_continues_the_final_message(llm):
     assert llm.chat(messages, params).prompt_token_ids == ids
 
 
+@pytest.mark.parametrize(
+    "content", ["<", "|>", "end", " x ", "", "a\n", "<|im_end|>", "<think>\nhm"]
+)
+def test_continue_final_message_renders_as_transformers(tiny_model_dir, content):
+    """The prompt transformers' `apply_chat_template(continue_final_message=True)` renders,
+    for final messages the template's own closing text holds too (cut at their last
+    occurrence, "<" came out doubled and "end" ended inside the closing tag: found in review)
+    and with spaces it trims."""
+    from transformers import AutoTokenizer
+
+    from metrale.chat_prompt import chat_prompt_ids
+    from metrale.tokenizer import Tokenizer
+
+    messages = [*USER, {"role": "assistant", "content": content}]
+    want = AutoTokenizer.from_pretrained(tiny_model_dir).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    options = dict(add_generation_prompt=False, continue_final_message=True)
+    assert chat_prompt_ids(tok, messages, 4096, **options)[1] == want
+
+
 def test_chat_keeps_an_assistant_turn_of_tool_calls(llm):
     call = {"function": {"name": "f", "arguments": '{"x": 1}'}}
     messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]}, *USER]

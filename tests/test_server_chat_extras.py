@@ -73,7 +73,8 @@ def test_continue_final_message_and_add_generation_prompt(server):
     """vLLM's chat fields: the prompt ends after the final message's text with
     `continue_final_message` (a prefilled assistant turn the model goes on with), after its
     turn without `add_generation_prompt`, with the assistant's turn opened by default; both
-    true is a 400 naming `continue_final_message` (they were ignored: found in review)."""
+    true is a 400 naming `continue_final_message` (they were ignored: found in review); a
+    per-request template or documents are refused, not ignored."""
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "def f("}]
     turns = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\ndef f("
     cases = [
@@ -94,9 +95,6 @@ def test_continue_final_message_and_add_generation_prompt(server):
     for field, value in (("chat_template", "{{ messages }}"), ("documents", [{"t": "x"}])):
         res = chat(server, **{field: value})
         assert res.status_code == 400 and res.json()["error"]["param"] == field
-    empty = [*messages[:1], {"role": "assistant", "content": " "}]
-    res = chat(server, messages=empty, add_generation_prompt=False, continue_final_message=True)
-    assert res.status_code == 400 and res.json()["error"]["param"] == "continue_final_message"
 
 
 def test_an_answer_without_a_block_is_all_content(server):
