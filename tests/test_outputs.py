@@ -86,9 +86,9 @@ def _released(pieces: list[str], stops: list[str], min_tokens: int):
 def test_a_stop_string_before_min_tokens_never_counts():
     """A stop string the text completed before `min_tokens` does not end the output later,
     whatever other stop strings are asked for (a longer one kept it in the held-back text, and
-    the first search after `min_tokens` found it there: found in review), as vLLM's
-    `StopChecker`; one completed by the `min_tokens`-th token or later does, even if it began
-    before."""
+    the first search after `min_tokens` found it there: found in review); one completed by a
+    token after the first `min_tokens` does, even if it began before (as vLLM's detokenizer:
+    a token within the first `min_tokens` never ends the output, by text or by id)."""
     pieces = ["\n   ", ' """', "\n   ", " Fib", "onacci", ' """', "\n", " x"]
     for extra in ([], ["ZZZZZZZZZZ"], ["ZZ"]):
         assert _released(pieces, ['"""', *extra], 3) == (
@@ -97,9 +97,10 @@ def test_a_stop_string_before_min_tokens_never_counts():
             '"""',
             6,
         )
-    # straddling the min_tokens-th token: it counts
-    assert _released(["a", '"', '""', "b"], ['"""', "ZZZZZZZZ"], 3)[1:] == ("stop", '"""', 3)
-    assert _released(["a", '"', '""', "b"], ['"""'], 4) == ('a"""b', "length", None, 4)
+    # begun within the first min_tokens tokens, completed after them: it counts
+    assert _released(["a", '"', '""', "b"], ['"""', "ZZZZZZZZ"], 2)[1:] == ("stop", '"""', 3)
+    assert _released(["a", '"', '""', "b"], ['"""'], 3) == ('a"""b', "length", None, 4)
+    assert _released(["\n", "hi", "\n", "x"], ["\n"], 1) == ("\nhi", "stop", "\n", 3)
 
 
 def test_stream_deltas_add_up_to_generate(llm, reference):

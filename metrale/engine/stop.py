@@ -3,8 +3,10 @@
 Stop strings can straddle tokens, so while a sequence has stop strings the last `len(longest) - 1`
 characters of its text are held back: a streamed delta never has to be retracted when a stop
 string completes one token later. Token-based stops (stop token ids, EOS, `max_tokens`, the model
-length) take effect only once `min_tokens` tokens were emitted (the sampler also bans them until
-then); stop strings likewise. A structured output ends when its grammar is complete.
+length) take effect only once `min_tokens` tokens were emitted (the sampler bans stop tokens
+until then, so one can come at token `min_tokens + 1` at the earliest); a stop string counts
+where a token after the first `min_tokens` completes it, as in vLLM's detokenizer. A structured
+output ends when its grammar is complete.
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ def token_stop(seq: Sequence, max_model_len: int) -> tuple[str, int | None] | No
 
 def _find_stop_string(seq: Sequence, text: str, new_from: int) -> tuple[int, str] | None:
     """Earliest stop-string occurrence in `text` that ends past `new_from` (in the new text):
-    one that ended earlier was emitted before `min_tokens`, where stop strings do not count
-    (vLLM's `StopChecker` looks at the new characters alone too). Found from where the
-    longest stop began, a shorter one held back whole before `min_tokens` ended the output
-    when a longer stop string sat beside it (found in review)."""
+    one that ended earlier ended within the first `min_tokens` tokens, where stop strings do
+    not count (vLLM's detokenizer searches the new characters alone too). Found from where
+    the longest stop began, a shorter one held back whole before `min_tokens` ended the output
+    when a longer stop string sat beside it (found in review). (Of two that end in one
+    token's text, the earliest; vLLM takes the first listed.)"""
     best = None
     for stop in seq.params.stop:
         idx = text.find(stop, max(0, new_from - len(stop) + 1))
@@ -59,7 +62,7 @@ def check_stop(
         new_text += seq.detokenizer.flush()
     text = seq.pending_text + new_text
     stops = seq.params.stop
-    if stops and len(seq.output_token_ids) >= seq.params.min_tokens:
+    if stops and len(seq.output_token_ids) > seq.params.min_tokens:
         found = _find_stop_string(seq, text, len(seq.pending_text))
         if found is not None:
             idx, stop = found
