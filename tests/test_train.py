@@ -408,8 +408,9 @@ def test_a_run_without_heldout_writes_a_clean_checkpoint(corpus, tok_dir, tmp_pa
 
 def test_training_refuses_what_would_go_wrong_later(corpus, tok_dir, target, tmp_path):
     """Refused before any step, each naming why (found in review): a resume over changed
-    corpus files (the options alone were checked), a resume with nothing to continue (it
-    started over, overwriting a finished run's checkpoint), a target written beside drafters
+    corpus files, even of the same length (the options alone were checked), a resume of a run
+    that completed (it started over, overwriting its checkpoint; a run with nothing saved yet
+    starts), a target written beside drafters
     of an earlier one, a glob leaving the corpus, a device training cannot use, a depth decay
     whose powers overflow."""
     from metrale.train.loop import resolve_device
@@ -420,11 +421,25 @@ def test_training_refuses_what_would_go_wrong_later(corpus, tok_dir, target, tmp
     opts = replace(OPTS, steps=4, eval_every=0)
     partial = train_target(tok_dir, tmp_path / "r", spec, SHAPE, replace(opts, stop_at=2))
     assert not partial["completed"]
-    (root / "mod_00.py").write_text("def changed():\n    return 1\n")
-    with pytest.raises(ValueError, match="corpus"):
+    original = (root / "mod_00.py").read_text()
+    for changed in (original.replace("x + ", "x - ", 1), "def changed():\n    return 1\n"):
+        (root / "mod_00.py").write_text(changed)  # the same length, then another
+        with pytest.raises(ValueError, match="corpus"):
+            train_target(tok_dir, tmp_path / "r", spec, SHAPE, replace(opts, resume=True))
+    (root / "mod_00.py").write_text(original)
+    # a state saved before the identity had the files' digest resumes on its options
+    path = tmp_path / "r" / "train_state.pt"
+    state = torch.load(path, weights_only=False)
+    state["identity"]["corpus"].pop("files")
+    torch.save(state, path)
+    done = train_target(tok_dir, tmp_path / "r", spec, SHAPE, replace(opts, resume=True))
+    assert done["completed"]
+    with pytest.raises(ValueError, match="completed .*nothing to continue"):
         train_target(tok_dir, tmp_path / "r", spec, SHAPE, replace(opts, resume=True))
-    with pytest.raises(ValueError, match="nothing to continue"):
-        train_target(tok_dir, tmp_path / "new", spec, SHAPE, replace(opts, resume=True))
+    # nothing saved yet (a run killed before its first save): --resume starts it
+    assert train_target(tok_dir, tmp_path / "new", spec, SHAPE, replace(opts, resume=True))[
+        "completed"
+    ]
     (tmp_path / "d" / "dflash").mkdir(parents=True)
     with pytest.raises(ValueError, match="holds dflash, trained for an earlier target"):
         train_target(tok_dir, tmp_path / "d", spec, SHAPE, opts)

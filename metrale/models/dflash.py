@@ -314,7 +314,7 @@ def save_dflash(model: DFlashDraftModel, path: str | Path, target_config: dict) 
     # (cloned: a loaded drafter's projections are views of one packed weight)
     tensors = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     save_file(tensors, path / "model.safetensors")
-    like_written(path / "model.safetensors", path / "config.json")
+    like_written(path / "model.safetensors")
     return path
 
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
-import stat
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -258,8 +258,11 @@ def load_weights(
             raise CheckpointError(f"{model_dir}: missing tensor {_checkpoint_name(name, renames)}")
 
 
-def like_written(path: Path, written: Path) -> None:
-    """Give `path` the permissions of a file written as usual (`written`, beside it):
+def like_written(path: Path) -> None:
+    """Give `path` the permissions a file written as usual gets (0666 less the umask):
     safetensors writes its files 0600, which another account (a server's) cannot read (found
-    in review)."""
-    path.chmod(stat.S_IMODE(written.stat().st_mode))
+    in review). (Not those of a file beside it: a read-only config.json copied from a snapshot
+    made the weights read-only, and the next run could not write them.)"""
+    mask = os.umask(0o022)  # (reading the umask sets it: put back at once)
+    os.umask(mask)
+    path.chmod(0o666 & ~mask)

@@ -163,6 +163,14 @@ def _warn_if_long(stage: str, opts: TrainOptions, done: int, start: float, devic
         )
 
 
+def _summary_stage(path: Path) -> str | None:
+    """The stage a summary file says completed, if it is one."""
+    try:
+        return json.loads(path.read_text()).get("stage")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _log(message: str) -> None:
     # stderr, through tqdm so a live bar is redrawn below the line; stdout stays for results.
     tqdm.write(message, file=sys.stderr)
@@ -249,10 +257,14 @@ def run_training(
                 "remove it to start over"
             )
         state = _load_state(state_path)
+        saved = state["identity"]
+        if isinstance(saved.get("corpus"), dict) and "files" not in saved["corpus"]:
+            # a state saved before the corpus identity had the files' digest: its options
+            # alone are what it can be checked against
+            identity = {**identity, "corpus": {**identity["corpus"]}}
+            identity["corpus"].pop("files", None)
         differ = sorted(
-            k
-            for k in identity.keys() | state["identity"].keys()
-            if identity.get(k) != state["identity"].get(k)
+            k for k in identity.keys() | saved.keys() if identity.get(k) != saved.get(k)
         )
         if differ:
             detail = ", ".join(
@@ -270,12 +282,15 @@ def run_training(
             raise _unreadable(state_path, e) from None
         _log(f"{stage}: resuming from step {step} of {opts.steps} ({state_path})")
     elif opts.resume:
-        # (it started over and overwrote a finished run's checkpoint, said only in a log line
-        # that -q hides: found in review)
-        raise ValueError(
-            f"resume: no {state_name} in {out_dir}, nothing to continue (a completed run "
-            "leaves none); drop --resume to start a run"
-        )
+        summary = out_dir / state_name.replace("_state.pt", "_summary.json")
+        if _summary_stage(summary) == stage:
+            # (it started over and overwrote the finished run's checkpoint: found in review)
+            raise ValueError(
+                f"resume: the {stage} run in {out_dir} completed ({summary.name}); nothing to "
+                "continue: drop --resume to train again"
+            )
+        # a run killed before its first save: a script that always passes --resume restarts
+        _log(f"{stage}: no {state_name} in {out_dir}; starting at step 0")
 
     def save() -> None:
         flush()

@@ -122,7 +122,7 @@ def save_mtp(model_dir: str | Path, tensors: dict[str, torch.Tensor]) -> None:
     (dropping entries of an earlier mtp.safetensors, which may have had other layers)."""
     model_dir = Path(model_dir)
     save_file(tensors, str(model_dir / MTP_FILE), metadata={"format": "pt"})
-    like_written(model_dir / MTP_FILE, model_dir / "config.json")
+    like_written(model_dir / MTP_FILE)
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         data = json.loads(index.read_text())

@@ -124,7 +124,7 @@ def save_checkpoint(
         stale.unlink(missing_ok=True)
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    like_written(out_dir / "model.safetensors", out_dir / "config.json")
+    like_written(out_dir / "model.safetensors")
     eot = config["eos_token_id"]
     tok = load_tokenizer(tokenizer_dir)
     generation = {
