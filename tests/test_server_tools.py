@@ -391,11 +391,20 @@ def test_end_of_text_is_stripped_when_special_tokens_are_decoded():
     assert splitter.feed(CALL_A[20:] + "ok<|im_end|>", final=True)[0] == "ok"
 
 
-@pytest.mark.parametrize("text", ["x<|im_end|>", f"a<|im_end|>b {CALL_A}<|im_e<|im_end|>"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "x<|im_end|>",
+        f"a<|im_end|>b {CALL_A}<|im_e<|im_end|>",
+        "ax<|endoftext|><|im_end|>",
+        "a<|im_end|><|endoftext|>",
+    ],
+)
 def test_end_of_text_split_across_chunks_is_stripped_as_in_the_whole(text):
-    """The end-of-text text split over a stream's pieces is dropped from the streamed content
-    as from the whole answer's (it was released piece by piece: found in review)."""
-    strip = ("<|im_end|>",)
+    """The end-of-text texts split over a stream's pieces are dropped from the streamed
+    content as from the whole answer's (they were released piece by piece, and the first of
+    two in a row when the second was held: found in review)."""
+    strip = ("<|im_end|>", "<|endoftext|>")
     want = split_tool_calls(text, NAMES, strip)
     want = (want[0] or "", [(c.name, c.arguments) for c in want[1]])
     for seed in range(200):

@@ -140,13 +140,19 @@ class ToolCallSplitter:
         return self._content(content, final), calls
 
     def _stripped(self, buf: str) -> int:
-        """Length of the longest end of `buf` that begins (or is) a text of `strip`."""
+        """Length of the end of `buf` the final piece may strip: the longest end that begins
+        (or is) a text of `strip`, and whole texts of `strip` before it (the whole answer
+        strips each in turn)."""
         best = 0
         for suffix in self.strip:
             for n in range(min(len(suffix), len(buf)), best, -1):
                 if suffix.startswith(buf[-n:]):
                     best = n
                     break
+        rest = buf[: len(buf) - best]
+        while whole := next((s for s in self.strip if s and rest.endswith(s)), None):
+            best += len(whole)
+            rest = rest[: -len(whole)]
         return best
 
     def _content(self, content: str, final: bool) -> str:
