@@ -70,6 +70,7 @@ class LLM:
         # Each live request's outputs that another caller's step made (`_take`): an open
         # `stream` and a `generate` beside it (or two streams) share the engine's steps.
         self._outbox: dict[str, list[RequestOutput]] = {}
+        self._set_aside = 0  # outputs in it: none (the usual case), no per-request look-ups
 
     @property
     def tokenizer(self):
@@ -119,25 +120,31 @@ class LLM:
         the other's outputs: its deltas no longer added up to its text, and a stream whose
         last output was dropped stepped an idle engine forever (found in review)."""
         taken = []
-        for request_id in ids:
-            box = self._outbox.get(request_id)
-            if box:
-                taken += box
-                box.clear()
-        if taken:
-            return taken
+        if self._set_aside:
+            for request_id in ids:
+                box = self._outbox.get(request_id)
+                if box:
+                    taken += box
+                    self._set_aside -= len(box)
+                    box.clear()
+            if taken:
+                return taken
         idle = not self.engine.has_unfinished_requests()
         for out in self.engine.step():
             if out.request_id in ids:
                 taken.append(out)
             elif out.request_id in self._outbox:
                 self._outbox[out.request_id].append(out)
+                self._set_aside += 1
         if idle and not taken:  # never finishing: say so rather than step an idle engine
             raise RuntimeError(f"requests {sorted(ids)} are no longer in the engine")
         return taken
 
+    def _forget(self, request_id: str) -> None:
+        self._set_aside -= len(self._outbox.pop(request_id, ()))
+
     def _abort(self, request_id: str) -> None:
-        self._outbox.pop(request_id, None)
+        self._forget(request_id)
         self.engine.abort_request(request_id)
 
     def generate(
@@ -186,16 +193,18 @@ class LLM:
 
     def _run(self, ids: set[str], show_progress: bool) -> dict[str, RequestOutput]:
         finals: dict[str, RequestOutput] = {}
+        pending = set(ids)  # (updated as requests finish: no per-step work over the batch)
         bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not show_progress)
         try:
-            while len(finals) < len(ids):
-                for out in self._take(ids - finals.keys()):
+            while pending:
+                for out in self._take(pending):
                     if out.finished:
                         finals[out.request_id] = out
-                        self._outbox.pop(out.request_id, None)
+                        pending.discard(out.request_id)
+                        self._forget(out.request_id)
                         bar.update(1)
         except BaseException:
-            for request_id in ids - finals.keys():
+            for request_id in pending:
                 self._abort(request_id)
             raise
         finally:
@@ -218,7 +227,7 @@ class LLM:
                     yield out
         finally:
             if finished:
-                self._outbox.pop(request_id, None)
+                self._forget(request_id)
             else:
                 self._abort(request_id)
 

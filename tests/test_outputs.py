@@ -143,7 +143,7 @@ def test_streams_and_generate_share_the_engine(llm):
     gen = llm.generate(prompts[1:], greedy(max_tokens=9), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in gen] == [a.token_ids for a in alone[1:]]
     assert joined(first + list(stream)) == alone[0].token_ids
-    assert not llm.engine.has_unfinished_requests() and not llm._outbox
+    assert not llm.engine.has_unfinished_requests() and not llm._outbox and not llm._set_aside
 
 
 @pytest.mark.parametrize("speculative", [False, True])
