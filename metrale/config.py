@@ -35,6 +35,28 @@ MAX_TENSOR_PARALLEL = 1 << 10
 MAX_TIMEOUT_S = 7 * 24 * 3600
 
 
+def resolve_device(name: str) -> torch.device:
+    """A `device` option (auto, cpu, cuda[:N]) as a torch device; ValueError naming `device`
+    otherwise (the engine's and the trainers')."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"device: {name!r} is not a torch device ({e})") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: {name!r} is not supported (auto, cpu, cuda[:N])")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device: {name!r} asked for, but this torch ({torch.__version__}) "
+                "sees no CUDA GPU; use --device cpu, or install a CUDA build of torch"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device: {name!r}, but only {torch.cuda.device_count()} GPU(s) exist")
+    return device
+
+
 def _opt(default, help_text: str):
     """A config field whose `help` the command line shows (its flags are generated from it)."""
     return field(default=default, metadata={"help": help_text})
@@ -212,25 +234,7 @@ class EngineConfig:
             parse_dtype(self.mamba_ssm_cache_dtype, "mamba_ssm_cache_dtype")
 
     def resolve_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        try:
-            device = torch.device(self.device)
-        except RuntimeError as e:
-            raise ValueError(f"device: {self.device!r} is not a torch device ({e})") from None
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"device: {self.device!r} is not supported (auto, cpu, cuda[:N])")
-        if device.type == "cuda":
-            if not torch.cuda.is_available():
-                raise ValueError(
-                    f"device: {self.device!r} asked for, but this torch ({torch.__version__}) "
-                    "sees no CUDA GPU; use --device cpu, or install a CUDA build of torch"
-                )
-            if device.index is not None and device.index >= torch.cuda.device_count():
-                raise ValueError(
-                    f"device: {self.device!r}, but only {torch.cuda.device_count()} GPU(s) exist"
-                )
-        return device
+        return resolve_device(self.device)
 
     def resolve_dtype(self, model: ModelConfig, device: torch.device) -> torch.dtype:
         """`auto`: the checkpoint's dtype on GPU; float32 on CPU (where bf16 matmuls are slow

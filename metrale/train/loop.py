@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from metrale.config import resolve_device
 from metrale.train.corpus import TokenData
 
 LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -100,20 +101,6 @@ class TrainOptions:
         keys = ("steps", "batch_size", "seq_len", "lr", "min_lr_ratio", "warmup_steps")
         keys += ("weight_decay", "beta1", "beta2", "grad_clip", "seed")
         return {k: getattr(self, k) for k in keys}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as e:
-        raise ValueError(f"device: {name!r} is not a torch device ({e})") from None
-    if device.type not in ("cpu", "cuda"):  # (mps, meta, ...: tracebacks deep in a run)
-        raise ValueError(f"device: {name!r} is not supported (auto, cpu, cuda[:N])")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device: {name!r} requested but CUDA is not available")
-    return device
 
 
 def lr_factor(step: int, opts: TrainOptions) -> float:
