@@ -230,7 +230,8 @@ class CompletionRequest(_GenerationRequest):
 
 
 class ChatRenderFields(BaseModel):
-    """How the messages end the prompt (vLLM's fields of the same names)."""
+    """How the messages end the prompt (vLLM's fields of the same names; `chat_prompt_ids`
+    refuses both true, a 400 naming `continue_final_message`)."""
 
     add_generation_prompt: StrictBool = Field(True, description="open the assistant's turn")
     continue_final_message: StrictBool = Field(
@@ -243,13 +244,6 @@ class ChatRenderFields(BaseModel):
     # they would change the prompt silently)
     chat_template: Any = _vllm_only()
     documents: Any = _vllm_only()
-
-    @field_validator("continue_final_message")
-    @classmethod
-    def _continue(cls, value, info: ValidationInfo):
-        if value and info.data.get("add_generation_prompt", True):
-            raise ValueError("cannot be true with add_generation_prompt true")
-        return value
 
     @field_validator("chat_template", "documents", mode="before")
     @classmethod
