@@ -1,7 +1,9 @@
 """The sparse MoE block's kernels at qwen3-next-a3b-64e's shape (H 2048, 64 experts, top-10,
 I 512, a shared expert of 512, bf16) on one GPU, per layer, each timed as a replayed CUDA graph:
 
-  route     routing + plan (`kernels/moe_routing.py`), one launch
+  route     routing + plan (`kernels/moe_routing.py`), one launch, from the router logits
+  route_from_hidden   the same launch making the logits too (as the block runs it); the router
+            GEMM alone beside it
   experts   grouped gate/up + down + combine (`kernels/moe.py`), three launches
   block     the whole fused block (router GEMM, route, experts, the next norm folded)
   torch     the block's torch path (`METRALE_NO_FUSED_KERNELS=1` would give it on CUDA)
@@ -95,6 +97,10 @@ def _measure(n: int, block, norm, bw: float, sweep: bool) -> dict:
     read = (experts_read(E, K, n) + 1) * 3 * H * INTER * 2 + E * H * 2
     row = {"batch": n, "roofline_us": read / bw * 1e6}
     row["route_us"] = _time(lambda: moe_routing.route(logits, K, shared=True))
+    row["router_gemm_us"] = _time(lambda: block.gate(x))
+    row["route_from_hidden_us"] = _time(
+        lambda: moe_routing.route(None, K, shared=True, hidden=x, router=block.gate.weight)
+    )
     row["experts_us"] = _time(
         lambda: moe.grouped_experts(x, plan, exp.gate_up_proj, exp.down_proj, shared)
     )

@@ -44,13 +44,24 @@ def _plan_reference(ids: torch.Tensor, num_experts: int, shared: bool, block_m: 
     return order, tiles
 
 
-@pytest.mark.parametrize("launches", [1, 2])  # 2: a program per block, route then plan
+def _launches(launches: str, monkeypatch) -> None:
+    """`registers`: one block of rows planned from registers, where it applies; `one`: one
+    program, planning from what it stored; `two`: a program per block, route then plan."""
+    if launches != "registers":
+        monkeypatch.setattr(moe_routing, "REGISTER_PLAN", False)
+    if launches == "two":
+        monkeypatch.setattr(moe_routing, "SINGLE_MAX_BLOCKS", 0)
+
+
+LAUNCHES = ["registers", "one", "two"]
+
+
+@pytest.mark.parametrize("launches", LAUNCHES)
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("n, experts, top_k", [(1, 8, 2), (5, 8, 3), (17, 64, 10), (300, 8, 2)])
 def test_routing_and_plan_match_the_reference(n, experts, top_k, norm, launches, monkeypatch):
     """Integer-valued logits tie often: the picks equal the stable-sort reference exactly."""
-    if launches == 2:
-        monkeypatch.setattr(moe_routing, "SINGLE_MAX_BLOCKS", 0)
+    _launches(launches, monkeypatch)
     gen = torch.Generator().manual_seed(n)
     logits = (torch.randint(-3, 3, (n, experts), generator=gen) * 0.5).to(DEVICE)
     for shared in (False, True):
@@ -65,15 +76,14 @@ def test_routing_and_plan_match_the_reference(n, experts, top_k, norm, launches,
         assert all(t[0] == -1 for t in got[len(tiles) :])
 
 
-@pytest.mark.parametrize("launches", [1, 2])
+@pytest.mark.parametrize("launches", LAUNCHES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, experts, top_k, hidden", [(1, 64, 10, 200), (37, 8, 2, 64)])
 def test_router_logits_made_in_the_kernel(n, experts, top_k, hidden, dtype, launches, monkeypatch):
     """route(hidden=, router=) equals route(logits) of the router product rounded to the
     activation dtype (H not a multiple of the kernel's chunk; masked rows and experts), and a
     row's plan does not depend on the rows beside it."""
-    if launches == 2:
-        monkeypatch.setattr(moe_routing, "SINGLE_MAX_BLOCKS", 0)
+    _launches(launches, monkeypatch)
     gen = torch.Generator().manual_seed(n + hidden)
     # integer-valued hidden and router entries: every product and sum is exact, so the logits
     # are the same bits whatever the order of summation (and ties are frequent)
@@ -135,14 +145,13 @@ def test_picks_follow_the_float_order_across_signs_zeros_and_infinities():
     assert plan.ids.tolist()[0] == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("launches", [1, 2])
+@pytest.mark.parametrize("launches", LAUNCHES)
 def test_rows_of_minus_infinity_or_nan_keep_their_picks_distinct(launches, monkeypatch):
     """A row whose logits run out (-inf) or are NaN still picks k distinct experts below E, so
     the plan is a permutation of the pairs and every tile holds real pairs (found in review:
     the same expert picked twice left a hole in `order` that a tile covered, an index out of
     bounds for the down kernel); the other rows route as the reference does."""
-    if launches == 2:
-        monkeypatch.setattr(moe_routing, "SINGLE_MAX_BLOCKS", 0)
+    _launches(launches, monkeypatch)
     inf, nan = float("inf"), float("nan")
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(6, 8, generator=gen)

@@ -170,6 +170,26 @@ def kernels(llm: LLM, prompts, params, label: str) -> list:
     return outs
 
 
+def traced(llm: LLM, prompts, params, label: str) -> list:
+    """torch.profiler timeline of one generation, Python stacks included, written as a gzipped
+    Chrome trace (`<--trace>/<label>.json.gz`): where the device idles and what the host was
+    doing meanwhile (`benchmarks/trace_gaps.py` summarises it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    llm.generate(prompts, params, use_tqdm=False)  # warm: graphs captured
+    sync(llm.engine.runner.device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        sync(llm.engine.runner.device)
+    TRACE_DIR.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(TRACE_DIR / f"{label}.json.gz"))
+    print(f"== {label}: trace written to {TRACE_DIR / label}.json.gz", flush=True)
+    return outs
+
+
+TRACE_DIR = Path("traces")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-8b")
@@ -200,9 +220,12 @@ def main() -> None:
     ap.add_argument(
         "--kernels", action="store_true", help="device busy time and top kernels (CUDA)"
     )
+    ap.add_argument("--trace", default=None, help="a folder: Chrome traces of each run (CUDA)")
     args = ap.parse_args()
-    global profiled
-    if args.phases:
+    global profiled, TRACE_DIR
+    if args.trace is not None:
+        profiled, TRACE_DIR = traced, Path(args.trace)
+    elif args.phases:
         profiled = phased
     elif args.kernels:
         profiled = kernels

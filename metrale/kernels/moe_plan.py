@@ -113,8 +113,23 @@ if triton is not None:
         SHARED: tl.constexpr,
     ):
         """tiles[:, t] = (expert, first, end position) of tile t; expert -1 past the last."""
-        cols = tl.arange(0, BE)
         count, _ = _totals(counts_ptr, 0, NB, BE)
+        _tile_map_of(count, tiles_ptr, N, E, MAX_TILES, BE, BM, BT, SHARED)
+
+    @triton.jit
+    def _tile_map_of(
+        count,
+        tiles_ptr,
+        N,
+        E,
+        MAX_TILES,
+        BE: tl.constexpr,
+        BM: tl.constexpr,
+        BT: tl.constexpr,
+        SHARED: tl.constexpr,
+    ):
+        """`_tile_map` from the per-expert pair counts [BE] in registers."""
+        cols = tl.arange(0, BE)
         # column E: the shared expert's pairs, or the skipped picks (sorted last, in no tile)
         if SHARED:  # noqa: SIM108 (a branch on a constexpr)
             count = tl.where(cols == E, N, count)

@@ -13,7 +13,8 @@ The plan (`kernels/moe_plan.py`: each pair's place in expert order, the tiles) i
 p = row * k + slot, plus, with a shared expert, one pair per row after them (p = N k + row, as
 "expert" E); its kernels run at the end of this launch.
 
-One program routes and plans up to `SINGLE_MAX_BLOCKS` blocks of rows (decode steps); more rows
+One program routes and plans up to `SINGLE_MAX_BLOCKS` blocks of rows (decode steps; one block
+whose experts it picks is planned from registers, without reading back what it stored); more rows
 (verify and prefill steps) take two launches of one program per block (route, then plan), with
 the same per-row arithmetic. Per-expert counts are integer sums: the plan is deterministic.
 """
@@ -28,11 +29,13 @@ from metrale.kernels.fused import triton
 from metrale.kernels.moe_plan import MoEPlan, max_tiles
 
 if triton is not None:
-    from metrale.kernels.moe_plan import _plan_block, _tile_map
+    from metrale.kernels.moe_plan import _plan_block, _tile_map, _tile_map_of
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # One program plans up to this many blocks of rows; beyond, a program per block in two launches.
 SINGLE_MAX_BLOCKS = 2
+# One block of rows whose experts the launch picks is planned from registers (PHASE 3).
+REGISTER_PLAN = True
 # Elements of a block's (row, expert) tables: 16 rows per block for up to 127 experts, fewer for
 # more (sm90, 8 warps: no register spills).
 BLOCK_ELEMENTS = 2048
@@ -64,8 +67,10 @@ if triton is not None:
         NORM: tl.constexpr,
     ):
         """Rows blk*BR ..: pick each row's experts (or read them), store ids (and weights), and
-        the block's per-expert counts. FROM_HIDDEN: logits_ptr holds the hidden rows [N, H],
-        whose router logits (rows of router [E, H]) are made here, rounded to their dtype."""
+        the block's per-expert counts; returns (picks [BR, BKK], picks of each expert in each
+        row [BR, BE]) for a caller that plans from registers (picks made here only).
+        FROM_HIDDEN: logits_ptr holds the hidden rows [N, H], whose router logits (rows of
+        router [E, H]) are made here, rounded to their dtype."""
         rows = blk * BR + tl.arange(0, BR)
         r_ok = rows < N
         cols = tl.arange(0, BE)
@@ -127,6 +132,7 @@ if triton is not None:
             tl.store(w_ptr + out_off, vals.to(w_ptr.dtype.element_ty), mask=out_ok)
             hits = (taken & (cols[None, :] < E) & r_ok[:, None]).to(tl.int32)
         else:
+            picks = tl.zeros([BR, BKK], tl.int32)  # (not returned to any caller: ids given)
             hits = tl.zeros([BR, BE], tl.int32)  # picks of e in row r (masked picks repeat)
             for j in tl.static_range(K):
                 idx = tl.load(ids_in_ptr + rows * K + j, mask=r_ok, other=0).to(tl.int32)
@@ -134,6 +140,7 @@ if triton is not None:
                 hits += ((cols[None, :] == idx[:, None]) & r_ok[:, None]).to(tl.int32)
         counts = tl.sum(hits, axis=0)
         tl.store(counts_ptr + blk * BE + cols, counts)
+        return picks, hits
 
     @triton.jit
     def _route_plan_kernel(
@@ -162,9 +169,28 @@ if triton is not None:
         NORM: tl.constexpr,
         SHARED: tl.constexpr,
         DISTINCT: tl.constexpr,
+        BT: tl.constexpr,
         PHASE: tl.constexpr,  # 0: route, 1: plan (a program per block); 2: both, one program
     ):
-        if PHASE == 2:
+        if PHASE == 3:
+            # one block of rows whose picks are made here: planned from registers, without
+            # reading back the ids and counts just stored (a decode step's dependent round
+            # trips through memory, and a barrier)
+            picks, hits = _route_block(
+                0, logits_ptr, stride_l, router_ptr, H, ids_in_ptr, ids_ptr, w_ptr,
+                counts_ptr, N, E, K, BR, BE, BKK, FROM_LOGITS, FROM_HIDDEN, BH, NORM,
+            )  # fmt: skip
+            count = tl.sum(hits, axis=0)
+            at = tl.cumsum(hits, axis=0) - hits + (tl.cumsum(count, axis=0) - count)[None, :]
+            rows = tl.arange(0, BR)
+            slot = tl.arange(0, BKK)
+            ok = (rows[:, None] < N) & (slot[None, :] < K)
+            pair = rows[:, None] * K + slot[None, :]
+            tl.store(order_ptr + tl.gather(at, picks, axis=1), pair, mask=ok)
+            if SHARED:
+                tl.store(order_ptr + N * K + rows, N * K + rows, mask=rows < N)
+            _tile_map_of(count, tiles_ptr, N, E, MAX_TILES, BE, BM, BT, SHARED)
+        elif PHASE == 2:
             for blk in range(NB):
                 _route_block(
                     blk, logits_ptr, stride_l, router_ptr, H, ids_in_ptr, ids_ptr, w_ptr,
@@ -175,7 +201,7 @@ if triton is not None:
                 _plan_block(
                     blk, ids_ptr, counts_ptr, order_ptr, N, NB, K, BR, BE, BKK, SHARED, DISTINCT
                 )
-            _tile_map(counts_ptr, tiles_ptr, N, E, NB, MAX_TILES, K, BE, BM, 64, SHARED)
+            _tile_map(counts_ptr, tiles_ptr, N, E, NB, MAX_TILES, K, BE, BM, BT, SHARED)
         elif PHASE == 0:
             _route_block(
                 tl.program_id(0), logits_ptr, stride_l, router_ptr, H, ids_in_ptr, ids_ptr,
@@ -187,7 +213,7 @@ if triton is not None:
                 blk, ids_ptr, counts_ptr, order_ptr, N, NB, K, BR, BE, BKK, SHARED, DISTINCT
             )
             if blk == 0:
-                _tile_map(counts_ptr, tiles_ptr, N, E, NB, MAX_TILES, K, BE, BM, 64, SHARED)
+                _tile_map(counts_ptr, tiles_ptr, N, E, NB, MAX_TILES, K, BE, BM, BT, SHARED)
 
 
 def _block_rows(num_experts: int) -> int:
@@ -286,14 +312,17 @@ def route(
         NORM=norm_topk_prob,
         SHARED=shared,
         DISTINCT=from_logits,  # picks made here: a row's experts are distinct
+        BT=min(64, triton.next_power_of_2(tiles_n)),  # tiles mapped at a time
     )
     if from_logits and logits.stride(1) != 1:
         raise ValueError("router logits need unit column stride")
-    if blocks <= SINGLE_MAX_BLOCKS:
-        _route_plan_kernel[(1,)](*args, **meta, PHASE=2, num_warps=8)
-    else:
+    if blocks > SINGLE_MAX_BLOCKS:
         _route_plan_kernel[(blocks,)](*args, **meta, PHASE=0, num_warps=8)
         _route_plan_kernel[(blocks,)](*args, **meta, PHASE=1, num_warps=8)
+    elif blocks == 1 and from_logits and REGISTER_PLAN:
+        _route_plan_kernel[(1,)](*args, **meta, PHASE=3, num_warps=8)
+    else:
+        _route_plan_kernel[(1,)](*args, **meta, PHASE=2, num_warps=8)
     return plan
 
 
