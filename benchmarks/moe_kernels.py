@@ -2,8 +2,9 @@
 I 512, a shared expert of 512, bf16) on one GPU, per layer, each timed as a replayed CUDA graph:
 
   route     routing + plan (`kernels/moe_routing.py`), one launch, from the router logits
-  route_from_hidden   the same launch making the logits too (as the block runs it); the router
-            GEMM alone beside it
+  route_from_hidden   the same launch making the logits too; the router GEMM alone beside it
+  split_router        the router product split across programs, the last routing
+            (`kernels/moe_router.py`, as the block runs it up to 16 rows); the block without it
   experts   grouped gate/up + down + combine (`kernels/moe.py`), three launches
   block     the whole fused block (router GEMM, route, experts, the next norm folded)
   torch     the block's torch path (`METRALE_NO_FUSED_KERNELS=1` would give it on CUDA)
@@ -101,6 +102,17 @@ def _measure(n: int, block, norm, bw: float, sweep: bool) -> dict:
     row["route_from_hidden_us"] = _time(
         lambda: moe_routing.route(None, K, shared=True, hidden=x, router=block.gate.weight)
     )
+    if n <= moe_routing.route_block_rows(E):
+        arrivals = block.router_arrivals
+        row["split_router_us"] = _time(
+            lambda: moe_routing.route(
+                None, K, shared=True, hidden=x, router=block.gate.weight, arrivals=arrivals
+            )
+        )
+        split = qwen3_next_moe.SPLIT_ROUTER
+        qwen3_next_moe.SPLIT_ROUTER = False
+        row["block_without_split_router_us"] = _time(lambda: block(x, residual, norm))
+        qwen3_next_moe.SPLIT_ROUTER = split
     row["experts_us"] = _time(
         lambda: moe.grouped_experts(x, plan, exp.gate_up_proj, exp.down_proj, shared)
     )

@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("triton")
 
 from metrale.config import ModelConfig  # noqa: E402
-from metrale.kernels import moe, moe_routing  # noqa: E402
+from metrale.kernels import moe, moe_router, moe_routing  # noqa: E402
 from metrale.models import qwen3_next_moe  # noqa: E402
 from metrale.models.qwen3_next import ZeroCentredRMSNorm  # noqa: E402
 from metrale.models.qwen3_next_moe import Qwen3NextSparseMoeBlock  # noqa: E402
@@ -94,6 +94,36 @@ def test_router_logits_made_in_the_kernel(n, experts, top_k, hidden, dtype, laun
     for got, ref in zip(plan[:4], want[:4], strict=True):
         assert torch.equal(got, ref)
     alone = moe_routing.route(None, top_k, hidden=x[-1:], router=router)
+    assert torch.equal(alone.ids, plan.ids[-1:]) and torch.equal(alone.weights, plan.weights[-1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "n, experts, top_k, hidden", [(1, 64, 10, 2048), (5, 8, 2, 200), (16, 100, 7, 300)]
+)
+def test_router_split_across_programs(n, experts, top_k, hidden, dtype):
+    """route(hidden=, router=, arrivals=): programs split the router product (experts, runs of
+    hidden columns), the last sums their partials and routes: the plan of route(logits) of the
+    product rounded to the activation dtype (the weights to rounding: the two launches may sum
+    a row's softmax in other orders, as on the H100 in float32); the arrival counter is back at
+    0 after each launch (a graph's next replay), and a row routes alone bitwise as in its
+    batch. Past one block of rows it is the one-program launch's plan."""
+    gen = torch.Generator().manual_seed(n + hidden)
+    x = torch.randint(-2, 3, (n + 20, hidden), generator=gen).to(DEVICE, dtype)
+    router = torch.randint(-1, 2, (experts, hidden), generator=gen).to(DEVICE, dtype)
+    arrivals = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    for rows in (x[:n], x[:n], x):  # twice: the counter was reset; then more than one block
+        plan = moe_routing.route(
+            None, top_k, hidden=rows, router=router, arrivals=arrivals, shared=True, block_m=4
+        )
+        want = moe_routing.route(rows @ router.T, top_k, shared=True, block_m=4)
+        assert torch.equal(plan.ids, want.ids)
+        assert torch.equal(plan.order, want.order) and torch.equal(plan.tiles, want.tiles)
+        rtol = 1e-6 if dtype == torch.float32 else 8e-3  # (bf16: one unit in the last place)
+        torch.testing.assert_close(plan.weights, want.weights, rtol=rtol, atol=1e-7)
+        assert int(arrivals) == 0
+    alone = moe_routing.route(None, top_k, hidden=x[n - 1 : n], router=router, arrivals=arrivals)
+    plan = moe_routing.route(None, top_k, hidden=x[:n], router=router, arrivals=arrivals)
     assert torch.equal(alone.ids, plan.ids[-1:]) and torch.equal(alone.weights, plan.weights[-1:])
 
 
@@ -306,13 +336,20 @@ def kernels(monkeypatch):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("norm", [True, False])
-@pytest.mark.parametrize("router_in_kernel", [False, True], ids=["router_gemm", "router_in_kernel"])
-def test_sparse_block_fused_equals_torch(dtype, norm, router_in_kernel, kernels, monkeypatch):
-    monkeypatch.setattr(qwen3_next_moe, "ROUTER_IN_KERNEL", router_in_kernel)
+@pytest.mark.parametrize("router", ["router_gemm", "router_in_kernel", "split_router"])
+@pytest.mark.parametrize("rows", [9, 40])  # one block of the routing's rows, and more
+def test_sparse_block_fused_equals_torch(dtype, norm, router, rows, kernels, monkeypatch):
+    monkeypatch.setattr(qwen3_next_moe, "ROUTER_IN_KERNEL", router == "router_in_kernel")
+    monkeypatch.setattr(qwen3_next_moe, "SPLIT_ROUTER", router == "split_router")
+    splits = []
+    real = moe_router.split_route
+    monkeypatch.setattr(
+        moe_router, "split_route", lambda *a, **k: splits.append(1) or real(*a, **k)
+    )
     block = _block(dtype, norm=norm)
     gen = torch.Generator().manual_seed(4)
-    x = torch.randn(9, 64, generator=gen).to(DEVICE, dtype)
-    residual = torch.randn(9, 64, generator=gen).to(DEVICE, dtype)
+    x = torch.randn(rows, 64, generator=gen).to(DEVICE, dtype)
+    residual = torch.randn(rows, 64, generator=gen).to(DEVICE, dtype)
     next_norm = ZeroCentredRMSNorm(64, 1e-6).to(DEVICE, dtype)
     with torch.no_grad():
         next_norm.weight.normal_(0, 0.1)
@@ -325,6 +362,20 @@ def test_sparse_block_fused_equals_torch(dtype, norm, router_in_kernel, kernels,
     _close(out, ref, dtype)
     _close(res, ref + residual, dtype)
     _close(normed, ref_normed, dtype)
+    assert bool(splits) == (router == "split_router" and rows <= 16)
+
+
+def test_the_deterministic_mode_keeps_its_invariant_router_product(kernels):
+    """The split router launch sums a logit's partials in its own order: only where the router
+    is a plain product (the deterministic mode's invariant one serves every batch size)."""
+    from metrale.kernels.batch_invariant import make_batch_invariant
+
+    kernels(True)
+    block = _block(torch.float32)
+    x = torch.zeros(3, 64, device=DEVICE)
+    assert block._splits_router(x) and not block._splits_router(torch.zeros(17, 64, device=DEVICE))
+    make_batch_invariant(block)
+    assert not block._splits_router(x)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

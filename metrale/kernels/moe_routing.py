@@ -29,7 +29,8 @@ from metrale.kernels.fused import triton
 from metrale.kernels.moe_plan import MoEPlan, max_tiles
 
 if triton is not None:
-    from metrale.kernels.moe_plan import _plan_block, _tile_map, _tile_map_of
+    from metrale.kernels.moe_picks import _pick, _plan_in_registers, _router_product
+    from metrale.kernels.moe_plan import _plan_block, _tile_map
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # One program plans up to this many blocks of rows; beyond, a program per block in two launches.
@@ -74,63 +75,21 @@ if triton is not None:
         rows = blk * BR + tl.arange(0, BR)
         r_ok = rows < N
         cols = tl.arange(0, BE)
-        slot = tl.arange(0, BKK)
-        out_ok = r_ok[:, None] & (slot[None, :] < K)
-        out_off = rows[:, None] * K + slot[None, :]
         if FROM_LOGITS:
             if FROM_HIDDEN:  # each row's logits over H in a fixed order: batch invariant
-                hh = tl.arange(0, BH)
-                acc = tl.zeros([BR, BE], tl.float32)
-                for h0 in range(0, H, BH):
-                    h = h0 + hh
-                    x = tl.load(
-                        logits_ptr + rows[:, None] * stride_l + h[None, :],
-                        mask=r_ok[:, None] & (h[None, :] < H),
-                        other=0.0,
-                    )
-                    # [BE, BH]: each expert's run of H contiguous (coalesced), transposed in dot
-                    w = tl.load(
-                        router_ptr + cols[:, None] * H + h[None, :],
-                        mask=(cols[:, None] < E) & (h[None, :] < H),
-                        other=0.0,
-                    )
-                    if FROM_HIDDEN == 2 or x.dtype == tl.float32:
-                        # float32 as torch's product (no tf32); 2: the interpreter, whose bf16
-                        # dot is wrong (float32 operands hold bf16 ones exactly)
-                        w32 = tl.trans(w.to(tl.float32))
-                        acc = tl.dot(x.to(tl.float32), w32, acc, input_precision="ieee")
-                    else:
-                        acc = tl.dot(x, tl.trans(w), acc)
+                acc = _router_product(
+                    logits_ptr, stride_l, router_ptr, rows, r_ok, cols, cols < E, 0, H, H,
+                    BR, BE, BH, FROM_HIDDEN == 2,
+                )  # fmt: skip
                 logit = acc.to(logits_ptr.dtype.element_ty)  # a GEMM's output rounding
             else:
                 ok = r_ok[:, None] & (cols[None, :] < E)
                 logit = tl.load(
                     logits_ptr + rows[:, None] * stride_l + cols[None, :], mask=ok, other=0.0
                 )
-            logit = tl.where(cols[None, :] < E, logit.to(tl.float32), float("-inf"))
-            top = tl.max(logit, axis=1)
-            total = tl.sum(tl.exp(logit - top[:, None]), axis=1)
-            taken = cols[None, :] >= E
-            # A NaN logit is never picked before a number; its row's weights are NaN (total).
-            pickable = tl.where(logit == logit, logit, float("-inf"))
-            vals = tl.zeros([BR, BKK], tl.float32)
-            picks = tl.zeros([BR, BKK], tl.int32)
-            for j in tl.static_range(K):
-                cur = tl.where(taken, float("-inf"), pickable)
-                best = tl.max(cur, axis=1)
-                # the lowest index among the largest not yet taken: the tie rule, and a row's
-                # picks stay distinct when what is left is all -inf (the plan relies on it)
-                at_best = (cur == best[:, None]) & ~taken
-                idx = tl.min(tl.where(at_best, cols[None, :], BE), axis=1)
-                taken = taken | (cols[None, :] == idx[:, None])
-                val = tl.exp(best - top) / total  # its softmax probability, bit for bit
-                vals = tl.where(slot[None, :] == j, val[:, None], vals)
-                picks = tl.where(slot[None, :] == j, idx[:, None], picks)
-            if NORM:
-                vals = vals / tl.sum(vals, axis=1)[:, None]
-            tl.store(ids_ptr + out_off, picks, mask=out_ok)
-            tl.store(w_ptr + out_off, vals.to(w_ptr.dtype.element_ty), mask=out_ok)
-            hits = (taken & (cols[None, :] < E) & r_ok[:, None]).to(tl.int32)
+            picks, hits = _pick(
+                logit.to(tl.float32), rows, r_ok, ids_ptr, w_ptr, E, K, BR, BE, BKK, NORM
+            )
         else:
             picks = tl.zeros([BR, BKK], tl.int32)  # (not returned to any caller: ids given)
             hits = tl.zeros([BR, BE], tl.int32)  # picks of e in row r (masked picks repeat)
@@ -180,16 +139,9 @@ if triton is not None:
                 0, logits_ptr, stride_l, router_ptr, H, ids_in_ptr, ids_ptr, w_ptr,
                 counts_ptr, N, E, K, BR, BE, BKK, FROM_LOGITS, FROM_HIDDEN, BH, NORM,
             )  # fmt: skip
-            count = tl.sum(hits, axis=0)
-            at = tl.cumsum(hits, axis=0) - hits + (tl.cumsum(count, axis=0) - count)[None, :]
-            rows = tl.arange(0, BR)
-            slot = tl.arange(0, BKK)
-            ok = (rows[:, None] < N) & (slot[None, :] < K)
-            pair = rows[:, None] * K + slot[None, :]
-            tl.store(order_ptr + tl.gather(at, picks, axis=1), pair, mask=ok)
-            if SHARED:
-                tl.store(order_ptr + N * K + rows, N * K + rows, mask=rows < N)
-            _tile_map_of(count, tiles_ptr, N, E, MAX_TILES, BE, BM, BT, SHARED)
+            _plan_in_registers(
+                picks, hits, order_ptr, tiles_ptr, N, E, MAX_TILES, K, BR, BE, BKK, BM, BT, SHARED
+            )
         elif PHASE == 2:
             for blk in range(NB):
                 _route_block(
@@ -222,6 +174,12 @@ def _block_rows(num_experts: int) -> int:
     return 1 << (block_r.bit_length() - 1)  # a power of two
 
 
+def route_block_rows(num_experts: int) -> int:
+    """Rows one block of the routing launch holds: steps of at most this many rows route in one
+    program (and with the split router, `moe_router`)."""
+    return _block_rows(num_experts)
+
+
 def makes_logits(num_experts: int) -> bool:
     """Whether `route` can make the router logits itself (`hidden=`, `router=`): blocks of 16
     rows, tl.dot's least M, so up to 127 experts (Qwen3-Next-80B's 512 take the GEMM first)."""
@@ -241,6 +199,7 @@ def route(
     dtype: torch.dtype | None = None,
     hidden: torch.Tensor | None = None,
     router: torch.Tensor | None = None,
+    arrivals: torch.Tensor | None = None,
 ) -> MoEPlan:
     """logits [N, E] (any row stride) -> the routing and the plan, in the activation dtype
     (`dtype`, default the logits'). Or, with `hidden` [N, H] and `router` [E, H] instead of
@@ -250,7 +209,9 @@ def route(
     ids, and without `shared` an id of E is a pick to skip (another rank's expert): no tile
     computes it and the combine leaves it out, so a rank's work is its own experts' pairs.
     With `shared`, given ids must be below E (column E is then the shared expert's; not
-    checked here, which would cost a host sync)."""
+    checked here, which would cost a host sync). With `hidden` and `arrivals` (an int32 zero
+    of the caller's own, `moe_router.split_route`), up to one block of rows is routed by
+    programs that split the router product, the last routing and planning."""
     from_hidden = hidden is not None
     if from_hidden:
         if router is None or logits is not None or not makes_logits(router.shape[0]):
@@ -268,6 +229,13 @@ def route(
     ref = logits if from_logits else ids
     device = ref.device
     dtype = dtype or (logits.dtype if from_logits else weights.dtype)
+    if from_hidden and arrivals is not None and n <= _block_rows(e) and dtype == logits.dtype:
+        from metrale.kernels.moe_router import split_route
+
+        return split_route(
+            logits, router, top_k, arrivals, block_rows=_block_rows(e), shared=shared,
+            norm_topk_prob=norm_topk_prob, block_m=block_m, interpreted=INTERPRETED,
+        )  # fmt: skip
     block_e = triton.next_power_of_2(e + 1)  # column E: the shared expert's group
     block_k = triton.next_power_of_2(top_k)
     block_r = _block_rows(e)

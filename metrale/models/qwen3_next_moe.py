@@ -28,7 +28,7 @@ from torch import nn
 from metrale.config import ModelConfig
 from metrale.kernels.dispatch import hybrid_kernels_enabled
 from metrale.kernels.moe import BLOCK_M, SharedExpert, grouped_experts
-from metrale.kernels.moe_routing import makes_logits, route, route_reference
+from metrale.kernels.moe_routing import makes_logits, route, route_block_rows, route_reference
 from metrale.models.activations import sigmoid, silu
 from metrale.models.layers import SwiGLUMLP
 
@@ -42,6 +42,10 @@ GATHER_MAX_PAIRS = 64
 # (`scripts/moe_route_timing.py`, 64 experts, H 2048: 24.1 vs 17.3 us at 1 row, 30.1 vs 22.9 at 16,
 # 32.5 vs 26.4 at 64): one program per row block reads the whole router alone. Off by default.
 ROUTER_IN_KERNEL = False
+# Up to one block of rows (decode and short verify steps), programs split the router product and
+# the last routes (`kernels/moe_router.py`): one launch instead of cuBLAS's and the routing's.
+# Not in the deterministic mode (its invariant router product is the one every batch size uses).
+SPLIT_ROUTER = True
 
 
 @functools.cache
@@ -202,6 +206,8 @@ class Qwen3NextSparseMoeBlock(nn.Module):
         )
         self.shared_expert = SwiGLUMLP(cfg.hidden_size, hybrid.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        # the split router launch's arrival counter (`kernels/moe_router.py`): this block's own
+        self.register_buffer("router_arrivals", torch.zeros(1, dtype=torch.int32), persistent=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, H] -> (expert ids [N, k], routing weights [N, k] in x's dtype); equal logits
@@ -214,6 +220,19 @@ class Qwen3NextSparseMoeBlock(nn.Module):
             hybrid_kernels_enabled(x)
             and self.experts.gate_up_proj.is_contiguous()
             and self.experts.down_proj.is_contiguous()
+        )
+
+    def _splits_router(self, x: torch.Tensor) -> bool:
+        """Whether the fused path routes x with the split router launch (`SPLIT_ROUTER`)."""
+        gate = self.gate
+        experts = gate.weight.shape[0]
+        return (
+            SPLIT_ROUTER
+            and type(gate) is nn.Linear  # (not the deterministic mode's invariant product)
+            and gate.weight.dtype == x.dtype
+            and makes_logits(experts)
+            and x.shape[0] <= route_block_rows(experts)
+            and self.router_arrivals.device == x.device
         )
 
     def folds_next_norm(self, x: torch.Tensor) -> bool:
@@ -238,7 +257,12 @@ class Qwen3NextSparseMoeBlock(nn.Module):
             shared = sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
             return self.experts(x, experts, weights) + shared
         gate = self.gate.weight
-        if ROUTER_IN_KERNEL and makes_logits(gate.shape[0]) and gate.dtype == x.dtype:
+        if self._splits_router(x):
+            plan = route(
+                None, self.top_k, norm_topk_prob=self.norm_topk_prob, shared=True,
+                block_m=BLOCK_M, hidden=x, router=gate, arrivals=self.router_arrivals,
+            )  # fmt: skip
+        elif ROUTER_IN_KERNEL and makes_logits(gate.shape[0]) and gate.dtype == x.dtype:
             plan = route(
                 None, self.top_k, norm_topk_prob=self.norm_topk_prob, shared=True,
                 block_m=BLOCK_M, hidden=x, router=gate,
