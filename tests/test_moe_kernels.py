@@ -127,6 +127,58 @@ def test_router_split_across_programs(n, experts, top_k, hidden, dtype):
     assert torch.equal(alone.ids, plan.ids[-1:]) and torch.equal(alone.weights, plan.weights[-1:])
 
 
+def test_split_router_rounds_the_logits_as_the_product_does():
+    """The last program rounds each summed logit to the activation dtype before picking, as a
+    bf16 product's output is: 256 and 257 (exact in float32) are both 256 in bf16, a tie that
+    goes to the lower expert (found in review: the rounding was untested)."""
+    x = torch.ones(2, 300, dtype=torch.bfloat16, device=DEVICE)
+    router = torch.zeros(2, 300, dtype=torch.bfloat16, device=DEVICE)
+    router[0, :256] = 1.0
+    router[1, :257] = 1.0
+    arrivals = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    plan = moe_routing.route(None, 1, hidden=x, router=router, arrivals=arrivals)
+    assert plan.ids.tolist() == [[0], [0]]
+    assert torch.equal(plan.ids, moe_routing.route(x @ router.T, 1).ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_split_router_under_back_to_back_graph_replays():
+    """The last program's reads of the other programs' partials (acquire/release through the
+    arrival counter), stressed on the device: launches of several blocks' counters replayed
+    back to back in one CUDA graph, never synchronised between replays, each plan equal to
+    the product's routing (the interpreter runs programs in turn: no ordering shows there)."""
+    gen = torch.Generator().manual_seed(11)
+    n, e, h, k, launches = 5, 64, 2048, 10, 8
+    xs = [torch.randint(-2, 3, (n, h), generator=gen).cuda().bfloat16() for _ in range(launches)]
+    router = torch.randint(-1, 2, (e, h), generator=gen).cuda().bfloat16()
+    counters = [torch.zeros(1, dtype=torch.int32, device="cuda") for _ in range(2)]
+
+    def run():
+        return [
+            moe_routing.route(None, k, hidden=x, router=router, arrivals=counters[i % 2])
+            for i, x in enumerate(xs)
+        ]
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()  # compiled outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plans = run()
+    for _ in range(200):
+        graph.replay()
+    eager = [run() for _ in range(25)]  # and eagerly, every launch's plan kept
+    torch.cuda.synchronize()
+    wants = [moe_routing.route(x @ router.T, k) for x in xs]
+    for got in [plans, *eager]:
+        for plan, want in zip(got, wants, strict=True):
+            assert torch.equal(plan.ids, want.ids) and torch.equal(plan.order, want.order)
+    assert all(int(c) == 0 for c in counters)
+
+
 def test_router_logits_in_the_kernel_are_refused_where_they_cannot_run():
     x = torch.zeros(2, 16, device=DEVICE)
     assert moe_routing.makes_logits(127) and not moe_routing.makes_logits(128)

@@ -115,14 +115,16 @@ def split_route(
     """`moe_routing.route(hidden=, router=, arrivals=)` for hidden [N, H] of at most
     `block_rows` rows (checked by the caller) and router [E, H]; `arrivals`: an int32 tensor of
     one zero on hidden's device, which every launch leaves at zero and no other launch may use
-    at the same time (one per MoE block)."""
+    at the same time (one per MoE block). A counter left at another value (a launch killed
+    midway, a buffer not made by `torch.zeros`) would make the wrong program route, or none:
+    it must start at zero, as `Qwen3NextSparseMoeBlock` makes it."""
     n, h = hidden.shape
     e = router.shape[0]
     block_e = triton.next_power_of_2(e + 1)  # column E: the shared expert's group
     block_h = 128
-    chunks = triton.cdiv(h, block_h)
+    chunks = max(triton.cdiv(h, block_h), 1)  # (H = 0: one chunk of nothing, logits 0)
     per_slice = triton.cdiv(chunks, min(SLICES, chunks)) * block_h  # whole chunks a slice
-    slices = triton.cdiv(h, per_slice)
+    slices = max(triton.cdiv(h, per_slice), 1)
     tiles_n = max_tiles(n, top_k, e, shared, block_m)
     device = hidden.device
     ids = torch.empty(n, top_k, dtype=torch.int32, device=device)
