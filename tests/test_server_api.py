@@ -45,10 +45,12 @@ def test_ids_are_unique_and_a_stream_keeps_one_created(client, server):  # noqa:
     assert all(c.system_fingerprint for c in chunks)
 
 
-def test_streaming_several_prompts_is_refused(server):  # noqa: F811
-    body = {"prompt": ["a", "b"], "stream": True, "max_tokens": 2}
+def test_streaming_several_prompts_beyond_the_limit_is_refused(server):  # noqa: F811
+    """Several prompts stream (`test_server_fields`); past the completions a call may ask for,
+    a 400 naming the prompt, before anything is streamed."""
+    body = {"prompt": ["a"] * 65, "n": 2, "stream": True, "max_tokens": 2}
     resp = httpx.post(server.url + "/v1/completions", json=body)
-    assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream"
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt"
 
 
 def test_models_version_tokenize_detokenize(server):  # noqa: F811

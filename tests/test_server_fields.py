@@ -83,6 +83,86 @@ def test_echo_puts_the_prompt_before_the_completion(server):
     assert [c["text"] for c in several] == ["def f(" + plain] * 2
 
 
+def test_echo_gives_back_the_prompt_as_sent(server):
+    """A string prompt is echoed as sent, its special tokens included (its ids decoded
+    dropped them); a token-id prompt is decoded with its special tokens (found in review)."""
+    prompt = "x = 1<|endoftext|>y = 2"
+    plain = complete(server, prompt=prompt)["text"]
+    assert complete(server, prompt=prompt, echo=True)["text"] == prompt + plain
+    ids = httpx.post(
+        server.url + "/tokenize", json={"model": "tiny", "prompt": prompt}, timeout=30
+    ).json()["tokens"]
+    assert complete(server, prompt=ids, echo=True)["text"] == prompt + plain
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "echo": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}) as res:
+        chunks = [json.loads(x[6:]) for x in res.iter_lines() if x.startswith("data: {")]
+    assert "".join(ch["text"] for c in chunks for ch in c["choices"]) == prompt + plain
+
+
+def test_top_logprobs_always_hold_the_chosen_token(server):
+    """Legacy completions: each position's `top_logprobs` holds the chosen token and the top
+    `logprobs` (up to logprobs + 1 entries, as OpenAI and vLLM give them); `logprobs: 0`, the
+    chosen token alone. It left out a sampled token outside the top (found in review)."""
+    greedy = complete(server, logprobs=0, max_tokens=6)["logprobs"]
+    assert all(len(top) == 1 for top in greedy["top_logprobs"])
+    for top, token, lp in zip(
+        greedy["top_logprobs"], greedy["tokens"], greedy["token_logprobs"], strict=True
+    ):
+        assert top == {token: lp}
+    sampled = complete(server, logprobs=2, max_tokens=24, temperature=5.0, seed=3)["logprobs"]
+    outside = 0
+    for top, token in zip(sampled["top_logprobs"], sampled["tokens"], strict=True):
+        # (keys are token texts, as OpenAI's: two ids of one text, such as two pieces of a
+        # character, share a key)
+        assert token in top and 1 <= len(top) <= 3
+        outside += len(top) == 3
+    assert outside  # at temperature 5 some sampled token is outside the top 2
+
+
+def test_max_tokens_null_runs_to_the_context(tiny_model_dir):
+    """`"max_tokens": null` generates until the context ends (vLLM), where leaving it out
+    gives 16 (OpenAI's legacy default); a prompt whose default 16 would not fit is then
+    accepted."""
+    srv = Server(tiny_model_dir, max_model_len=48)
+    try:
+        base = {"model": "tiny", "prompt": [5] * 40, "temperature": 0, "ignore_eos": True}
+        url = srv.url + "/v1/completions"
+        left_out = httpx.post(url, json=base, timeout=60)
+        assert left_out.status_code == 400 and "max_tokens" in left_out.text
+        null = httpx.post(url, json={**base, "max_tokens": None}, timeout=60).json()
+        assert null["usage"]["completion_tokens"] == 8
+        assert null["choices"][0]["finish_reason"] == "length"
+        short = {**base, "prompt": [5] * 4}
+        assert httpx.post(url, json=short, timeout=60).json()["usage"]["completion_tokens"] == 16
+    finally:
+        srv.close()
+
+
+def test_several_prompts_stream_together(server):
+    """Several prompts in one streamed call: every prompt's choices in one stream, choice
+    `i * n + j` prompt i's completion j, each as the call without streaming gives it, one
+    usage chunk for all (vLLM streams them; metrale refused it, found in review)."""
+    body = {
+        "model": "tiny", "prompt": ["def f(", "class A", "x = ["], "max_tokens": 6,
+        "temperature": 0.8, "seed": 5, "n": 2, "echo": True,
+    }  # fmt: skip
+    url = server.url + "/v1/completions"
+    whole = httpx.post(url, json=body, timeout=60).json()
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", url, json=stream, timeout=60) as res:
+        chunks = [json.loads(x[6:]) for x in res.iter_lines() if x.startswith("data: {")]
+    texts, finish = {}, {}
+    for chunk in chunks:
+        for ch in chunk["choices"]:
+            texts[ch["index"]] = texts.get(ch["index"], "") + ch["text"]
+            if ch["finish_reason"]:
+                finish[ch["index"]] = ch["finish_reason"]
+    assert len(whole["choices"]) == 6
+    assert texts == {c["index"]: c["text"] for c in whole["choices"]}
+    assert finish == {c["index"]: c["finish_reason"] for c in whole["choices"]}
+    assert chunks[-1]["usage"] == whole["usage"]
+
+
 class FakeRequest:
     async def is_disconnected(self) -> bool:
         return False
@@ -100,7 +180,7 @@ def test_a_stream_sends_each_choices_finish_once():
 
     from metrale.outputs import CompletionOutput, Logprob, RequestOutput
     from metrale.sampling_params import SamplingParams
-    from metrale.server.streaming import StreamStyle, sse_events
+    from metrale.server.streaming import StreamStyle, one_prompt, sse_events
 
     def lp(t):
         return {t: Logprob(logprob=-1.0, rank=1, decoded_token="x")}
@@ -129,7 +209,9 @@ def test_a_stream_sends_each_choices_finish_once():
     async def collect():
         params = SamplingParams(n=2, logprobs=1)
         style = StreamStyle(FakeTokenizer(), "tiny", False)
-        gen = sse_events(FakeRequest(), events(), "r", params, False, False, False, style)
+        gen = sse_events(
+            FakeRequest(), one_prompt(events()), "r", params, False, False, None, style
+        )
         return [json.loads(x[6:]) async for x in gen if x.startswith("data: {")]
 
     chunks = asyncio.run(collect())

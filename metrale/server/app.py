@@ -36,6 +36,7 @@ from metrale.server.protocol import (
     APIError,
     chat_response,
     completion_response,
+    echo_text,
     generation_error,
     sampling_params,
     sent_field_error,
@@ -50,7 +51,7 @@ from metrale.server.response_schemas import (
 )
 from metrale.server.routing import ERROR_RESPONSES, document, json_body_route, validation_error
 from metrale.server.schemas import ChatCompletionRequest, CompletionRequest
-from metrale.server.streaming import StreamStyle, sse_events
+from metrale.server.streaming import StreamStyle, merged, one_prompt, sse_events
 from metrale.server.tool_parser import ToolParsing
 from metrale.server.tools import ToolPlan, plan_tools
 
@@ -272,12 +273,11 @@ def create_app(
             return await several_prompts(request, body, prompts, params)
         ids = await validate(prompts[0], params, body)
         request_id = loop.new_id("cmpl")
-        return await respond(request, body, request_id, ids, params)
+        echo = echo_text(prompts[0], engine.tokenizer) if body.echo else None
+        return await respond(request, body, request_id, ids, params, echo=echo)
 
     async def several_prompts(request: Request, body: CompletionRequest, prompts: list, params):
         """A completions call with several prompts: one request each, answered together."""
-        if body.stream:
-            raise APIError("stream: a streamed call takes one prompt", "stream")
         if len(prompts) * params.n > SamplingParams.MAX_N:
             raise APIError(f"prompt: at most {SamplingParams.MAX_N} completions a call", "prompt")
         all_ids = [await validate(p, params, body) for p in prompts]  # every prompt checked first
@@ -287,6 +287,14 @@ def create_app(
             # all admitted at once, or none: one by one, the later prompts were refused by the
             # earlier ones past the capacity, even on an idle server (found in review)
             queues = submit_all([(r, p, params) for r, p in zip(ids, all_ids, strict=True)])
+            echoes = [echo_text(p, engine.tokenizer) for p in prompts] if body.echo else None
+            if body.stream:  # one stream of every prompt's choices, as they come (as vLLM's)
+                streams = [outputs(r, q) for r, q in zip(ids, queues, strict=True)]
+                events = sse_events(
+                    request, merged(streams), base, params, False, body.include_usage, echoes,
+                    style, prompts=len(prompts),
+                )  # fmt: skip
+                return StreamingResponse(events, media_type="text/event-stream")
             finals = await asyncio.gather(
                 *(final_output(request, r, q) for r, q in zip(ids, queues, strict=False))
             )
@@ -299,9 +307,7 @@ def create_app(
         failed = generation_error(finals)
         if failed is not None:
             raise failed
-        return completion_response(
-            finals, base, params, engine.tokenizer, model_name, bool(body.echo)
-        )
+        return completion_response(finals, base, params, engine.tokenizer, model_name, echoes)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat(request: Request, body: ChatCompletionRequest):
@@ -347,12 +353,13 @@ def create_app(
         params,
         opened: bool = False,
         tools: ToolParsing | None = None,
+        echo: str | None = None,
     ):
         chat = isinstance(body, ChatCompletionRequest)
         queue = submit(request_id, ids, params)
         try:
             if body.stream:
-                events = outputs(request_id, queue)
+                events = one_prompt(outputs(request_id, queue))
                 stream = sse_events(
                     request,
                     events,
@@ -360,7 +367,7 @@ def create_app(
                     params,
                     chat,
                     body.include_usage,
-                    bool(body.echo),
+                    None if echo is None else [echo],
                     style,
                     opened,
                     tools,
@@ -384,7 +391,12 @@ def create_app(
                     tools,
                 )
             return completion_response(
-                [final], request_id, params, engine.tokenizer, model_name, bool(body.echo)
+                [final],
+                request_id,
+                params,
+                engine.tokenizer,
+                model_name,
+                None if echo is None else [echo],
             )
         except BaseException:
             loop.abort(request_id)  # nothing submitted keeps running for nobody

@@ -151,11 +151,17 @@ def completion_logprobs(
     return CompletionLogprobs(
         tokens=pieces,
         token_logprobs=[next(iter(e.values())).logprob for e in entries],
-        top_logprobs=[
-            {lp.decoded_token or "": lp.logprob for _, lp in _top(e, k)} for e in entries
-        ],
+        top_logprobs=[_with_chosen(e, k) for e in entries],
         text_offset=offsets[:-1],
     )
+
+
+def _with_chosen(entry: dict, k: int) -> dict[str, float]:
+    """A completions position's `top_logprobs`: the chosen token, then the top-k (up to k + 1
+    entries, as OpenAI's legacy completions and vLLM give them: the sampled token's logprob is
+    always there, and `logprobs: 0` gives it alone)."""
+    chosen = next(iter(entry.items()))
+    return {lp.decoded_token or "": lp.logprob for _, lp in [chosen, *_top(entry, k)]}
 
 
 def _top(entry: dict, k: int) -> list:
@@ -193,21 +199,30 @@ def now() -> int:
     return int(time.time())
 
 
-def prompt_text(out: RequestOutput, tokenizer) -> str:
-    """The prompt as `echo` returns it: its text, or its ids decoded."""
-    return out.prompt if out.prompt is not None else tokenizer.decode(out.prompt_token_ids)
+def echo_text(prompt: str | list[int], tokenizer) -> str:
+    """A completions prompt as `echo` returns it: the string sent, as sent (its special tokens
+    and whatever the tokenizer normalises kept), or token ids decoded with their special
+    tokens (transformers' `decode` default, which vLLM's echo follows)."""
+    if isinstance(prompt, str):
+        return prompt
+    return tokenizer.decode(prompt, skip_special_tokens=False)
 
 
 def completion_response(
-    outs: list[RequestOutput], request_id: str, params, tokenizer, model_name: str, echo: bool
+    outs: list[RequestOutput],
+    request_id: str,
+    params,
+    tokenizer,
+    model_name: str,
+    echoes: list[str] | None = None,
 ) -> CompletionResponse:
     """The completions response for finished requests, one per prompt: choice `i * n + j` is
-    prompt i's j-th completion (as OpenAI numbers them); `echo`: each text starts with its
-    prompt."""
+    prompt i's j-th completion (as OpenAI numbers them); `echoes`: each prompt's text
+    (`echo_text`), which its completions' texts start with."""
     k = params.logprobs or 0
     choices = []
     for i, out in enumerate(outs):
-        echoed = prompt_text(out, tokenizer) if echo else ""
+        echoed = echoes[i] if echoes is not None else ""
         for c in out.outputs:
             choice = CompletionChoice(
                 index=i * params.n + c.index,

@@ -218,6 +218,9 @@ class CompletionRequest(_GenerationRequest):
         kw = super().sampling_kwargs()
         if self.logprobs is not None:
             kw["logprobs"] = self.logprobs
+        if self.max_tokens is None and "max_tokens" in self.model_fields_set:
+            # sent as null: until the context ends (vLLM's reading); left out: the default 16
+            kw["max_tokens"] = None
         return kw
 
     @property

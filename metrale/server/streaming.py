@@ -7,6 +7,7 @@ error object instead (`protocol.generation_error`)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -17,7 +18,6 @@ from metrale.server.protocol import (
     completion_logprobs,
     generation_error,
     now,
-    prompt_text,
     spec_stats,
     tool_calls_finish,
     usage,
@@ -43,6 +43,35 @@ class StreamStyle:
     reasoning: bool  # split chat thinking into reasoning_content
 
 
+async def one_prompt(events: AsyncIterator) -> AsyncIterator:
+    """A single request's outputs as `sse_events` takes them: (prompt 0, output)."""
+    async for out in events:
+        yield 0, out
+
+
+async def merged(streams: list[AsyncIterator]) -> AsyncIterator:
+    """Several requests' outputs as they come, each as (its index, output); stopping early (or
+    one stream raising) closes every stream, which aborts their unfinished requests."""
+    pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.get):  # (in prompt order within a wake-up)
+                i = pending.pop(task)
+                try:
+                    out = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+                yield i, out
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+
+
 async def sse_events(
     request,
     events: AsyncIterator,
@@ -50,14 +79,18 @@ async def sse_events(
     params,
     chat: bool,
     include_usage: bool,
-    echo: bool,
+    echo: list[str] | None,
     style: StreamStyle,
     opened: bool = False,
     tools: ToolParsing | None = None,
+    prompts: int = 1,
 ) -> AsyncIterator[str]:
-    """`events`: the request's RequestOutputs (ending the iteration early aborts it);
-    `opened`: the chat prompt opened a thinking block (`reasoning.py`); `tools`: the answer's
-    tool calls are sent as `tool_calls` deltas (`tool_parser.py`), after thinking is split."""
+    """`events`: (prompt index, RequestOutput) of the call's requests, one per prompt
+    (`one_prompt`, `merged`; ending the iteration early aborts them); prompt i's completion j
+    is choice i * n + j, as OpenAI numbers them. `echo`: each prompt's text, which its
+    completions' first chunks start with (`protocol.echo_text`); `opened`: the chat prompt
+    opened a thinking block (`reasoning.py`); `tools`: the answer's tool calls are sent as
+    `tool_calls` deltas (`tool_parser.py`), after thinking is split."""
     chunk_type = ChatCompletionStreamChunk if chat else CompletionStreamChunk
     k, created = params.logprobs or 0, now()  # one `created` for every chunk of a stream
 
@@ -72,24 +105,26 @@ async def sse_events(
         )
         return f"data: {chunk.model_dump_json()}\n\n"
 
-    sent = [0] * params.n  # tokens already sent per choice
-    offset = [0] * params.n  # characters of completion text sent per choice (text_offset)
-    done = [False] * params.n  # choices whose finish was sent: never sent again
+    width = params.n * prompts
+    sent = [0] * width  # tokens already sent per choice
+    offset = [0] * width  # characters of completion text sent per choice (text_offset)
+    done = [False] * width  # choices whose finish was sent: never sent again
     thinking = None
     if style.reasoning and chat:
-        thinking = [ThinkSplitter(opened) for _ in range(params.n)]
+        thinking = [ThinkSplitter(opened) for _ in range(width)]
     calling = None
     if tools is not None and chat:
-        calling = [tools.splitter() for _ in range(params.n)]
-    final = None
-    async for out in events:
-        final = out
+        calling = [tools.splitter() for _ in range(width)]
+    finals = [None] * prompts
+    async for i, out in events:
+        finals[i] = out
         if await request.is_disconnected():
             return  # the finally of `outputs` aborts the request
         failed = generation_error([out])
         choices = []
         for c in out.outputs:
-            if done[c.index] or not (c.delta_text or c.finish_reason or c.delta_token_ids):
+            at = i * params.n + c.index  # the choice's index in the response
+            if done[at] or not (c.delta_text or c.finish_reason or c.delta_token_ids):
                 continue
             if c.finish_reason == "error":  # sent as the stream's error event below
                 continue
@@ -97,9 +132,9 @@ async def sse_events(
                 ends, finish = c.finish_reason is not None, c.finish_reason
                 think, text, calls = None, c.delta_text, None
                 if thinking is not None:
-                    think, text = thinking[c.index].feed(text, ends)
+                    think, text = thinking[at].feed(text, ends)
                 if calling is not None:
-                    splitter = calling[c.index]
+                    splitter = calling[at]
                     first = splitter.count
                     text, parsed = splitter.feed(text, ends)
                     calls = [
@@ -109,15 +144,15 @@ async def sse_events(
                     if splitter.count:
                         finish = tool_calls_finish(finish)
                 delta = ChatDelta(
-                    role="assistant" if sent[c.index] == 0 else None,
+                    role="assistant" if sent[at] == 0 else None,
                     content=text if text or not (think or calls) else None,
                     reasoning_content=think or None,
                     tool_calls=calls or None,
                 )
                 choice = ChatStreamChoice(
-                    index=c.index,
+                    index=at,
                     delta=delta,
-                    logprobs=chat_logprobs(c, style.tokenizer, k, sent[c.index]),
+                    logprobs=chat_logprobs(c, style.tokenizer, k, sent[at]),
                     finish_reason=finish,
                     stop_reason=c.stop_reason,
                 )
@@ -126,21 +161,19 @@ async def sse_events(
                     # yet, as vLLM sends nothing (their logprobs go with the next chunk)
                     continue
             else:
-                echoed = prompt_text(out, style.tokenizer) if echo and not sent[c.index] else ""
-                logprobs = completion_logprobs(
-                    c, style.tokenizer, k, sent[c.index], offset[c.index]
-                )
+                echoed = echo[i] if echo is not None and not sent[at] else ""
+                logprobs = completion_logprobs(c, style.tokenizer, k, sent[at], offset[at])
                 if logprobs is not None:
-                    offset[c.index] += sum(len(t) for t in logprobs.tokens)
+                    offset[at] += sum(len(t) for t in logprobs.tokens)
                 choice = CompletionChoice(
-                    index=c.index,
+                    index=at,
                     text=echoed + c.delta_text,
                     logprobs=logprobs,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
                 )
-            done[c.index] = c.finish_reason is not None  # its finish is sent once
-            sent[c.index] = len(c.token_ids)
+            done[at] = c.finish_reason is not None  # its finish is sent once
+            sent[at] = len(c.token_ids)
             choices.append(choice)
         if choices:
             yield event(choices)
@@ -150,6 +183,7 @@ async def sse_events(
             yield f"data: {json.dumps(failed.body())}\n\n"
             yield "data: [DONE]\n\n"
             return
-    if include_usage and final is not None:
-        yield event([], usage=usage([final]), metrale=spec_stats([final]))
+    ended = [f for f in finals if f is not None]
+    if include_usage and ended:
+        yield event([], usage=usage(ended), metrale=spec_stats(ended))
     yield "data: [DONE]\n\n"
