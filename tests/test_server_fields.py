@@ -271,3 +271,20 @@ def test_a_small_pool_is_the_context_the_server_advertises_and_keeps(tiny_model_
         assert usage["prompt_tokens"] + usage["completion_tokens"] == limit
     finally:
         srv.close()
+
+
+def test_vllm_output_fields_not_supported_are_refused_not_ignored(server):
+    """vLLM's `return_tokens_as_token_ids` and `stream_options.continuous_usage_stats` change
+    what a response holds: refused with a 400 naming them when asked for (they were silently
+    ignored, found in review), accepted at the values that change nothing."""
+    url = server.url + "/v1/completions"
+    base = {"model": "tiny", "prompt": "a", "max_tokens": 2}
+    asked = httpx.post(url, json={**base, "return_tokens_as_token_ids": True}, timeout=60)
+    assert asked.status_code == 400
+    assert asked.json()["error"]["param"] == "return_tokens_as_token_ids"
+    stream = {**base, "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    refused = httpx.post(url, json=stream, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream_options"
+    assert httpx.post(url, json={**base, "return_tokens_as_token_ids": False}).status_code == 200
+    off = {**stream, "stream_options": {"continuous_usage_stats": False}}
+    assert httpx.post(url, json=off, timeout=60).status_code == 200

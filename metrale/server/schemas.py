@@ -40,6 +40,7 @@ NOT_SUPPORTED: dict[str, tuple] = {
     "functions": ([],),  # OpenAI's deprecated forms of tools and tool_choice
     "function_call": ("none",),
     "suffix": ("",),
+    "return_tokens_as_token_ids": (False,),  # vLLM's "token_id:N" strings for tokens
 }
 # Chat's tool fields (`tools.py`), refused on completions likewise.
 CHAT_ONLY: dict[str, tuple] = {
@@ -81,6 +82,15 @@ _SAMPLING_FIELDS = (
 
 class StreamOptions(Body):
     include_usage: StrictBool | None = None
+    # vLLM's usage in every chunk: refused (not ignored) until supported
+    continuous_usage_stats: StrictBool | None = None
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _continuous(cls, value):
+        if value:
+            raise ValueError("not supported by this server")
+        return value
 
 
 class SpeculativeOptions(Body):
@@ -152,6 +162,7 @@ class _GenerationRequest(StructuredFields, Body):
     functions: Any = _not_yet()
     function_call: Any = _not_yet()
     suffix: Any = _not_yet()
+    return_tokens_as_token_ids: Any = _not_yet()
 
     _not_supported = _unused_only(NOT_SUPPORTED, "not supported by this server")
 
