@@ -320,3 +320,50 @@ def test_committed_state_after_every_verify_equals_plain_decoding(hybrid_dir, va
         for (conv, ssm), (ref_conv, ref_ssm) in zip(spec[key], plain[key], strict=True):
             torch.testing.assert_close(conv, ref_conv, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(ssm, ref_ssm, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "async_scheduling, error, where",
+    [
+        (False, KeyboardInterrupt, "layer"),  # Ctrl-C during a forward
+        (True, KeyboardInterrupt, "layer"),
+        (False, RuntimeError, "commit"),  # an error escaping the synchronous commit
+    ],
+)
+def test_an_exception_escaping_a_step_leaves_the_others_state_right(
+    hybrid_dir, async_scheduling, error, where
+):
+    """An exception that escapes `step()` after the forward ran (nothing rebuilds then) left
+    the GDN state of the other live requests past their counters: their rows ran again on it
+    and their output changed (found in review). They are now recomputed from their tokens."""
+    params = greedy(16)
+    want = llm_for(hybrid_dir).generate([PROMPTS[2]], params)[0].outputs[0].token_ids
+    llm = llm_for(hybrid_dir, async_scheduling=async_scheduling, prefix_caching=False)
+    armed = [False]
+    if where == "layer":
+        layer = llm.engine.runner.model.model.layers[1]  # after GDN layer 0 wrote its state
+        real = layer.forward
+        target, name = layer, "forward"
+    else:
+        real = llm.engine._commit
+        target, name = llm.engine, "_commit"
+
+    def hook(*args, **kwargs):
+        if armed[0]:
+            armed[0] = False
+            raise error("injected")
+        return real(*args, **kwargs)
+
+    setattr(target, name, hook)
+    first, second = llm.stream(PROMPTS[1], params), llm.stream(PROMPTS[2], params)
+    for _ in range(4):
+        next(first)
+        next(second)
+    armed[0] = True
+    with pytest.raises(error):
+        while True:
+            next(first)  # the step raises here; the first stream ends (aborted)
+    got = None
+    for out in second:  # the second request goes on
+        got = out.outputs[0].token_ids
+    assert got == want

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 from metrale.distributed.parallel import DistributedError
 from metrale.engine.device_tokens import DeviceRow
-from metrale.engine.isolation import rebuild_state, run_batch
+from metrale.engine.isolation import rebuild_state, recompute_later, run_batch
 from metrale.engine.sequence import Batch, Phase, ScheduledSeq, Sequence, SequenceStatus
 from metrale.engine.step_output import StepOutput
 from metrale.outputs import RequestOutput
@@ -158,7 +158,9 @@ class AheadStepper:
                 seq.drop_inflight()
                 seq.num_computed_tokens -= entry.num_rows
                 seq.noise_epoch -= 1
-        if rebuild and self.engine.runner.hybrid:
+        if not rebuild:  # (an interrupt, a rank gone: no forward runs here)
+            recompute_later(self.engine, ran)
+        elif self.engine.runner.hybrid:
             # A launched forward advanced its sequences' recurrent state past where their
             # counters now stand (moved back above, or never moved): rebuilt to match them, as
             # a failed step's are (`isolation.rebuild_state`); run again on the advanced state,

@@ -111,6 +111,24 @@ def rebuild_state(engine, entry: ScheduledSeq) -> bool:
     return True
 
 
+def recompute_later(engine, batches: list[Batch]) -> None:
+    """An exception escaped a step after its forward may have run (an interrupt, a failing
+    commit) and nothing rebuilds now: on a hybrid target that forward advanced the GDN state
+    of the batches' sequences past their counters, so each one still running is preempted,
+    its state recomputed from its tokens when it is admitted again (found in review: the
+    others' rows ran again on the advanced state and their output changed). A dense target's
+    KV rows are rewritten as they run again: nothing to do."""
+    if not engine.runner.hybrid:
+        return
+    running = {id(seq) for seq in engine.scheduler.running}
+    for batch in batches:
+        for entry in batch.entries:
+            seq = entry.seq
+            if id(seq) in running:
+                running.discard(id(seq))
+                _preempt(engine, seq)
+
+
 def _preempt(engine, seq: Sequence) -> None:
     """Preempt running `seq` as the scheduler's preemptions are (`LLMEngine._scheduled`: the
     count, and the drafter's state of it released)."""

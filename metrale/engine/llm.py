@@ -20,7 +20,7 @@ from metrale.engine.ahead import AheadStepper
 from metrale.engine.calibrate import measured_cost_model
 from metrale.engine.commit import commit_rows
 from metrale.engine.emitter import Emitter
-from metrale.engine.isolation import run_batch
+from metrale.engine.isolation import recompute_later, run_batch
 from metrale.engine.kv_cache import PageAllocator
 from metrale.engine.prefix_cache import build_prefix_cache
 from metrale.engine.requests import Request, RequestAdmission
@@ -231,7 +231,7 @@ class LLMEngine(RequestAdmission):
 
     def _step(self, changed: dict) -> list[RequestOutput]:
         start, retried = time.perf_counter(), self.retried_batches
-        batch = None
+        batch = ran = None
         emitted = prompt_rows = 0
         try:
             if self.spec is not None:
@@ -243,10 +243,15 @@ class LLMEngine(RequestAdmission):
             prompt_rows = batch.num_prompt_rows
             # The last step's deferred text is made while this step's forward runs.
             self.runner.while_forward_runs = self.while_forward(batch)
+            ran = batch
             out = self._run(batch)
             self.runner.while_forward_runs = None
             emitted = self._commit(out, changed)
             self._mark_errors(batch, changed)
+        except BaseException:
+            if ran is not None:  # (its forward may have advanced a hybrid target's state)
+                recompute_later(self, [ran])
+            raise
         finally:
             # NOTE: recorded on every exit path, a failing step included.
             if batch is not None:
