@@ -4,6 +4,8 @@ pick with its softmax weights, and the plan of one block of rows from registers.
 
 Their arithmetic is the routing's definition (`moe_routing`'s docstring): the pick compares
 float32 logits, equal ones go to the lower expert index, a NaN is never picked before a number.
+Their torch reference is the routing's: `moe_routing.route_reference` for the picks and weights,
+a stable sort of the pairs by expert for the plan (`tests/test_moe_kernels.py`).
 """
 
 from __future__ import annotations

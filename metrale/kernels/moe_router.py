@@ -16,7 +16,9 @@ Nothing waits: a program that is not last just ends, so programs need not be res
 The partials reach the last program through the counter's acquire/release atomic after a
 barrier (every thread's stores before it, as CUTLASS's semaphore orders them), and it reads them
 past L1 (`.cg`). Every logit of a row is summed in the same order whatever the rows beside it:
-a row's routing does not depend on its batch (up to one block).
+a row's routing does not depend on its batch (up to one block). Its torch reference: the
+product `hidden @ router.T` rounded to the activation dtype, then `moe_routing.route_reference`
+(tested against `route` of those logits, `tests/test_moe_kernels.py`).
 """
 
 from __future__ import annotations
