@@ -80,19 +80,6 @@ _SAMPLING_FIELDS = (
 )
 
 
-class StreamOptions(Body):
-    include_usage: StrictBool | None = None
-    # vLLM's usage in every chunk: refused (not ignored) until supported
-    continuous_usage_stats: StrictBool | None = None
-
-    @field_validator("continuous_usage_stats")
-    @classmethod
-    def _continuous(cls, value):
-        if value:
-            raise ValueError("not supported by this server")
-        return value
-
-
 class SpeculativeOptions(Body):
     """metrale's extension: speculative decoding for this request."""
 
@@ -110,6 +97,16 @@ def _unused_only(values: dict[str, tuple], why: str):
         return value
 
     return field_validator(*values, mode="before")(check)
+
+
+class StreamOptions(Body):
+    include_usage: StrictBool | None = None
+    # vLLM's usage in every chunk: refused (not ignored) until supported
+    continuous_usage_stats: StrictBool | None = None
+
+    _not_supported = _unused_only(
+        {"continuous_usage_stats": (False,)}, "not supported by this server"
+    )
 
 
 def _not_yet():
