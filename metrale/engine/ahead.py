@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 from metrale.distributed.parallel import DistributedError
 from metrale.engine.device_tokens import DeviceRow
-from metrale.engine.isolation import rebuild_state, recompute_later, run_batch
+from metrale.engine.isolation import rebuild_state, recompute_later, run_batch, still_running
 from metrale.engine.sequence import Batch, Phase, ScheduledSeq, Sequence, SequenceStatus
 from metrale.engine.step_output import StepOutput
 from metrale.outputs import RequestOutput
@@ -165,14 +165,8 @@ class AheadStepper:
             # counters now stand (moved back above, or never moved): rebuilt to match them, as
             # a failed step's are (`isolation.rebuild_state`); run again on the advanced state,
             # their rows gave other tokens than the synchronous engine's (found in review).
-            seen: set[int] = set()
-            for batch in ran:
-                for entry in batch.entries:
-                    seq = entry.seq
-                    if seq.seq_id in seen or seq.status is not SequenceStatus.RUNNING:
-                        continue
-                    seen.add(seq.seq_id)
-                    rebuild_state(self.engine, ScheduledSeq(seq, 0))
+            for seq in still_running(ran):
+                rebuild_state(self.engine, ScheduledSeq(seq, 0))
 
     def _step(self, changed: dict[str, dict[int, tuple[str, list[int]]]]) -> list[RequestOutput]:
         engine = self.engine

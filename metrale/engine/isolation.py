@@ -13,7 +13,7 @@ import logging
 import torch
 
 from metrale.distributed.parallel import DistributedError
-from metrale.engine.sequence import Batch, ScheduledSeq, Sequence
+from metrale.engine.sequence import Batch, ScheduledSeq, Sequence, SequenceStatus
 from metrale.engine.step_output import StepOutput
 
 log = logging.getLogger(__name__)
@@ -120,13 +120,21 @@ def recompute_later(engine, batches: list[Batch]) -> None:
     KV rows are rewritten as they run again: nothing to do."""
     if not engine.runner.hybrid:
         return
-    running = {id(seq) for seq in engine.scheduler.running}
+    for seq in still_running(batches):
+        _preempt(engine, seq)
+
+
+def still_running(batches: list[Batch]) -> list[Sequence]:
+    """The distinct sequences of `batches` that are still running, in batch order."""
+    seen: set[int] = set()
+    found = []
     for batch in batches:
         for entry in batch.entries:
             seq = entry.seq
-            if id(seq) in running:
-                running.discard(id(seq))
-                _preempt(engine, seq)
+            if seq.seq_id not in seen and seq.status is SequenceStatus.RUNNING:
+                seen.add(seq.seq_id)
+                found.append(seq)
+    return found
 
 
 def _preempt(engine, seq: Sequence) -> None:
