@@ -250,14 +250,12 @@ def test_a_probe_is_priced_with_the_step_after_it_and_never_leaks(tiny_model_dir
 
 
 def test_async_steps_that_run_synchronously_are_timed(tiny_model_dir):
-    """Under async scheduling a request with penalties makes every step synchronous; D-Cut is
+    """Under async scheduling a request under a grammar makes every step synchronous; D-Cut is
     still told of each (so a verify step after plain ones is no sample) and its plain steps
     are measured (found by review: they were neither)."""
     prompts = PROMPTS
     params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True) for _ in prompts]
-    params[0] = SamplingParams(
-        temperature=0.0, max_tokens=40, ignore_eos=True, presence_penalty=0.5
-    )
+    params[0] = SamplingParams(temperature=0.0, max_tokens=40, structured={"regex": "[ab]{40}"})
     ref, llm, _ = flipping_engine(tiny_model_dir, params, async_scheduling=True)
     spec, timed = llm.engine.spec, []
     told = spec.timed_step

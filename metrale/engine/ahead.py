@@ -26,8 +26,9 @@ Where the engine stays synchronous (the step waits for the one before it):
   step (MTP, not `stateless`) keeps the whole engine synchronous while a sequence it learns
   from is unfinished (`runs_ahead`: MTP `observes_drafting_only`, so an engine serving only
   requests with `speculative=False` runs ahead);
-- any unfinished sequence that follows a grammar (the mask needs its last token) or has a
-  repetition, presence or frequency penalty (they count its tokens), `may_run_ahead`;
+- any unfinished sequence that follows a grammar (the mask needs its last token),
+  `may_run_ahead` (penalties do not: their counts take a launched step's tokens on the device,
+  `penalty_state.py`);
 - a step that would preempt or fail a running sequence (`Scheduler.schedule(hold=True)` refuses);
 - a step whose launch raises: it runs again through `isolation.run_batch`, after the step before
   (one sequence at a time, a hybrid target's state rebuilt first: the failed launch may have
@@ -61,16 +62,10 @@ def runs_ahead(seq: Sequence, spec) -> bool:
     its drafter drafts for never are: `AheadStepper.step` settles first). Not one a drafter
     learns from every step of (MTP catches up from its hidden states): a drafter that is not
     `stateless` and sees every sequence's steps, or one that `observes_drafting_only` and a
-    sequence that may draft."""
-    params = seq.params
+    sequence that may draft; nor one under a grammar (its mask needs its last token)."""
     if spec is not None and learns_from_every_step(spec.drafter, seq):
         return False
-    return (
-        seq.grammar is None
-        and params.repetition_penalty == 1.0
-        and params.presence_penalty == 0.0
-        and params.frequency_penalty == 0.0
-    )
+    return seq.grammar is None
 
 
 @dataclass
@@ -227,7 +222,7 @@ class AheadStepper:
             seconds = time.perf_counter() - start if engine.retried_batches == retried else None
             synchronous_plain = ran_now is not None and ran_now.phase is Phase.DECODE
             if synchronous_plain and seconds is not None and not spec.asked:
-                # a plain step run synchronously (a grammar or penalties in the batch, a failed
+                # a plain step run synchronously (a grammar in the batch, a failed
                 # launch): priced as the synchronous engine prices its plain steps
                 spec.host.plain(len(ran_now.entries), seconds)
             # every step: a verify step after a verify step is what drafting costs, whole
@@ -325,6 +320,7 @@ class AheadStepper:
         # (0: nothing offered here)
         page = cache.page_size if cache is not None and cache.draft_kv is None else 0
         row = 0
+        sampled, at = [], []  # the sequences given a placeholder, and their rows of `tokens`
         for entry in out.entries:
             seq = entry.seq
             if entry.samples:
@@ -336,8 +332,12 @@ class AheadStepper:
                 seq.noise_epoch += 1
                 seq.output_token_ids.append(0)
                 seq.inflight = DeviceRow(tokens, row - 1, 1)
+                sampled.append(seq)
+                at.append(row - 1)
             if page and seq.num_computed_tokens >= (seq.num_registered_pages + 1) * page:
                 cache.commit(seq)
+        if sampled:  # the penalties' counts take those tokens on the device
+            self.engine.runner.penalties.launched(sampled, at, tokens.tensor)
         states = self.engine.runner.states
         if page and states is not None:  # a hybrid's snapshots, all at once
             states.flush_snapshots()

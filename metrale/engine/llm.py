@@ -144,7 +144,7 @@ class LLMEngine(RequestAdmission):
             cache.draft_kv = getattr(self.spec.drafter, "page_kv", None)
         if self.spec is not None:
             # every unfinished sequence that may draft with a drafter that is not `stateless`
-            # is one of these (`ahead.runs_ahead`; with grammars and penalties beside them)
+            # is one of these (`ahead.runs_ahead`; with grammars beside them)
             self.spec.drafting_pending = lambda: self.sync_seqs > 0
         if self.spec is not None and self.spec.cfg.dcut and self.runner.graphs is not None:
             self._calibrate_dcut()
@@ -293,8 +293,9 @@ class LLMEngine(RequestAdmission):
     def _scheduled(self, batch: Batch, changed: dict) -> None:
         """What the scheduler decided beside the batch: preemptions and failures."""
         self.telemetry.preemptions += len(batch.preempted)
-        if self.spec is not None:
-            for seq in batch.preempted:
+        for seq in batch.preempted:
+            self.runner.penalties.release(seq)
+            if self.spec is not None:
                 self.spec.release(seq)
         for seq in batch.failed:
             self._fail(seq, seq.error or "cannot be scheduled")
@@ -365,6 +366,7 @@ class LLMEngine(RequestAdmission):
         now = time.perf_counter()
         for seq in seqs:
             seq.drop_inflight()  # a token still in flight never reaches its output
+            self.runner.penalties.release(seq)
             self._sync_seq_ids.discard(seq.seq_id)
             self.emitter.settle(seq)
             self.telemetry.requests_finished[seq.finish_reason] += 1

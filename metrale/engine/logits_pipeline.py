@@ -11,12 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from metrale.config import SamplingParams
+
+if TYPE_CHECKING:
+    from metrale.engine.penalty_state import PenaltyState
 
 # Temperatures below this count as greedy: dividing logits by them can overflow float32, and the
 # limit of sampling as the temperature goes to 0 is the argmax anyway.
@@ -43,6 +47,8 @@ class SamplingRow:
     # in a later step never meets the noise a drafter may have seen there (Verdict.picks).
     epoch: int = 0
     fresh_noise: bool = False
+    # its row of the engine's `PenaltyState` (0: none), when `SamplingBatch.build` is given it
+    penalty_row: int = 0
 
 
 def is_plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
@@ -131,9 +137,16 @@ class SamplingBatch:
 
     @classmethod
     def build(
-        cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device
+        cls,
+        rows: Sequence[SamplingRow],
+        vocab_size: int,
+        device: torch.device,
+        penalties: PenaltyState | None = None,
     ) -> SamplingBatch:
-        """Gather per-row settings on the host, then move them to `device` in a few copies."""
+        """Gather per-row settings on the host, then move them to `device` in a few copies.
+        `penalties`: the engine's device state of the penalties' counts, each row's at its
+        `penalty_row`; without it they are built from each row's whole history (the reference
+        the state is tested against)."""
         v = vocab_size
         n = sum(1 + len(row.drafts) for row in rows)
         if n == 0:
@@ -147,6 +160,8 @@ class SamplingBatch:
         prompt_lens: list[int] = []
         out_ids: list[int] = []
         out_lens: list[int] = []
+        state_rows: list[int] = []  # with `penalties`: each logits row's state row
+        draft_pairs: tuple[list[int], list[int]] = ([], [])  # (logits row, an earlier draft)
         logprobs_k: list[int] = []
         any_rep = any_out = False
         i = 0  # the logits row
@@ -192,14 +207,21 @@ class SamplingBatch:
             any_rep = any_rep or uses_rep
             uses_out = uses_rep or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
             any_out = any_out or uses_out
-            for j in range(r):
-                prompt_lens.append(len(row.prompt_token_ids) if uses_rep else 0)
-                out_lens.append(first_step + j if uses_out else 0)
-                if uses_rep:
-                    prompt_ids.extend(row.prompt_token_ids)
-                if uses_out:
-                    out_ids.extend(row.output_token_ids)
-                    out_ids.extend(row.drafts[:j])
+            if penalties is not None:
+                # each row's counts are its sequence's state row plus the drafts before it
+                state_rows.extend([row.penalty_row if uses_out else 0] * r)
+                for j in range(1, r if uses_out else 0):
+                    draft_pairs[0].extend([i + j] * j)
+                    draft_pairs[1].extend(row.drafts[:j])
+            else:
+                for j in range(r):
+                    prompt_lens.append(len(row.prompt_token_ids) if uses_rep else 0)
+                    out_lens.append(first_step + j if uses_out else 0)
+                    if uses_rep:
+                        prompt_ids.extend(row.prompt_token_ids)
+                    if uses_out:
+                        out_ids.extend(row.output_token_ids)
+                        out_ids.extend(row.drafts[:j])
             if p.logprobs is not None:
                 logprobs_k.append(p.logprobs)
             i += r
@@ -224,13 +246,16 @@ class SamplingBatch:
         # The [N, V] history tensors are built on the device from (row, token) index lists, which
         # are much smaller to copy than the dense tensors.
         prompt_mask = output_counts = None
-        if any_rep:
+        if penalties is not None and any_out:
+            _check_ids(draft_pairs[1], v, "drafts")
+            prompt_mask, output_counts = penalties.gather(state_rows, draft_pairs, any_rep)
+        elif any_rep:
             idx = _history_index(prompt_ids, prompt_lens)  # [2, P]
             _check_id_tensor(idx[1], v, "prompt_token_ids")
             idx = to_dev(idx)
             prompt_mask = torch.zeros(n, v, dtype=torch.bool, device=device)
             prompt_mask[idx[0], idx[1]] = True
-        if any_out:
+        if any_out and penalties is None:
             idx = _history_index(out_ids, out_lens)  # [2, O]
             _check_id_tensor(idx[1], v, "output_token_ids")
             idx = to_dev(idx)

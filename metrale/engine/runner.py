@@ -25,6 +25,7 @@ from metrale.engine.model_setup import (
     num_pages_for,
     pages_wanted,
 )
+from metrale.engine.penalty_state import PenaltyState
 from metrale.engine.program_shapes import RaggedShape
 from metrale.engine.replay import (
     replay_decode,
@@ -230,6 +231,7 @@ class ModelRunner:
         # last step's detokenizing): called once, before the step's first wait for the device.
         self.while_forward_runs: Callable[[], None] | None = None
         self.grammar_vocab = 0
+        self.penalties = PenaltyState(self.device)  # the penalties' counts, on the device
         # A drafter's work that follows a target program on the device, queued before the host
         # waits for the verdicts: called with (entries, the program's shape, the target's token
         # at each sampling row, in row order) (the MTP catch-up, `MTPDrafter._catch_up_verified`;
@@ -343,7 +345,7 @@ class ModelRunner:
             pending = (
                 pending_greedy(entries, logits.argmax(dim=-1))
                 if greedy
-                else pending_sampled(entries, logits)
+                else pending_sampled(entries, logits, self.penalties)
             )
             return StepOutput(batch.entries, [], hidden, ends, pending)
         if greedy:
@@ -354,7 +356,7 @@ class ModelRunner:
             verdicts = greedy_verdicts(entries, table, self.forced_acceptance)
         else:
             forced, raw = self.forced_acceptance, self.verify_raw_argmax
-            verdicts = sampled_verdicts(entries, logits, raw, forced, follow)
+            verdicts = sampled_verdicts(entries, logits, raw, forced, follow, self.penalties)
         if verify_state:
             # Each sequence's committed state: the one after its last token + accepted drafts.
             accepted = {id(v.entry): v.num_accepted for v in verdicts}

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from metrale.engine.device_tokens import DeviceDrafts, HostCopy
+from metrale.engine.penalty_state import PenaltyState
 from metrale.engine.sampler import SamplingBatch, SamplingRow
 from metrale.engine.sequence import ScheduledSeq, Sequence
 from metrale.speculative.verify import accept, build_layout
@@ -176,20 +177,27 @@ def greedy_verdicts(
 
 
 def sampled_verdicts(
-    entries: list[ScheduledSeq], logits: torch.Tensor, raw_argmax: bool, forced=None, follow=None
+    entries: list[ScheduledSeq],
+    logits: torch.Tensor,
+    raw_argmax: bool,
+    forced=None,
+    follow=None,
+    penalties: PenaltyState | None = None,
 ) -> list[SeqVerdict]:
     """Verdicts through the logits pipeline and `accept` (sampling, penalties, logprobs).
     `forced`: the bench's `ForcedAcceptance`; `follow` (`ModelRunner.after_verify` bound to the
     step) is given the emitted token of every row, queued before the host sync, when the drafts
-    are one-hot (a match is then an equal token)."""
-    acc, one_hot = _acceptance(entries, logits, raw_argmax, forced)
+    are one-hot (a match is then an equal token); `penalties`: the engine's penalty state."""
+    acc, one_hot = _acceptance(entries, logits, raw_argmax, forced, penalties)
     follow = follow if one_hot else None  # the drafts' own q: matches are not equal tokens
     return verdicts_of(entries, acc, lambda table: to_host(table, follow, acc.emitted))
 
 
-def pending_sampled(entries: list[ScheduledSeq], logits: torch.Tensor) -> PendingVerdicts:
+def pending_sampled(
+    entries: list[ScheduledSeq], logits: torch.Tensor, penalties: PenaltyState | None = None
+) -> PendingVerdicts:
     """`sampled_verdicts` of a step without drafts, left on the device (`PendingVerdicts`)."""
-    acc, _ = _acceptance(entries, logits, False)
+    acc, _ = _acceptance(entries, logits, False, penalties=penalties)
     table, k = verdict_table(acc)
     tokens = DeviceDrafts(acc.emitted.long().contiguous().view(-1, 1))
     return PendingVerdicts(entries, tokens, HostCopy(table), k)
@@ -200,9 +208,19 @@ def pending_greedy(entries: list[ScheduledSeq], picks: torch.Tensor) -> PendingV
     return PendingVerdicts(entries, DeviceDrafts(picks.view(-1, 1)), None, 0)
 
 
-def _acceptance(entries: list[ScheduledSeq], logits: torch.Tensor, raw_argmax: bool, forced=None):
+def _acceptance(
+    entries: list[ScheduledSeq],
+    logits: torch.Tensor,
+    raw_argmax: bool,
+    forced=None,
+    penalties: PenaltyState | None = None,
+):
     """(`accept`'s result, whether every draft is one-hot) on the device."""
     device = logits.device
+    vocab = logits.shape[-1]
+    state_rows = [0] * len(entries)
+    if penalties is not None:
+        state_rows = penalties.rows_of([e.seq for e in entries], vocab)
     sb = SamplingBatch.build(
         [
             SamplingRow(
@@ -214,11 +232,13 @@ def _acceptance(entries: list[ScheduledSeq], logits: torch.Tensor, raw_argmax: b
                 drafts=e.drafts,  # its rows: the last token's, then one per draft
                 epoch=e.seq.noise_epoch,
                 fresh_noise=e.seq.fresh_noise,
+                penalty_row=row,
             )
-            for e in entries
+            for e, row in zip(entries, state_rows, strict=True)
         ],
-        vocab_size=logits.shape[-1],
+        vocab_size=vocab,
         device=device,
+        penalties=penalties,
     )
     layout = build_layout([len(e.drafts) for e in entries], [e.drafts for e in entries], device)
     q, q_rows = _draft_probs(entries, logits)
