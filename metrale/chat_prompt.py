@@ -38,7 +38,10 @@ def chat_prompt_ids(
         )
     bound = context_len * slack
     if len(messages) > bound:
-        raise ValueError(f"messages: {len(messages)} messages cannot fit the context")
+        raise ValueError(
+            f"messages: {len(messages)} messages cannot fit the context "
+            f"(max_model_len={context_len})"
+        )
     # (the rendered text, not the messages' content: a template may drop content, Qwen3's an
     # earlier turn's thinking; rendering holds the GIL no longer than any Python code does)
     limit = bound * tokenizer.max_token_chars
@@ -50,7 +53,10 @@ def chat_prompt_ids(
     if continue_final_message:
         text = _cut_at_tag(text)
     if len(text) > limit:  # the template's own text (many short messages, long tools)
-        raise ValueError(f"messages: the rendered prompt's {len(text)} characters cannot fit")
+        raise ValueError(
+            f"messages: the rendered prompt's {len(text)} characters cannot fit the context "
+            f"(max_model_len={context_len})"
+        )
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from metrale.bench.serve_bench import add_serve_bench_args
@@ -78,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     srv.add_argument("--port", type=_PORT, default=8000, help="TCP port")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    srv.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's name in the API (default: the Hub id, or the directory's name)",
+    )
     srv.add_argument("--no-access-log", action="store_true", help="no stderr line per request")
     srv.add_argument(
         "--allowed-origins",
@@ -241,6 +247,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         access_log=not args.no_access_log,
         allowed_origins=tuple(args.allowed_origins),
         reasoning_parser=args.reasoning_parser,
+        served_name=args.served_model_name,
         **engine_options(args),
     )
     return 0
@@ -349,6 +356,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: the request was aborted; no traceback (found in review)
         print(file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (`metrale generate ... | head`): quiet, as Unix tools are; stdout
+        # points at /dev/null so that the interpreter's last flush does not complain again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for such a writer
     except (ValueError, OSError) as e:
         # OSError: an --out path that exists as a file, a directory without write permission,
         # ... (FileNotFoundError is one); a clear message, not a traceback

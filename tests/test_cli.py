@@ -89,3 +89,21 @@ def test_generate_with_speculation_prints_acceptance(tiny_model_dir, tmp_path):
     assert spec.returncode == 0, spec.stderr
     assert "spec ngram:" in spec.stderr and "mean acceptance length" in spec.stderr
     assert spec.stdout == metrale(*args, home=tmp_path).stdout  # the text is unchanged
+
+
+def test_a_reader_that_goes_away_ends_generate_quietly(tiny_model_dir, tmp_path):
+    """`metrale generate ... | head -c 5`: the closed pipe ends the command without an error
+    message (as Unix tools end), exit status 141 (128 + SIGPIPE)."""
+    env = {**os.environ, "METRALE_HOME": str(tmp_path)}
+    args = ["generate", "hello", "--model", str(tiny_model_dir), "--max-tokens", "400"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "metrale.cli", *args, "--ignore-eos"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    proc.stdout.read(1)  # it started writing; the reader leaves
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=300)
+    assert b"Broken pipe" not in err and b"Traceback" not in err, err
+    assert proc.returncode in (0, 141)

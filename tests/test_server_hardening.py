@@ -70,6 +70,7 @@ def error_of(resp, status, param="?"):
         (CMPL, {"prompt": "x", "echo": "yes"}, 400, "echo"),
         (CMPL, {"prompt": "x", "echo": True, "logprobs": 0}, 400, "echo"),
         (CMPL, {"prompt": "x", "best_of": 3}, 400, "best_of"),
+        (CMPL, {"prompt": "x", "n": 2, "best_of": 1}, 400, "best_of"),  # best_of < n, as vLLM
         (CMPL, {"prompt": "x", "n": 1000}, 400, "n"),
         (CMPL, {"prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
         (CMPL, {"prompt": "x" * 200000}, 400, "prompt"),  # refused from its length

@@ -42,8 +42,9 @@ def build(
         model = default_model_dir()
     engine = LLMEngine(model, engine_config_from(engine_options))
     loop = EngineLoop(engine, max_waiting=max_waiting)
-    # a Hub id is served under its own name, a directory under its last component
-    name = served_name or (str(model) if is_hub_id(model) else Path(model).name)
+    # a Hub id is served under its own name, a directory under its last component (resolved:
+    # "." or "dir/.." have none of their own, and an empty name matched no request's `model`)
+    name = served_name or (str(model) if is_hub_id(model) else Path(model).resolve().name)
     app = create_app(
         loop,
         name,
@@ -137,7 +138,7 @@ def startup_banner(loop, host: str, port: int, keyed: bool) -> str:
     return "\n".join(
         [
             f"metrale serve: http://{host}:{port}/v1 (OpenAI API{keyed_note})",
-            f"  model       {engine.model_dir}",
+            f"  model       {loop.model_name} ({engine.model_dir})",
             f"  device      {device}",
             f"  KV pool     {pages} pages x {cfg.page_size} rows ({pages * cfg.page_size} tokens)",
             f"  limits      max_model_len {engine.context_len}, max_num_seqs {cfg.max_num_seqs}",
@@ -212,11 +213,14 @@ def serve(
     access_log: bool = True,
     allowed_origins: tuple[str, ...] = (),
     reasoning_parser: str | None = None,
+    served_name: str | None = None,
     **engine_options,
 ) -> None:
-    """Serve until SIGINT or SIGTERM, then drain and return (exit status 0): new requests get a
-    503, in-flight ones have `shutdown_grace` seconds to finish, then each remaining one ends
-    with finish_reason "abort" in a well-formed response or final chunk."""
+    """Serve until SIGINT or SIGTERM, then drain and return (exit status 0): the listener closes
+    (new connections are refused, as vLLM's are), in-flight requests have `shutdown_grace`
+    seconds to finish, then each remaining one ends with finish_reason "abort" in a well-formed
+    response or final chunk. `served_name`: the model's name in the API (`--served-model-name`;
+    by default the Hub id, or the directory's name)."""
     check_serve_options(port, max_body_bytes, shutdown_grace, host, api_key)
     import uvicorn
 
@@ -246,6 +250,7 @@ def serve(
         access_log=access_log,
         allowed_origins=allowed_origins,
         reasoning_parser=reasoning_parser,
+        served_name=served_name,
         **engine_options,
     )
     print(startup_banner(loop, host, port, api_key is not None), file=sys.stderr, flush=True)

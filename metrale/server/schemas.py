@@ -174,7 +174,10 @@ class _GenerationRequest(StructuredFields, Body):
     @classmethod
     def _best_of(cls, value, info: ValidationInfo):
         n = info.data.get("n")
-        if value is not None and value not in (1, 1 if n is None else n):
+        n = 1 if n is None else n
+        if value is not None and value < n:  # as vLLM and OpenAI refuse it
+            raise ValueError(f"best_of must be greater than or equal to n, got {value} < {n}")
+        if value is not None and value != n:
             raise ValueError("only best_of = n is supported")
         return value
 
