@@ -316,3 +316,19 @@ def test_sigterm_drains_streams_and_whole_responses(tiny_model_dir, tmp_path):
             assert finish in ("abort", "length"), (kind, finish)
     finally:
         proc.kill()
+
+
+def test_a_directory_given_as_dot_is_served_under_its_own_name(tiny_model_dir, monkeypatch):
+    """`metrale serve --model .` (found in review: served as "", so every request naming a
+    model got a 404); `--served-model-name` sets the name."""
+    from metrale.cli import build_parser
+    from metrale.server import build
+
+    monkeypatch.chdir(tiny_model_dir)
+    for given in (".", "./", f"../{tiny_model_dir.name}"):
+        _, loop = build(given, device="cpu")
+        assert loop.model_name == tiny_model_dir.name, given
+    _, loop = build(".", served_name="mine", device="cpu")
+    assert loop.model_name == "mine"
+    args = build_parser().parse_args(["serve", "--served-model-name", "mine"])
+    assert args.served_model_name == "mine"
