@@ -151,8 +151,10 @@ class SamplingBatch:
         n = sum(1 + len(row.drafts) for row in rows)
         if n == 0:
             raise ValueError("SamplingBatch.build: no rows")
-        floats: list[tuple[float, ...]] = []  # per row: temperature, top_p, min_p, rep, pres, freq
-        ints: list[tuple[int, ...]] = []  # per row: top_k, seed, noise step, greedy
+        # Per sequence (its rows share them; expanded below, with one numpy repeat each):
+        floats: list[tuple[float, ...]] = []  # temperature, top_p, min_p, rep, pres, freq
+        ints: list[tuple[int, ...]] = []  # top_k, seed, its first row's noise step, greedy
+        reps: list[int] = []  # its rows
         bias_rows, bias_toks, bias_vals = [], [], []
         ban_rows, ban_toks = [], []
         # Histories for the penalties, flattened; per-row lengths are 0 where a row needs none.
@@ -183,10 +185,10 @@ class SamplingBatch:
                 p.presence_penalty,
                 p.frequency_penalty,
             )
-            floats.extend([settings] * r)
-            seed = to_int64(row.seed)
+            floats.append(settings)
             key = first_step + (row.epoch << 32 if row.fresh_noise else 0)
-            ints.extend((top_k, seed, key + j, int(greedy)) for j in range(r))
+            ints.append((top_k, to_int64(row.seed), key, int(greedy)))
+            reps.append(r)
             if p.logit_bias:
                 toks = list(p.logit_bias)
                 _check_ids(toks, v, "logit_bias")
@@ -233,8 +235,13 @@ class SamplingBatch:
                 return t.pin_memory().to(device, non_blocking=True)
             return t.to(device)
 
-        f = to_dev(torch.tensor(floats, dtype=torch.float32))  # [N, 6]
-        it = to_dev(torch.tensor(ints, dtype=torch.int64))  # [N, 4]
+        counts = np.asarray(reps)
+        f_rows = np.repeat(np.asarray(floats, dtype=np.float32), counts, axis=0)  # [N, 6]
+        i_rows = np.repeat(np.asarray(ints, dtype=np.int64), counts, axis=0)  # [N, 4]
+        # a row's noise step: its sequence's first row's, plus its place among them
+        i_rows[:, 2] += np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)
+        f = to_dev(torch.from_numpy(f_rows))
+        it = to_dev(torch.from_numpy(i_rows))
 
         bias_index = bias_value = ban_index = None
         if bias_rows:
@@ -264,6 +271,7 @@ class SamplingBatch:
             ones = torch.ones(idx.shape[1], dtype=torch.float32, device=device)
             output_counts.index_put_((idx[0], idx[1]), ones, accumulate=True)
 
+        # (over sequences: every row of one has its settings)
         greedy_flags = [g for *_, g in ints]
         enabled_k = [k for k, *_ in ints if k < v]
         sampled = [row for row, (*_, g) in zip(floats, ints, strict=True) if not g]
