@@ -235,3 +235,35 @@ def test_penalised_greedy_output_equals_transformers_with_the_penalties(tiny_mod
                 x = x - 0.3 * counts - 0.4 * (counts > 0)
                 tokens.append(int(x.argmax()))
         assert out.outputs[0].token_ids == tokens[len(prompt) :]
+
+
+def test_a_count_update_that_raises_leaves_its_rows_to_be_rebuilt(monkeypatch):
+    """Found in review: `committed` moved a row's count before its add was queued, so an add
+    that raised left the row claiming tokens it never counted, wrong for good."""
+    rng = random.Random(3)
+    state = PenaltyState(torch.device("cpu"))
+    seqs = [_seq(i, PARAMS[2], rng) for i in range(3)]
+    _check(state, seqs, [[], [], []])
+    for s in seqs:
+        s.output_token_ids += [rng.randrange(V) for _ in range(3)]
+    real = state._add
+
+    def failing(*a):
+        raise RuntimeError("the copy failed")
+
+    monkeypatch.setattr(state, "_add", failing)
+    with pytest.raises(RuntimeError):
+        state.committed(seqs)
+    monkeypatch.setattr(state, "_add", real)
+    _check(state, seqs, [[], [], []])  # rebuilt, not wrong
+    # the same for a launched step's tokens
+    tokens = torch.tensor([[rng.randrange(V)] for _ in seqs])
+    source = DeviceDrafts(tokens)
+    for i, s in enumerate(seqs):
+        s.output_token_ids.append(int(tokens[i, 0]))
+        s.inflight = source.row(i, 1)
+    monkeypatch.setattr(state, "_add", failing)
+    with pytest.raises(RuntimeError):
+        state.launched(seqs, [0, 1, 2], tokens)
+    monkeypatch.setattr(state, "_add", real)
+    _check(state, seqs, [[], [], []])

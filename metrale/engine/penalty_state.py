@@ -85,21 +85,26 @@ class PenaltyState:
             return
         where: list[int] = []
         tokens: list[int] = []
+        added: list[tuple[_Row, int]] = []
         for seq in seqs:
             row = self._rows.get(seq.seq_id)
             if row is None:
                 continue
             out = seq.output_token_ids
-            if seq.inflight is not None or not 0 <= row.counted <= len(out):
-                row.counted = -1  # (nothing commits past a placeholder: rebuilt if used again)
-                continue
-            new = out[row.counted :]
+            counted, row.counted = row.counted, -1  # (until the add is queued: see below)
+            if seq.inflight is not None or not 0 <= counted <= len(out):
+                continue  # (nothing commits past a placeholder: rebuilt if used again)
+            new = out[counted:]
             where += [row.index] * len(new)
             tokens += new
-            row.counted = len(out)
+            added.append((row, len(out)))
         if tokens:
             where_t, tokens_t = to_device_packed([where, tokens], self.device)
             self._add(where_t, tokens_t)
+        # only now: a copy or add that raised leaves these rows to be rebuilt (found in review:
+        # moved first, the rows claimed tokens they never counted, and kept them wrong)
+        for row, counted in added:
+            row.counted = counted
 
     @torch.inference_mode()
     def launched(self, seqs: list[Sequence], at: list[int], tokens: torch.Tensor) -> None:
@@ -109,19 +114,22 @@ class PenaltyState:
             return
         where: list[int] = []
         picked: list[int] = []
+        added: list[tuple[_Row, int]] = []
         for seq, i in zip(seqs, at, strict=True):
             row = self._rows.get(seq.seq_id)
             if row is None:
                 continue
-            if row.counted != len(seq.output_token_ids) - 1:
-                row.counted = -1
+            counted, row.counted = row.counted, -1  # (until the add is queued, as above)
+            if counted != len(seq.output_token_ids) - 1:
                 continue
             where.append(row.index)
             picked.append(i)
-            row.counted += 1
+            added.append((row, counted + 1))
         if where:
             where_t, picked_t = to_device_packed([where, picked], self.device)
             self._add(where_t, tokens[:, 0].index_select(0, picked_t))
+        for row, counted in added:
+            row.counted = counted
 
     def release(self, seq: Sequence) -> None:
         """Its row goes back to the pool (it ended, or was preempted: rebuilt if it returns)."""

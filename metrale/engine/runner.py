@@ -291,7 +291,7 @@ class ModelRunner:
     def execute(self, batch: Batch, defer: bool = False) -> StepOutput:
         """Run one step: the forward over every row, then acceptance of every sampling sequence's
         drafts (k = 0 is a plain decode). One host sync copies the verdicts back; with `defer`
-        (a step without drafts, grammars or penalties: `engine/ahead.py`) none: the copies are
+        (a step without drafts or grammars: `engine/ahead.py`) none: the copies are
         queued behind the step and its output's `settle` reads them."""
         head_seqs, mixed = 0, None  # a hybrid's prompt chunks first, beside a verify
         if self.hybrid:
