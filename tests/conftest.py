@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import os
+import platform
 
 # The Triton interpreter computes `tl.dot` with numpy's OpenBLAS. Its AVX2/FMA kernels (picked on
 # Haswell and later, Zen included) sum a row of a small product differently depending on the
 # rows beside it, so a kernel whose own reduction order is batch-invariant would look otherwise
 # under the interpreter (tests/test_deterministic*.py). Its AVX kernels keep each row's order.
 # Set before numpy's OpenBLAS loads (torch imports numpy); the GPU tests never go through it.
-os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
+# Set, not defaulted: machines here export OPENBLAS_CORETYPE=Haswell, which is one of those
+# kernels (12 invariance tests failed on such a machine). x86-64 only (the names are x86's);
+# SSE3's Prescott kernels where the CPU has no AVX.
+if platform.machine() in ("x86_64", "AMD64"):
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            avx = " avx " in cpuinfo.read().replace("\n", " ")
+    except OSError:
+        avx = False
+    os.environ["OPENBLAS_CORETYPE"] = "Sandybridge" if avx else "Prescott"
 
 import torch  # noqa: E402
 
