@@ -239,12 +239,15 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> RequestOutput | Iterator[RequestOutput]:
         """Apply the chat template and generate the assistant's reply. `messages` are checked
         as the server checks a body's: a message's content is a string or a list of OpenAI's
         text parts (joined by newlines), null only on an assistant turn.
         `continue_final_message` (with `add_generation_prompt=False`), as vLLM's `LLM.chat`:
-        the reply goes on with the final message's text (a prefilled assistant turn)."""
+        the reply goes on with the final message's text (a prefilled assistant turn).
+        `chat_template_kwargs`: extra template variables, as vLLM's and the server's (Qwen3's
+        `{"enable_thinking": False}`); the template's own inputs (`messages`, ...) are refused."""
         for name, value in (
             ("stream", stream),
             ("add_generation_prompt", add_generation_prompt),
@@ -257,6 +260,7 @@ class LLM:
             self.tokenizer,
             messages,
             self.engine.context_len,
+            variables=_template_variables(chat_template_kwargs),
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
         )[0]
@@ -315,6 +319,20 @@ def _from_dict(prompt: dict, where: str) -> tuple[str, str | list[int]]:
     if bad:  # (the engine checks the ids' range)
         raise _PromptError(f"{where}.prompt_token_ids: {bad[0]!r:.80} is not a token id")
     return key, list(value)
+
+
+def _template_variables(value) -> dict | None:
+    """`chat_template_kwargs`, checked as the server checks it (a ValueError naming it)."""
+    from metrale.server.chat_messages import template_variables
+
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ValueError(f"chat_template_kwargs must be a dict of names, got {value!r:.80}")
+    try:
+        return template_variables(value)
+    except ValueError as e:
+        raise ValueError(f"chat_template_kwargs: {e}") from None
 
 
 def _chat_messages(messages) -> list[dict]:

@@ -7,8 +7,21 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-# What an engine reads from a checkpoint: configs, weights, tokenizer, chat template.
-ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "dflash/*"]
+# What an engine reads from a checkpoint: configs, weights (top level: the index's shards, or
+# every *.safetensors there), tokenizer, chat template, drafters. Only these: offline,
+# huggingface_hub refuses a snapshot missing any file the patterns match in the repo's listing,
+# so `*.txt` or a nested `*.safetensors` (merges.txt, onnx/) refused caches holding all of these.
+ALLOW_PATTERNS = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "model.safetensors.index.json",
+    "model*.safetensors",
+    "mtp.safetensors",
+    "dflash/*",
+]
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
@@ -39,13 +52,28 @@ def resolve_model(model: str | Path, revision: str | None = None) -> Path:
 
     try:
         return Path(snapshot_download(str(model), revision=revision, allow_patterns=ALLOW_PATTERNS))
-    except LocalEntryNotFoundError:
+    except LocalEntryNotFoundError as e:
+        # A snapshot the cache holds but huggingface_hub calls incomplete (a file of the repo's
+        # listing never downloaded) serves as it is: the loader names any file it lacks.
+        folder = _cached_snapshot(str(model), revision)
+        if folder is not None:
+            return folder
+        where = f" at revision {revision!r}" if revision is not None else ""
         raise FileNotFoundError(
-            f"model {model!r}: not in the local Hugging Face cache and the Hub is unreachable "
-            "or offline (HF_HUB_OFFLINE=1); download it once with network access, or pass a "
-            "checkpoint directory"
+            f"model {model!r}{where}: not in the local Hugging Face cache and the Hub is "
+            "unreachable or offline (HF_HUB_OFFLINE=1); download it once with network access, "
+            f"or pass a checkpoint directory ({e})"
         ) from None
     except (HFValidationError, OSError) as e:
         raise FileNotFoundError(
             f"model {model!r}: no such local directory, and not found on the Hub ({e})"
         ) from None
+
+
+def _cached_snapshot(repo_id: str, revision: str | None) -> Path | None:
+    """The cached snapshot folder of `repo_id` at `revision` that holds its config.json, if
+    any (read from the cache alone)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo_id, "config.json", revision=revision)
+    return Path(found).parent if isinstance(found, str) else None

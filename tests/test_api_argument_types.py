@@ -134,3 +134,31 @@ def test_a_drafter_that_is_none_or_beside_a_method_is_refused(tiny_model_dir, dr
     AttributeError; a drafter beside spec.method silently won."""
     with pytest.raises(ValueError, match=match):
         LLM(tiny_model_dir, device="cpu", drafter=drafter, spec=spec)
+
+
+def test_chat_takes_template_variables_as_vllm_does(tiny_model_dir, tmp_path):
+    """`chat_template_kwargs` (vLLM's `LLM.chat` and the server take it; found missing in
+    review): the template renders with them; its own inputs, or a value that is no dict of
+    names, are a ValueError naming the argument."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+        "{% endfor %}<|im_start|>assistant\n"
+        "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+        "{% endif %}"
+    )
+    llm = LLM(model, device="cpu", max_model_len=64)
+    params = SamplingParams(max_tokens=2, temperature=0)
+    rendered = set()
+    for variables in ({"enable_thinking": False}, {"enable_thinking": True}):
+        text = llm.tokenizer.apply_chat_template(USER, add_generation_prompt=True, **variables)
+        rendered.add(text)
+        out = llm.chat(USER, params, chat_template_kwargs=variables)
+        assert out.prompt_token_ids == llm.tokenizer.encode(text, add_special_tokens=False)
+    assert len(rendered) == 2  # the variable reached the template
+    for bad, match in (({"messages": []}, "'messages' is the template's own"), ([1], "a dict")):
+        with pytest.raises(ValueError, match=f"^chat_template_kwargs(: | must be ).*{match}"):
+            llm.chat(USER, params, chat_template_kwargs=bad)

@@ -105,3 +105,36 @@ def test_bench_resolves_a_hub_id_and_bad_names_are_value_errors(tiny_model_dir, 
     ] * 3
     assert lines[3].startswith("ERR revision must be")
     assert COMMIT in lines[4] and lines[-1].startswith("RAN")
+
+
+def _listing(cache: Path, repo: str, names: list[str]) -> None:
+    """The repo's file listing at COMMIT as huggingface_hub caches it (`trees/<commit>.json`):
+    offline, it refuses a snapshot lacking a listed file the allow patterns match."""
+    tree = __import__("pytest").importorskip("huggingface_hub._tree_cache")
+    folder = cache / ("models--" + repo.replace("/", "--"))
+    entries = {name: tree.TreeCacheEntry(size=1, blob_id="0" * 40) for name in names}
+    tree.write_tree_cache(str(folder), COMMIT, entries)
+    assert (folder / "trees" / f"{COMMIT}.json").is_file()
+
+
+def test_files_the_engine_never_reads_need_not_be_in_the_cache(tiny_model_dir, tmp_path):
+    """Found in review: a cache made by `hf download --include "*.safetensors" "*.json"` (no
+    merges.txt, no onnx/) was refused offline, the listing naming files the patterns took in;
+    and a snapshot that lacks a file the engine does read is named by the loader's error."""
+    cache = fake_cache(tmp_path / "hub", tiny_model_dir)
+    present = [p.name for p in tiny_model_dir.iterdir() if p.is_file()]
+    _listing(
+        cache, "acme/tiny-qwen3", [*present, "merges.txt", "vocab.json", "onnx/model.safetensors"]
+    )
+    code = (
+        "from metrale import LLM, SamplingParams\n"
+        "llm = LLM('acme/tiny-qwen3', device='cpu')\n"
+        "print(llm.generate([[5, 6]], SamplingParams(max_tokens=2))[0].finished)\n"
+    )
+    result = run(code, cache)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "True"
+    # a file the engine reads, listed and never downloaded: the loader names it
+    (cache / "models--acme--tiny-qwen3" / "snapshots" / COMMIT / "tokenizer.json").unlink()
+    result = run("from metrale import LLM\nLLM('acme/tiny-qwen3', device='cpu')\n", cache)
+    assert result.returncode != 0 and "tokenizer.json" in result.stderr

@@ -451,3 +451,23 @@ def test_training_refuses_what_would_go_wrong_later(corpus, tok_dir, target, tmp
             resolve_device(device)
     with pytest.raises(ValueError, match="overflow"):
         train_mtp(target[0], spec, opts, depths=5, depth_decay=1e300, out_dir=tmp_path / "m")
+
+
+def test_mtp_out_over_an_earlier_checkpoint_drops_its_shards(corpus, target, tmp_path):
+    """Found in review: `train mtp --out DIR` over a sharded checkpoint kept its index and
+    shards, which the engine follows: it loaded the old weights beside the new config."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors.index.json").write_text('{"weight_map": {"x": "model-1.st"}}')
+    for i in (1, 2):
+        (out / f"model-0000{i}-of-00002.safetensors").write_bytes(b"old")
+    opts = replace(OPTS, steps=2, seq_len=16, eval_every=0)
+    train_mtp(target[0], corpus, opts, depths=1, out_dir=out)
+    assert not (out / "model.safetensors.index.json").exists()
+    assert not list(out.glob("model-*-of-*.safetensors"))
+    llm = LLM(out, device="cpu", spec=dict(method="mtp", num_drafts=1))
+    assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)[0].finished
+    stale = tmp_path / "stale"
+    (stale / "dflash").mkdir(parents=True)
+    with pytest.raises(ValueError, match="holds dflash"):
+        train_mtp(target[0], corpus, opts, depths=1, out_dir=stale)

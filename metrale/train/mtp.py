@@ -133,8 +133,20 @@ def save_mtp(model_dir: str | Path, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def _copy_target(src: Path, dst: Path) -> None:
-    """The target checkpoint into a fresh output directory (weights, configs, tokenizer)."""
+    """The target checkpoint into the output directory (weights, configs, tokenizer). An earlier
+    checkpoint's weights there go first (an index and its shards the copy would not replace:
+    the engine follows the index, so it loaded the old weights beside the new config; found in
+    review), as transformers' save_pretrained drops them; a DFlash drafter there, trained for
+    another target, is refused, as `train target` refuses it."""
+    if (dst / "dflash").exists():
+        raise ValueError(
+            f"out: {dst} holds dflash, trained for an earlier target: it would not match "
+            "these weights; remove it or choose another --out"
+        )
     dst.mkdir(parents=True, exist_ok=True)
+    stale = [dst / "model.safetensors.index.json", *dst.glob("model-*-of-*.safetensors")]
+    for path in [dst / "model.safetensors", *stale]:
+        path.unlink(missing_ok=True)
     for path in sorted(src.iterdir()):
         if path.is_file() and path.suffix in (".json", ".safetensors", ".jinja", ".txt", ".model"):
             if path.name in (SUMMARY_FILE, MTP_FILE):
