@@ -137,7 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
         "tokens emitted), so a speculative step's cost can be measured on random weights",
     )
     bench.add_argument("--num-drafts", type=int, default=3, help="K for the end-to-end run")
-    bench.add_argument("--max-tokens", type=int, default=32, help="tokens per end-to-end request")
+    bench.add_argument(
+        "--max-tokens", type=_POSITIVE, default=32, help="tokens per end-to-end request"
+    )
     bench.add_argument("--e2e-batch-sizes", type=_int_list, default=[1, 4], help="e.g. 1,8,64")
     bench.add_argument(
         "--dcut",
@@ -331,8 +333,9 @@ def _generate(llm, args: argparse.Namespace, params) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from metrale.chat_repl import run_repl
 
+    params = _sampling(args)  # (checked before the model loads, as generate's are)
     with _llm(args) as llm:
-        code = run_repl(llm, _sampling(args), args.system)
+        code = run_repl(llm, params, args.system)
         if llm.engine.spec is not None:
             print(spec_summary(llm), file=sys.stderr)
     return code

@@ -67,6 +67,14 @@ def test_bad_options_exit_with_a_named_error(tiny_model_dir, tmp_path, args, fie
     assert field in res.stderr and "Traceback" not in res.stderr
 
 
+@pytest.mark.parametrize("command", [("generate", "x"), ("chat",), ("bench",)])
+def test_bad_sampling_options_are_refused_before_the_model_loads(tmp_path, command):
+    """Found in review: `chat` and `bench` loaded the model before refusing --max-tokens 0 (a
+    model that does not exist shows which came first)."""
+    res = metrale(*command, "--model", str(tmp_path / "absent"), "--max-tokens", "0", home=tmp_path)
+    assert res.returncode == 2 and "max" in res.stderr and "absent" not in res.stderr, res.stderr
+
+
 def test_a_refused_prompt_is_not_echoed(tiny_model_dir, tmp_path):
     """`generate` checks the prompt before it writes it: a prompt past the model's length is
     an error on stderr, not echoed to stdout with the error glued on (found in review)."""
