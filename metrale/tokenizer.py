@@ -341,6 +341,16 @@ class IncrementalDetokenizer:
             return self.push(token_ids)
         return "".join(self.push(t) for t in token_ids)
 
+    def mark(self) -> tuple:
+        """The state `rewind` returns to (pushes since are undone)."""
+        window = list(self._window)
+        return len(self.token_ids), window, self._read, self._emitted, self._context_len, self.text
+
+    def rewind(self, mark: tuple) -> None:
+        n, window, self._read, self._emitted, self._context_len, self.text = mark
+        del self.token_ids[n:]
+        self._window = list(window)
+
     def _slide(self) -> None:
         """Make the pending ids the new left context and drop the older ones.
 

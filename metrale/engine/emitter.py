@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from metrale.engine.sequence import Sequence
 from metrale.engine.step_output import SampledToken
-from metrale.engine.stop import check_stop, token_stop
+from metrale.engine.stop import check_stop, find_stop_string, token_stop
 from metrale.knobs import knobs
 from metrale.outputs import CompletionOutput, Logprob, RequestOutput
 from metrale.tokenizer import Tokenizer
@@ -40,6 +40,9 @@ class Emitter:
         `seq.finish_reason` when it ends. Returns the (text, token ids) delta, or None when the
         text is deferred to `drain` (the tokens are recorded either way)."""
         if not self.defers or seq.params.stop or seq.params.logprobs is not None:
+            whole = self._emit_whole(seq, tokens)
+            if whole is not None:
+                return whole
             text, ids = "", []
             for token in tokens:
                 text += self._append(seq, token)
@@ -68,6 +71,45 @@ class Emitter:
         tail = seq.detokenizer.flush()
         seq.text += tail
         return delta[0] + tail, delta[1]
+
+    def _emit_whole(self, seq: Sequence, tokens: list[SampledToken]) -> Delta | None:
+        """`emit`'s in-step path for a verify's several tokens in one detokenizer push and one
+        stop-string search (at batch 64 with stop strings, a push and a search a token were
+        most of a verify step's commit), where that gives the token-by-token result: a
+        byte-level decoder (the text of one push is the pushes' text), no logprobs or
+        grammar, and no token or stop string ending the sequence among them. Otherwise it undoes
+        what it did and returns None: the tokens go one at a time, which finds the exact
+        token that ends it."""
+        params = seq.params
+        if (
+            len(tokens) < 2
+            or params.logprobs is not None
+            or seq.grammar is not None
+            or not self.tokenizer.byte_level
+        ):
+            return None
+        out = seq.output_token_ids
+        start = len(out)
+        for token in tokens:
+            out.append(token.token_id)
+            if token_stop(seq, self.max_model_len) is not None:
+                del out[start:]
+                return None
+        ids = out[start:]
+        mark = seq.detokenizer.mark()
+        text = seq.pending_text + seq.detokenizer.push_each(ids)
+        stops = params.stop
+        # (none found in the whole new text: none at any token; one found: which token
+        # completed it, and whether after `min_tokens`, is the token-by-token path's to say)
+        if stops and find_stop_string(seq, text, len(seq.pending_text)) is not None:
+            seq.detokenizer.rewind(mark)
+            del out[start:]
+            return None
+        hold = max(map(len, stops)) - 1 if stops else 0
+        cut = max(0, len(text) - hold)
+        seq.pending_text = text[cut:]
+        seq.text += text[:cut]
+        return text[:cut], ids
 
     @property
     def has_pending(self) -> bool:

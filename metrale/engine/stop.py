@@ -37,7 +37,7 @@ def token_stop(seq: Sequence, max_model_len: int) -> tuple[str, int | None] | No
     return None
 
 
-def _find_stop_string(seq: Sequence, text: str, new_from: int) -> tuple[int, str] | None:
+def find_stop_string(seq: Sequence, text: str, new_from: int) -> tuple[int, str] | None:
     """Earliest stop-string occurrence in `text` that ends past `new_from` (in the new text):
     one that ended earlier ended within the first `min_tokens` tokens, where stop strings do
     not count (vLLM's detokenizer searches the new characters alone too). Found from where
@@ -63,7 +63,7 @@ def check_stop(
     text = seq.pending_text + new_text
     stops = seq.params.stop
     if stops and len(seq.output_token_ids) > seq.params.min_tokens:
-        found = _find_stop_string(seq, text, len(seq.pending_text))
+        found = find_stop_string(seq, text, len(seq.pending_text))
         if found is not None:
             idx, stop = found
             end = idx + len(stop) if seq.params.include_stop_str_in_output else idx
