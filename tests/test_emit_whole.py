@@ -2,8 +2,8 @@
 for stop strings once gives exactly what emitting them one at a time gives (text released, text
 held back, token ids, finish and stop reasons), or steps aside for the token-by-token path (a
 stop string or a token that ends the sequence among them): random streams of the shipped model's
-tokens in random chunks, with stop strings cut from their own text, min_tokens, EOS and
-include_stop_str_in_output."""
+tokens in random chunks, with stop strings cut from their own text, min_tokens, EOS,
+include_stop_str_in_output and logprobs."""
 
 from __future__ import annotations
 
@@ -48,7 +48,18 @@ def _state(seq: Sequence) -> tuple:
         seq.pending_text,
         seq.finish_reason,
         seq.stop_reason,
+        [[(t, lp.logprob, lp.rank, lp.decoded_token) for t, lp in e.items()] for e in seq.logprobs],
+        seq.cumulative_logprob,
     )
+
+
+def _tokens(seq: Sequence, chunk: list[int], rng: random.Random, logprobs: bool) -> list:
+    if not logprobs:
+        return [SampledToken(seq, t) for t in chunk]
+    return [
+        SampledToken(seq, t, -rng.random(), 1 + (t % 3), [(t + 1, -0.5), (t + 2, float("-inf"))])
+        for t in chunk
+    ]
 
 
 @pytest.mark.parametrize("trial", range(40))
@@ -73,6 +84,7 @@ def test_a_verifys_tokens_at_once_give_the_token_by_token_result(tokenizer, tria
         ignore_eos=rng.random() < 0.3,
         min_tokens=rng.randint(0, 8),
         include_stop_str_in_output=rng.random() < 0.3,
+        logprobs=2 if rng.random() < 0.4 else None,
     )
     prompt = [rng.randrange(100, 5000) for _ in range(4)]
     whole, each = _seq(tokenizer, params, prompt), _seq(tokenizer, params, prompt)
@@ -84,19 +96,21 @@ def test_a_verifys_tokens_at_once_give_the_token_by_token_result(tokenizer, tria
         n = rng.randint(1, 5)
         chunk = stream[at : at + n]
         at += n
-        got = fast.emit(whole, [SampledToken(whole, t) for t in chunk])
-        want = slow.emit(each, [SampledToken(each, t) for t in chunk])
+        lp = params.logprobs is not None
+        state = rng.getstate()
+        got = fast.emit(whole, _tokens(whole, chunk, rng, lp))
+        rng.setstate(state)  # (the same logprobs for both)
+        want = slow.emit(each, _tokens(each, chunk, rng, lp))
         assert got == want, (trial, at)
         assert _state(whole) == _state(each), (trial, at)
     assert whole.detokenizer.text == each.detokenizer.text
 
 
 def test_it_steps_aside_where_it_cannot_apply(tokenizer):
-    params = SamplingParams(stop=["zz"], logprobs=1)
-    seq = _seq(tokenizer, params, [300])
-    emitter = Emitter(tokenizer, 10_000)
-    tokens = [SampledToken(seq, t) for t in (400, 401)]
-    assert emitter._emit_whole(seq, tokens) is None  # logprobs: a piece a token
     seq = _seq(tokenizer, SamplingParams(stop=["zz"]), [300])
-    assert emitter._emit_whole(seq, tokens[:1]) is None  # one token: nothing to gain
+    emitter = Emitter(tokenizer, 10_000)
+    assert emitter._emit_whole(seq, [SampledToken(seq, 400)]) is None  # nothing to gain
+    seq.grammar = object()  # a grammar advances token by token
+    assert emitter._emit_whole(seq, [SampledToken(seq, t) for t in (400, 401)]) is None
+    seq.grammar = None
     assert emitter._emit_whole(seq, [SampledToken(seq, t) for t in (400, 401)]) is not None

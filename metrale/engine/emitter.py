@@ -27,6 +27,7 @@ Delta = tuple[str, list[int]]
 class Emitter:
     def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
         self.tokenizer = tokenizer
+        self._pieces: dict[int, str] = {}  # token id -> its text alone (`_piece`)
         self.max_model_len = max_model_len
         # seq_id -> (sequence, token ids recorded but not yet detokenized)
         self._pending: dict[int, tuple[Sequence, list[int]]] = {}
@@ -76,17 +77,12 @@ class Emitter:
         """`emit`'s in-step path for a verify's several tokens in one detokenizer push and one
         stop-string search (at batch 64 with stop strings, a push and a search a token were
         most of a verify step's commit), where that gives the token-by-token result: a
-        byte-level decoder (the text of one push is the pushes' text), no logprobs or
-        grammar, and no token or stop string ending the sequence among them. Otherwise it undoes
-        what it did and returns None: the tokens go one at a time, which finds the exact
-        token that ends it."""
+        byte-level decoder (the text of one push is the pushes' text), no grammar, and no
+        token or stop string ending the sequence among them (logprob entries are made after).
+        Otherwise it undoes what it did and returns None: the tokens go one at a time, which
+        finds the exact token that ends it."""
         params = seq.params
-        if (
-            len(tokens) < 2
-            or params.logprobs is not None
-            or seq.grammar is not None
-            or not self.tokenizer.byte_level
-        ):
+        if len(tokens) < 2 or seq.grammar is not None or not self.tokenizer.byte_level:
             return None
         out = seq.output_token_ids
         start = len(out)
@@ -105,6 +101,8 @@ class Emitter:
             seq.detokenizer.rewind(mark)
             del out[start:]
             return None
+        for token in tokens:  # (in order: the cumulative logprob sums as token by token)
+            self._logprobs(seq, token)
         hold = max(map(len, stops)) - 1 if stops else 0
         cut = max(0, len(text) - hold)
         seq.pending_text = text[cut:]
@@ -185,16 +183,7 @@ class Emitter:
 
     def _append(self, seq: Sequence, token: SampledToken) -> str:
         self._record(seq, token)
-        if token.logprob is not None:
-            seq.cumulative_logprob += token.logprob
-            entry = {
-                token.token_id: Logprob(token.logprob, token.rank, self._piece(token.token_id))
-            }
-            for rank, (tok, lp) in enumerate(token.top or [], start=1):
-                if lp == float("-inf"):  # a token a structured output's grammar forbids
-                    continue
-                entry.setdefault(tok, Logprob(lp, rank, self._piece(tok)))
-            seq.logprobs.append(entry)
+        self._logprobs(seq, token)
         reason, stop_reason, new_text = check_stop(
             seq, seq.detokenizer.push([token.token_id]), self.max_model_len
         )
@@ -203,8 +192,28 @@ class Emitter:
         seq.text += new_text
         return new_text
 
+    def _logprobs(self, seq: Sequence, token: SampledToken) -> None:
+        """The token's logprob entry (the token first, then the top ones), if it carries one."""
+        if token.logprob is None:
+            return
+        seq.cumulative_logprob += token.logprob
+        entry = {token.token_id: Logprob(token.logprob, token.rank, self._piece(token.token_id))}
+        for rank, (tok, lp) in enumerate(token.top or [], start=1):
+            if lp == float("-inf"):  # a token a structured output's grammar forbids
+                continue
+            entry.setdefault(tok, Logprob(lp, rank, self._piece(tok)))
+        seq.logprobs.append(entry)
+
     def _piece(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        """A logprob entry's token text, decoded once per id: a logprobs request decodes 1 + k
+        ids per token it emits, the same few thousand over and over (at batch 64 with k = 5
+        that was most of a step's commit)."""
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            piece = self._pieces[token_id] = self.tokenizer.decode(
+                [token_id], skip_special_tokens=False
+            )
+        return piece
 
     def output(self, request, deltas: dict[int, Delta]) -> RequestOutput:
         """The request's output: each sequence's text and the token ids that text covers (a
