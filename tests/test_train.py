@@ -471,3 +471,23 @@ def test_mtp_out_over_an_earlier_checkpoint_drops_its_shards(corpus, target, tmp
     (stale / "dflash").mkdir(parents=True)
     with pytest.raises(ValueError, match="holds dflash"):
         train_mtp(target[0], corpus, opts, depths=1, out_dir=stale)
+
+
+def test_a_refused_resume_leaves_a_finished_mtp_checkpoint_whole(corpus, target, tmp_path):
+    """Found in review: `train mtp --resume` into an --out whose run completed copied the
+    target over it (its index without the head's entries) before refusing: the engine then
+    found no MTP head there."""
+    opts = replace(OPTS, steps=2, seq_len=16, eval_every=0)
+    out = tmp_path / "out"
+    train_mtp(target[0], corpus, opts, depths=1, out_dir=out)
+    index = out / "model.safetensors.index.json"
+    # a sharded finished checkpoint: its index names the head (`save_mtp` adds it)
+    names = load_file(str(out / "model.safetensors"))
+    index.write_text(json.dumps({"weight_map": dict.fromkeys(names, "model.safetensors")}))
+    from metrale.train.mtp import save_mtp
+
+    save_mtp(out, load_file(str(out / "mtp.safetensors")))
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    with pytest.raises(ValueError, match="completed"):
+        train_mtp(target[0], corpus, replace(opts, resume=True), depths=1, out_dir=out)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before

@@ -205,6 +205,19 @@ def _load_state(path: Path) -> dict:
     return state
 
 
+def refuse_finished_resume(out_dir: Path, state_name: str, stage: str) -> None:
+    """`--resume` where the stage's run completed (its summary, no state left): nothing to
+    continue. (Started over, it overwrote the finished run's checkpoint: found in review; a
+    stage that writes into `out_dir` before training checks this first.)"""
+    out_dir = Path(out_dir)
+    summary = out_dir / state_name.replace("_state.pt", "_summary.json")
+    if not (out_dir / state_name).is_file() and _summary_stage(summary) == stage:
+        raise ValueError(
+            f"resume: the {stage} run in {out_dir} completed ({summary.name}); nothing to "
+            "continue: drop --resume to train again"
+        )
+
+
 def run_training(
     module: nn.Module,
     loss_fn: LossFn,
@@ -269,13 +282,7 @@ def run_training(
             raise _unreadable(state_path, e) from None
         _log(f"{stage}: resuming from step {step} of {opts.steps} ({state_path})")
     elif opts.resume:
-        summary = out_dir / state_name.replace("_state.pt", "_summary.json")
-        if _summary_stage(summary) == stage:
-            # (it started over and overwrote the finished run's checkpoint: found in review)
-            raise ValueError(
-                f"resume: the {stage} run in {out_dir} completed ({summary.name}); nothing to "
-                "continue: drop --resume to train again"
-            )
+        refuse_finished_resume(out_dir, state_name, stage)
         # a run killed before its first save: a script that always passes --resume restarts
         _log(f"{stage}: no {state_name} in {out_dir}; starting at step 0")
 

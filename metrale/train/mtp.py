@@ -48,7 +48,7 @@ from metrale.models.loader import checkpoint_files, like_written
 from metrale.models.mtp import QWEN3_NEXT, _module_tensor_shapes, depth_prefixes
 from metrale.train.bpe import load_tokenizer
 from metrale.train.corpus import CorpusSpec, tokenize_corpus
-from metrale.train.loop import TrainOptions, resolve_device, run_training
+from metrale.train.loop import TrainOptions, refuse_finished_resume, resolve_device, run_training
 from metrale.train.model import CausalLM, MTPHead
 
 MTP_FILE = "mtp.safetensors"
@@ -189,6 +189,8 @@ def train_mtp(
         )
     _check_no_other_mtp(target_dir, cfg)
     out = Path(out_dir) if out_dir is not None else target_dir
+    if opts.resume:  # before the copy: refused after it, the finished head lost its index
+        refuse_finished_resume(out, STATE_FILE, "mtp")
     if out.resolve() != target_dir.resolve():
         _copy_target(target_dir, out)
     tok = load_tokenizer(target_dir)
