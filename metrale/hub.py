@@ -4,6 +4,7 @@ when offline (`HF_HUB_OFFLINE=1` is honoured, as transformers and vLLM honour it
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -22,6 +23,7 @@ ALLOW_PATTERNS = [
     "mtp.safetensors",
     "dflash/*",
 ]
+log = logging.getLogger(__name__)
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
@@ -57,6 +59,9 @@ def resolve_model(model: str | Path, revision: str | None = None) -> Path:
         # listing never downloaded) serves as it is: the loader names any file it lacks.
         folder = _cached_snapshot(str(model), revision)
         if folder is not None:
+            # (a file it lacks that the engine reads only for defaults, generation_config.json,
+            # would otherwise go unnoticed)
+            log.warning("model %r: serving the cached snapshot %s as it is (%s)", model, folder, e)
             return folder
         where = f" at revision {revision!r}" if revision is not None else ""
         raise FileNotFoundError(

@@ -134,6 +134,14 @@ def test_files_the_engine_never_reads_need_not_be_in_the_cache(tiny_model_dir, t
     result = run(code, cache)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "True"
+    assert "as it is" not in result.stderr  # complete for what the engine reads: no warning
+    # a file read for defaults alone, listed and never downloaded: served, with a warning
+    snapshot = cache / "models--acme--tiny-qwen3" / "snapshots" / COMMIT
+    (snapshot / "generation_config.json").unlink(missing_ok=True)
+    _listing(cache, "acme/tiny-qwen3", [*present, "generation_config.json"])
+    result = run(code, cache)
+    assert result.returncode == 0, result.stderr
+    assert "serving the cached snapshot" in result.stderr
     # a file the engine reads, listed and never downloaded: the loader names it
     (cache / "models--acme--tiny-qwen3" / "snapshots" / COMMIT / "tokenizer.json").unlink()
     result = run("from metrale import LLM\nLLM('acme/tiny-qwen3', device='cpu')\n", cache)
