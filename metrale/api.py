@@ -231,6 +231,21 @@ class LLM:
             else:
                 self._abort(request_id)
 
+    def _chat_ids(self, messages, where: str, variables, render: dict) -> list[int]:
+        """One conversation's prompt ids (a ValueError naming `where` for its faults)."""
+        ids = chat_prompt_ids(
+            self.tokenizer,
+            _chat_messages(messages, where),
+            self.engine.context_len,
+            variables=variables,
+            **render,
+        )[0]
+        try:
+            self.engine.validate(ids, SamplingParams())  # the prompt's own checks (its length)
+        except ValueError as e:  # a conversation's fault is its messages'
+            raise ValueError(f"{where}: {str(e).removeprefix('prompt: ')}") from None
+        return ids
+
     def chat(
         self,
         messages: list[dict],
@@ -240,10 +255,12 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
-    ) -> RequestOutput | Iterator[RequestOutput]:
+    ) -> RequestOutput | list[RequestOutput] | Iterator[RequestOutput]:
         """Apply the chat template and generate the assistant's reply. `messages` are checked
         as the server checks a body's: a message's content is a string or a list of OpenAI's
-        text parts (joined by newlines), null only on an assistant turn.
+        text parts (joined by newlines), null only on an assistant turn. A list of
+        conversations (vLLM's batch form) gives a list of outputs, run together;
+        `sampling_params` is then one for all or a list, one each.
         `continue_final_message` (with `add_generation_prompt=False`), as vLLM's `LLM.chat`:
         the reply goes on with the final message's text (a prefilled assistant turn).
         `chat_template_kwargs`: extra template variables, as vLLM's and the server's (Qwen3's
@@ -255,25 +272,38 @@ class LLM:
         ):
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be a bool, got {type(value).__name__}")
-        messages = _chat_messages(messages)
-        ids = chat_prompt_ids(
-            self.tokenizer,
-            messages,
-            self.engine.context_len,
-            variables=_template_variables(chat_template_kwargs),
+        variables = _template_variables(chat_template_kwargs)
+        render = dict(
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
-        )[0]
-        try:
-            self.engine.validate(ids, SamplingParams())  # the prompt's own checks (its length)
-        except ValueError as e:  # a conversation's fault is its messages'
-            raise ValueError(f"messages: {str(e).removeprefix('prompt: ')}") from None
+        )
+        if _is_batch(messages):
+            if stream:
+                raise ValueError("stream: one conversation at a time (messages is a batch)")
+            prompts = [
+                self._chat_ids(m, f"messages[{i}]", variables, render)
+                for i, m in enumerate(messages)
+            ]
+            try:
+                return self.generate(prompts, sampling_params, use_tqdm=False)
+            except ValueError as e:  # a conversation's index, as its messages are named
+                raise ValueError(str(e).replace("prompts[", "messages[", 1)) from None
+        ids = self._chat_ids(messages, "messages", variables, render)
         if stream:
             return self.stream(ids, sampling_params)
         try:
             return self.generate([ids], sampling_params, use_tqdm=False)[0]
         except ValueError as e:  # (one conversation: no prompt index to name)
             raise ValueError(str(e).removeprefix("prompts[0]: ")) from None
+
+
+def _is_batch(messages) -> bool:
+    """A list of conversations (each a list of messages), not one conversation."""
+    return (
+        isinstance(messages, (list, tuple))
+        and bool(messages)
+        and all(isinstance(m, (list, tuple)) for m in messages)
+    )
 
 
 def _params(params: SamplingParams | dict | None) -> SamplingParams:
@@ -335,21 +365,21 @@ def _template_variables(value) -> dict | None:
         raise ValueError(f"chat_template_kwargs: {e}") from None
 
 
-def _chat_messages(messages) -> list[dict]:
+def _chat_messages(messages, where: str = "messages") -> list[dict]:
     """`messages` as chat templates take them, through the server's own model of a message (a
-    ValueError naming the first field at fault: `messages[0].content: ...`)."""
+    ValueError naming the first field at fault: `messages[0].content: ...`, under `where`)."""
     from pydantic import TypeAdapter, ValidationError
 
     from metrale.server.chat_messages import ChatMessage, error_path
 
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError(
-            f"messages must be a non-empty list of {{role, content}} dicts, got {messages!r:.80}"
+            f"{where} must be a non-empty list of {{role, content}} dicts, got {messages!r:.80}"
         )
     try:
         checked = TypeAdapter(list[ChatMessage]).validate_python(list(messages))
     except ValidationError as e:
         error = e.errors()[0]
         message = error["msg"].removeprefix("Value error, ")
-        raise ValueError(f"{error_path(['messages', *error['loc']])}: {message}") from None
+        raise ValueError(f"{error_path([where, *error['loc']])}: {message}") from None
     return [m.for_template() for m in checked]

@@ -162,3 +162,26 @@ def test_chat_takes_template_variables_as_vllm_does(tiny_model_dir, tmp_path):
     for bad, match in (({"messages": []}, "'messages' is the template's own"), ([1], "a dict")):
         with pytest.raises(ValueError, match=f"^chat_template_kwargs(: | must be ).*{match}"):
             llm.chat(USER, params, chat_template_kwargs=bad)
+
+
+def test_chat_takes_a_batch_of_conversations_as_vllm_does(llm):
+    """vLLM's `LLM.chat` takes a list of conversations and returns a list of outputs (found
+    missing in review): each equals its conversation run alone; a fault names its index."""
+    params = SamplingParams(max_tokens=3, temperature=0)
+    other = [{"role": "user", "content": "how are you"}]
+    outs = llm.chat([USER, other], params)
+    assert isinstance(outs, list) and len(outs) == 2
+    for conv, out in zip([USER, other], outs, strict=True):
+        alone = llm.chat(conv, params)
+        assert out.prompt_token_ids == alone.prompt_token_ids
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+    per = [SamplingParams(max_tokens=1, temperature=0), SamplingParams(max_tokens=2, temperature=0)]
+    assert [len(o.outputs[0].token_ids) for o in llm.chat([USER, other], per)] == [1, 2]
+    with pytest.raises(ValueError, match=r"^messages\[1\]\[0\]\.content"):
+        llm.chat([USER, [{"role": "user", "content": 5}]], params)
+    with pytest.raises(ValueError, match=r"^messages\[1\] must be a non-empty list"):
+        llm.chat([USER, []], params)
+    with pytest.raises(ValueError, match="^stream: one conversation"):
+        llm.chat([USER, other], params, stream=True)
+    engine = llm.engine
+    assert not engine.requests and engine.allocator.num_free == engine.allocator.num_usable
