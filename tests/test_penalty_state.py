@@ -267,3 +267,18 @@ def test_a_count_update_that_raises_leaves_its_rows_to_be_rebuilt(monkeypatch):
         state.launched(seqs, [0, 1, 2], tokens)
     monkeypatch.setattr(state, "_add", real)
     _check(state, seqs, [[], [], []])
+
+
+def test_rows_stop_at_one_a_slot(caplog):
+    """The tensors grow to one row a scheduler slot and the zero row, no further (doubling
+    past it would hold up to twice the memory); more sequences than slots is a bug, said, and
+    served."""
+    rng = random.Random(4)
+    state = PenaltyState(torch.device("cpu"), max_rows=5)
+    seqs = [_seq(i, PARAMS[2], rng) for i in range(5)]
+    _check(state, seqs, [[]] * 5)
+    assert state.counts.shape[0] == 6
+    state.release(seqs[0])
+    _check(state, [*seqs[1:], _seq(9, PARAMS[3], rng)], [[]] * 5)  # the freed row is reused
+    _check(state, [*seqs[1:], _seq(9, PARAMS[3], rng), _seq(10, PARAMS[2], rng)], [[]] * 6)
+    assert state.counts.shape[0] > 6 and "more than 5 sequences hold rows" in caplog.text

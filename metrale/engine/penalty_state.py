@@ -18,6 +18,8 @@ the output before its next use: the counts are never wrong, only sometimes remad
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from metrale.config import SamplingParams
@@ -25,6 +27,7 @@ from metrale.engine.sequence import Sequence
 from metrale.engine.staging import to_device_packed
 
 _FIRST_ROWS = 8
+log = logging.getLogger(__name__)
 
 
 def uses_penalties(params: SamplingParams) -> bool:
@@ -48,11 +51,17 @@ class _Row:
 class PenaltyState:
     """Rows of token counts (and prompt masks) of the live sequences that use penalties. Row 0
     stays zero: the row of every sequence without penalties. Tensors are made at the first
-    sequence with a penalty and grow by doubling. (Inference tensors: every method that touches
-    them runs in inference mode, the step's and the commit's alike.)"""
+    sequence with a penalty and grow by doubling, up to one row a scheduler slot and the zero
+    row (only scheduled sequences take rows, and preempted ones give theirs back): at most
+    (max_num_seqs + 1) x V x 5 bytes, 195 MB at 256 slots and Qwen3's vocabulary (past that,
+    should a row never be released, they grow on with a warning). (Inference
+    tensors: every method that touches them runs in inference mode, the step's and the
+    commit's alike.)"""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, max_rows: int | None = None) -> None:
+        """`max_rows`: the most sequences that hold rows at once (`max_num_seqs`); None: any."""
         self.device = device
+        self.max_rows = None if max_rows is None else max_rows + 1  # (and the zero row)
         self.counts: torch.Tensor | None = None  # [rows, V] float32 occurrences in the output
         self.prompt: torch.Tensor | None = None  # [rows, V] bool, tokens of the prompt
         self._rows: dict[int, _Row] = {}  # seq_id -> its row
@@ -139,18 +148,28 @@ class PenaltyState:
 
     def _allocate(self, vocab_size: int) -> int:
         if self.counts is None:
-            self.counts = torch.zeros(_FIRST_ROWS, vocab_size, device=self.device)
-            self._free = list(range(_FIRST_ROWS - 1, 0, -1))
+            first = _FIRST_ROWS if self.max_rows is None else min(_FIRST_ROWS, self.max_rows)
+            self.counts = torch.zeros(max(first, 2), vocab_size, device=self.device)
+            self._free = list(range(self.counts.shape[0] - 1, 0, -1))
         elif self.counts.shape[1] != vocab_size:
             raise ValueError(
                 f"penalties: logits of width {vocab_size}, rows of width {self.counts.shape[1]}"
             )
         if not self._free:
             size = self.counts.shape[0]
-            self.counts = torch.cat([self.counts, torch.zeros_like(self.counts)])
+            grown = 2 * size
+            if self.max_rows is not None and size < self.max_rows:
+                grown = min(grown, self.max_rows)
+            elif self.max_rows is not None:  # (a row never released: grown, not failed)
+                log.warning("penalties: more than %d sequences hold rows", self.max_rows - 1)
+            self.counts = torch.cat(
+                [self.counts, self.counts.new_zeros(grown - size, self.counts.shape[1])]
+            )
             if self.prompt is not None:
-                self.prompt = torch.cat([self.prompt, torch.zeros_like(self.prompt)])
-            self._free = list(range(2 * size - 1, size - 1, -1))
+                self.prompt = torch.cat(
+                    [self.prompt, self.prompt.new_zeros(grown - size, self.prompt.shape[1])]
+                )
+            self._free = list(range(grown - 1, size - 1, -1))
         return self._free.pop()
 
     def _add(self, where: torch.Tensor, tokens: torch.Tensor) -> None:

@@ -231,7 +231,7 @@ class ModelRunner:
         # last step's detokenizing): called once, before the step's first wait for the device.
         self.while_forward_runs: Callable[[], None] | None = None
         self.grammar_vocab = 0
-        self.penalties = PenaltyState(self.device)  # the penalties' counts, on the device
+        self.penalties = PenaltyState(self.device, cfg.max_num_seqs)  # their counts
         # A drafter's work that follows a target program on the device, queued before the host
         # waits for the verdicts: called with (entries, the program's shape, the target's token
         # at each sampling row, in row order) (the MTP catch-up, `MTPDrafter._catch_up_verified`;
