@@ -320,7 +320,11 @@ class AheadStepper:
         # (0: nothing offered here)
         page = cache.page_size if cache is not None and cache.draft_kv is None else 0
         row = 0
-        sampled, at = [], []  # the sequences given a placeholder, and their rows of `tokens`
+        penalties = self.engine.runner.penalties
+        # the sequences given a placeholder and their rows of `tokens`, for the penalties'
+        # counts: only while some sequence holds a row (the launch gave this step's its row)
+        sampled, at = [], []
+        penalised = penalties.holds_rows
         for entry in out.entries:
             seq = entry.seq
             if entry.samples:
@@ -332,12 +336,13 @@ class AheadStepper:
                 seq.noise_epoch += 1
                 seq.output_token_ids.append(0)
                 seq.inflight = DeviceRow(tokens, row - 1, 1)
-                sampled.append(seq)
-                at.append(row - 1)
+                if penalised:
+                    sampled.append(seq)
+                    at.append(row - 1)
             if page and seq.num_computed_tokens >= (seq.num_registered_pages + 1) * page:
                 cache.commit(seq)
         if sampled:  # the penalties' counts take those tokens on the device
-            self.engine.runner.penalties.launched(sampled, at, tokens.tensor)
+            penalties.launched(sampled, at, tokens.tensor)
         states = self.engine.runner.states
         if page and states is not None:  # a hybrid's snapshots, all at once
             states.flush_snapshots()

@@ -85,7 +85,9 @@ def commit_rows(
             )
     # the penalties' device counts take the tokens emitted (a step launched ahead counted its
     # token at launch: its placeholder's)
-    engine.runner.penalties.committed([v.seq for v in out.verdicts])
+    penalties = engine.runner.penalties
+    if penalties.holds_rows:
+        penalties.committed([v.seq for v in out.verdicts])
     if observing:
         for seq, message in engine.spec.observe(drafter_verdicts):
             engine._fail(seq, message)

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from metrale.config import SamplingParams
+from metrale.engine.penalty_state import uses_penalties
 
 if TYPE_CHECKING:
     from metrale.engine.penalty_state import PenaltyState
@@ -207,7 +208,7 @@ class SamplingBatch:
                     ban_toks += banned_ids
             uses_rep = p.repetition_penalty != 1.0
             any_rep = any_rep or uses_rep
-            uses_out = uses_rep or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+            uses_out = uses_penalties(p)
             any_out = any_out or uses_out
             if penalties is not None:
                 # each row's counts are its sequence's state row plus the drafts before it

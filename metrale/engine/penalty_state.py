@@ -68,6 +68,11 @@ class PenaltyState:
         self._free: list[int] = []
         self.rebuilds = 0  # rows made again from a sequence's output (tests, diagnostics)
 
+    @property
+    def holds_rows(self) -> bool:
+        """Whether any sequence holds a row (else a step's tokens have nothing to update)."""
+        return bool(self._rows)
+
     @torch.inference_mode()
     def rows_of(self, seqs: list[Sequence], vocab_size: int) -> list[int]:
         """Each sequence's row, current (rebuilt where it is not); 0 for one without penalties."""
@@ -90,7 +95,7 @@ class PenaltyState:
     @torch.inference_mode()
     def committed(self, seqs: list[Sequence]) -> None:
         """Count the tokens a commit appended to these sequences' outputs (one packed copy)."""
-        if not self._rows:
+        if not self.holds_rows:
             return
         where: list[int] = []
         tokens: list[int] = []
@@ -119,7 +124,7 @@ class PenaltyState:
     def launched(self, seqs: list[Sequence], at: list[int], tokens: torch.Tensor) -> None:
         """Count the tokens a step launched ahead left on the device (`tokens` [R, 1]; row
         at[i] is seqs[i]'s, whose output now ends with its placeholder): nothing is read."""
-        if not self._rows:
+        if not self.holds_rows:
             return
         where: list[int] = []
         picked: list[int] = []
