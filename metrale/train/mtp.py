@@ -50,6 +50,7 @@ from metrale.train.bpe import load_tokenizer
 from metrale.train.corpus import CorpusSpec, tokenize_corpus
 from metrale.train.loop import TrainOptions, refuse_finished_resume, resolve_device, run_training
 from metrale.train.model import CausalLM, MTPHead
+from metrale.train.target import check_no_stale_drafters, drop_earlier_weights
 
 MTP_FILE = "mtp.safetensors"
 # The target stage's own files keep their names; the MTP stage's sit beside them.
@@ -137,16 +138,11 @@ def _copy_target(src: Path, dst: Path) -> None:
     checkpoint's weights there go first (an index and its shards the copy would not replace:
     the engine follows the index, so it loaded the old weights beside the new config; found in
     review), as transformers' save_pretrained drops them; a DFlash drafter there, trained for
-    another target, is refused, as `train target` refuses it."""
-    if (dst / "dflash").exists():
-        raise ValueError(
-            f"out: {dst} holds dflash, trained for an earlier target: it would not match "
-            "these weights; remove it or choose another --out"
-        )
+    another target, is refused, as `train target` refuses it (this stage writes the MTP head
+    itself)."""
+    check_no_stale_drafters(dst, ("dflash",))
     dst.mkdir(parents=True, exist_ok=True)
-    stale = [dst / "model.safetensors.index.json", *dst.glob("model-*-of-*.safetensors")]
-    for path in [dst / "model.safetensors", *stale]:
-        path.unlink(missing_ok=True)
+    drop_earlier_weights(dst)
     for path in sorted(src.iterdir()):
         if path.is_file() and path.suffix in (".json", ".safetensors", ".jinja", ".txt", ".model"):
             if path.name in (SUMMARY_FILE, MTP_FILE):

@@ -118,10 +118,7 @@ def save_checkpoint(
         name: t.detach().to("cpu", torch.bfloat16).contiguous()
         for name, t in model.state_dict().items()
     }
-    # An earlier sharded checkpoint's index and shards would be loaded before this file (the
-    # engine follows the index): dropped, as transformers' save_pretrained drops them.
-    for stale in [out_dir / INDEX_FILE, *out_dir.glob("model-*-of-*.safetensors")]:
-        stale.unlink(missing_ok=True)
+    drop_earlier_weights(out_dir)
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     like_written(out_dir / "model.safetensors")
@@ -144,11 +141,23 @@ INDEX_FILE = "model.safetensors.index.json"
 DRAFTER_FILES = ("mtp.safetensors", "dflash")
 
 
-def check_no_stale_drafters(out_dir: Path) -> None:
-    """Refuse, before training, to write a target where drafters of an earlier target lie:
-    they would not match the new weights (a head of the same shape loads silently and drafts
-    nothing useful; found in review)."""
-    found = [name for name in DRAFTER_FILES if (out_dir / name).exists()]
+def drop_earlier_weights(out_dir: Path) -> None:
+    """An earlier checkpoint's weights in `out_dir`: a sharded one's index and shards would be
+    loaded before a new model.safetensors (the engine follows the index), so they go, as
+    transformers' save_pretrained drops them, and model.safetensors with them."""
+    for stale in [
+        out_dir / "model.safetensors",
+        out_dir / INDEX_FILE,
+        *out_dir.glob("model-*-of-*.safetensors"),
+    ]:
+        stale.unlink(missing_ok=True)
+
+
+def check_no_stale_drafters(out_dir: Path, names: tuple[str, ...] = DRAFTER_FILES) -> None:
+    """Refuse, before training, to write a target where drafters (`names`) of an earlier
+    target lie: they would not match the new weights (a head of the same shape loads silently
+    and drafts nothing useful; found in review)."""
+    found = [name for name in names if (out_dir / name).exists()]
     if found:
         raise ValueError(
             f"out: {out_dir} holds {', '.join(found)}, trained for an earlier target: they "
