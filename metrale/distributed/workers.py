@@ -13,8 +13,12 @@ command as long as the engine idles, and sees its pipe close if rank 0 dies. The
 the forward run under `distributed_timeout_s`. A worker reports that its shard is built (or why
 not) before the engine starts; one that raises later exits, and rank 0's next collective fails:
 the engine then raises `DistributedError` rather than hang. Workers ignore SIGINT (a terminal's
-Ctrl-C reaches them too): rank 0 decides when they stop. `shutdown` stops them and tears the
-group down; so does dropping the engine.
+Ctrl-C reaches them too): rank 0 decides when they stop. On rank 0 a Ctrl-C is held back while
+the ranks run a command (`HeldInterrupt`) and raised once it is done, so the ranks stay in step
+and the engine goes on serving; anything that still escapes a command midway (a second Ctrl-C)
+ends the engine and stops its workers at once. `shutdown` stops them and tears the group down;
+so does dropping the engine. One tensor-parallel engine runs in a process at a time: it owns
+torch.distributed's default group.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import traceback
 import weakref
 from collections.abc import Callable
@@ -106,20 +111,38 @@ class TPModel:
     def __getattr__(self, name: str):
         return getattr(self._model, name)
 
-    def _send(self, payload: list) -> None:
-        if self._stopped:
-            raise DistributedError("the tensor-parallel engine was shut down")
+    def _call(self, payload: list, local: Callable):
+        """One command on every rank: `payload` to the workers, then `local()` here (this
+        rank's part), with a Ctrl-C held until both are done. A failure breaks the engine
+        (the ranks may be out of step); an exception that is no failure of the step (a second
+        Ctrl-C, a SystemExit) escaping midway also stops the workers at once: they may wait
+        in a collective this rank left, or read a command half the ranks got."""
         if self._broken:
             raise DistributedError("the tensor-parallel engine stopped after an earlier failure")
+        if self._stopped:
+            raise DistributedError("the tensor-parallel engine was shut down")
         message = [_cpu(x) for x in payload]
-        try:
-            for pipe in self._pipes:
-                pipe.send(message)
-        except Exception as e:  # noqa: BLE001 (any failure of a worker is fatal)
-            raise self._failure(e) from e
+        with HeldInterrupt():
+            try:
+                for pipe in self._pipes:
+                    pipe.send(message)
+                return local()
+            except Exception as e:  # noqa: BLE001 (any failure of a rank is fatal)
+                raise self._failure(e) from e
+            except BaseException:
+                self._broken = True
+                self.shutdown()
+                raise
 
     def _failure(self, e: Exception) -> DistributedError:
         self._broken = True
+        # A worker killed mid-step breaks rank 0's collective before it shows as exited: a
+        # moment for its pipe to close (its files go first) and then to be reaped, so the
+        # error names it.
+        gone = mp_connection.wait([p.sentinel for p in self._workers], timeout=0.5)
+        for p in self._workers:
+            if p.sentinel in gone:
+                p.join(timeout=1)
         dead = [(i + 1, p.exitcode) for i, p in enumerate(self._workers) if not p.is_alive()]
         if dead:
             ranks = ", ".join(f"rank {r} (exit code {c})" for r, c in dead)
@@ -128,28 +151,25 @@ class TPModel:
 
     def __call__(self, input_ids, positions, meta, state=None):
         addressing = None if state is None else (state.read, state.mode.value, state.rows)
-        self._send([CMD_FORWARD, input_ids, positions, _meta_fields(meta), addressing])
-        try:
+
+        def here():
             if state is None:
                 return self._model(input_ids, positions, meta)
             return self._model(input_ids, positions, meta, state)
-        except Exception as e:
-            raise self._failure(e) from e
+
+        payload = [CMD_FORWARD, input_ids, positions, _meta_fields(meta), addressing]
+        return self._call(payload, here)
 
     def make_state(self, num_entries: int, ssm_dtype: torch.dtype = torch.float32) -> TPGDNState:
         """This rank's state pool (the workers made theirs of as many entries, of the same
         type, at start-up), whose resets and commits every rank applies."""
         pool = self._model.make_state(num_entries, ssm_dtype)
-        return TPGDNState(pool.conv, pool.ssm, send=self._send)
+        return TPGDNState(pool.conv, pool.ssm, call=self._call)
 
     forward = __call__
 
     def compute_logits(self, hidden, rows=None, out=None):
-        self._send([CMD_LOGITS, rows])
-        try:
-            return self._model.compute_logits(hidden, rows, out)
-        except Exception as e:
-            raise self._failure(e) from e
+        return self._call([CMD_LOGITS, rows], lambda: self._model.compute_logits(hidden, rows, out))
 
     def shutdown(self) -> None:
         """Stop the workers (a stop command, then a join; kill any that stays, or all after a
@@ -172,15 +192,43 @@ class TPModel:
 class TPGDNState(GDNState):
     """Rank 0's recurrent-state pool (and its views): resets and commits go to every rank."""
 
-    send: Callable | None = None
+    call: Callable | None = None  # `TPModel._call`
 
     def reset(self, entries: torch.Tensor) -> None:
-        self.send([CMD_STATE_RESET, entries])
-        super().reset(entries)
+        self.call([CMD_STATE_RESET, entries], lambda: GDNState.reset(self, entries))
 
     def commit(self, num_rows: torch.Tensor) -> None:
-        self.send([CMD_VERIFY_COMMIT, num_rows])
-        super().commit(num_rows)
+        self.call([CMD_VERIFY_COMMIT, num_rows], lambda: GDNState.commit(self, num_rows))
+
+
+class HeldInterrupt:
+    """Holds a Ctrl-C (SIGINT) back while the ranks run a command, then raises it. Rank 0
+    interrupted mid-forward left the workers in collectives it never joined, and its next
+    command met them out of step: a wait to the collective timeout, or gloo aborting a
+    process on mismatched sizes (found in review). A second Ctrl-C is not held (a rank that
+    never answers). Only in the main thread (where Python runs signal handlers) and over a
+    Python handler (not an ignored or default SIGINT, which keep their meaning)."""
+
+    def __enter__(self) -> HeldInterrupt:
+        self.previous, self.held = None, None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGINT)
+            if callable(previous):
+                self.previous = previous
+                signal.signal(signal.SIGINT, self._hold)
+        return self
+
+    def _hold(self, signum, frame) -> None:
+        if self.held is not None:
+            self.previous(signum, frame)
+        self.held = (signum, frame)
+
+    def __exit__(self, kind, value, tb) -> bool:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+            if self.held is not None and kind is None:
+                self.previous(*self.held)  # (Python's default handler raises KeyboardInterrupt)
+        return False
 
 
 def _cpu(x):
@@ -211,6 +259,13 @@ def start(build, size: int, expert_parallel: bool, device: torch.device, timeout
     """Start ranks 1..size-1, each running `build(rank, tp, device)` (-> its model with its KV
     bound, and its recurrent-state pool or None) and then the command loop; join the group as
     rank 0 and wait for every worker's shard. Returns (TPGroup, worker processes, pipes)."""
+    if dist.is_initialized():
+        # (torch.distributed has one default group a process: forming it again failed, and
+        # that failure's clean-up tore down the group the running engine used)
+        raise DistributedError(
+            "torch.distributed's default group is already formed in this process (another "
+            "tensor-parallel engine runs here): shut that engine down first"
+        )
     address = f"tcp://127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")
     workers, pipes = [], []
@@ -235,9 +290,9 @@ def start(build, size: int, expert_parallel: bool, device: torch.device, timeout
         _init_group(0, size, address, device, timeout)
         for rank, (proc, pipe) in enumerate(zip(workers, pipes, strict=True), 1):
             _expect(rank, proc, pipe, "ready", patience)
-    except Exception as e:
+    except BaseException as e:  # (a Ctrl-C while shards build too: the group goes)
         _stop(workers, pipes, False)
-        if isinstance(e, (DistributedError, ShardSettingsError)):
+        if not isinstance(e, Exception) or isinstance(e, (DistributedError, ShardSettingsError)):
             raise
         raise DistributedError(f"tensor-parallel group did not form: {e}") from e
     return TPGroup(0, size, expert_parallel), workers, pipes
