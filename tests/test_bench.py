@@ -369,3 +369,25 @@ def test_bench_grid_streams_requests_at_the_forced_acceptance(tmp_path, capsys):
     assert main([*args, "--out", str(tmp_path / "closed")]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["steady_requests_per_slot"] == 0 and "steady" not in result["e2e"][0]
+
+
+def test_dummy_weights_depend_on_the_seed_and_each_parameters_name_alone():
+    """The ranks of a tensor-parallel engine hold other parameters beside a replicated one (a
+    MoE router, a shared expert's gate): drawn from one stream a rank, its values differed
+    between them, and so did the ranks' routing (found in review)."""
+    from torch import nn
+
+    from metrale.engine.model_setup import dummy_weights
+
+    rank0 = nn.ModuleDict({"q": nn.Linear(8, 16), "router": nn.Linear(8, 4)})
+    rank1 = nn.ModuleDict(
+        {"q": nn.Linear(8, 8), "extra": nn.Linear(3, 3), "router": nn.Linear(8, 4)}
+    )
+    other_seed = nn.ModuleDict({"router": nn.Linear(8, 4)})
+    dummy_weights(rank0, 3)
+    dummy_weights(rank1, 3)
+    dummy_weights(other_seed, 4)
+    assert torch.equal(rank0["router"].weight, rank1["router"].weight)
+    assert torch.equal(rank0["router"].bias, rank1["router"].bias)
+    assert not torch.equal(rank0["router"].weight, other_seed["router"].weight)
+    assert rank0["q"].weight.std().item() == pytest.approx(0.02, rel=0.3)

@@ -39,7 +39,7 @@ def build_model(
     with torch.device(device), default_dtype(dtype):
         model = cls(model_cfg, backend, max_positions, tp)
     if cfg.load_format == "dummy":
-        dummy_weights(model, cfg.seed + tp.rank)
+        dummy_weights(model, cfg.seed)
     else:
         load_weights(
             model,

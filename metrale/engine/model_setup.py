@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import zlib
 
 import torch
 
@@ -95,12 +96,15 @@ def _check_fits(cfg: EngineConfig, pool_bytes: int, field: str, value) -> None:
 @torch.no_grad()
 def dummy_weights(model: torch.nn.Module, seed: int) -> None:
     """Random weights for `load_format="dummy"`: N(0, 0.02) matrices, unit norms (a (1 + w)
-    norm's w = 0), seeded."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    norm's w = 0), seeded by `seed` and each parameter's name, so the ranks of a
+    tensor-parallel engine draw a replicated tensor (a MoE router, a shared expert's gate)
+    alike: drawn from one stream a rank, they differed, and so did the ranks' routing."""
+    gen = torch.Generator(device=next(model.parameters()).device)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         else:
+            gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             param.normal_(0.0, 0.02, generator=gen)
     for module in model.modules():
         if isinstance(module, ZeroCentredRMSNorm):
