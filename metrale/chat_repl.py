@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import sys
 
+from metrale.distributed.parallel import DistributedError
+
 HELP = "/exit  leave | /clear  forget the conversation | /system TEXT  set the system prompt"
 
 
@@ -119,6 +121,9 @@ def run_repl(llm, params, system: str | None = None, stdin=sys.stdin, out=sys.st
             say(session, line, out)
         except KeyboardInterrupt:  # between the reply's chunks, or before it started
             out.write("\n(interrupted)\n")
+        except DistributedError as e:  # its ranks are gone: no later turn could be answered
+            print(f"\n(error: {e}; the engine has stopped)", file=out)
+            return 1
     return 0
 
 
@@ -157,7 +162,7 @@ def say(session: ChatSession, line: str, out) -> None:
         out.write("assistant> ")
         out.flush()
         session.reply(out)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, DistributedError):
         if session.turns and session.turns[-1] is message:
             session.turns.pop()  # no reply to it: keep the roles alternating
         raise

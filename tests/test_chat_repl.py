@@ -152,3 +152,25 @@ def test_dropping_keeps_the_roles_alternating(small_llm):
         roles = [m["role"] for m in session.turns]
         assert all(a != b for a, b in zip(roles, roles[1:], strict=False))
         session.reply(out=open(os.devnull, "w"))  # noqa: SIM115
+
+
+def test_an_engine_whose_ranks_are_gone_ends_the_chat(small_llm, monkeypatch):
+    """A tensor-parallel engine that stopped (a worker died, a second Ctrl-C mid-forward) can
+    answer no later turn: the chat says so once and exits 1, instead of printing the same
+    error at every prompt (found in review)."""
+    import io
+
+    from metrale.chat_repl import run_repl
+    from metrale.distributed.parallel import DistributedError
+
+    def stopped(*args, **kwargs):
+        raise DistributedError("the tensor-parallel engine stopped after an earlier failure")
+
+    monkeypatch.setattr(small_llm, "chat", stopped)
+    out = io.StringIO()
+    stdin = io.StringIO("hello\nagain\n")
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    assert run_repl(small_llm, params, stdin=stdin, out=out) == 1
+    text = out.getvalue()
+    assert text.count("the engine has stopped") == 1
+    assert stdin.read() == "again\n"  # the next line was never read

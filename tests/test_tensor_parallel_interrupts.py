@@ -166,3 +166,76 @@ def test_a_worker_killed_mid_step_is_named(tiny_model_dir):
             llm.generate(PROMPTS, greedy(), use_tqdm=False)
     finally:
         llm.shutdown()
+
+
+@needs_main_thread
+def test_ctrl_c_during_shutdown_and_a_burst_mid_forward_still_tear_everything_down(
+    tiny_model_dir, want, monkeypatch
+):
+    """Every Ctrl-C of a teardown is held to its end: interrupted midway, the group stayed
+    formed and the process could start no other tensor-parallel engine (found in review)."""
+    stop = workers._stop
+
+    def interrupted_stop(*args):
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
+        stop(*args)
+
+    monkeypatch.setattr(workers, "_stop", interrupted_stop)
+    llm = tp_llm(tiny_model_dir)
+    procs = llm.engine.runner.model._workers
+    with pytest.raises(KeyboardInterrupt):
+        llm.shutdown()  # two Ctrl-Cs inside: held, raised once it is done
+    assert not dist.is_initialized() and not any(p.is_alive() for p in procs)
+    # a burst mid-forward: the second escapes the command, and a third lands in the teardown
+    # that follows it
+    llm = tp_llm(tiny_model_dir)
+    procs = llm.engine.runner.model._workers
+
+    def burst():
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
+
+    patch_layer(llm, burst)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    assert not dist.is_initialized() and not any(p.is_alive() for p in procs)
+    llm.shutdown()
+    monkeypatch.setattr(workers, "_stop", stop)
+    again = tp_llm(tiny_model_dir)
+    try:
+        assert tokens(again) == want
+    finally:
+        again.shutdown()
+
+
+class Stop(Exception):
+    """What a user's own SIGINT handler raises."""
+
+
+@needs_main_thread
+def test_a_users_sigint_handler_that_raises_stops_the_workers_at_once(tiny_model_dir):
+    """The user's handler runs on the second Ctrl-C of a command; what it raises (an
+    Exception, yet no failure of a rank) stops the workers at once, as a second Ctrl-C does
+    (before: the engine was only marked broken, the workers left in a collective). The
+    engine's step then fails as any failed step does: its retry of each sequence alone meets
+    the stopped engine."""
+
+    def handler(signum, frame):
+        raise Stop("user asked to stop")
+
+    previous = signal.signal(signal.SIGINT, handler)
+    llm = tp_llm(tiny_model_dir)
+    procs = llm.engine.runner.model._workers
+    patch_layer(
+        llm, lambda: (signal.raise_signal(signal.SIGINT), signal.raise_signal(signal.SIGINT))
+    )
+    try:
+        with pytest.raises((Stop, DistributedError)):
+            llm.generate(PROMPTS, greedy(), use_tqdm=False)
+        assert not any(p.is_alive() for p in procs)
+        assert not dist.is_initialized()
+        assert signal.getsignal(signal.SIGINT) is handler
+    finally:
+        llm.shutdown()
+        signal.signal(signal.SIGINT, previous)

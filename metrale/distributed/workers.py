@@ -122,14 +122,15 @@ class TPModel:
         if self._stopped:
             raise DistributedError("the tensor-parallel engine was shut down")
         message = [_cpu(x) for x in payload]
-        with HeldInterrupt():
+        with HeldInterrupt() as held:
             try:
                 for pipe in self._pipes:
                     pipe.send(message)
                 return local()
-            except Exception as e:  # noqa: BLE001 (any failure of a rank is fatal)
-                raise self._failure(e) from e
-            except BaseException:
+            except BaseException as e:
+                if isinstance(e, Exception) and e is not held.escaped:
+                    raise self._failure(e) from e  # any failure of a rank is fatal
+                # (a second Ctrl-C: whatever the handler raised, the user's own exception too)
                 self._broken = True
                 self.shutdown()
                 raise
@@ -176,16 +177,19 @@ class TPModel:
         failure, as they may wait in a collective) and tear the group down."""
         if self._stopped:
             return
-        self._stopped = True
-        self._finalizer.detach()
-        graceful = not self._broken and all(p.is_alive() for p in self._workers)
-        if graceful:
-            try:
-                for pipe in self._pipes:
-                    pipe.send([CMD_STOP])
-            except Exception:  # noqa: BLE001 (stopping anyway)
-                graceful = False
-        _stop(self._workers, self._pipes, graceful)
+        # Every Ctrl-C held to the end: interrupted midway, the group stayed formed and the
+        # process could start no other tensor-parallel engine (found in review).
+        with HeldInterrupt(every=True):
+            graceful = not self._broken and all(p.is_alive() for p in self._workers)
+            if graceful:
+                try:
+                    for pipe in self._pipes:
+                        pipe.send([CMD_STOP])
+                except Exception:  # noqa: BLE001 (stopping anyway)
+                    graceful = False
+            _stop(self._workers, self._pipes, graceful)
+            self._stopped = True
+            self._finalizer.detach()
 
 
 @dataclass
@@ -206,11 +210,15 @@ class HeldInterrupt:
     interrupted mid-forward left the workers in collectives it never joined, and its next
     command met them out of step: a wait to the collective timeout, or gloo aborting a
     process on mismatched sizes (found in review). A second Ctrl-C is not held (a rank that
-    never answers). Only in the main thread (where Python runs signal handlers) and over a
-    Python handler (not an ignored or default SIGINT, which keep their meaning)."""
+    never answers), unless `every` (a teardown, whose waits are bounded); what the handler
+    raises then is `escaped`. Only in the main thread (where Python runs signal handlers) and
+    over a Python handler (not an ignored or default SIGINT, which keep their meaning)."""
+
+    def __init__(self, every: bool = False) -> None:
+        self.every = every
 
     def __enter__(self) -> HeldInterrupt:
-        self.previous, self.held = None, None
+        self.previous, self.held, self.escaped = None, None, None
         if threading.current_thread() is threading.main_thread():
             previous = signal.getsignal(signal.SIGINT)
             if callable(previous):
@@ -219,8 +227,12 @@ class HeldInterrupt:
         return self
 
     def _hold(self, signum, frame) -> None:
-        if self.held is not None:
-            self.previous(signum, frame)
+        if self.held is not None and not self.every:
+            try:
+                self.previous(signum, frame)
+            except BaseException as e:
+                self.escaped = e
+                raise
         self.held = (signum, frame)
 
     def __exit__(self, kind, value, tb) -> bool:
