@@ -12,6 +12,8 @@ from metrale.api import LLM
 from metrale.bench.shapes import SHAPES, write_shape
 from metrale.cli import main
 from metrale.default_model import default_model_dir
+from metrale.engine.sequence import Batch, ScheduledSeq, Sequence
+from metrale.sampling_params import SamplingParams
 from metrale.speculative.verify_cost import VerifyCostModel
 
 
@@ -391,3 +393,30 @@ def test_dummy_weights_depend_on_the_seed_and_each_parameters_name_alone():
     assert torch.equal(rank0["router"].bias, rank1["router"].bias)
     assert not torch.equal(rank0["router"].weight, other_seed["router"].weight)
     assert rank0["q"].weight.std().item() == pytest.approx(0.02, rel=0.3)
+
+
+def test_tensor_parallel_dummy_shards_follow_the_one_rank_model(tmp_path):
+    """Under tensor parallelism, dummy weights a rank holds whole equal the one-rank model's,
+    and a split tensor's shards differ by rank: the embedding's first rank holds the one-rank
+    model's first rows. (Drawn by name alone, both ranks held the same shard values: every
+    logit tied with the one V/2 away, and greedy decoding never reached the vocabulary's
+    upper half; found in review.)"""
+    path = write_shape("qwen3-next-tiny", tmp_path / "s")
+    kw = dict(load_format="dummy", device="cpu", dtype="float32")
+    one = dict(LLM(path, **kw).engine.runner.model.named_parameters())
+    llm = LLM(path, tensor_parallel_size=2, **kw)
+    try:
+        two = dict(llm.engine.runner.model._model.named_parameters())
+        routers = [n for n in two if n.endswith("mlp.gate.weight")]
+        assert routers and all(torch.equal(two[n], one[n]) for n in routers)
+        embed = two["model.embed_tokens.weight"]
+        assert torch.equal(embed, one["model.embed_tokens.weight"][: embed.shape[0]])
+        engine, prompt = llm.engine, [3, 40, 90, 7]
+        seq = Sequence(10**6, "probe", prompt, SamplingParams(), 0, (), arrival=0, slot=0)
+        engine.allocator.reserve(seq, len(prompt) + 1)
+        logits = engine.runner.all_logits(Batch([ScheduledSeq(seq, len(prompt))]))
+        engine.allocator.free(seq)
+        half = logits.shape[-1] // 2
+        assert (logits[:, :half] - logits[:, half : 2 * half]).abs().max() > 1e-3
+    finally:
+        llm.shutdown()

@@ -23,6 +23,8 @@ from metrale.distributed.parallel import (
 )
 from metrale.engine.model_setup import allocate_kv_pools, default_dtype, dummy_weights
 from metrale.models.loader import load_weights
+from metrale.models.qwen3 import Qwen3ForCausalLM
+from metrale.models.qwen3_next import Qwen3NextForCausalLM
 
 
 def build_model(
@@ -39,7 +41,15 @@ def build_model(
     with torch.device(device), default_dtype(dtype):
         model = cls(model_cfg, backend, max_positions, tp)
     if cfg.load_format == "dummy":
-        dummy_weights(model, cfg.seed)
+        # the one-rank model's shapes (on the meta device: no memory), so this rank's shares
+        # of split tensors are told from the tensors every rank holds whole
+        one_rank = Qwen3ForCausalLM if model_cfg.hybrid is None else Qwen3NextForCausalLM
+        with torch.device("meta"), default_dtype(dtype):
+            whole = {
+                name: p.shape
+                for name, p in one_rank(model_cfg, backend, max_positions).named_parameters()
+            }
+        dummy_weights(model, cfg.seed, tp.rank, whole)
     else:
         load_weights(
             model,

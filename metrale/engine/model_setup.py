@@ -94,18 +94,34 @@ def _check_fits(cfg: EngineConfig, pool_bytes: int, field: str, value) -> None:
 
 
 @torch.no_grad()
-def dummy_weights(model: torch.nn.Module, seed: int) -> None:
+def dummy_weights(
+    model: torch.nn.Module, seed: int, rank: int = 0, whole: dict | None = None
+) -> None:
     """Random weights for `load_format="dummy"`: N(0, 0.02) matrices, unit norms (a (1 + w)
-    norm's w = 0), seeded by `seed` and each parameter's name, so the ranks of a
-    tensor-parallel engine draw a replicated tensor (a MoE router, a shared expert's gate)
-    alike: drawn from one stream a rank, they differed, and so did the ranks' routing."""
+    norm's w = 0), each drawn from `seed` and its name, so a tensor-parallel rank's replicated
+    tensors (a MoE router, a shared expert's gate) equal the other ranks' (drawn from one
+    stream a rank, they differed, and so did the ranks' routing: found in review). `whole`:
+    under tensor parallelism, the one-rank model's shape of each name; a tensor this rank
+    holds a share of takes the `rank`-th run of the whole tensor's values (the vocabulary's
+    and column-parallel rows are exactly one rank's; drawn by name alone, every rank held
+    the same values and the logits tied in pairs)."""
     gen = torch.Generator(device=next(model.parameters()).device)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
-        else:
-            gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            continue
+        # (named as in the target without its "model." root: a drafter's copy of the
+        # embedding draws the target's values)
+        gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.removeprefix("model.").encode()))
+        shape = (whole or {}).get(name, param.shape)
+        if tuple(shape) == tuple(param.shape):
             param.normal_(0.0, 0.02, generator=gen)
+            continue
+        values = torch.empty(math.prod(shape), dtype=param.dtype, device=param.device)
+        values.normal_(0.0, 0.02, generator=gen)
+        n = param.numel()
+        start = rank * n % max(values.numel() - n + 1, 1)  # (KV heads fewer than ranks: shared)
+        param.copy_(values[start : start + n].view_as(param))
     for module in model.modules():
         if isinstance(module, ZeroCentredRMSNorm):
             module.weight.zero_()
