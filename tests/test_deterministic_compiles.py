@@ -93,6 +93,8 @@ seen = {}
 
 
 def specialise(self, *args, grid, warmup, **kwargs):
+    if warmup:  # the attention's one-time fit of its tile to the device (no launch): not a step's
+        return None
     caches = getattr(self, "device_caches", None)
     if caches is None:
         print("this Triton keeps no device_caches"); sys.exit(3)

@@ -126,6 +126,9 @@ class _Launch:
         self.grids.append(grid)
         return lambda *args, **kwargs: None
 
+    def warmup(self, *args, grid, **kwargs):
+        return None  # compiles nothing: the tile's estimate stands
+
 
 @pytest.mark.parametrize(
     "heads, kv_heads, max_model_len",
@@ -327,3 +330,75 @@ def test_hybrid_prompt_rows_do_not_depend_on_chunking(hybrid_dir, fused, monkeyp
         )
         got.append(_greedy_logprobs(llm, prompt, 3))
     assert got[0] == got[1]
+
+
+def test_fitted_tile_pages_halve_until_the_compiled_kernels_fit_and_stay_decided():
+    """`kv_tiles.fitted_pages`: the estimate's tile halves while the compiled kernels ask more
+    shared memory than the device has, decided once per configuration (a row's bits follow
+    its tile, so no later step may use another)."""
+    from metrale.kernels import kv_tiles
+
+    asked = []
+
+    def shared_of(pages):  # as a 256-wide head's kernels: 80 KiB a K/V page pair and more
+        asked.append(pages)
+        return 100_000 + pages * 29_000
+
+    key = ("test", object())
+    assert kv_tiles.fitted_pages(key, 8, shared_of, 232_448) == 4
+    assert asked == [8, 4]
+    assert kv_tiles.fitted_pages(key, 8, lambda pages: 0, 232_448) == 4  # decided: not asked
+    assert asked == [8, 4]
+    assert kv_tiles.fitted_pages(("test", object()), 8, lambda pages: 10**9, 232_448) == 1
+    assert kv_tiles.fitted_pages(("test", object()), 4, lambda pages: 0, 232_448) == 4
+
+
+def test_invariant_attention_launches_with_the_tile_its_compiled_kernels_fit(monkeypatch):
+    """Qwen3-Next's attention (256-wide heads, 8 query heads a KV head): the estimate's tile
+    compiled to 333 KB of shared memory against the H100's 232 KB, and the first launch
+    failed (found on the H100). Every kernel launches with the tile the compiled kernels fit,
+    decided by compiling (no launch) before the first launch."""
+    from types import SimpleNamespace
+
+    from metrale.kernels import invariant_attention as ia
+    from metrale.kernels import kv_tiles
+
+    tiles_launched, warmed = [], []
+
+    class Kernel(_Launch):
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: tiles_launched.append(kwargs["TILE_PAGES"])
+
+        def warmup(self, *args, grid, **kwargs):
+            warmed.append(kwargs["TILE_PAGES"])
+            # as measured: 332,800 bytes with 8 pages (128 keys) a tile
+            return SimpleNamespace(
+                metadata=SimpleNamespace(shared=100_000 + 29_100 * kwargs["TILE_PAGES"])
+            )
+
+    for name in ("_decode_group_kernel", "_combine_kernel", "_tile_kernel"):
+        monkeypatch.setattr(ia, name, Kernel([]))
+    monkeypatch.setattr(kv_tiles, "_FITTED", {})
+    monkeypatch.setattr(kv_tiles, "shared_budget", lambda device: 232_448)
+    page, heads, kv_heads, dim = 16, 16, 2, 256
+    for q_lens in ([40, 1], [1, 1]):  # a step with a prompt chunk, then a decode step
+        rows, seqs = sum(q_lens), len(q_lens)
+        starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(rows, dtype=torch.long),
+            positions=torch.zeros(rows, dtype=torch.long),
+            query_start_loc=starts,
+            seq_lens=torch.full((seqs,), 300),
+            block_tables=torch.zeros(seqs, 20, dtype=torch.long),
+            max_query_len=max(q_lens),
+            max_seq_len=300,
+            page_size=page,
+        )
+        q = torch.zeros(rows, heads, dim, dtype=torch.bfloat16)
+        kv = torch.zeros(2, 4, page, kv_heads, dim, dtype=torch.bfloat16)
+        ia.invariant_attention(
+            q, kv[0], kv[1], meta, 0.1, max_rows=16, prompt_tile_rows=64, interpreted=False
+        )
+    assert sorted(set(warmed)) == [4, 8]  # 8 compiled past the budget; 4 fits; asked once
+    assert len(warmed) == 6
+    assert tiles_launched and set(tiles_launched) == {4}

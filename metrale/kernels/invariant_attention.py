@@ -34,6 +34,8 @@ The torch reference it must equal (to rounding) is `models/attention.TorchPagedA
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from metrale.kernels import kv_tiles
@@ -45,6 +47,8 @@ try:
     import triton.language as tl
 except ImportError:  # CPU machines: the deterministic mode then runs the torch reference
     triton = None
+
+log = logging.getLogger(__name__)
 
 # Keys per split: a fixed count, so a position's split never depends on the batch.
 SPLIT_TOKENS = 128
@@ -328,10 +332,10 @@ def invariant_attention(
     decode_block_q = max(triton.next_power_of_2(max_rows), max(1, 16 // group_p))
     # The tile follows the model and the device alone, never the step (a row's bits follow
     # its tiles): sized for the widest tile of rows any step can bring.
+    budget = kv_tiles.shared_budget(q.device)
     tile = kv_tiles.tile_pages(
         page, TILE_KEYS, rows=max(prompt_block_q, decode_block_q) * group_p, dim=dim,
-        elem_bytes=k_cache.element_size(), shared=kv_tiles.shared_budget(q.device),
-        split_pages=split_pages,
+        elem_bytes=k_cache.element_size(), shared=budget, split_pages=split_pages,
     )  # fmt: skip
     common = dict(
         GROUP=group, GROUP_P=group_p, D=dim, PAGE=page, SPLIT_PAGES=split_pages,
@@ -348,6 +352,34 @@ def invariant_attention(
     tables, starts, lens = meta.block_tables, meta.query_start_loc, meta.seq_lens
     tile_args = (q, k_cache, v_cache, out, tables, starts, lens, scale, *strides,
                  out.stride(0), out.stride(1))  # fmt: skip
+    if not interpreted:
+
+        def shared_of(pages: int) -> int:
+            """The most shared memory the tile and group kernels ask with `pages` a tile, at
+            the widest tiles of rows a step brings (compiled, not launched). 0 where this
+            Triton compiles nothing here (a stand-in driver) or its warmup fails: the
+            estimate then stands, as before the fit."""
+            fixed = {**launch, **common, "TILE_PAGES": pages}
+            try:
+                compiled = [
+                    _tile_kernel.warmup(
+                        *tile_args, BLOCK_Q=block, DECODE=decode, grid=(1,), **fixed
+                    )
+                    for block, decode in ((prompt_block_q, False), (decode_block_q, True))
+                ]
+                compiled.append(_decode_group_kernel.warmup(
+                    q, k_cache, v_cache, torch.float32, tables, starts, lens, scale, *strides,
+                    NUM_HEADS=heads, BLOCK_Q=decode_block_q, ROW_BY_START=False, grid=(1,),
+                    **fixed,
+                ))  # fmt: skip
+                return max((k.metadata.shared for k in compiled if k is not None), default=0)
+            except Exception:  # noqa: BLE001 (the launch itself says what is wrong)
+                log.warning("could not size the attention's tiles by compiling", exc_info=True)
+                return 0
+
+        key = ("invariant", q.device, q.dtype, k_cache.dtype, heads, kv_heads, dim, page,
+               max_rows, prompt_tile_rows)  # fmt: skip
+        common["TILE_PAGES"] = kv_tiles.fitted_pages(key, tile, shared_of, budget)
     if meta.max_query_len > max_rows:  # prompt chunks in the step
         tiles = -(-meta.max_query_len // prompt_block_q)
         _tile_kernel[(seqs, kv_heads, tiles)](

@@ -65,6 +65,27 @@ def tile_pages(
     return pages
 
 
+# Pages a tile, as compiled: (kernel family, its fixed configuration) -> pages (`fitted_pages`).
+_FITTED: dict[tuple, int] = {}
+
+
+def fitted_pages(key: tuple, planned: int, shared_of, budget: int) -> int:
+    """`planned` pages a tile (`tile_pages`' estimate), halved while the kernels compiled with
+    it would ask more shared memory than `budget`: `shared_of(pages)` compiles them (no launch)
+    and returns the most any asks. The estimate leaves out the pipeline's extra K/V buffers
+    and the scores, so a 256-wide head with 8 query heads a KV head (Qwen3-Next) asked 333 KB
+    of the H100's 232 KB and its first launch failed. Decided once per `key` before any launch
+    with it, so every row of that configuration is computed with the same tile (the invariant
+    kernel's bits follow its tile)."""
+    pages = _FITTED.get(key)
+    if pages is None:
+        pages = planned
+        while pages > 1 and shared_of(pages) > budget:
+            pages //= 2
+        _FITTED[key] = pages
+    return pages
+
+
 tile_scores = None  # the kernel helpers below, where Triton is installed
 if triton is not None:
 
