@@ -97,3 +97,26 @@ def test_last_tokens_on_the_device_fill_decode_rows_in_any_order(tiny_model_dir,
     ids, _, _ = runner.span_metadata(spans)
     assert ids.tolist() == want
     assert samples.in_use and samples._rows is None  # taken on the device, never read
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_record_now_records_on_the_current_stream():
+    """`device_tokens.record_now` (an event record without `torch.cuda.current_stream()`'s
+    Python): on a side stream the event waits for that stream's work, not the default's."""
+    from metrale.engine.device_tokens import record_now
+
+    side = torch.cuda.Stream()
+    x = torch.ones(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        for _ in range(50):  # long enough to be unfinished when queried
+            x = x @ x / 4096
+        event = torch.cuda.Event()
+        record_now(event)
+    assert not event.query()  # recorded behind the side stream's work
+    event.synchronize()
+    assert side.query()
+    done = torch.cuda.Event()
+    record_now(done)  # and on the default stream again, outside the context
+    done.synchronize()

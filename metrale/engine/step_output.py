@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from metrale.engine.device_tokens import DeviceDrafts, HostCopy
+from metrale.engine.device_tokens import DeviceDrafts, HostCopy, record_now
 from metrale.engine.penalty_state import PenaltyState
 from metrale.engine.sampler import SamplingBatch, SamplingRow
 from metrale.engine.sequence import ScheduledSeq, Sequence
@@ -104,7 +104,7 @@ def to_host(tensor: torch.Tensor, follow=None, tokens: torch.Tensor | None = Non
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     host.copy_(tensor, non_blocking=True)
     copied = torch.cuda.Event()
-    copied.record()
+    record_now(copied)
     follow(tokens)
     copied.synchronize()
     return host.tolist()
