@@ -393,6 +393,15 @@ def test_dummy_weights_depend_on_the_seed_and_each_parameters_name_alone():
     assert torch.equal(rank0["router"].bias, rank1["router"].bias)
     assert not torch.equal(rank0["router"].weight, other_seed["router"].weight)
     assert rank0["q"].weight.std().item() == pytest.approx(0.02, rel=0.3)
+    # shares of a split tensor: a run of the whole one's values each; with fewer runs than
+    # ranks (KV heads fewer than ranks) the ranks reading one run share it, in order
+    whole = nn.ModuleDict({"k": nn.Linear(4, 2, bias=False)})
+    dummy_weights(whole, 3)
+    for size, runs in ((2, [0, 1]), (4, [0, 0, 1, 1])):
+        for rank, run in enumerate(runs):
+            share = nn.ModuleDict({"k": nn.Linear(4, 1, bias=False)})
+            dummy_weights(share, 3, rank, {"k.weight": (2, 4)}, size)
+            assert torch.equal(share["k"].weight[0], whole["k"].weight[run]), (size, rank)
 
 
 def test_tensor_parallel_dummy_shards_follow_the_one_rank_model(tmp_path):

@@ -402,3 +402,11 @@ def test_invariant_attention_launches_with_the_tile_its_compiled_kernels_fit(mon
     assert sorted(set(warmed)) == [4, 8]  # 8 compiled past the budget; 4 fits; asked once
     assert len(warmed) == 6
     assert tiles_launched and set(tiles_launched) == {4}
+    # a smaller split in the same process (a test, a bench's sweep) is decided anew: a tile
+    # of the first configuration's would not divide it, and its keys would go unread
+    monkeypatch.setattr(ia, "SPLIT_TOKENS", 32)
+    tiles_launched.clear()
+    ia.invariant_attention(
+        q, kv[0], kv[1], meta, 0.1, max_rows=16, prompt_tile_rows=64, interpreted=False
+    )
+    assert set(tiles_launched) == {2}

@@ -49,7 +49,9 @@ def build_model(
                 name: p.shape
                 for name, p in one_rank(model_cfg, backend, max_positions).named_parameters()
             }
-        dummy_weights(model, cfg.seed, tp.rank, whole)
+        dummy_weights(model, cfg.seed, tp.rank, whole, tp.size)
+        if device.type == "cuda":  # (the whole tensors drawn: not left reserved off the KV pool)
+            torch.cuda.empty_cache()
     else:
         load_weights(
             model,

@@ -95,16 +95,17 @@ def _check_fits(cfg: EngineConfig, pool_bytes: int, field: str, value) -> None:
 
 @torch.no_grad()
 def dummy_weights(
-    model: torch.nn.Module, seed: int, rank: int = 0, whole: dict | None = None
+    model: torch.nn.Module, seed: int, rank: int = 0, whole: dict | None = None, size: int = 1
 ) -> None:
     """Random weights for `load_format="dummy"`: N(0, 0.02) matrices, unit norms (a (1 + w)
     norm's w = 0), each drawn from `seed` and its name, so a tensor-parallel rank's replicated
     tensors (a MoE router, a shared expert's gate) equal the other ranks' (drawn from one
     stream a rank, they differed, and so did the ranks' routing: found in review). `whole`:
-    under tensor parallelism, the one-rank model's shape of each name; a tensor this rank
-    holds a share of takes the `rank`-th run of the whole tensor's values (the vocabulary's
-    and column-parallel rows are exactly one rank's; drawn by name alone, every rank held
-    the same values and the logits tied in pairs)."""
+    under tensor parallelism (`size` ranks), the one-rank model's shape of each name; a tensor
+    this rank holds a share of takes its run of the whole tensor's values (the vocabulary's
+    and column-parallel rows are exactly one rank's, and with fewer KV heads than ranks the
+    ranks that read one head share its run; drawn by name alone, every rank held the same
+    values and the logits tied in pairs)."""
     gen = torch.Generator(device=next(model.parameters()).device)
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
@@ -119,8 +120,11 @@ def dummy_weights(
             continue
         values = torch.empty(math.prod(shape), dtype=param.dtype, device=param.device)
         values.normal_(0.0, 0.02, generator=gen)
-        n = param.numel()
-        start = rank * n % max(values.numel() - n + 1, 1)  # (KV heads fewer than ranks: shared)
+        n, total = param.numel(), values.numel()
+        if total % n == 0:  # runs of n: `total // n` of them over `size` ranks, in order
+            start = rank * (total // n) // size * n
+        else:
+            start = rank * n % max(total - n + 1, 1)
         param.copy_(values[start : start + n].view_as(param))
     for module in model.modules():
         if isinstance(module, ZeroCentredRMSNorm):

@@ -377,8 +377,11 @@ def invariant_attention(
                 log.warning("could not size the attention's tiles by compiling", exc_info=True)
                 return 0
 
+        # (every setting the compiled kernels follow: a bench's sweep, or a test, changes the
+        # split, the planned tile or the launch options in one process; found in review)
         key = ("invariant", q.device, q.dtype, k_cache.dtype, heads, kv_heads, dim, page,
-               max_rows, prompt_tile_rows)  # fmt: skip
+               max_rows, prompt_tile_rows, tile, split_pages, GROUPS,
+               launch["num_warps"], launch["num_stages"])  # fmt: skip
         common["TILE_PAGES"] = kv_tiles.fitted_pages(key, tile, shared_of, budget)
     if meta.max_query_len > max_rows:  # prompt chunks in the step
         tiles = -(-meta.max_query_len // prompt_block_q)
