@@ -119,6 +119,13 @@ def test_what_does_not_split_or_is_not_covered_is_refused(tiny_model_dir):
         tp_llm(tiny_model_dir, 0)
 
 
+def test_expert_parallel_without_experts_to_split_is_said(tiny_model_dir, caplog):
+    """Ignored where there is nothing to split (a dense target; one rank), and said so."""
+    with caplog.at_level("WARNING", logger="metrale.engine.llm"):
+        LLM(tiny_model_dir, device="cpu", dtype="float32", expert_parallel=True)
+    assert "expert_parallel: ignored" in caplog.text and "no experts" in caplog.text
+
+
 def test_a_dead_worker_ends_the_engine_with_an_error(tiny_model_dir):
     llm = tp_llm(tiny_model_dir, 2, distributed_timeout_s=10)
     try:

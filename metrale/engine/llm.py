@@ -58,6 +58,18 @@ class LLMEngine(RequestAdmission):
             check_tp(
                 self.model_config, self.config.tensor_parallel_size, self.config.expert_parallel
             )
+        if self.config.expert_parallel and (
+            self.config.tensor_parallel_size == 1 or self.model_config.hybrid is None
+        ):
+            # (said, not refused: a launch script may pass it for every model; vLLM's flag
+            # is ignored where there are no experts to split)
+            log.warning(
+                "expert_parallel: ignored (it splits a MoE target's experts across "
+                "tensor-parallel ranks; this %s)",
+                "target has no experts"
+                if self.model_config.hybrid is None
+                else "engine has one rank",
+            )
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.max_model_len = self._resolve_max_model_len()
         spec_on = drafter is not None or self.config.spec.enabled
