@@ -45,6 +45,20 @@ def want(tiny_model_dir):
     return tokens(LLM(tiny_model_dir, device="cpu", dtype="float32"))
 
 
+def a_new_engine_gives(path, want) -> None:
+    """A new tensor-parallel engine forms its group in this process and gives 1-rank tokens."""
+    llm = tp_llm(path)
+    try:
+        assert tokens(llm) == want
+    finally:
+        llm.shutdown()
+
+
+def two_ctrl_cs() -> None:
+    signal.raise_signal(signal.SIGINT)
+    signal.raise_signal(signal.SIGINT)
+
+
 def patch_layer(llm: LLM, before) -> None:
     """Rank 0's second layer runs `before()` once, then its own forward."""
     layer = llm.engine.runner.model._model.model.layers[1]
@@ -120,11 +134,7 @@ def test_an_exception_escaping_a_command_stops_the_workers_at_once(tiny_model_di
     finally:
         llm.shutdown()
     assert not dist.is_initialized()
-    again = tp_llm(tiny_model_dir)  # the group was torn down: the next engine forms it
-    try:
-        assert tokens(again) == want
-    finally:
-        again.shutdown()
+    a_new_engine_gives(tiny_model_dir, want)  # the group was torn down
 
 
 def test_a_second_engine_is_refused_and_the_first_goes_on(tiny_model_dir, want):
@@ -150,11 +160,7 @@ def test_a_ctrl_c_while_shards_build_tears_the_group_down(tiny_model_dir, want, 
         tp_llm(tiny_model_dir)
     monkeypatch.setattr(workers, "_expect", expect)
     assert not dist.is_initialized()
-    llm = tp_llm(tiny_model_dir)
-    try:
-        assert tokens(llm) == want
-    finally:
-        llm.shutdown()
+    a_new_engine_gives(tiny_model_dir, want)
 
 
 def test_a_worker_killed_mid_step_is_named(tiny_model_dir):
@@ -177,8 +183,7 @@ def test_ctrl_c_during_shutdown_and_a_burst_mid_forward_still_tear_everything_do
     stop = workers._stop
 
     def interrupted_stop(*args):
-        signal.raise_signal(signal.SIGINT)
-        signal.raise_signal(signal.SIGINT)
+        two_ctrl_cs()
         stop(*args)
 
     monkeypatch.setattr(workers, "_stop", interrupted_stop)
@@ -191,22 +196,13 @@ def test_ctrl_c_during_shutdown_and_a_burst_mid_forward_still_tear_everything_do
     # that follows it
     llm = tp_llm(tiny_model_dir)
     procs = llm.engine.runner.model._workers
-
-    def burst():
-        signal.raise_signal(signal.SIGINT)
-        signal.raise_signal(signal.SIGINT)
-
-    patch_layer(llm, burst)
+    patch_layer(llm, two_ctrl_cs)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS, greedy(), use_tqdm=False)
     assert not dist.is_initialized() and not any(p.is_alive() for p in procs)
     llm.shutdown()
     monkeypatch.setattr(workers, "_stop", stop)
-    again = tp_llm(tiny_model_dir)
-    try:
-        assert tokens(again) == want
-    finally:
-        again.shutdown()
+    a_new_engine_gives(tiny_model_dir, want)
 
 
 class Stop(Exception):
@@ -227,9 +223,7 @@ def test_a_users_sigint_handler_that_raises_stops_the_workers_at_once(tiny_model
     previous = signal.signal(signal.SIGINT, handler)
     llm = tp_llm(tiny_model_dir)
     procs = llm.engine.runner.model._workers
-    patch_layer(
-        llm, lambda: (signal.raise_signal(signal.SIGINT), signal.raise_signal(signal.SIGINT))
-    )
+    patch_layer(llm, two_ctrl_cs)
     try:
         with pytest.raises((Stop, DistributedError)):
             llm.generate(PROMPTS, greedy(), use_tqdm=False)

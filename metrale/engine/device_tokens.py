@@ -25,6 +25,8 @@ from collections.abc import Iterator, Sequence
 import torch
 
 _STREAMS: dict[tuple, torch.cuda.Stream] = {}
+# (absent from a torch built without CUDA, where no event is recorded)
+_current_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
 
 
 def record_now(event: torch.cuda.Event) -> None:
@@ -32,11 +34,10 @@ def record_now(event: torch.cuda.Event) -> None:
     (device-index lookups and a new Stream object a call: microseconds each, two or three a
     verify step, several percent of a batch-1 step of the shipped model): the current stream
     is read in C and its Stream object kept."""
-    getter = getattr(torch._C, "_cuda_getCurrentStream", None)
-    if getter is None:
+    if _current_stream is None:
         event.record()
         return
-    data = getter(torch._C._cuda_getDevice())  # (stream id, device index, device type)
+    data = _current_stream(torch._C._cuda_getDevice())  # (stream id, device index, type)
     stream = _STREAMS.get(data)
     if stream is None:
         stream = _STREAMS[data] = torch.cuda.Stream(

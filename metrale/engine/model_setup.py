@@ -120,11 +120,9 @@ def dummy_weights(
             continue
         values = torch.empty(math.prod(shape), dtype=param.dtype, device=param.device)
         values.normal_(0.0, 0.02, generator=gen)
+        # runs of n: `total // n` of them (at least one) over `size` ranks, in order
         n, total = param.numel(), values.numel()
-        if total % n == 0:  # runs of n: `total // n` of them over `size` ranks, in order
-            start = rank * (total // n) // size * n
-        else:
-            start = rank * n % max(total - n + 1, 1)
+        start = rank * (total // n) // size * n
         param.copy_(values[start : start + n].view_as(param))
     for module in model.modules():
         if isinstance(module, ZeroCentredRMSNorm):
