@@ -112,16 +112,26 @@ def test_constrained_choices_give_one_valid_call(client, server, choice, stream)
     server.wait_idle()
 
 
-@pytest.mark.parametrize("choice", ["required", NAMED])
-def test_parallel_calls_all_parse(client, server, choice):
-    whole = ask(client, tool_choice=choice, max_tokens=120)
-    streamed = ask(client, True, tool_choice=choice, max_tokens=120)
+def test_parallel_calls_all_parse(client, server):
+    whole = ask(client, tool_choice="required", max_tokens=120)
+    streamed = ask(client, True, tool_choice="required", max_tokens=120)
     assert whole == streamed
     content, calls, finish = whole
     assert len(calls) >= 1
     check_calls(calls)
     # the small model goes on calling: the call max_tokens cut stays in the content
     assert finish == "tool_calls" or (finish == "length" and "<tool_call>" in content)
+    server.wait_idle()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_function_is_called_once_with_parallel_calls_on(client, server, stream):
+    """As vLLM's named choice: one call of that function, whatever `parallel_tool_calls` says
+    (the grammar let the small model repeat it until max_tokens cut the answer)."""
+    content, calls, finish = ask(client, stream, tool_choice=NAMED, max_tokens=120)
+    assert [name for name, _ in calls] == ["add"] and content is None
+    assert finish == "tool_calls"
+    check_calls(calls)
     server.wait_idle()
 
 

@@ -346,7 +346,9 @@ def plan_tools(body, tokenizer, grammars) -> ToolPlan:
     for i, function in chosen:
         _check_schema(i, function, grammars)
     open_tag, close_tag = (_tag_term(tag, tokenizer, grammars) for tag in (OPEN, CLOSE))
-    parallel = body.parallel_tool_calls is not False
+    # a named function is called once (vLLM's named choice is that function's arguments, once;
+    # here the grammar let the small model repeat the call until max_tokens cut it)
+    parallel = mode == "required" and body.parallel_tool_calls is not False
     lark = tool_call_grammar([f for _, f in chosen], parallel, open_tag, close_tag)
     structured = StructuredOutput(grammar=lark)
     try:
