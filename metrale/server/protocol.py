@@ -270,6 +270,8 @@ def chat_response(
             if parsed:
                 calls = [ToolCallOut(**call.as_openai()) for call in parsed]
                 finish = tool_calls_finish(finish)
+        if reasoning:  # an answer that is all thinking has no content (null, as vLLM's parsers)
+            content = content or None
         message = ChatResponseMessage(content=content, reasoning_content=thought, tool_calls=calls)
         choice = ChatChoice(
             index=c.index,
