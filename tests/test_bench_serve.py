@@ -30,6 +30,11 @@ def test_bench_serve_reports_percentiles_and_acceptance(tiny_model_dir, tmp_path
         assert report["spec_acceptance_rate"] is not None
         assert 0 < report["spec_acceptance_rate"] <= 1
         assert "p50" in capsys.readouterr().out
+        # a request the server refuses is reported with its reason, not its status alone
+        args = ["bench", "serve", "--base-url", srv.url, "--num-prompts", "2", "--out", str(out)]
+        main([*args, "--served-model", "nope"])
+        (failure,) = json.loads(out.read_text())["failures"]
+        assert failure.startswith("404 ") and "nope" in failure
         srv.wait_idle()
     finally:
         srv.close()

@@ -83,7 +83,8 @@ async def one_request(http: httpx.AsyncClient, args, prompt: str) -> dict:
     try:
         async with http.stream("POST", "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
-                return {"ok": False, "status": resp.status_code}
+                # the server's reason with its status (vLLM's benchmark keeps the error text)
+                return {"ok": False, "status": f"{resp.status_code} {await _reason(resp)}".strip()}
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -109,6 +110,19 @@ async def one_request(http: httpx.AsyncClient, args, prompt: str) -> dict:
         "tokens": tokens,
         "text": "".join(text),
     }
+
+
+async def _reason(resp: httpx.Response) -> str:
+    """An error response's message: OpenAI's `error.message`, else its first 200 characters."""
+    try:
+        body = (await resp.aread()).decode(errors="replace")
+    except httpx.HTTPError:
+        return ""
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = body
+    return " ".join(str(message).split())[:200]
 
 
 COUNTERS = (
