@@ -332,6 +332,72 @@ def test_hybrid_prompt_rows_do_not_depend_on_chunking(hybrid_dir, fused, monkeyp
     assert got[0] == got[1]
 
 
+@needs_interpreter
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_hybrid_delta_rule_keeps_one_tile_at_every_batch_in_deterministic_mode(
+    tmp_path_factory, tokenizer_dir, fused, monkeypatch, deterministic
+):
+    """Found on an H100 at Qwen3-Next's shape: the delta-rule kernel's value columns per program
+    followed the batch (`_block_v`: 16 at 1-2 sequences, 64 from 5 there), and a program's sums
+    over dk reduce in an order that follows its tile, so with the mode on a request alone gave
+    other tokens than in a batch of 64 (every one of 64 prompts). The interpreter's sums do not
+    follow the tile, so this pins the tile itself: with the GPU's program count, every launch of
+    a deterministic engine (decode, verify, commit, prompt) takes `invariant_block_v`."""
+    from metrale import LLM, SamplingParams
+    from metrale.kernels import gdn_recurrent
+    from metrale.speculative.replay import ReplayDrafter
+    from tests.test_hybrid_engine import write_hybrid
+
+    # value heads of 64 columns (the tiny target's 12 leave one tile to choose), and as many
+    # programs wanted as five sequences' heads make: 16 columns a program alone, 64 from five
+    hv = 4
+    model = write_hybrid(
+        tmp_path_factory.mktemp("wide_v"), tokenizer_dir, seed=3, linear_value_head_dim=64,
+        linear_num_value_heads=hv,
+    )  # fmt: skip
+    monkeypatch.setattr(gdn_recurrent, "_programs_wanted", lambda device: 5 * hv)
+    launched = []
+    real = gdn_recurrent._recurrent_delta_rule_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append((grid[0], kwargs["BV"], kwargs["HAS_LENS"]))
+                return real[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(gdn_recurrent, "_recurrent_delta_rule_kernel", Spy())
+    drafter = ReplayDrafter({}, 1.0, vocab_size=320)
+    llm = LLM(
+        model, device="cpu", dtype="float32", deterministic=deterministic, drafter=drafter,
+        spec={"num_drafts": 3, "dcut": False},
+    )  # fmt: skip
+    dv = llm.engine.runner.states.pool.ssm[0].shape[-1]
+    prompts = [[5 + i, 6, 7, 8, 9][: 3 + i % 3] for i in range(6)]
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, speculative=False)
+    truth = llm.generate(prompts, plain, use_tqdm=False)  # a batch of six, and its prompts
+    drafter.record({tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, truth)}, 1.0)
+    alone = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert alone[0].outputs[0].token_ids == truth[0].outputs[0].token_ids
+    assert llm.engine.telemetry.spec.num_accepted_tokens > 0
+    kinds = {(bsz, commit) for bsz, _, commit in launched}
+    # a lone sequence's prompt, verify and commit, and a batch of six's prompts and decode
+    assert {(1, False), (1, True), (6, False)} <= kinds
+    tiles = {bv for _, bv, _ in launched}
+    if deterministic:
+        assert tiles == {gdn_recurrent.invariant_block_v(dv)}
+    else:  # the fastest tile for each batch: the hazard the mode removes
+        assert len(tiles) > 1
+
+
+def test_invariant_block_v_fits_the_value_heads():
+    from metrale.kernels.gdn_recurrent import INVARIANT_BLOCK_V, invariant_block_v
+
+    assert invariant_block_v(128) == invariant_block_v(256) == INVARIANT_BLOCK_V
+    assert [invariant_block_v(d) for d in (1, 8, 12, 16)] == [1, 8, 16, 16]
+
+
 def test_fitted_tile_pages_halve_until_the_compiled_kernels_fit_and_stay_decided():
     """`kv_tiles.fitted_pages`: the estimate's tile halves while the compiled kernels ask more
     shared memory than the device has, decided once per configuration (a row's bits follow

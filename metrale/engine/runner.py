@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -181,8 +180,8 @@ class ModelRunner:
                 num_drafts + 1,
                 cfg.resolve_ssm_dtype(self.dtype),
             )
-            if cfg.deterministic:  # every GDN row in the recurrent form (see GDNState)
-                self.states.pool.chunk_min_rows = sys.maxsize
+            if cfg.deterministic:
+                self.states.pool.make_deterministic()
         # Every running sequence's block table, kept on the device by its slot; as many pages as
         # the programs' tables hold (a sequence's reach, the lookahead included)
         reach = max(max_model_len + lookahead, self.prefill_limit)

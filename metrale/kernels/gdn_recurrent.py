@@ -279,6 +279,20 @@ def _programs_wanted(device: torch.device) -> int:
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# Value columns per program in the deterministic mode, whatever the batch. A program's sums over
+# dk (the correction, the output) reduce in an order that follows its tile's shape, so
+# `_block_v`'s choice by the batch gave a row other bits alone than in a batch (Qwen3-Next's
+# shape on an H100: 16 columns at 1-2 sequences, 32 at 3-4, 64 from 5). 32 costs at most about
+# 12% of the kernel's time against the best choice (the H200 sweep below: 0.154 vs 0.135 ms at
+# batch 1, 3.49 vs 3.14 ms at batch 64, 36 layers).
+INVARIANT_BLOCK_V = 32
+
+
+def invariant_block_v(dv: int) -> int:
+    """The deterministic mode's value columns per program for value heads of `dv` columns."""
+    return min(INVARIANT_BLOCK_V, 1 << max(dv - 1, 0).bit_length())
+
+
 def _block_v(heads: int, dv: int, device: torch.device) -> int:
     """Value columns per program: the widest of 64, 32, 16 that still launches enough programs
     (`benchmarks/gdn_verify_variants.py --sweep`, H200, 36 layers: decode at batch 64 takes

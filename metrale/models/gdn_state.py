@@ -31,6 +31,7 @@ turn into g and beta in registers: no launch to make them. The torch path materi
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import NamedTuple
@@ -39,7 +40,12 @@ import torch
 
 from metrale.kernels.gdn_chunk import chunk_delta_rule_in_pool
 from metrale.kernels.gdn_conv import conv_in_pool
-from metrale.kernels.gdn_recurrent import GateInputs, delta_rule_in_pool, triton_gdn_enabled
+from metrale.kernels.gdn_recurrent import (
+    GateInputs,
+    delta_rule_in_pool,
+    invariant_block_v,
+    triton_gdn_enabled,
+)
 from metrale.models.gdn import (
     RowLayout,
     causal_conv1d,
@@ -93,6 +99,18 @@ class GDNState:
     # mode sets it past any row count, so a row takes the recurrent form whatever shares its
     # step (the chunked form's 16-row blocks start at the chunk's first row)
     chunk_min_rows: int = CHUNK_MIN_ROWS
+    # the delta-rule kernel's value columns per program: None picks them by the batch (the
+    # fastest); the deterministic mode fixes them (`invariant_block_v`), since a row's bits
+    # follow its program's tile
+    block_v: int | None = None
+
+    def make_deterministic(self) -> None:
+        """The deterministic mode's state: every row in the recurrent form, whatever shares its
+        forward (the chunked form's 16-row blocks start at the forward's first row), and one
+        kernel tile at every batch size (a row's bits follow its program's tile)."""
+        self.chunk_min_rows = sys.maxsize
+        if self.ssm:
+            self.block_v = invariant_block_v(self.ssm[0].shape[-1])
 
     @classmethod
     def zeros(
@@ -186,6 +204,7 @@ class GDNState:
                 final=read if mode is StateMode.WRITE else None,
                 rows=self.rows if mode is StateMode.ROWS else None,
                 gates=gates,
+                block_v=self.block_v,
             )
         assert g is not None and beta is not None
         if mode is StateMode.WRITE and t > self.chunk_min_rows:  # as the kernels choose
@@ -267,7 +286,7 @@ class GDNState:
             if triton_gdn_enabled(p.v):
                 delta_rule_in_pool(
                     p.q, p.k, p.v, p.g, p.beta, pool, read,
-                    final=read, lengths=num_rows, gates=p.gates,
+                    final=read, lengths=num_rows, gates=p.gates, block_v=self.block_v,
                 )  # fmt: skip
             else:
                 # the recurrent form whatever t is, as the verify itself ran; the forward kept
