@@ -304,3 +304,20 @@ def test_index_gets_the_mtp_names(tiny_model_dir, tmp_path):
     cfg, _, heads, _ = build(model_dir)
     assert detect_mtp_layout(model_dir, cfg) == ("deepseek", 1)
     assert heads.num_layers == 1
+
+
+@pytest.mark.parametrize("layout", ["qwen3_next", "deepseek"])
+def test_written_norm_weights_are_near_one(tiny_model_dir, tmp_path, layout):
+    """Every norm of a written head is 1 + N(0, std), the pre-fc norms of the Qwen3-Next layout
+    included: drawn near 0 (their names end otherwise), they scaled the head's inputs to almost
+    nothing, and the tests' MTP heads accepted almost no draft (found in review)."""
+    model_dir = tmp_path / layout
+    shutil.copytree(tiny_model_dir, model_dir)
+    written = write_mtp_weights(
+        model_dir, json.loads((model_dir / "config.json").read_text()), layout
+    )
+    tensors = load_file(str(model_dir / "mtp.safetensors"))
+    norms = [n for n in written if "norm" in n.split(".")[-2]]
+    assert len(norms) >= 6 and any("fc_norm" in n or "enorm" in n for n in norms)
+    for name in norms:
+        assert abs(tensors[name].mean().item() - 1.0) < 0.05, name

@@ -306,7 +306,9 @@ def write_mtp_weights(
         for rel, shape in _module_tensor_shapes(cfg):
             # Drawn whatever the layout keeps, so a seed means the same weights in both.
             w = torch.randn(shape, generator=gen) * std
-            if rel.endswith("norm.weight"):
+            # every norm's weight (the pre-fc norms' names end otherwise: drawn near 0, they
+            # made the head all but ignore its inputs; found in review)
+            if "norm" in rel.split(".")[-2]:
                 w += 1.0
             src = next((s for s, dst in prefixes.items() if rel.startswith(dst)), None)
             if src is not None:
