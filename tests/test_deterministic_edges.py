@@ -342,7 +342,8 @@ def test_hybrid_delta_rule_keeps_one_tile_at_every_batch_in_deterministic_mode(
     over dk reduce in an order that follows its tile, so with the mode on a request alone gave
     other tokens than in a batch of 64 (every one of 64 prompts). The interpreter's sums do not
     follow the tile, so this pins the tile itself: with the GPU's program count, every launch of
-    a deterministic engine (decode, verify, commit, prompt) takes `invariant_block_v`."""
+    a deterministic engine (decode, verify, commit, prompt) takes `invariant_block_v`, and the
+    one binary whose mode is a runtime value (`_invariant_delta_rule_kernel`)."""
     from metrale import LLM, SamplingParams
     from metrale.kernels import gdn_recurrent
     from metrale.speculative.replay import ReplayDrafter
@@ -357,17 +358,20 @@ def test_hybrid_delta_rule_keeps_one_tile_at_every_batch_in_deterministic_mode(
     )  # fmt: skip
     monkeypatch.setattr(gdn_recurrent, "_programs_wanted", lambda device: 5 * hv)
     launched = []
-    real = gdn_recurrent._recurrent_delta_rule_kernel
 
     class Spy:
+        def __init__(self, name):
+            self.name, self.real = name, getattr(gdn_recurrent, name)
+
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                launched.append((grid[0], kwargs["BV"], kwargs["HAS_LENS"]))
-                return real[grid](*args, **kwargs)
+                launched.append((grid[0], kwargs["BV"], bool(kwargs["HAS_LENS"]), self.name))
+                return self.real[grid](*args, **kwargs)
 
             return launch
 
-    monkeypatch.setattr(gdn_recurrent, "_recurrent_delta_rule_kernel", Spy())
+    for name in ("_recurrent_delta_rule_kernel", "_invariant_delta_rule_kernel"):
+        monkeypatch.setattr(gdn_recurrent, name, Spy(name))
     drafter = ReplayDrafter({}, 1.0, vocab_size=320)
     llm = LLM(
         model, device="cpu", dtype="float32", deterministic=deterministic, drafter=drafter,
@@ -381,14 +385,17 @@ def test_hybrid_delta_rule_keeps_one_tile_at_every_batch_in_deterministic_mode(
     alone = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert alone[0].outputs[0].token_ids == truth[0].outputs[0].token_ids
     assert llm.engine.telemetry.spec.num_accepted_tokens > 0
-    kinds = {(bsz, commit) for bsz, _, commit in launched}
+    kinds = {(bsz, commit) for bsz, _, commit, _ in launched}
     # a lone sequence's prompt, verify and commit, and a batch of six's prompts and decode
     assert {(1, False), (1, True), (6, False)} <= kinds
-    tiles = {bv for _, bv, _ in launched}
-    if deterministic:
+    tiles = {bv for _, bv, _, _ in launched}
+    kernels = {name for *_, name in launched}
+    if deterministic:  # one tile, and one binary for every mode
         assert tiles == {gdn_recurrent.invariant_block_v(dv)}
+        assert kernels == {"_invariant_delta_rule_kernel"}
     else:  # the fastest tile for each batch: the hazard the mode removes
         assert len(tiles) > 1
+        assert kernels == {"_recurrent_delta_rule_kernel"}
 
 
 def test_invariant_block_v_fits_the_value_heads():

@@ -274,6 +274,51 @@ def test_recurrent_delta_rule_kernel_matches_reference(dtype, all_states, with_s
         assert states is None
 
 
+def test_one_binary_delta_rule_computes_every_mode_as_the_sequential_decodes():
+    """The deterministic mode's delta-rule kernel (`invariant=True`: one binary, its mode a
+    runtime value) against the same token's decode rows, one step each: a verify's outputs
+    (the state left alone), its write-on-accept commit of each accepted count, per-row slots
+    and a prompt of 4 rows. Bitwise: one binary runs the same arithmetic in every mode (on
+    CPU the interpreter; the GPU check of the same is `det_units.py` in the session 67
+    results)."""
+    from metrale.kernels.gdn_recurrent import GateInputs, delta_rule_in_pool
+
+    torch.manual_seed(5)
+    b, t, hk, hv, dk, dv = 2, 4, 2, 4, 16, 32
+    q, k = (torch.randn(b, t, hk, dk, device=DEVICE) for _ in range(2))
+    v = torch.randn(b, t, hv, dv, device=DEVICE)
+    a, beta_in = (torch.randn(b, t, hv, device=DEVICE) for _ in range(2))
+    a_log, dt_bias = torch.randn(hv, device=DEVICE) * 0.5, torch.randn(hv, device=DEVICE) * 0.5
+    init = torch.randn(12, hv, dk, dv, device=DEVICE) * 0.1
+    read = torch.tensor([3, 1], device=DEVICE)
+
+    def run(pool, at=slice(0, t), **kw):
+        gates = GateInputs(a[:, at], beta_in[:, at], a_log, dt_bias)
+        return delta_rule_in_pool(
+            q[:, at], k[:, at], v[:, at], None, None, pool, read, gates=gates,
+            block_v=16, invariant=True, **kw,
+        )  # fmt: skip
+
+    pool, outs, states = init.clone(), [], []
+    for row in range(t):  # a decode step per row
+        outs.append(run(pool, slice(row, row + 1), final=read)[:, 0])
+        states.append(pool[read].clone())
+    verify = run(init.clone())  # a write-on-accept verify: outputs, the state left alone
+    assert all(torch.equal(verify[:, row], outs[row]) for row in range(t))
+    for accepted in range(1, t + 1):
+        committed = init.clone()
+        lengths = torch.full((b,), accepted, device=DEVICE)
+        assert run(committed, final=read, lengths=lengths) is None
+        assert torch.equal(committed[read], states[accepted - 1])
+    slots, per_row = init.clone(), torch.arange(4, 12, device=DEVICE).view(b, t)
+    per_row_out = run(slots, rows=per_row)
+    assert all(torch.equal(slots[per_row[:, r]], states[r]) for r in range(t))
+    assert torch.equal(per_row_out, verify)
+    prompt = init.clone()
+    assert torch.equal(run(prompt, final=read), verify)
+    assert torch.equal(prompt[read], states[-1])
+
+
 @pytest.mark.parametrize("with_state", [False, True])
 @pytest.mark.parametrize("correlated", [False, True])
 @pytest.mark.parametrize("dk, dv", [(16, 24), (8, 8)])  # 8: below tl.dot's 16, padded

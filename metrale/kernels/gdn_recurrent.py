@@ -64,52 +64,34 @@ def triton_gdn_enabled(x: torch.Tensor) -> bool:
     return x.is_cuda or interpreter_forced(x)
 
 
+# `_invariant_delta_rule_kernel`'s arguments Triton must not specialise on: the mode switches,
+# the row count (a 1 would be a constant) and every pointer and stride (their alignment).
+_ONE_BINARY = [
+    "q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "out_ptr", "pool_ptr", "read_ptr",
+    "final_ptr", "rows_ptr", "lens_ptr", "T", "stride_qb", "stride_qt", "stride_kb",
+    "stride_kt", "stride_vb", "stride_vt", "stride_gb", "stride_gt", "stride_betab",
+    "stride_betat", "a_log_ptr", "dt_bias_ptr", "WRITE_FINAL", "WRITE_ROWS", "HAS_LENS",
+    "STORE_OUT",
+]  # fmt: skip
+
 if triton is not None:
     from metrale.kernels.gdn_fused import _softplus
 
+    # The kernel's arguments, in order: pointers and strides, then the launch shape, then the
+    # variant's switches (a program's mode: which of the states and outputs it writes).
     @triton.jit
-    def _recurrent_delta_rule_kernel(
-        q_ptr,
-        k_ptr,
-        v_ptr,
-        g_ptr,
-        beta_ptr,
-        out_ptr,
-        pool_ptr,
-        read_ptr,
-        final_ptr,
-        rows_ptr,
-        lens_ptr,
-        T,
-        stride_qb,
-        stride_qt,
-        stride_kb,
-        stride_kt,
-        stride_vb,
-        stride_vt,
-        stride_gb,
-        stride_gt,
-        stride_betab,
-        stride_betat,
-        a_log_ptr,
-        dt_bias_ptr,
-        scale,
-        eps,
-        HK: tl.constexpr,
-        HV: tl.constexpr,
-        DK: tl.constexpr,
-        DV: tl.constexpr,
-        BK: tl.constexpr,
-        BV: tl.constexpr,
-        L2NORM: tl.constexpr,
-        HAS_STATE: tl.constexpr,
-        WRITE_FINAL: tl.constexpr,
-        WRITE_ROWS: tl.constexpr,
-        HAS_LENS: tl.constexpr,
-        STORE_OUT: tl.constexpr,
-        RAW_GATES: tl.constexpr,
-        ROUND_STATE: tl.constexpr,
-    ):
+    def _delta_rule_program(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, pool_ptr, read_ptr, final_ptr, rows_ptr,
+        lens_ptr, T, stride_qb, stride_qt, stride_kb, stride_kt, stride_vb, stride_vt,
+        stride_gb, stride_gt, stride_betab, stride_betat, a_log_ptr, dt_bias_ptr, scale, eps,
+        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+        BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, HAS_STATE: tl.constexpr,
+        RAW_GATES: tl.constexpr, ROUND_STATE: tl.constexpr,
+        WRITE_FINAL, WRITE_ROWS, HAS_LENS, STORE_OUT,
+    ):  # fmt: skip
+        """One program's rows (see the module docstring). The four mode switches are compile-time
+        constants in `_recurrent_delta_rule_kernel` and runtime values in
+        `_invariant_delta_rule_kernel`."""
         b = tl.program_id(0).to(tl.int64)  # row offsets of big batches pass 2**31
         h = tl.program_id(1)
         hk = h // (HV // HK)  # value head h reads key head h // (HV / HK)
@@ -166,6 +148,48 @@ if triton is not None:
             entry = tl.load(final_ptr + b).to(tl.int64)
             tl.store(pool_ptr + entry * entry_size + tile, s.to(state_ty), mask=tile_ok)
 
+    @triton.jit
+    def _recurrent_delta_rule_kernel(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, pool_ptr, read_ptr, final_ptr, rows_ptr,
+        lens_ptr, T, stride_qb, stride_qt, stride_kb, stride_kt, stride_vb, stride_vt,
+        stride_gb, stride_gt, stride_betab, stride_betat, a_log_ptr, dt_bias_ptr, scale, eps,
+        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+        BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, HAS_STATE: tl.constexpr,
+        RAW_GATES: tl.constexpr, ROUND_STATE: tl.constexpr,
+        WRITE_FINAL: tl.constexpr, WRITE_ROWS: tl.constexpr, HAS_LENS: tl.constexpr,
+        STORE_OUT: tl.constexpr,
+    ):  # fmt: skip
+        _delta_rule_program(
+            q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, pool_ptr, read_ptr, final_ptr,
+            rows_ptr, lens_ptr, T, stride_qb, stride_qt, stride_kb, stride_kt, stride_vb,
+            stride_vt, stride_gb, stride_gt, stride_betab, stride_betat, a_log_ptr, dt_bias_ptr,
+            scale, eps, HK, HV, DK, DV, BK, BV, L2NORM, HAS_STATE, RAW_GATES, ROUND_STATE,
+            WRITE_FINAL, WRITE_ROWS, HAS_LENS, STORE_OUT,
+        )  # fmt: skip
+
+    # The deterministic mode's kernel: one binary for a decode, a verify, its commit and a
+    # prompt (the mode switches, the row count and the row strides are runtime values). Two
+    # variants of the same arithmetic can round differently (the per-row-slot variant's states
+    # differed from a decode's at Qwen3-Next's shape on an H100, as `fused.qk_norm_rope`'s two
+    # variants did on the H200), and a verify row must carry a decode row's bits.
+    @triton.jit(do_not_specialize=_ONE_BINARY)
+    def _invariant_delta_rule_kernel(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, pool_ptr, read_ptr, final_ptr, rows_ptr,
+        lens_ptr, T, stride_qb, stride_qt, stride_kb, stride_kt, stride_vb, stride_vt,
+        stride_gb, stride_gt, stride_betab, stride_betat, a_log_ptr, dt_bias_ptr, scale, eps,
+        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+        BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, HAS_STATE: tl.constexpr,
+        RAW_GATES: tl.constexpr, ROUND_STATE: tl.constexpr,
+        WRITE_FINAL, WRITE_ROWS, HAS_LENS, STORE_OUT,
+    ):  # fmt: skip
+        _delta_rule_program(
+            q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, pool_ptr, read_ptr, final_ptr,
+            rows_ptr, lens_ptr, T, stride_qb, stride_qt, stride_kb, stride_kt, stride_vb,
+            stride_vt, stride_gb, stride_gt, stride_betab, stride_betat, a_log_ptr, dt_bias_ptr,
+            scale, eps, HK, HV, DK, DV, BK, BV, L2NORM, HAS_STATE, RAW_GATES, ROUND_STATE,
+            WRITE_FINAL, WRITE_ROWS, HAS_LENS, STORE_OUT,
+        )  # fmt: skip
+
 
 def delta_rule_in_pool(
     q: torch.Tensor,
@@ -184,6 +208,7 @@ def delta_rule_in_pool(
     gates: GateInputs | None = None,
     block_v: int | None = None,
     num_warps: int = 4,
+    invariant: bool = False,
 ) -> torch.Tensor | None:
     """q, k [B, T, Hk, dk]; v [B, T, Hv, dv]; g, beta [B, T, Hv]; pool [S, Hv, dk, dv] (float32,
     or a 16-bit type: `STATE_DTYPES`; the state is rounded to it after every row, as a decode
@@ -194,7 +219,8 @@ def delta_rule_in_pool(
     each sequence's first lengths[b] rows run, and nothing but the states is written (None).
     With `gates`, g and beta are computed in the kernel from the layer's gate inputs (g and
     beta are ignored). `block_v`, `num_warps`: the launch shape (value columns per program;
-    default `_block_v`)."""
+    default `_block_v`). `invariant` (the deterministic mode, with a fixed `block_v`): every
+    call runs one binary, `_invariant_delta_rule_kernel`."""
     bsz, seq, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     check_pool_shapes(q, v, pool)
@@ -206,7 +232,10 @@ def delta_rule_in_pool(
     out = None if lengths is not None else torch.empty(v.shape, dtype=v.dtype, device=v.device)
     block_v = block_v or _block_v(bsz * hv, dv, v.device)
     dummy = pool  # an unread pointer for the arguments a variant does not use
-    _recurrent_delta_rule_kernel[(bsz, hv, triton.cdiv(dv, block_v))](
+    kernel = _invariant_delta_rule_kernel if invariant else _recurrent_delta_rule_kernel
+    # (runtime switches in the invariant kernel: ints, whose value Triton does not fold)
+    mode = int if invariant else bool
+    kernel[(bsz, hv, triton.cdiv(dv, block_v))](
         q,
         k,
         v,
@@ -241,10 +270,10 @@ def delta_rule_in_pool(
         BV=block_v,
         L2NORM=l2norm_qk,
         HAS_STATE=read is not None,
-        WRITE_FINAL=final is not None,
-        WRITE_ROWS=rows is not None,
-        HAS_LENS=lengths is not None,
-        STORE_OUT=lengths is None,
+        WRITE_FINAL=mode(final is not None),
+        WRITE_ROWS=mode(rows is not None),
+        HAS_LENS=mode(lengths is not None),
+        STORE_OUT=mode(lengths is None),
         RAW_GATES=gates is not None,
         ROUND_STATE=pool.dtype != torch.float32,
         num_warps=num_warps,

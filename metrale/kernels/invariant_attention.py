@@ -68,7 +68,12 @@ GROUPS = 16
 # combination compiled the three kernels again inside a running step, seconds each, and a
 # prefix-cached serving load met new ones for minutes (its first turns waited on them). They
 # are read one scalar at a time, so the specialisation bought nothing.
+# Not specialised: step values (a new one would compile the kernel again inside a running step).
 _STEP_ARGS = ["tables_ptr", "starts_ptr", "lens_ptr", "stride_bt"]
+# Nor how the partials' rows are numbered (by the step's row or by sequence, whichever is fewer
+# for the step): a decode step and a verify step run one binary, since two variants of the same
+# arithmetic can round differently (as `fused.qk_norm_rope`'s two did on the H200).
+_GROUP_ARGS = [*_STEP_ARGS, "ROW_BY_START"]
 
 if triton is not None:
 
@@ -195,21 +200,21 @@ if triton is not None:
     @triton.jit
     def _part_offsets(seq, start, row, head, group, NUM_HEADS: tl.constexpr,
                       BLOCK_Q: tl.constexpr, GROUPS: tl.constexpr, D: tl.constexpr,
-                      ROW_BY_START: tl.constexpr):  # fmt: skip
+                      ROW_BY_START):  # fmt: skip
         """Where a row's group partial lives (int64: a long context's buffer is large):
         [rows, heads, GROUPS, D + 2], the rows numbered by the step's row (start + row) or by
         (sequence, row), whichever is fewer."""
-        prow = (start + row) if ROW_BY_START else (seq * BLOCK_Q + row)
+        prow = tl.where(ROW_BY_START != 0, start + row, seq * BLOCK_Q + row)
         return ((prow.to(tl.int64) * NUM_HEADS + head) * GROUPS + group) * (D + 2)
 
-    @triton.jit(do_not_specialize=_STEP_ARGS)
+    @triton.jit(do_not_specialize=_GROUP_ARGS)
     def _decode_group_kernel(
         q_ptr, k_ptr, v_ptr, part_ptr, tables_ptr, starts_ptr, lens_ptr, scale,
         stride_qt, stride_qh, stride_cp, stride_co, stride_ch, stride_bt,
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
         BLOCK_Q: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, TILE_PAGES: tl.constexpr,
         SPLIT_PAGES: tl.constexpr,
-        GROUPS: tl.constexpr, MAX_ROWS: tl.constexpr, ROW_BY_START: tl.constexpr,
+        GROUPS: tl.constexpr, MAX_ROWS: tl.constexpr, ROW_BY_START,
         PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     ):  # fmt: skip
         """Group `program_id(2)` of a decode or verify sequence: its partial into part_ptr
@@ -234,13 +239,13 @@ if triton is not None:
             tl.store(part_ptr + part + D, m, mask=row_ok)
             tl.store(part_ptr + part + D + 1, l_run, mask=row_ok)
 
-    @triton.jit(do_not_specialize=["starts_ptr", "lens_ptr"])
+    @triton.jit(do_not_specialize=["starts_ptr", "lens_ptr", "ROW_BY_START"])
     def _combine_kernel(
         part_ptr, out_ptr, starts_ptr, lens_ptr, stride_ot, stride_oh,
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
         BLOCK_Q: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, TILE_PAGES: tl.constexpr,
         SPLIT_PAGES: tl.constexpr,
-        GROUPS: tl.constexpr, MAX_ROWS: tl.constexpr, ROW_BY_START: tl.constexpr,
+        GROUPS: tl.constexpr, MAX_ROWS: tl.constexpr, ROW_BY_START,
     ):  # fmt: skip
         """A decode or verify sequence's group partials merged in group order; out = acc / l."""
         seq, kvh = tl.program_id(0), tl.program_id(1)
@@ -369,7 +374,7 @@ def invariant_attention(
                 ]
                 compiled.append(_decode_group_kernel.warmup(
                     q, k_cache, v_cache, torch.float32, tables, starts, lens, scale, *strides,
-                    NUM_HEADS=heads, BLOCK_Q=decode_block_q, ROW_BY_START=False, grid=(1,),
+                    NUM_HEADS=heads, BLOCK_Q=decode_block_q, ROW_BY_START=0, grid=(1,),
                     **fixed,
                 ))  # fmt: skip
                 return max((k.metadata.shared for k in compiled if k is not None), default=0)
@@ -399,7 +404,7 @@ def invariant_attention(
     by_start = q.shape[0] < seqs * block_q
     rows = q.shape[0] if by_start else seqs * block_q
     part = torch.empty(rows * heads * GROUPS * (dim + 2), dtype=torch.float32, device=q.device)
-    shared = dict(NUM_HEADS=heads, BLOCK_Q=block_q, ROW_BY_START=by_start, **common)
+    shared = dict(NUM_HEADS=heads, BLOCK_Q=block_q, ROW_BY_START=int(by_start), **common)
     _decode_group_kernel[(seqs, kv_heads, GROUPS)](
         q, k_cache, v_cache, part, tables, starts, lens, scale, *strides, **launch, **shared
     )  # fmt: skip

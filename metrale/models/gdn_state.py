@@ -101,7 +101,8 @@ class GDNState:
     chunk_min_rows: int = CHUNK_MIN_ROWS
     # the delta-rule kernel's value columns per program: None picks them by the batch (the
     # fastest); the deterministic mode fixes them (`invariant_block_v`), since a row's bits
-    # follow its program's tile
+    # follow its program's tile, and runs every call as one binary (`delta_rule_in_pool`'s
+    # `invariant`)
     block_v: int | None = None
 
     def make_deterministic(self) -> None:
@@ -205,6 +206,7 @@ class GDNState:
                 rows=self.rows if mode is StateMode.ROWS else None,
                 gates=gates,
                 block_v=self.block_v,
+                invariant=self.block_v is not None,
             )
         assert g is not None and beta is not None
         if mode is StateMode.WRITE and t > self.chunk_min_rows:  # as the kernels choose
@@ -287,6 +289,7 @@ class GDNState:
                 delta_rule_in_pool(
                     p.q, p.k, p.v, p.g, p.beta, pool, read,
                     final=read, lengths=num_rows, gates=p.gates, block_v=self.block_v,
+                    invariant=self.block_v is not None,
                 )  # fmt: skip
             else:
                 # the recurrent form whatever t is, as the verify itself ran; the forward kept
