@@ -274,15 +274,30 @@ def test_recurrent_delta_rule_kernel_matches_reference(dtype, all_states, with_s
         assert states is None
 
 
-def test_one_binary_delta_rule_computes_every_mode_as_the_sequential_decodes():
+def test_one_binary_delta_rule_computes_every_mode_as_the_sequential_decodes(monkeypatch):
     """The deterministic mode's delta-rule kernel (`invariant=True`: one binary, its mode a
     runtime value) against the same token's decode rows, one step each: a verify's outputs
     (the state left alone), its write-on-accept commit of each accepted count, per-row slots
     and a prompt of 4 rows. Bitwise: one binary runs the same arithmetic in every mode (on
     CPU the interpreter; the GPU check of the same is `det_units.py` in the session 67
     results)."""
+    from metrale.kernels import gdn_recurrent
     from metrale.kernels.gdn_recurrent import GateInputs, delta_rule_in_pool
 
+    # each launch's argument types: a pointer's element type is part of the compiled signature
+    # (unused pointers once took the pool's, so each mode compiled its own binary)
+    signatures, real = set(), gdn_recurrent._invariant_delta_rule_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                kinds = [a.dtype if torch.is_tensor(a) else type(a) for a in args]
+                signatures.add((*kinds, *sorted((k, type(v)) for k, v in kwargs.items())))
+                return real[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(gdn_recurrent, "_invariant_delta_rule_kernel", Spy())
     torch.manual_seed(5)
     b, t, hk, hv, dk, dv = 2, 4, 2, 4, 16, 32
     q, k = (torch.randn(b, t, hk, dk, device=DEVICE) for _ in range(2))
@@ -307,7 +322,7 @@ def test_one_binary_delta_rule_computes_every_mode_as_the_sequential_decodes():
     assert all(torch.equal(verify[:, row], outs[row]) for row in range(t))
     for accepted in range(1, t + 1):
         committed = init.clone()
-        lengths = torch.full((b,), accepted, device=DEVICE)
+        lengths = torch.full((b,), accepted, device=DEVICE, dtype=torch.int32)
         assert run(committed, final=read, lengths=lengths) is None
         assert torch.equal(committed[read], states[accepted - 1])
     slots, per_row = init.clone(), torch.arange(4, 12, device=DEVICE).view(b, t)
@@ -317,6 +332,7 @@ def test_one_binary_delta_rule_computes_every_mode_as_the_sequential_decodes():
     prompt = init.clone()
     assert torch.equal(run(prompt, final=read), verify)
     assert torch.equal(prompt[read], states[-1])
+    assert len(signatures) == 1  # every mode, one binary's arguments
 
 
 @pytest.mark.parametrize("with_state", [False, True])

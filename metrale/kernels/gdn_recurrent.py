@@ -65,9 +65,10 @@ def triton_gdn_enabled(x: torch.Tensor) -> bool:
 
 
 # `_invariant_delta_rule_kernel`'s arguments Triton must not specialise on: the mode switches,
-# the row count (a 1 would be a constant) and every pointer and stride (their alignment).
+# the row count (a 1 would be a constant) and every pointer and stride (their alignment) but
+# the state pool's, one allocation, aligned in every mode (its tile loads stay vectorised).
 _ONE_BINARY = [
-    "q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "out_ptr", "pool_ptr", "read_ptr",
+    "q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "out_ptr", "read_ptr",
     "final_ptr", "rows_ptr", "lens_ptr", "T", "stride_qb", "stride_qt", "stride_kb",
     "stride_kt", "stride_vb", "stride_vt", "stride_gb", "stride_gt", "stride_betab",
     "stride_betat", "a_log_ptr", "dt_bias_ptr", "WRITE_FINAL", "WRITE_ROWS", "HAS_LENS",
@@ -232,6 +233,18 @@ def delta_rule_in_pool(
     out = None if lengths is not None else torch.empty(v.shape, dtype=v.dtype, device=v.device)
     block_v = block_v or _block_v(bsz * hv, dv, v.device)
     dummy = pool  # an unread pointer for the arguments a variant does not use
+    out_dummy = index_dummy = dummy
+    if invariant:
+        # one binary for every mode: an unused pointer has the element type a used one has (a
+        # pointer's type is part of the compiled signature, not specialised or not; found in
+        # review), and the index tensors are int64 whoever made them
+        read, final, rows, lengths = (
+            None if x is None else x.to(torch.int64) for x in (read, final, rows, lengths)
+        )
+        out_dummy = v
+        index_dummy = (
+            read if read is not None else torch.zeros(1, dtype=torch.int64, device=v.device)
+        )
     kernel = _invariant_delta_rule_kernel if invariant else _recurrent_delta_rule_kernel
     # (runtime switches in the invariant kernel: ints, whose value Triton does not fold)
     mode = int if invariant else bool
@@ -241,12 +254,12 @@ def delta_rule_in_pool(
         v,
         g,
         beta,
-        dummy if out is None else out,
+        out_dummy if out is None else out,
         pool,
-        dummy if read is None else read.contiguous(),
-        dummy if final is None else final.contiguous(),
-        dummy if rows is None else rows.contiguous(),
-        dummy if lengths is None else lengths.contiguous(),
+        index_dummy if read is None else read.contiguous(),
+        index_dummy if final is None else final.contiguous(),
+        index_dummy if rows is None else rows.contiguous(),
+        index_dummy if lengths is None else lengths.contiguous(),
         seq,
         q.stride(0),
         q.stride(1),
