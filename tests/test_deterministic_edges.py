@@ -483,3 +483,40 @@ def test_invariant_attention_launches_with_the_tile_its_compiled_kernels_fit(mon
         q, kv[0], kv[1], meta, 0.1, max_rows=16, prompt_tile_rows=64, interpreted=False
     )
     assert set(tiles_launched) == {2}
+
+
+@needs_interpreter
+def test_decode_and_verify_steps_launch_one_attention_tile(monkeypatch):
+    """The invariant attention's decode and verify launches take one query tile, the engine's
+    `invariant_rows`, whatever the step's longest query: the tile once followed it (2 rows a
+    decode, 4 a verify at Qwen3-Next's 8 query heads a KV head), a second binary of the same
+    arithmetic (found in review). Queries longer than the tile take the prompt tiles."""
+    from metrale.kernels import invariant_attention as ia
+    from tests.test_deterministic import _paged_case
+
+    launched = []
+    for name in ("_decode_group_kernel", "_combine_kernel", "_tile_kernel"):
+        real = getattr(ia, name)
+
+        class Spy:
+            def __init__(self, name, real):
+                self.name, self.real = name, real
+
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    launched.append((self.name, kwargs["BLOCK_Q"], kwargs.get("DECODE")))
+                    return self.real[grid](*args, **kwargs)
+
+                return launch
+
+        monkeypatch.setattr(ia, name, Spy(name, real))
+    backend = TritonPagedAttention(invariant=True)
+    backend.invariant_rows = 4
+    tiles = {}
+    for q_lens in ([1, 1], [4, 2], [3], [1, 9]):
+        q, k, v, cache, meta = _paged_case(q_lens, [40, 70][: len(q_lens)], heads=8, kv_heads=1)
+        launched.clear()
+        backend.forward(q, k, v, cache, meta, 0.25)
+        tiles[tuple(q_lens)] = {(n, bq) for n, bq, decode in launched if decode is not False}
+    want = {("_decode_group_kernel", 4), ("_combine_kernel", 4)}
+    assert all(got == want for got in tiles.values()), tiles

@@ -88,6 +88,8 @@ class ModelRunner:
             if use_kernel
             else TorchPagedAttention(invariant=cfg.deterministic)
         )
+        if cfg.deterministic and use_kernel:  # one decode/verify tile (`invariant_rows`)
+            self.backend.invariant_rows = 1 << num_drafts.bit_length()
         self.hybrid = model_cfg.hybrid is not None
         # Rows of a step with prompt chunks that may replay a prefill program. The spare
         # sequence holding a program's padding rows sits at positions 0 .. rows - 1, so the

@@ -393,9 +393,11 @@ def invariant_attention(
         _tile_kernel[(seqs, kv_heads, tiles)](
             *tile_args, BLOCK_Q=prompt_block_q, DECODE=False, **launch, **common
         )  # fmt: skip
-    # decode and verify sequences (every one, in a step without prompt chunks); tl.dot needs
-    # 16+ tile rows, so few heads per group pad the query rows
-    block_q = max(triton.next_power_of_2(min(meta.max_query_len, max_rows)), max(1, 16 // group_p))
+    # decode and verify sequences (every one, in a step without prompt chunks), all in tiles of
+    # `max_rows` query rows (tl.dot needs 16+ tile rows, so few heads per group pad them): one
+    # binary for a decode step and a verify step, as two variants of the same arithmetic can
+    # round differently (found in review: the tile once followed the step's longest query)
+    block_q = decode_block_q
     if fused:
         _tile_kernel[(seqs, kv_heads, 1)](
             *tile_args, BLOCK_Q=block_q, DECODE=True, **launch, **common

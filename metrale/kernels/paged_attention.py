@@ -248,6 +248,10 @@ class TritonPagedAttention(TorchPagedAttention):
 
     def __init__(self, invariant: bool = False) -> None:
         super().__init__(invariant)
+        # the invariant kernel's decode and verify tile: the most rows a sequence brings to a
+        # decode or verify step (the engine sets 1 + its drafts, a power of two); longer query
+        # runs (prompt chunks) take the prompt tiles
+        self.invariant_rows = MAX_KERNEL_ROWS
 
     def _kernel_covers(self, meta: AttentionMetadata) -> bool:
         # tl.dot tiles need 16+ keys per page; head_dim a power of two >= 16 (checked at init).
@@ -274,7 +278,7 @@ class TritonPagedAttention(TorchPagedAttention):
                 kv_cache[1],
                 meta,
                 scale,
-                max_rows=MAX_KERNEL_ROWS,
+                max_rows=self.invariant_rows,
                 prompt_tile_rows=PREFILL_TILE_ROWS,
                 interpreted=INTERPRETED,
                 # the same bits either way; once the sequences' heads outnumber the
