@@ -34,7 +34,7 @@ def test_bench_serve_reports_percentiles_and_acceptance(tiny_model_dir, tmp_path
         args = ["bench", "serve", "--base-url", srv.url, "--num-prompts", "2", "--out", str(out)]
         main([*args, "--served-model", "nope"])
         (failure,) = json.loads(out.read_text())["failures"]
-        assert failure.startswith("404 ") and "nope" in failure
+        assert failure.startswith("404 x2: ") and "nope" in failure
         srv.wait_idle()
     finally:
         srv.close()

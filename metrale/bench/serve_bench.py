@@ -84,7 +84,7 @@ async def one_request(http: httpx.AsyncClient, args, prompt: str) -> dict:
         async with http.stream("POST", "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
                 # the server's reason with its status (vLLM's benchmark keeps the error text)
-                return {"ok": False, "status": f"{resp.status_code} {await _reason(resp)}".strip()}
+                return {"ok": False, "status": resp.status_code, "reason": await _reason(resp)}
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -110,6 +110,19 @@ async def one_request(http: httpx.AsyncClient, args, prompt: str) -> dict:
         "tokens": tokens,
         "text": "".join(text),
     }
+
+
+def _failures(failed: list[dict]) -> list[str]:
+    """One line per failure status: its count and the server's first reason (a reason may name
+    a per-request number, so reasons are not grouped)."""
+    by_status: dict[str, list[dict]] = {}
+    for r in failed:
+        by_status.setdefault(str(r["status"]), []).append(r)
+    lines = []
+    for status, rs in sorted(by_status.items()):
+        reason = next((r["reason"] for r in rs if r.get("reason")), "")
+        lines.append(f"{status} x{len(rs)}" + (f": {reason}" if reason else ""))
+    return lines
 
 
 async def _reason(resp: httpx.Response) -> str:
@@ -242,7 +255,7 @@ def summarise(args, results: list[dict], duration: float, before: dict, after: d
         "num_prompts": len(results),
         "completed": len(ok),
         "failed": len(results) - len(ok),
-        "failures": sorted({str(r["status"]) for r in results if not r["ok"]}),
+        "failures": _failures([r for r in results if not r["ok"]]),
         "duration_s": duration,
         "request_rate": None if args.request_rate == float("inf") else args.request_rate,
         "max_concurrency": args.max_concurrency,
