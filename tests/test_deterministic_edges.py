@@ -252,6 +252,25 @@ def test_interpreted_invariant_linear_rows_across_tile_buckets(row_exact_dot):
     assert torch.equal(invariant_linear(x[:1], w), invariant_linear(x, w)[:1])
 
 
+def spy_launches(monkeypatch, module, names, launched: list) -> None:
+    """Route the launches of `module`'s Triton kernels `names` through a recorder: each appends
+    (kernel name, grid, keyword arguments) to `launched`, then launches."""
+
+    class Spy:
+        def __init__(self, name):
+            self.name, self.real = name, getattr(module, name)
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append((self.name, grid, kwargs))
+                return self.real[grid](*args, **kwargs)
+
+            return launch
+
+    for name in names:
+        monkeypatch.setattr(module, name, Spy(name))
+
+
 # ---- hybrid targets ------------------------------------------------------------------------
 
 from tests.test_hybrid_engine import hybrid_dir  # noqa: E402,F401
@@ -357,21 +376,9 @@ def test_hybrid_delta_rule_keeps_one_tile_at_every_batch_in_deterministic_mode(
         linear_num_value_heads=hv,
     )  # fmt: skip
     monkeypatch.setattr(gdn_recurrent, "_programs_wanted", lambda device: 5 * hv)
-    launched = []
-
-    class Spy:
-        def __init__(self, name):
-            self.name, self.real = name, getattr(gdn_recurrent, name)
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launched.append((grid[0], kwargs["BV"], bool(kwargs["HAS_LENS"]), self.name))
-                return self.real[grid](*args, **kwargs)
-
-            return launch
-
-    for name in ("_recurrent_delta_rule_kernel", "_invariant_delta_rule_kernel"):
-        monkeypatch.setattr(gdn_recurrent, name, Spy(name))
+    calls = []
+    names = ("_recurrent_delta_rule_kernel", "_invariant_delta_rule_kernel")
+    spy_launches(monkeypatch, gdn_recurrent, names, calls)
     drafter = ReplayDrafter({}, 1.0, vocab_size=320)
     llm = LLM(
         model, device="cpu", dtype="float32", deterministic=deterministic, drafter=drafter,
@@ -385,6 +392,7 @@ def test_hybrid_delta_rule_keeps_one_tile_at_every_batch_in_deterministic_mode(
     alone = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert alone[0].outputs[0].token_ids == truth[0].outputs[0].token_ids
     assert llm.engine.telemetry.spec.num_accepted_tokens > 0
+    launched = [(grid[0], kw["BV"], bool(kw["HAS_LENS"]), name) for name, grid, kw in calls]
     kinds = {(bsz, commit) for bsz, _, commit, _ in launched}
     # a lone sequence's prompt, verify and commit, and a batch of six's prompts and decode
     assert {(1, False), (1, True), (6, False)} <= kinds
@@ -495,21 +503,9 @@ def test_decode_and_verify_steps_launch_one_attention_tile(monkeypatch):
     from tests.test_deterministic import _paged_case
 
     launched = []
-    for name in ("_decode_group_kernel", "_combine_kernel", "_tile_kernel"):
-        real = getattr(ia, name)
-
-        class Spy:
-            def __init__(self, name, real):
-                self.name, self.real = name, real
-
-            def __getitem__(self, grid):
-                def launch(*args, **kwargs):
-                    launched.append((self.name, kwargs["BLOCK_Q"], kwargs.get("DECODE")))
-                    return self.real[grid](*args, **kwargs)
-
-                return launch
-
-        monkeypatch.setattr(ia, name, Spy(name, real))
+    spy_launches(
+        monkeypatch, ia, ("_decode_group_kernel", "_combine_kernel", "_tile_kernel"), launched
+    )
     backend = TritonPagedAttention(invariant=True)
     backend.invariant_rows = 4
     tiles = {}
@@ -517,6 +513,8 @@ def test_decode_and_verify_steps_launch_one_attention_tile(monkeypatch):
         q, k, v, cache, meta = _paged_case(q_lens, [40, 70][: len(q_lens)], heads=8, kv_heads=1)
         launched.clear()
         backend.forward(q, k, v, cache, meta, 0.25)
-        tiles[tuple(q_lens)] = {(n, bq) for n, bq, decode in launched if decode is not False}
+        tiles[tuple(q_lens)] = {
+            (name, kw["BLOCK_Q"]) for name, _, kw in launched if kw.get("DECODE") is not False
+        }
     want = {("_decode_group_kernel", 4), ("_combine_kernel", 4)}
     assert all(got == want for got in tiles.values()), tiles

@@ -324,8 +324,8 @@ def _programs_wanted(device: torch.device) -> int:
 # Value columns per program in the deterministic mode, whatever the batch. A program's sums over
 # dk (the correction, the output) reduce in an order that follows its tile's shape, so
 # `_block_v`'s choice by the batch gave a row other bits alone than in a batch (Qwen3-Next's
-# shape on an H100: 16 columns at 1-2 sequences, 32 at 3-4, 64 from 5). 32 costs at most about
-# 12% of the kernel's time against the best choice (the H200 sweep below: 0.154 vs 0.135 ms at
+# shape on an H100: 16 columns at 1-2 sequences, 32 at 3-4, 64 from 5). 32 cost 14% / 11% of
+# the kernel's time against the best choice in the H200 sweep below (0.154 vs 0.135 ms at
 # batch 1, 3.49 vs 3.14 ms at batch 64, 36 layers).
 INVARIANT_BLOCK_V = 32
 
