@@ -429,3 +429,27 @@ def test_tensor_parallel_dummy_shards_follow_the_one_rank_model(tmp_path):
         assert (logits[:, :half] - logits[:, half : 2 * half]).abs().max() > 1e-3
     finally:
         llm.shutdown()
+
+
+def test_end_to_end_batches_larger_than_the_step_table_run_together(tmp_path, monkeypatch, capsys):
+    """`--batch-sizes 1 --e2e-batch-sizes 3`: the three requests of the end-to-end batch share
+    steps (the engine was once built for the step table's largest batch alone, so a batch of 64
+    ran one request at a time and its figures were batch 1's)."""
+    from metrale.engine.scheduler import Scheduler
+
+    widest = []
+    schedule = Scheduler.schedule
+
+    def counted(self, *a, **kw):
+        batch = schedule(self, *a, **kw)
+        if batch is not None:
+            widest.append(len(batch.entries))
+        return batch
+
+    monkeypatch.setattr(Scheduler, "schedule", counted)
+    args = ["bench", "--shape", "tiny", "--device", "cpu", "--batch-sizes", "1", "--q", "1,2"]
+    args += ["--context", "16", "--e2e-batch-sizes", "3", "--max-tokens", "6", "--alpha", "0"]
+    assert main(args + ["--num-drafts", "1", "--out", str(tmp_path / "bench")]) == 0
+    (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["e2e"]
+    assert row["batch"] == 3
+    assert max(widest) == 3

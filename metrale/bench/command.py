@@ -100,7 +100,9 @@ def run(args) -> dict:
         dtype=args.dtype,
         load_format="safetensors" if args.model else "dummy",
         max_model_len=args.context + 2 * args.max_tokens + 64,
-        max_num_seqs=max(args.batch_sizes),
+        # (the end-to-end batches too: capped at the step table's largest batch, a batch of 64
+        # ran one request at a time; found measuring issue 13)
+        max_num_seqs=max([*args.batch_sizes, *args.e2e_batch_sizes]),
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         spec={"num_drafts": args.num_drafts, "dcut": getattr(args, "dcut", False)},
