@@ -11,12 +11,16 @@ multi-turn bench with prefix caching, whose many sequences with short uncached s
 eager steps of every shape, the first server run paid them all (p50 TTFT 5.6 s in turn 1 against
 0.1 s in turns 3-4) while the server run after it found them in Triton's disk cache.
 
-CPU: the real wrappers (`invariant_linear`, `invariant_attention`) over steps of different row
-counts, sequence counts and block-table widths, packed as the runner packs an eager step, with
-the launch replaced by Triton's own specialisation of the arguments (its binder, against a
-stand-in driver for an sm_90 target: nothing is compiled or run); in a subprocess, as the test
-session runs kernels under the interpreter. GPU-marked: the same steps really run, and each
-kernel's compiled binaries do not grow after the first.
+The hybrid's delta rule must also run one binary for a decode and a verify step: two binaries
+of the same arithmetic rounded a state differently on the H100 (session 67), so speculation
+changed a quarter of the deterministic hybrid's requests there.
+
+CPU: the real wrappers (`invariant_linear`, `invariant_attention`, `delta_rule_in_pool`) over
+steps of different row counts, sequence counts and block-table widths, packed as the runner
+packs an eager step, with the launch replaced by Triton's own specialisation of the arguments
+(its binder, against a stand-in driver for an sm_90 target: nothing is compiled or run); in a
+subprocess, as the test session runs kernels under the interpreter. GPU-marked: the same steps
+really run, and each kernel's compiled binaries do not grow after the first.
 """
 
 from __future__ import annotations
@@ -127,6 +131,28 @@ for m in GEMM_ROWS:
 for step in STEPS:
     q, kc, vc, meta = step_inputs(step, "cpu")
     invariant_attention(q, kc, vc, meta, 0.25, max_rows=16, prompt_tile_rows=64, interpreted=False)
+# the hybrid's delta rule: a decode step, a write-on-accept verify, its commit and a verify
+# into per-row slots, of one and of three sequences (two binaries on the H100 rounded a state
+# differently: found in session 67)
+from metrale.kernels.gdn_recurrent import GateInputs, delta_rule_in_pool
+
+hk, hv, dk, dv = 2, 4, 16, 32
+pool = torch.zeros(16, hv, dk, dv)
+for b, t, mode in ((1, 1, "decode"), (3, 1, "decode"), (1, 4, "verify"), (3, 4, "verify"),
+                   (3, 4, "commit"), (1, 4, "rows"), (3, 2, "rows")):
+    # bf16 activations over a float32 pool, int64 slots and int32 lengths and row slots, as
+    # the engine passes them
+    q, k = (torch.randn(b, t, hk, dk, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(b, t, hv, dv, dtype=torch.bfloat16)
+    gates = GateInputs(torch.randn(b, t, hv, dtype=torch.bfloat16),
+                       torch.randn(b, t, hv, dtype=torch.bfloat16), torch.randn(hv),
+                       torch.randn(hv))
+    read = torch.arange(b)
+    kw = {"decode": {"final": read}, "verify": {},
+          "commit": {"final": read, "lengths": torch.full((b,), 2, dtype=torch.int32)},
+          "rows": {"rows": torch.arange(b * t, dtype=torch.int32).view(b, t)}}[mode]
+    delta_rule_in_pool(q, k, v, None, None, pool, read, gates=gates, block_v=32,
+                       invariant=True, **kw)
 print(json.dumps({
     name: {"constants": len(per), "most_variants": max(len(s) for s in per.values())}
     for name, per in seen.items()
@@ -152,7 +178,7 @@ def test_invariant_kernels_are_not_specialised_on_what_changes_per_step():
     assert done.returncode == 0, done.stderr[-4000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     expected = {"_invariant_matmul_kernel", "_tile_kernel", "_decode_group_kernel",
-                "_combine_kernel"}  # fmt: skip
+                "_combine_kernel", "_invariant_delta_rule_kernel"}  # fmt: skip
     assert set(seen) == expected, seen
     for name, got in seen.items():
         # one set of constants per kernel (the steps were chosen so), and one binary for it
