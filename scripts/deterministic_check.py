@@ -71,6 +71,8 @@ def main():
                 row[f"spec_b{batch}_tokens"] = _share(spec, plain, "token_ids")
                 row[f"spec_b{batch}_logprobs"] = _share(spec, plain, "logprobs")
             row["accepted_tokens"] = llm.engine.telemetry.spec.num_accepted_tokens
+            # (prefix caching is on: runs after the first start from the cached prompt pages)
+            row["prefix_cache_hit_rate"] = round(llm.engine.telemetry.prefix_cache.hit_rate, 3)
             print(json.dumps(row), flush=True)
             report.append(row)
             llm.shutdown()
