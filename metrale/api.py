@@ -16,6 +16,7 @@ from typing import TypedDict
 
 from tqdm.auto import tqdm
 
+from metrale.chat_inputs import checked_messages, checked_tools, checked_variables, is_batch
 from metrale.chat_prompt import chat_prompt_ids
 from metrale.config import EngineConfig, SamplingParams
 from metrale.engine.llm import LLMEngine
@@ -231,12 +232,19 @@ class LLM:
             else:
                 self._abort(request_id)
 
-    def _chat_ids(self, messages, where: str, variables, render: dict) -> list[int]:
-        """One conversation's prompt ids (a ValueError naming `where` for its faults)."""
+    def _chat_ids(self, messages, where: str, variables, render: dict, tools=None) -> list[int]:
+        """One conversation's prompt ids (a ValueError naming `where` for its faults); `tools`
+        (checked) rendered as the server renders a request's."""
+        messages = checked_messages(messages, where)
+        if tools:
+            from metrale.server.tools import render_tools
+
+            messages, tools = render_tools(messages, tools, self.tokenizer)
         ids = chat_prompt_ids(
             self.tokenizer,
-            _chat_messages(messages, where),
+            messages,
             self.engine.context_len,
+            tools=tools,
             variables=variables,
             **render,
         )[0]
@@ -250,8 +258,10 @@ class LLM:
         self,
         messages: list[dict],
         sampling_params: SamplingParams | None = None,
-        stream: bool = False,
+        use_tqdm: bool = True,
         *,
+        stream: bool = False,
+        tools: list[dict] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
@@ -264,46 +274,42 @@ class LLM:
         `continue_final_message` (with `add_generation_prompt=False`), as vLLM's `LLM.chat`:
         the reply goes on with the final message's text (a prefilled assistant turn).
         `chat_template_kwargs`: extra template variables, as vLLM's and the server's (Qwen3's
-        `{"enable_thinking": False}`); the template's own inputs (`messages`, ...) are refused."""
+        `{"enable_thinking": False}`); the template's own inputs (`messages`, ...) are refused.
+        `tools`: OpenAI function tools, rendered into the prompt as the server renders them
+        (vLLM's `LLM.chat(tools=...)`); the reply is text, its calls unparsed. The arguments
+        follow vLLM's order (`use_tqdm` third); `stream=True` yields the reply as it grows."""
         for name, value in (
+            ("use_tqdm", use_tqdm),
             ("stream", stream),
             ("add_generation_prompt", add_generation_prompt),
             ("continue_final_message", continue_final_message),
         ):
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be a bool, got {type(value).__name__}")
-        variables = _template_variables(chat_template_kwargs)
+        variables = checked_variables(chat_template_kwargs)
+        tools = checked_tools(tools)
         render = dict(
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
         )
-        if _is_batch(messages):
+        if is_batch(messages):
             if stream:
                 raise ValueError("stream: one conversation at a time (messages is a batch)")
             prompts = [
-                self._chat_ids(m, f"messages[{i}]", variables, render)
+                self._chat_ids(m, f"messages[{i}]", variables, render, tools)
                 for i, m in enumerate(messages)
             ]
             try:
-                return self.generate(prompts, sampling_params, use_tqdm=False)
+                return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
             except ValueError as e:  # a conversation's index, as its messages are named
                 raise ValueError(str(e).replace("prompts[", "messages[", 1)) from None
-        ids = self._chat_ids(messages, "messages", variables, render)
+        ids = self._chat_ids(messages, "messages", variables, render, tools)
         if stream:
             return self.stream(ids, sampling_params)
         try:
-            return self.generate([ids], sampling_params, use_tqdm=False)[0]
+            return self.generate([ids], sampling_params, use_tqdm=use_tqdm)[0]
         except ValueError as e:  # (one conversation: no prompt index to name)
             raise ValueError(str(e).removeprefix("prompts[0]: ")) from None
-
-
-def _is_batch(messages) -> bool:
-    """A list of conversations (each a list of messages), not one conversation."""
-    return (
-        isinstance(messages, (list, tuple))
-        and bool(messages)
-        and all(isinstance(m, (list, tuple)) for m in messages)
-    )
 
 
 def _params(params: SamplingParams | dict | None) -> SamplingParams:
@@ -349,37 +355,3 @@ def _from_dict(prompt: dict, where: str) -> tuple[str, str | list[int]]:
     if bad:  # (the engine checks the ids' range)
         raise _PromptError(f"{where}.prompt_token_ids: {bad[0]!r:.80} is not a token id")
     return key, list(value)
-
-
-def _template_variables(value) -> dict | None:
-    """`chat_template_kwargs`, checked as the server checks it (a ValueError naming it)."""
-    from metrale.server.chat_messages import template_variables
-
-    if value is None:
-        return None
-    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-        raise ValueError(f"chat_template_kwargs must be a dict of names, got {value!r:.80}")
-    try:
-        return template_variables(value)
-    except ValueError as e:
-        raise ValueError(f"chat_template_kwargs: {e}") from None
-
-
-def _chat_messages(messages, where: str = "messages") -> list[dict]:
-    """`messages` as chat templates take them, through the server's own model of a message (a
-    ValueError naming the first field at fault: `messages[0].content: ...`, under `where`)."""
-    from pydantic import TypeAdapter, ValidationError
-
-    from metrale.server.chat_messages import ChatMessage, error_path
-
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise ValueError(
-            f"{where} must be a non-empty list of {{role, content}} dicts, got {messages!r:.80}"
-        )
-    try:
-        checked = TypeAdapter(list[ChatMessage]).validate_python(list(messages))
-    except ValidationError as e:
-        error = e.errors()[0]
-        message = error["msg"].removeprefix("Value error, ")
-        raise ValueError(f"{error_path([where, *error['loc']])}: {message}") from None
-    return [m.for_template() for m in checked]

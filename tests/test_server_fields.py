@@ -288,3 +288,19 @@ def test_vllm_output_fields_not_supported_are_refused_not_ignored(server):
     assert httpx.post(url, json={**base, "return_tokens_as_token_ids": False}).status_code == 200
     off = {**stream, "stream_options": {"continuous_usage_stats": False}}
     assert httpx.post(url, json=off, timeout=60).status_code == 200
+
+
+def test_top_logprobs_keep_the_chosen_tokens_logprob_where_texts_collide():
+    """Two alternatives that decode to the chosen token's text (pieces of characters, each
+    U+FFFD) share its key: the value stays the chosen token's, as `token_logprobs` gives it."""
+    from metrale.outputs import Logprob
+    from metrale.server.protocol import _with_chosen
+
+    entry = {
+        7: Logprob(-2.5, rank=4, decoded_token="\ufffd"),  # the chosen token comes first
+        3: Logprob(-0.5, rank=1, decoded_token="\ufffd"),
+        5: Logprob(-1.0, rank=2, decoded_token="a"),
+        9: Logprob(-1.5, rank=3, decoded_token="a"),
+    }
+    assert _with_chosen(entry, 3) == {"\ufffd": -2.5, "a": -1.0}
+    assert _with_chosen(entry, 0) == {"\ufffd": -2.5}

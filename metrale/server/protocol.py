@@ -160,8 +160,14 @@ def _with_chosen(entry: dict, k: int) -> dict[str, float]:
     """A completions position's `top_logprobs`: the chosen token, then the top-k (up to k + 1
     entries, as OpenAI's legacy completions and vLLM give them: the sampled token's logprob is
     always there, and `logprobs: 0` gives it alone)."""
-    chosen = next(iter(entry.items()))
-    return {lp.decoded_token or "": lp.logprob for _, lp in [chosen, *_top(entry, k)]}
+    chosen = next(iter(entry.values()))
+    out = {chosen.decoded_token or "": chosen.logprob}
+    # Keys are texts: tokens of one text (pieces of a character, all U+FFFD) share a key, which
+    # keeps the chosen token's logprob, then the best-ranked one's (found in review: a later
+    # alternative overwrote the chosen token's value)
+    for _, lp in _top(entry, k):
+        out.setdefault(lp.decoded_token or "", lp.logprob)
+    return out
 
 
 def _top(entry: dict, k: int) -> list:
