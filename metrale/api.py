@@ -173,7 +173,13 @@ class LLM:
                 f"them (one per prompt), got {type(sampling_params).__name__}"
             )
         else:
-            params_list = [_params(p) for p in sampling_params]
+            params_list = []
+            for i, params in enumerate(sampling_params):
+                try:
+                    params_list.append(_params(params))
+                except ValueError as e:  # which of them (review)
+                    message = str(e).removeprefix("sampling_params: ")
+                    raise ValueError(f"sampling_params[{i}]: {message}") from None
             if len(params_list) != len(prompts):
                 raise ValueError(
                     f"sampling_params: {len(params_list)} given for {len(prompts)} prompts"

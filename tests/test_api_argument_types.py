@@ -24,6 +24,11 @@ def llm(tiny_model_dir):
         (lambda llm: llm.generate("x", 5), "^sampling_params must be"),
         (lambda llm: llm.generate(["x"], "greedy"), "^sampling_params must be"),
         (lambda llm: llm.generate(None), "^prompts must be"),
+        (
+            lambda llm: llm.generate(["a", "b"], [{"max_tokens": 2}, {"max_tokens": 0}]),
+            r"^sampling_params\[1\]: max_tokens",
+        ),
+        (lambda llm: llm.generate(["a", "b"], [None, {"bogus": 1}]), r"^sampling_params\[1\]: "),
         (lambda llm: llm.generate(5), "^prompts must be"),
         (lambda llm: llm.generate(b"hello"), "^prompts must be"),
         (lambda llm: llm.generate({"prompt": 5}), r"^prompts\[0\]\.prompt: "),
