@@ -225,6 +225,12 @@ class LLM:
         `prompt` is one prompt, of any form `generate` takes.
 
         Closing the iterator early aborts the request and frees its pages."""
+        if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], int):
+            # (read as token ids, a list of texts was refused as "'a' is not a token id")
+            raise ValueError(
+                f"prompt: stream takes one prompt, got a list of {len(prompt)} (generate runs "
+                "several)"
+            )
         request_id = self._add(prompt, sampling_params)
         finished = False
         try:

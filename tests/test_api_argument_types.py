@@ -29,6 +29,7 @@ def llm(tiny_model_dir):
             r"^sampling_params\[1\]: max_tokens",
         ),
         (lambda llm: llm.generate(["a", "b"], [None, {"bogus": 1}]), r"^sampling_params\[1\]: "),
+        (lambda llm: llm.stream(["a", "b"]), "^prompt: stream takes one prompt, got a list of 2"),
         (lambda llm: llm.generate(5), "^prompts must be"),
         (lambda llm: llm.generate(b"hello"), "^prompts must be"),
         (lambda llm: llm.generate({"prompt": 5}), r"^prompts\[0\]\.prompt: "),

@@ -101,7 +101,14 @@ def test_an_unreadable_state_file_is_named(tmp_path, content):
 
 @pytest.mark.parametrize(
     "argv",
-    [["--port", "-1"], ["--port", "70000"], ["--max-body-bytes", "-1"], ["--shutdown-grace", "-5"]],
+    [
+        ["--port", "-1"],
+        ["--port", "70000"],
+        ["--max-body-bytes", "-1"],
+        ["--shutdown-grace", "-5"],
+        ["--allowed-origins", ""],  # (an empty origin allowed no browser and looked set)
+        ["--allowed-origins", "https://a.example", " https://b.example"],
+    ],
 )
 def test_serve_refuses_bad_listener_flags_at_parse_time(argv, capsys):
     assert argv[0] in _usage_error(["serve", *argv], capsys)

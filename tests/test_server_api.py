@@ -65,6 +65,9 @@ def test_models_version_tokenize_detokenize(server):  # noqa: F811
     assert text.endswith("def f(x): return x")
     chat = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
     assert chat.status_code == 200 and chat.json()["count"] > 1
+    both = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}
+    both = httpx.post(url + "/tokenize", json=both)  # one was silently ignored (review)
+    assert both.status_code == 400 and both.json()["error"]["param"] == "prompt"
     bad = httpx.post(url + "/detokenize", content=json.dumps({"tokens": [10**9]}))
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     try:

@@ -332,6 +332,9 @@ class TokenizeRequest(ChatRenderFields, Body):
         # (messages that failed their own check are reported as such)
         if value is None and "messages" in info.data and info.data["messages"] is None:
             raise ValueError("expected a string (or give messages)")
+        if value is not None and info.data.get("messages") is not None:
+            # (one of them was silently ignored: found in review)
+            raise ValueError("give a prompt or messages, not both")
         return value
 
 
