@@ -279,3 +279,19 @@ def test_a_greedy_request_keeps_a_q_drafters_tokens(tiny_model_dir):
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
     tel = llm.engine.telemetry.spec
     assert 0 < tel.num_accepted_tokens == tel.num_draft_tokens
+
+
+def test_a_draft_distribution_with_autograd_on_is_drawn_from_as_without(tiny_model_dir):
+    """A q a drafter built with autograd on (a model run outside `torch.no_grad()`) failed its
+    sampled request in the draws' in-place sampling (review): it is the same q without it."""
+    torch = __import__("torch")
+    vocab = json.loads((Path(tiny_model_dir) / "config.json").read_text())["vocab_size"]
+    q = torch.softmax(torch.randn(2, vocab, generator=torch.Generator().manual_seed(0)), -1)
+    sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=12, ignore_eos=True)
+    outs = []
+    for table in (q, q.clone().requires_grad_()):
+        drafter = BadShape(Draft([1, 2], table))
+        llm = LLM(tiny_model_dir, device="cpu", drafter=drafter, spec={"num_drafts": 2})
+        outs.append(llm.generate(PROMPTS[:1], sampled, use_tqdm=False)[0].outputs[0])
+    assert outs[1].finish_reason == "length", outs[1].error
+    assert outs[1].token_ids == outs[0].token_ids

@@ -179,28 +179,40 @@ class OutOfVocabDrafter(FlakyDrafter):
 
     name = "out-of-vocab"
 
-    def __init__(self, claims: bool) -> None:
+    def __init__(self, claims: bool, bad=10**6) -> None:
+        self.bad = bad
         if claims:
             self.own_tokens = "yes"  # not True: only `own_tokens is True` skips the check
 
     def propose(self, seqs, max_drafts):
         return [
-            Draft([10**6] * k if s.request_id == "req-2" else [7] * k)
+            Draft([self.bad] * k if s.request_id == "req-2" else [7] * k)
             for s, k in zip(seqs, max_drafts, strict=True)
         ]
 
 
+@pytest.mark.parametrize(
+    "bad, says",
+    # (a bool or a float passed as a token id: review)
+    [
+        (10**6, "outside the vocabulary"),
+        (-1, "outside the vocabulary"),
+        (3.0, "not an int"),
+        (True, "not an int"),
+    ],  # fmt: skip
+)
 @pytest.mark.parametrize("claims", [False, True])
 def test_a_draft_outside_the_vocabulary_fails_only_its_sequence(
-    tiny_model_dir, prompts, reference, claims
+    tiny_model_dir, prompts, reference, claims, bad, says
 ):
-    """A plugged-in drafter's draft token outside the vocabulary ends its sequence with an
-    error naming it; the others are plain decoding's. Only the n-gram drafter, whose drafts are
-    the sequence's own tokens, is exempt from the check (`own_tokens is True`)."""
-    llm = LLM(tiny_model_dir, drafter=OutOfVocabDrafter(claims), device="cpu")
+    """A plugged-in drafter's draft token outside the vocabulary (or not an int) ends its
+    sequence with an error naming it; the others are plain decoding's. Only the n-gram drafter,
+    whose drafts are the sequence's own tokens, is exempt from the check (`own_tokens is
+    True`)."""
+    llm = LLM(tiny_model_dir, drafter=OutOfVocabDrafter(claims, bad), device="cpu")
     outs = llm.generate(prompts[:4], [params_for(i) for i in range(4)], use_tqdm=False)
     assert outs[2].outputs[0].finish_reason == "error"
-    assert "outside the vocabulary" in outs[2].outputs[0].error
+    assert says in outs[2].outputs[0].error
     for i in (0, 1, 3):
         assert outs[i].outputs[0].token_ids == reference[i]
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable

@@ -90,6 +90,10 @@ def checked_draft(draft: Draft, cap: int, seq: Sequence, vocab_size: int, own: b
         # the sequence's own tokens, or a device drafter's picks from the target's head: in the
         # vocabulary by construction (and reading the latter here would wait for its forward)
         return draft.truncate(cap)
+    # (ints only: a bool or a float such as 3.0 passed as a token id; review)
+    odd = [t for t in draft.tokens if isinstance(t, bool) or not isinstance(t, int)]
+    if odd:
+        raise TypeError(f"draft token {odd[0]!r:.40} is not an int")
     bad = [t for t in draft.tokens if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"draft token {bad[0]} is outside the vocabulary ({vocab_size})")
@@ -107,7 +111,9 @@ def normalised_q(probs, k: int, vocab_size: int) -> torch.Tensor:
             f"a Draft's probs must be [{k}, {vocab_size}] (a row per draft over the target's "
             f"vocabulary), got {list(probs.shape)}"
         )
-    q = probs[:k].to(torch.float64)
+    # (detached: a table a drafter built with autograd on failed the draws' in-place sampling
+    # and its request; found in review)
+    q = probs[:k].detach().to(torch.float64)
     if k == 0:
         return q.float()
     peak = q.amax(dim=-1, keepdim=True)
