@@ -216,3 +216,13 @@ def test_a_draft_outside_the_vocabulary_fails_only_its_sequence(
     for i in (0, 1, 3):
         assert outs[i].outputs[0].token_ids == reference[i]
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
+
+
+def test_numpy_integer_drafts_are_token_ids(tiny_model_dir, prompts, reference):
+    """Draft tokens that are numpy integers (a drafter written with numpy) are ids like ints:
+    the check that refuses bools and floats takes them."""
+    import numpy as np
+
+    llm = LLM(tiny_model_dir, drafter=OutOfVocabDrafter(False, np.int64(7)), device="cpu")
+    outs = llm.generate(prompts[:4], [params_for(i) for i in range(4)], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference[:4]

@@ -4,6 +4,8 @@ speculative controller's helpers)."""
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from metrale.config import SpecConfig
@@ -90,8 +92,8 @@ def checked_draft(draft: Draft, cap: int, seq: Sequence, vocab_size: int, own: b
         # the sequence's own tokens, or a device drafter's picks from the target's head: in the
         # vocabulary by construction (and reading the latter here would wait for its forward)
         return draft.truncate(cap)
-    # (ints only: a bool or a float such as 3.0 passed as a token id; review)
-    odd = [t for t in draft.tokens if isinstance(t, bool) or not isinstance(t, int)]
+    # (integers only, numpy's too: a bool or a float such as 3.0 passed as a token id; review)
+    odd = [t for t in draft.tokens if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
     if odd:
         raise TypeError(f"draft token {odd[0]!r:.40} is not an int")
     bad = [t for t in draft.tokens if not 0 <= t < vocab_size]
