@@ -225,7 +225,7 @@ class LLM:
         `prompt` is one prompt, of any form `generate` takes.
 
         Closing the iterator early aborts the request and frees its pages."""
-        if isinstance(prompt, (list, tuple)) and prompt and not isinstance(prompt[0], int):
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (str, dict)):
             # (read as token ids, a list of texts was refused as "'a' is not a token id")
             raise ValueError(
                 f"prompt: stream takes one prompt, got a list of {len(prompt)} (generate runs "
@@ -291,7 +291,6 @@ class LLM:
         (vLLM's `LLM.chat(tools=...)`); the reply is text, its calls unparsed. The arguments
         follow vLLM's order (`use_tqdm` third); `stream=True` yields the reply as it grows."""
         for name, value in (
-            ("use_tqdm", use_tqdm),
             ("stream", stream),
             ("add_generation_prompt", add_generation_prompt),
             ("continue_final_message", continue_final_message),

@@ -13,7 +13,7 @@ import os
 import sys
 
 from metrale.bench.serve_bench import add_serve_bench_args
-from metrale.cli_config import add_config_flags, add_spec_flags, arg_type, engine_options
+from metrale.cli_config import ORIGIN, add_config_flags, add_spec_flags, arg_type, engine_options
 from metrale.config import HYBRID_VERIFY_STATES, SamplingParams
 from metrale.train.cli import add_train_parsers, cmd_train
 
@@ -46,8 +46,6 @@ _PORT = arg_type(int, lambda v: 0 <= v <= 65535, "a port in 0..65535")
 _POSITIVE = arg_type(int, lambda v: v > 0, "a positive integer")
 _COUNT_OR_ZERO = arg_type(int, lambda v: v >= 0, "an integer >= 0")
 _SECONDS = arg_type(float, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
-# an origin ("https://app.example") or "*": an empty one allowed no browser and looked set
-_ORIGIN = arg_type(str, lambda v: v.strip() == v and bool(v), "an origin such as https://a.example")
 
 
 def _device(text: str) -> str:
@@ -90,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--allowed-origins",
         nargs="*",
-        type=_ORIGIN,
+        type=ORIGIN,
         default=(),
         help="CORS: origins allowed to call the API from a browser (off by default)",
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import urllib.parse
 from dataclasses import fields
 
 from metrale.config import HYBRID_VERIFY_STATES, SPEC_METHODS, EngineConfig
@@ -32,6 +33,23 @@ def arg_type(convert, check, expected: str):
 
     parse.__name__ = expected  # argparse names the type in some messages
     return parse
+
+
+def _is_origin(text: str) -> bool:
+    """ "*" or scheme://host[:port], as a browser sends it (CORS matches origins exactly: an
+    empty one, a trailing slash, a path or a comma-joined list allowed no browser and looked
+    set; found in review)."""
+    if text == "*":
+        return True
+    parts = urllib.parse.urlsplit(text)
+    return (
+        bool(parts.scheme and parts.netloc)
+        and text == f"{parts.scheme}://{parts.netloc}"
+        and not any(c in text for c in ", \t")
+    )
+
+
+ORIGIN = arg_type(str, _is_origin, "an origin such as https://a.example (or *)")
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:

@@ -108,6 +108,9 @@ def test_an_unreadable_state_file_is_named(tmp_path, content):
         ["--shutdown-grace", "-5"],
         ["--allowed-origins", ""],  # (an empty origin allowed no browser and looked set)
         ["--allowed-origins", "https://a.example", " https://b.example"],
+        ["--allowed-origins", "https://a.example/"],
+        ["--allowed-origins", "https://a.example,https://b.example"],
+        ["--allowed-origins", "a.example"],
     ],
 )
 def test_serve_refuses_bad_listener_flags_at_parse_time(argv, capsys):

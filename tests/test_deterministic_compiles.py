@@ -138,19 +138,27 @@ from metrale.kernels.gdn_recurrent import GateInputs, delta_rule_in_pool
 
 hk, hv, dk, dv = 2, 4, 16, 32
 pool = torch.zeros(16, hv, dk, dv)
-for b, t, mode in ((1, 1, "decode"), (3, 1, "decode"), (1, 4, "verify"), (3, 4, "verify"),
-                   (3, 4, "commit"), (1, 4, "rows"), (3, 2, "rows")):
+steps = ((1, 1, "decode"), (3, 1, "decode"), (1, 4, "verify"), (3, 4, "verify"),
+         (3, 4, "commit"), (1, 4, "rows"), (3, 2, "rows"))
+for i, (b, t, mode) in enumerate(steps):
     # bf16 activations over a float32 pool, int64 slots and int32 lengths and row slots, as
-    # the engine passes them
-    q, k = (torch.randn(b, t, hk, dk, dtype=torch.bfloat16) for _ in range(2))
-    v = torch.randn(b, t, hv, dv, dtype=torch.bfloat16)
-    gates = GateInputs(torch.randn(b, t, hv, dtype=torch.bfloat16),
-                       torch.randn(b, t, hv, dtype=torch.bfloat16), torch.randn(hv),
-                       torch.randn(hv))
-    read = torch.arange(b)
+    # the engine passes them; q, k and v row-strided views into one buffer (the conv's output)
+    # whose start and row width vary with the step (aligned or not, a multiple of 16 or not)
+    at, width = i % 3, 2 * hk * dk + hv * dv + i % 2
+    mixed = torch.randn(at + b * t * width, dtype=torch.bfloat16)[at:].view(b, t, width)
+    q = mixed[..., : hk * dk].view(b, t, hk, dk)
+    k = mixed[..., hk * dk : 2 * hk * dk].view(b, t, hk, dk)
+    v = mixed[..., 2 * hk * dk : 2 * hk * dk + hv * dv].view(b, t, hv, dv)
+    # the gates' inputs likewise (columns of the in-projection's output), the slots and
+    # lengths views into packed metadata
+    ab = torch.randn(at + b * t * (2 * hv + i % 2), dtype=torch.bfloat16)[at:]
+    ab = ab.view(b, t, 2 * hv + i % 2)
+    gates = GateInputs(ab[..., :hv], ab[..., hv : 2 * hv], torch.randn(hv), torch.randn(hv))
+    read = torch.arange(at + b)[at:]
+    packed = torch.arange(at + b + b * t, dtype=torch.int32)[at:]
     kw = {"decode": {"final": read}, "verify": {},
-          "commit": {"final": read, "lengths": torch.full((b,), 2, dtype=torch.int32)},
-          "rows": {"rows": torch.arange(b * t, dtype=torch.int32).view(b, t)}}[mode]
+          "commit": {"final": read, "lengths": packed[:b]},
+          "rows": {"rows": packed[b:].view(b, t)}}[mode]
     delta_rule_in_pool(q, k, v, None, None, pool, read, gates=gates, block_v=32,
                        invariant=True, **kw)
 print(json.dumps({

@@ -68,6 +68,9 @@ def test_models_version_tokenize_detokenize(server):  # noqa: F811
     both = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}
     both = httpx.post(url + "/tokenize", json=both)  # one was silently ignored (review)
     assert both.status_code == 400 and both.json()["error"]["param"] == "prompt"
+    for extra in ({"chat_template_kwargs": {"enable_thinking": False}}, {"tools": []}):
+        beside = httpx.post(url + "/tokenize", json={"prompt": "hi", **extra})
+        assert beside.status_code == 400 and next(iter(extra)) in beside.json()["error"]["message"]
     bad = httpx.post(url + "/detokenize", content=json.dumps({"tokens": [10**9]}))
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     try:

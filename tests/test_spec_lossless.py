@@ -218,11 +218,21 @@ def test_a_draft_outside_the_vocabulary_fails_only_its_sequence(
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
 
 
-def test_numpy_integer_drafts_are_token_ids(tiny_model_dir, prompts, reference):
-    """Draft tokens that are numpy integers (a drafter written with numpy) are ids like ints:
-    the check that refuses bools and floats takes them."""
+@pytest.mark.parametrize(
+    "token", ["numpy-int64", "torch-0d", "torch-0d-int32"], ids=lambda name: name
+)
+def test_integer_scalars_are_draft_token_ids(tiny_model_dir, prompts, reference, token):
+    """Draft tokens that are numpy integers or 0-d torch integers (a drafter written with
+    numpy, or `list(ids_tensor)`) are ids like ints: the check that refuses bools and floats
+    takes them (it once refused the torch scalars, which worked before it; review)."""
     import numpy as np
+    import torch
 
-    llm = LLM(tiny_model_dir, drafter=OutOfVocabDrafter(False, np.int64(7)), device="cpu")
+    seven = {
+        "numpy-int64": np.int64(7),
+        "torch-0d": torch.tensor(7),
+        "torch-0d-int32": torch.tensor(7, dtype=torch.int32),
+    }[token]
+    llm = LLM(tiny_model_dir, drafter=OutOfVocabDrafter(False, seven), device="cpu")
     outs = llm.generate(prompts[:4], [params_for(i) for i in range(4)], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference[:4]

@@ -332,9 +332,13 @@ class TokenizeRequest(ChatRenderFields, Body):
         # (messages that failed their own check are reported as such)
         if value is None and "messages" in info.data and info.data["messages"] is None:
             raise ValueError("expected a string (or give messages)")
-        if value is not None and info.data.get("messages") is not None:
-            # (one of them was silently ignored: found in review)
-            raise ValueError("give a prompt or messages, not both")
+        if value is not None:
+            # (silently ignored beside a prompt: found in review)
+            if info.data.get("messages") is not None:
+                raise ValueError("give a prompt or messages, not both")
+            for name in ("tools", "chat_template_kwargs"):
+                if info.data.get(name) is not None:
+                    raise ValueError(f"{name} render with messages, not a prompt")
         return value
 
 
