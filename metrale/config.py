@@ -234,7 +234,22 @@ class EngineConfig:
             parse_dtype(self.mamba_ssm_cache_dtype, "mamba_ssm_cache_dtype")
 
     def resolve_device(self) -> torch.device:
-        return resolve_device(self.device)
+        device = resolve_device(self.device)
+        tp = self.tensor_parallel_size
+        if device.type == "cuda" and tp > 1:
+            # rank r runs on cuda:r (found in review: an indexed device put every rank on that
+            # one GPU; too few GPUs failed a worker while the group formed, a 10-minute wait)
+            if device.index is not None:
+                raise ValueError(
+                    f"device: {self.device!r} with tensor_parallel_size={tp}: rank r runs on "
+                    "cuda:r; give 'cuda' (and pick GPUs with CUDA_VISIBLE_DEVICES)"
+                )
+            if tp > torch.cuda.device_count():
+                raise ValueError(
+                    f"tensor_parallel_size={tp}, but only {torch.cuda.device_count()} GPU(s) "
+                    "are visible"
+                )
+        return device
 
     def resolve_dtype(self, model: ModelConfig, device: torch.device) -> torch.dtype:
         """`auto`: the checkpoint's dtype on GPU; float32 on CPU (where bf16 matmuls are slow

@@ -278,3 +278,25 @@ def test_train_options_must_be_finite(field, value):
 @pytest.mark.parametrize("flag", ["--lr", "--beta1", "--depth-decay"])
 def test_train_cli_refuses_non_finite_floats(flag, capsys):
     assert flag in _usage_error(["train", "mtp", "--target", "t", flag, "inf"], capsys)
+
+
+@pytest.mark.parametrize(
+    "device, gpus, match",
+    [
+        ("cuda:1", 4, r"^device: 'cuda:1' with tensor_parallel_size=2"),  # every rank on cuda:1
+        ("cuda", 1, r"^tensor_parallel_size=2, but only 1 GPU"),  # a worker failed to start
+        ("auto", 1, r"^tensor_parallel_size=2, but only 1 GPU"),
+    ],
+)
+def test_tensor_parallelism_refuses_devices_its_ranks_cannot_use(monkeypatch, device, gpus, match):
+    """Rank r runs on cuda:r: an indexed device, or fewer GPUs than ranks, is refused before any
+    worker starts (found in review: a worker that failed while the group formed left rank 0
+    waiting out the 10-minute start-up timeout)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    cfg = EngineConfig(device=device, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=match):
+        cfg.resolve_device()
+    assert EngineConfig(device="cuda", tensor_parallel_size=1).resolve_device().type == "cuda"

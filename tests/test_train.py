@@ -491,3 +491,19 @@ def test_a_refused_resume_leaves_a_finished_mtp_checkpoint_whole(corpus, target,
     with pytest.raises(ValueError, match="completed"):
         train_mtp(target[0], corpus, replace(opts, resume=True), depths=1, out_dir=out)
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+def test_drafter_training_refuses_a_hybrid_target_before_writing(corpus, tokenizer_dir, tmp_path):
+    """`train mtp` / `train dflash` over a Qwen3-Next target: refused naming the target, before
+    any copy is written (it failed on a weight's shape, a full copy of the target left behind;
+    found in review)."""
+    from metrale.train.dflash import train_dflash
+    from tests.test_hybrid_engine import write_hybrid
+
+    hybrid = write_hybrid(tmp_path / "hybrid", tokenizer_dir, seed=1)
+    opts = replace(OPTS, steps=2, eval_every=0)
+    for train, stage in ((train_mtp, "mtp"), (train_dflash, "dflash")):
+        out = tmp_path / f"out-{stage}"
+        with pytest.raises(ValueError, match=f"hybrid .*`metrale train {stage}`"):
+            train(hybrid, corpus, opts, out_dir=out)
+        assert not out.exists()

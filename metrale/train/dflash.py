@@ -30,13 +30,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from metrale.config import ModelConfig
 from metrale.models.dflash import DFlashConfig, DFlashDraftModel, evenly_spaced_layers, save_dflash
 from metrale.models.loader import load_weights
 from metrale.train.bpe import load_tokenizer
 from metrale.train.corpus import CorpusSpec, tokenize_corpus
 from metrale.train.loop import TrainOptions, resolve_device, run_training
-from metrale.train.model import CausalLM, init_weights
+from metrale.train.model import CausalLM, dense_target_config, init_weights
 
 DFLASH_DIR = "dflash"
 STATE_FILE = "dflash_train_state.pt"
@@ -103,7 +102,7 @@ def train_dflash(
         raise ValueError("gamma must be > 0, anchor_stride and num_taps >= 1")
     if teacher not in TEACHERS:
         raise ValueError(f"teacher must be one of {TEACHERS}, got {teacher!r}")
-    tcfg = ModelConfig.from_hf(target_dir)
+    tcfg = dense_target_config(target_dir, "dflash")
     layers = tcfg.num_hidden_layers
     # the drafter reads one hidden state per tap: a repeated layer is not the drafter asked for
     if target_layers and len(set(target_layers)) < len(target_layers):

@@ -34,6 +34,19 @@ from metrale.models.loader import checkpoint_files
 INIT_STD = 0.02
 
 
+def dense_target_config(target_dir: Path, stage: str) -> ModelConfig:
+    """The target's config, or a ValueError for a target these trainers cannot run: they
+    train drafters over a dense Qwen3 (a Qwen3-Next target failed later with a weight-shape
+    error, after its copy was written; found in review)."""
+    cfg = ModelConfig.from_hf(target_dir)
+    if cfg.hybrid is not None:
+        raise ValueError(
+            f"target: {target_dir} is a hybrid (Qwen3-Next) model; `metrale train {stage}` "
+            "trains drafters for a dense Qwen3 target"
+        )
+    return cfg
+
+
 class RMSNorm(_EngineRMSNorm):
     """The engine's RMSNorm (same parameter, same float32 reduction), always as plain torch ops:
     the engine's CUDA fast path calls inference-only fused kernels that autograd cannot see."""

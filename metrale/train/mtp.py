@@ -49,7 +49,7 @@ from metrale.models.mtp import QWEN3_NEXT, _module_tensor_shapes, depth_prefixes
 from metrale.train.bpe import load_tokenizer
 from metrale.train.corpus import CorpusSpec, tokenize_corpus
 from metrale.train.loop import TrainOptions, refuse_finished_resume, resolve_device, run_training
-from metrale.train.model import CausalLM, MTPHead
+from metrale.train.model import CausalLM, MTPHead, dense_target_config
 from metrale.train.target import check_no_stale_drafters, drop_earlier_weights
 
 MTP_FILE = "mtp.safetensors"
@@ -177,7 +177,7 @@ def train_mtp(
         sane = False
     if not sane:
         raise ValueError(f"depth_decay {depth_decay} over {depths} depths: its powers overflow")
-    cfg = ModelConfig.from_hf(target_dir)
+    cfg = dense_target_config(target_dir, "mtp")
     if opts.seq_len > cfg.max_position_embeddings:
         raise ValueError(
             f"seq_len {opts.seq_len} exceeds the target's max_position_embeddings "
