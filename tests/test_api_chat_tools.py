@@ -4,14 +4,11 @@ vLLM's order (`use_tqdm` third: `llm.chat(messages, params, True)` once streamed
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 from transformers import AutoTokenizer
 
 from metrale import LLM, SamplingParams
-from tests.test_server_tools import QWEN3_LIKE, TOOLS
+from tests.test_server_tools import TOOLS, with_tool_template
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Paris?"}]
 PARAMS = SamplingParams(max_tokens=2, temperature=0)
@@ -20,13 +17,7 @@ PARAMS = SamplingParams(max_tokens=2, temperature=0)
 @pytest.fixture(scope="module")
 def templated_dir(tiny_model_dir, tmp_path_factory):
     """The tiny model with a Qwen3-like template that renders tools itself."""
-    path = tmp_path_factory.mktemp("chat-tools") / "model"
-    shutil.copytree(tiny_model_dir, path)
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    config["chat_template"] = QWEN3_LIKE
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    (path / "chat_template.jinja").unlink(missing_ok=True)
-    return path
+    return with_tool_template(tiny_model_dir, tmp_path_factory.mktemp("chat-tools") / "model")
 
 
 def test_tools_render_as_transformers_renders_them(templated_dir):

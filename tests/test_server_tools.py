@@ -270,14 +270,19 @@ QWEN3_LIKE = (
 )
 
 
-@pytest.fixture(scope="module")
-def templated(tiny_model_dir, tmp_path_factory):
-    path = tmp_path_factory.mktemp("tools") / "model"
-    shutil.copytree(tiny_model_dir, path)
+def with_tool_template(model_dir, path):
+    """A copy of `model_dir` at `path` whose chat template renders tools itself (QWEN3_LIKE)."""
+    shutil.copytree(model_dir, path)
     config = json.loads((path / "tokenizer_config.json").read_text())
     config["chat_template"] = QWEN3_LIKE
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     (path / "chat_template.jinja").unlink(missing_ok=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def templated(tiny_model_dir, tmp_path_factory):
+    path = with_tool_template(tiny_model_dir, tmp_path_factory.mktemp("tools") / "model")
     srv = Server(path)
     yield srv
     srv.close()
