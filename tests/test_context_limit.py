@@ -71,6 +71,6 @@ def test_a_prompt_may_fill_the_pool_and_one_past_it_is_refused(tiny_model_dir):
     rows = llm.engine.context_len - 1
     out = llm.generate([[5] * rows], LONG, use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 1 and out.finish_reason == "length"
-    with pytest.raises(ValueError, match=r"prompt: .* under the \d+ tokens the KV pool holds"):
+    with pytest.raises(ValueError, match=r"prompt: .* under the \d+-token context the KV pool"):
         llm.generate([[5] * (rows + 1)], LONG, use_tqdm=False)
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable

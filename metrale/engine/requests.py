@@ -64,8 +64,10 @@ class RequestAdmission:
         """The context a sequence has, as an error names it."""
         if self.context_len == self.max_model_len:
             return f"max_model_len={self.max_model_len}"
+        # (the pool's rows plus the last token, which needs none: the start-up warning's count)
         return (
-            f"the {self.context_len} tokens the KV pool holds (max_model_len={self.max_model_len})"
+            f"the {self.context_len}-token context the KV pool allows "
+            f"(max_model_len={self.max_model_len})"
         )
 
     def add_request(
