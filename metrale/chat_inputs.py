@@ -35,7 +35,6 @@ def checked_tools(tools):
         return None
     from pydantic import ValidationError
 
-    from metrale.server.chat_messages import error_path
     from metrale.server.tools import ToolFields
 
     if not isinstance(tools, (list, tuple)):
@@ -43,12 +42,7 @@ def checked_tools(tools):
     try:
         return ToolFields.model_validate({"tools": list(tools)}).tools
     except ValidationError as e:
-        error = e.errors()[0]
-        message = error["msg"].removeprefix("Value error, ")
-        path = error_path(list(error["loc"]))
-        # (a check of the whole list names its item itself: "[1].function.name: ...")
-        text = f"{path}{message}" if message.startswith("[") else f"{path}: {message}"
-        raise ValueError(text) from None
+        raise _first_error(e, []) from None
 
 
 def checked_messages(messages, where: str = "messages") -> list[dict]:
@@ -56,7 +50,7 @@ def checked_messages(messages, where: str = "messages") -> list[dict]:
     ValueError naming the first field at fault: `messages[0].content: ...`, under `where`)."""
     from pydantic import TypeAdapter, ValidationError
 
-    from metrale.server.chat_messages import ChatMessage, error_path
+    from metrale.server.chat_messages import ChatMessage
 
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError(
@@ -65,7 +59,17 @@ def checked_messages(messages, where: str = "messages") -> list[dict]:
     try:
         checked = TypeAdapter(list[ChatMessage]).validate_python(list(messages))
     except ValidationError as e:
-        error = e.errors()[0]
-        message = error["msg"].removeprefix("Value error, ")
-        raise ValueError(f"{error_path([where, *error['loc']])}: {message}") from None
+        raise _first_error(e, [where]) from None
     return [m.for_template() for m in checked]
+
+
+def _first_error(e, under: list) -> ValueError:
+    """A pydantic error's first fault as a ValueError naming its field under `under`
+    (`messages[0].content: ...`)."""
+    from metrale.server.chat_messages import error_path
+
+    error = e.errors()[0]
+    message = error["msg"].removeprefix("Value error, ")
+    path = error_path([*under, *error["loc"]])
+    # (a check of a whole list names its item itself: "tools[1].function.name: ...")
+    return ValueError(f"{path}{message}" if message.startswith("[") else f"{path}: {message}")
