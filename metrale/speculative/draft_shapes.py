@@ -92,25 +92,26 @@ def checked_draft(draft: Draft, cap: int, seq: Sequence, vocab_size: int, own: b
         # the sequence's own tokens, or a device drafter's picks from the target's head: in the
         # vocabulary by construction (and reading the latter here would wait for its forward)
         return draft.truncate(cap)
-    # (integers only: a bool or a float such as 3.0 passed as a token id; review)
-    draft = Draft([_token_id(t) for t in draft.tokens], draft.probs)
-    bad = [t for t in draft.tokens if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"draft token {bad[0]} is outside the vocabulary ({vocab_size})")
-    return draft.truncate(cap)
+    # one pass over the tokens: each an integer id (a bool or a float such as 3.0 passed as one;
+    # review) in the vocabulary
+    return Draft([_token_id(t, vocab_size) for t in draft.tokens], draft.probs).truncate(cap)
 
 
-def _token_id(token) -> int:
-    """A draft token as an int: Python's, numpy's and 0-d torch integers are ids; a bool or a
-    float (3.0) is a TypeError (its sequence alone fails)."""
+def _token_id(token, vocab_size: int) -> int:
+    """A draft token as an int id: Python's, numpy's and 0-d torch integers are ids; a bool or a
+    float (3.0) is a TypeError, an id outside the vocabulary a ValueError (its sequence alone
+    fails)."""
     if isinstance(token, (bool, float)) or (
         isinstance(token, torch.Tensor) and (token.dtype == torch.bool or token.is_floating_point())
     ):
         raise TypeError(f"draft token {token!r:.40} is not an int")
     try:
-        return operator.index(token)
+        token = operator.index(token)
     except TypeError:
         raise TypeError(f"draft token {token!r:.40} is not an int") from None
+    if not 0 <= token < vocab_size:
+        raise ValueError(f"draft token {token} is outside the vocabulary ({vocab_size})")
+    return token
 
 
 def normalised_q(probs, k: int, vocab_size: int) -> torch.Tensor:
