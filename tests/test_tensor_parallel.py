@@ -392,6 +392,40 @@ def test_a_worker_that_cannot_build_fails_the_engine_with_why(tiny_model_dir, mo
     assert not dist.is_initialized()
 
 
+def worker_gone_before_the_group(rank, size, ep, address, build, device, timeout, pipe):
+    """A worker that starts and then exits before it joins the group (killed while importing,
+    say), or says why it cannot join first (a device it cannot use)."""
+    import os
+
+    pipe.send("started")
+    if rank == 2:
+        pipe.send(("RuntimeError", "CUDA error: invalid device ordinal"))
+    os._exit(3)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_worker_gone_before_the_group_forms_is_seen_at_once(tiny_model_dir, monkeypatch, size):
+    """Found in review: rank 0 waited in the group's formation for the start-up's patience
+    (ten minutes) for a worker that had already exited or said why. With that patience cut to
+    60 s, the old code failed only at the group's own timeout, naming no rank."""
+    from metrale.distributed import workers
+
+    monkeypatch.setattr(workers, "STARTUP_TIMEOUT", 60.0)
+    monkeypatch.setattr(workers, "_worker_main", worker_gone_before_the_group)
+    want = "rank 1 exited before it joined the group [(]exit code 3[)]"
+    if size == 4:  # ranks 1 and 3 exit silently, 2 says why: whichever is seen first is named
+        want = "rank ([13] exited before it joined the group|2 could not build .*invalid device)"
+    with pytest.raises(DistributedError, match=want):
+        tp_llm(tiny_model_dir, size)
+    assert not torch.distributed.is_initialized()
+    monkeypatch.undo()
+    llm = tp_llm(tiny_model_dir, 2)  # the group is free for the next engine
+    try:
+        assert llm.generate(PROMPTS[:1], greedy(2), use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        llm.shutdown()
+
+
 def test_a_server_whose_worker_dies_says_so(tiny_model_dir):
     """The engine thread stops on a rank's failure (no busy loop of failing steps): requests
     get a 503 in the OpenAI error shape, /health a 503 naming the failure."""

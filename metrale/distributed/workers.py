@@ -27,8 +27,8 @@ import datetime
 import logging
 import os
 import signal
-import socket
 import threading
+import time
 import traceback
 import weakref
 from collections.abc import Callable
@@ -53,26 +53,33 @@ from metrale.speculative.ep import (
 log = logging.getLogger(__name__)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # Seconds the ranks wait for each other while starting (spawning, importing torch, building a
 # shard of a large checkpoint): at least this, whatever the collectives' timeout.
 STARTUP_TIMEOUT = 600.0
+# How often rank 0 looks at its workers while they join the group's store.
+JOIN_POLL = 0.05
 
 
-def _init_group(rank: int, size: int, address: str, device: torch.device, timeout: float):
-    """Form the default group (a start-up's patience), then the group of the forward's
-    collectives under `timeout`."""
+def _joined_key(rank: int) -> str:
+    return f"metrale/joined/{rank}"
+
+
+def _init_group(rank: int, size: int, store, device: torch.device, timeout: float):
+    """Form the default group over the store rank 0 hosts (`store`: it on rank 0, its (host,
+    port) on a worker) with a start-up's patience, then the group of the forward's collectives
+    under `timeout`."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
+    if rank:  # a worker: rank 0 sees it join once all that may fail before the group did not
+        host, port = store
+        store = dist.TCPStore(
+            host, port, size, is_master=False, timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT)
+        )
+        store.set(_joined_key(rank), "1")
     dist.init_process_group(
         backend,
-        init_method=address,
+        store=store,
         rank=rank,
         world_size=size,
         timeout=datetime.timedelta(seconds=max(timeout, STARTUP_TIMEOUT)),
@@ -278,7 +285,18 @@ def start(build, size: int, expert_parallel: bool, device: torch.device, timeout
             "torch.distributed's default group is already formed in this process (another "
             "tensor-parallel engine runs here): shut that engine down first"
         )
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    patience = max(timeout, STARTUP_TIMEOUT)
+    # Rank 0 hosts the group's store, bound before any worker starts (no port picked and then
+    # taken by another process meanwhile), and watches the workers join it.
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        size,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=patience),
+        wait_for_workers=False,
+    )
+    address = ("127.0.0.1", store.port)
     ctx = mp.get_context("spawn")
     workers, pipes = [], []
     for rank in range(1, size):
@@ -293,13 +311,13 @@ def start(build, size: int, expert_parallel: bool, device: torch.device, timeout
         theirs.close()
         workers.append(proc)
         pipes.append(ours)
-    patience = max(timeout, STARTUP_TIMEOUT)
     try:
         # every worker running (a spawned child that fails to start, as a script without an
         # `if __name__ == "__main__":` guard does, is seen by its exit, not by a timeout)
         for rank, (proc, pipe) in enumerate(zip(workers, pipes, strict=True), 1):
             _expect(rank, proc, pipe, "started", patience)
-        _init_group(0, size, address, device, timeout)
+        _await_joined(store, workers, pipes, patience)
+        _init_group(0, size, store, device, timeout)
         for rank, (proc, pipe) in enumerate(zip(workers, pipes, strict=True), 1):
             _expect(rank, proc, pipe, "ready", patience)
     except BaseException as e:  # (a Ctrl-C while shards build too: the group goes)
@@ -310,14 +328,50 @@ def start(build, size: int, expert_parallel: bool, device: torch.device, timeout
     return TPGroup(0, size, expert_parallel), workers, pipes
 
 
+def _await_joined(store, workers: list, pipes: list, patience: float) -> None:
+    """Wait until every worker has joined the group's store, which each does just before it
+    forms the group, once all that may fail before then did not. A worker that says why it
+    cannot, or exits, before it joins ends the wait at once: rank 0 otherwise waited in the
+    group's formation for the start-up's patience (ten minutes) for a rank already gone. (One
+    that fails inside the formation itself, after it joined, still costs that wait.)"""
+    deadline = time.monotonic() + patience
+    waiting = list(range(1, len(workers) + 1))
+    while waiting:
+        waiting = [r for r in waiting if not store.check([_joined_key(r)])]
+        for rank in waiting:
+            proc, pipe = workers[rank - 1], pipes[rank - 1]
+            # why it cannot (`_worker_main` sends its exception and exits), or its exit
+            if pipe.poll() or not proc.is_alive():
+                _expect(
+                    rank,
+                    proc,
+                    pipe,
+                    "joined",
+                    0,
+                    "exited before it joined the group (exit code {code})",
+                )
+        if waiting and time.monotonic() > deadline:
+            raise DistributedError(f"rank {waiting[0]} did not join the group in {patience:g} s")
+        if waiting:
+            time.sleep(JOIN_POLL)
+
+
 class ShardSettingsError(ValueError):
     """A worker refused the engine's settings while building its shard (a KV pool the device
     has no room for): a ValueError naming them, as on one device, not a failed group."""
 
 
-def _expect(rank: int, proc, pipe, word: str, patience: float) -> None:
-    """Wait for a worker to say `word`; a DistributedError if it says why not, exits, or stays
-    silent for `patience` seconds, a `ShardSettingsError` if it refused the settings."""
+# What a worker that exits while it starts is told (`_expect`'s `gone`)
+EXITED_STARTING = (
+    "exited while starting (exit code {code}); a script that starts a tensor-parallel engine "
+    'needs an `if __name__ == "__main__":` guard'
+)
+
+
+def _expect(rank: int, proc, pipe, word: str, patience: float, gone: str = EXITED_STARTING):
+    """Wait for a worker to say `word`; a DistributedError if it says why not, exits (`gone`,
+    its exit code filled in), or stays silent for `patience` seconds, a `ShardSettingsError`
+    if it refused the settings."""
     ready = mp_connection.wait([pipe, proc.sentinel], timeout=patience)
     status = None
     if pipe in ready:
@@ -334,16 +388,14 @@ def _expect(rank: int, proc, pipe, word: str, patience: float) -> None:
         if status != word:
             raise DistributedError(f"rank {rank} could not build its shard: {status}")
     elif ready:
-        raise DistributedError(
-            f"rank {rank} exited while starting (exit code {proc.exitcode}); a script that "
-            'starts a tensor-parallel engine needs an `if __name__ == "__main__":` guard'
-        )
+        proc.join(timeout=10)
+        raise DistributedError(f"rank {rank} " + gone.format(code=proc.exitcode))
     else:
         raise DistributedError(f"rank {rank} did not start in {patience:g} s")
 
 
 def _worker_main(
-    rank: int, size: int, ep: bool, address: str, build, device: str, timeout: float, pipe
+    rank: int, size: int, ep: bool, address: tuple, build, device: str, timeout: float, pipe
 ):
     pipe.send("started")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the workers stop
