@@ -261,9 +261,12 @@ class IncrementalDetokenizer:
     Only a window of recent ids is decoded: `window[:read]` is left context whose text is already
     out (kept because some decoders, SentencePiece's, render a token differently at the start of
     a string), `window[read:]` the pending ids. The delta is the window's text beyond what was
-    already emitted. A trailing U+FFFD means the bytes end inside a UTF-8 character, so that one
-    character is held back until more ids arrive (or `flush()`); the window slides (pending ids
-    become the context) once they produced new text that ends on a whole character.
+    already emitted. A trailing U+FFFD means the bytes end inside a UTF-8 character, so it is
+    held back until more ids arrive (or `flush()`): one U+FFFD where the decoder is byte-level
+    (it renders an unfinished character as one), every trailing one otherwise (a byte-fallback
+    decoder renders each byte of an unfinished run as one, and context bytes that the next
+    character's first byte joins as well, as vLLM holds back all of them); the window slides
+    (pending ids become the context) once they produced new text that ends on a whole character.
 
     For a byte-level tokenizer the deltas plus `flush()` concatenate to exactly
     `tokenizer.decode(ids)`, valid UTF-8 or not. With `prompt_token_ids`, the last prompt ids
@@ -317,9 +320,8 @@ class IncrementalDetokenizer:
         self.token_ids.extend(ids)
         self._window.extend(t for t in ids if not self._skipped(t) and t not in self._stops)
         text = self._decode(self._window)
-        # UTF-8 decoding renders an unfinished character at the end as exactly one U+FFFD.
-        unfinished = text.endswith(_REPLACEMENT)
-        stable = text[:-1] if unfinished else text
+        stable = self._stable(text)
+        unfinished = len(stable) < len(text)
         delta = stable[self._emitted :]
         self._emitted = max(self._emitted, len(stable))
         # Slide once the pending tokens produced text of their own, so the next left context is
@@ -330,6 +332,12 @@ class IncrementalDetokenizer:
             self._slide()
         self.text += delta
         return delta
+
+    def _stable(self, text: str) -> str:
+        """`text` without what may still change: its trailing U+FFFD (see the class)."""
+        if self._tokenizer.byte_level:  # (one U+FFFD for an unfinished character)
+            return text.removesuffix(_REPLACEMENT)
+        return text.rstrip(_REPLACEMENT)
 
     def push_each(self, token_ids: list[int]) -> str:
         """The text of `token_ids`, exactly as pushing them one at a time makes it: in one push
@@ -364,7 +372,7 @@ class IncrementalDetokenizer:
         self._read = len(self._window)
         context = self._decode(self._window)
         self._context_len = len(context)
-        self._emitted = len(context.removesuffix(_REPLACEMENT))
+        self._emitted = len(self._stable(context))
 
     def flush(self) -> str:
         """Return any held-back text (an unfinished character renders as U+FFFD)."""

@@ -232,6 +232,30 @@ def _byte_fallback_tokenizer() -> tuple[Tokenizer, dict[str, int]]:
     return Tokenizer(backend), vocab
 
 
+def test_byte_fallback_detokenizer_streams_every_character_whole():
+    """A byte-fallback decoder renders each byte of an unfinished character as its own U+FFFD,
+    and a character's first byte turns the context bytes before it into U+FFFD too: holding
+    back one U+FFFD streamed '中' as '\ufffd' and 'éé' as 'é\ufffd' (found in review). Every
+    character now comes out whole, on the id that completes it, and the text is decode's."""
+    sp, vocab = _byte_fallback_tokenizer()
+    rng = random.Random(3)
+    alphabet = ["a", " ", "\n", "é", "ì", "中", "文", "😀", "🚀", "\u0301"]
+    for trial in range(300):
+        ids = []  # characters' bytes, and now and then a Metaspace piece between characters
+        for _ in range(rng.randint(1, 12)):
+            if rng.random() < 0.2:
+                ids.append(vocab["\u2581a"])
+            ids += [vocab[f"<0x{b:02X}>"] for b in rng.choice(alphabet).encode()]
+        text = sp.decode(ids)
+        want = text
+        det = IncrementalDetokenizer(sp)
+        deltas = [det.push(t) for t in ids]
+        assert "\ufffd" not in "".join(deltas), (trial, text, deltas)
+        assert "".join(deltas) + det.flush() == want, (trial, text, deltas)
+        det = IncrementalDetokenizer(sp)
+        assert det.push_each(ids) + det.flush() == want
+
+
 def test_push_each_makes_the_text_of_one_push_an_id(tok):
     """`push_each` (the deferred text of a step's tokens) gives what one push an id gives: in
     one push on a byte-level decoder, id by id on a byte-fallback one, where a newline byte
