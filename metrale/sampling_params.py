@@ -64,6 +64,11 @@ _VLLM_UNSUPPORTED: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
     "truncate_prompt_tokens": (lambda v, p: v is None, "only None"),
     "guided_decoding": (lambda v, p: v is None, "use structured= for constrained output"),
     "detokenize": (lambda v, p: v is None or v is True, "only True"),
+    # (vLLM's fast detokenizer follows neither value: nor does a `tokenizers` decode)
+    "spaces_between_special_tokens": (lambda v, p: v is None or isinstance(v, bool), "a bool"),
+    "output_kind": (lambda v, p: v is None, "only None (LLM.stream gives deltas)"),
+    "extra_args": (lambda v, p: v is None or v == {}, "only None"),
+    "structured_outputs": (lambda v, p: v is None, "use structured= for constrained output"),
 }
 
 
@@ -115,6 +120,10 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = _unused_field()
     guided_decoding: Any = _unused_field()
     detokenize: bool | None = _unused_field()
+    spaces_between_special_tokens: bool | None = _unused_field()
+    output_kind: Any = _unused_field()
+    extra_args: dict | None = _unused_field()
+    structured_outputs: Any = _unused_field()
 
     MAX_LOGPROBS = 20
     MAX_N = 128  # OpenAI's bound: one request cannot flood the engine with sequences

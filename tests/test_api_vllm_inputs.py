@@ -107,6 +107,8 @@ def test_stream_names_a_bad_prompt_dicts_field(llm):
         {"length_penalty": 1.0, "early_stopping": False, "detokenize": True},
         {"bad_words": [], "logits_processors": [], "allowed_token_ids": None},
         {"truncate_prompt_tokens": None, "guided_decoding": None},
+        {"spaces_between_special_tokens": False, "output_kind": None},
+        {"spaces_between_special_tokens": True, "extra_args": {}, "structured_outputs": None},
     ],
 )
 def test_vllm_fields_at_their_unused_value_change_nothing(kwargs):
@@ -133,6 +135,10 @@ def test_vllm_fields_at_their_unused_value_change_nothing(kwargs):
         ({"truncate_prompt_tokens": 8}, "truncate_prompt_tokens"),
         ({"guided_decoding": {"regex": "a+"}}, "guided_decoding"),
         ({"detokenize": False}, "detokenize"),
+        ({"spaces_between_special_tokens": 0}, "spaces_between_special_tokens"),
+        ({"output_kind": 2}, "output_kind"),
+        ({"extra_args": {"k": 1}}, "extra_args"),
+        ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
     ],
 )
 def test_vllm_fields_metrale_lacks_are_value_errors_naming_them(kwargs, field):

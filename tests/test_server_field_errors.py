@@ -50,6 +50,7 @@ def server():
         ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
         ({"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
         ({"length_penalty": 2.0}, "length_penalty"),
+        ({"spaces_between_special_tokens": "no"}, "spaces_between_special_tokens"),
         ({"seed": 2**63}, "seed"),  # vLLM's int64 range (it wrapped: 2**63 gave seed 0's text)
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
     ],

@@ -235,7 +235,11 @@ def test_include_stop_str_in_output_and_the_unused_vllm_fields(server):
     kept = complete(server, max_tokens=16, stop=stop, include_stop_str_in_output=True)
     assert kept["text"] == text[: cut + len(stop)] and kept["stop_reason"] == stop
     unused = dict(
-        use_beam_search=False, bad_words=[], prompt_logprobs=None, skip_special_tokens=True
+        use_beam_search=False,
+        bad_words=[],
+        prompt_logprobs=None,
+        skip_special_tokens=True,
+        spaces_between_special_tokens=False,
     )
     assert complete(server, max_tokens=16, **unused)["text"] == text
 

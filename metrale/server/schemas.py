@@ -77,6 +77,7 @@ _SAMPLING_FIELDS = (
     "bad_words",
     "allowed_token_ids",
     "truncate_prompt_tokens",
+    "spaces_between_special_tokens",
 )
 
 
@@ -152,6 +153,7 @@ class _GenerationRequest(StructuredFields, Body):
     bad_words: Any = _vllm_only()
     allowed_token_ids: Any = _vllm_only()
     truncate_prompt_tokens: Any = _vllm_only()
+    spaces_between_special_tokens: Any = _vllm_only()
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     speculative: SpeculativeOptions | None = None
