@@ -77,6 +77,15 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request given no SamplingParams samples with (vLLM's method of that name):
+        the checkpoint's recommended sampling in generation_config.json (temperature, top_p,
+        top_k, min_p, repetition_penalty), as the server applies it, else the defaults."""
+        return SamplingParams(**self.tokenizer.sampling_defaults)
+
+    def _params(self, params: SamplingParams | dict | None) -> SamplingParams:
+        return _params(params, self.tokenizer.sampling_defaults)
+
     def shutdown(self) -> None:
         """Stop the engine's worker processes (tensor parallelism); a no-op on one device."""
         self.engine.shutdown()
@@ -98,12 +107,12 @@ class LLM:
         (`prompts[1].prompt_token_ids: ...`); a plain prompt's are the engine's own."""
         request_id = f"req-{next(self._ids)}"
         if not isinstance(prompt, dict):
-            self.engine.add_request(request_id, prompt, _params(params), final_only)
+            self.engine.add_request(request_id, prompt, self._params(params), final_only)
             self._outbox[request_id] = []
             return request_id
         key, plain = _from_dict(prompt, where)
         try:
-            self.engine.add_request(request_id, plain, _params(params), final_only)
+            self.engine.add_request(request_id, plain, self._params(params), final_only)
         except ValueError as e:
             # the engine names a prompt `prompt` or `prompt_token_ids`: name the dict's key
             message = str(e)
@@ -166,7 +175,7 @@ class LLM:
             )
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, (SamplingParams, dict)):
-            params_list = [_params(sampling_params)] * len(prompts)
+            params_list = [self._params(sampling_params)] * len(prompts)
         elif not isinstance(sampling_params, (list, tuple)):
             raise ValueError(
                 "sampling_params must be a SamplingParams, a dict of its fields, or a list of "
@@ -176,7 +185,7 @@ class LLM:
             params_list = []
             for i, params in enumerate(sampling_params):
                 try:
-                    params_list.append(_params(params))
+                    params_list.append(self._params(params))
                 except ValueError as e:  # which of them (review)
                     message = str(e).removeprefix("sampling_params: ")
                     raise ValueError(f"sampling_params[{i}]: {message}") from None
@@ -323,11 +332,11 @@ class LLM:
             raise ValueError(str(e).removeprefix("prompts[0]: ")) from None
 
 
-def _params(params: SamplingParams | dict | None) -> SamplingParams:
+def _params(params: SamplingParams | dict | None, defaults: dict) -> SamplingParams:
     """A request's SamplingParams; a dict of its fields is accepted too (ValueError naming an
-    unknown field)."""
+    unknown field); None: `defaults` (the checkpoint's, `LLM.get_default_sampling_params`)."""
     if params is None:
-        return SamplingParams()
+        return SamplingParams(**defaults)
     if isinstance(params, dict):
         try:
             return SamplingParams(**params)

@@ -203,3 +203,31 @@ def test_server_refuses_an_unknown_role_with_a_400(client, route):
     }
     ok = client.post(route, json={**body, "messages": [{"role": "system", "content": "x"}, USER]})
     assert ok.status_code == 200, ok.text
+
+
+def test_a_request_without_sampling_params_takes_the_checkpoints_generation_config(
+    tiny_model_dir, tmp_path
+):
+    """vLLM's `LLM` samples a request given no SamplingParams with the checkpoint's
+    generation_config.json (the server did; the Python API ignored it: found in review). Given
+    params are the caller's own, untouched."""
+    import json
+    import shutil
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    gen = json.loads((model / "generation_config.json").read_text())
+    recommended = {"temperature": 0.0, "top_k": 5, "top_p": 0.9, "repetition_penalty": 1.2}
+    (model / "generation_config.json").write_text(json.dumps({**gen, **recommended}))
+    llm = LLM(model, device="cpu", max_model_len=256)
+    default = llm.get_default_sampling_params()
+    assert default == SamplingParams(**recommended)
+    (got,) = llm.generate([TEXT], use_tqdm=False)
+    (want,) = llm.generate([TEXT], SamplingParams(**recommended), use_tqdm=False)
+    same(got, want)
+    (streamed,) = [o for o in llm.stream(TEXT) if o.finished]
+    assert streamed.outputs[0].token_ids == want.outputs[0].token_ids
+    plain = LLM(tiny_model_dir, device="cpu", max_model_len=256)
+    assert plain.get_default_sampling_params() == SamplingParams()
+    (mine,) = llm.generate([TEXT], GREEDY, use_tqdm=False)  # given: not the checkpoint's
+    same(mine, plain.generate([TEXT], GREEDY, use_tqdm=False)[0])
