@@ -144,10 +144,18 @@ def say(session: ChatSession, line: str, out) -> None:
         print("(that line is not valid UTF-8 text; nothing was sent)", file=out)
         return
     message = {"role": "user", "content": line}
-    if not session.fits_alone(message):
+    try:
+        fits = session.fits_alone(message)
         # (the system prompt is part of it: name it when it alone leaves no room)
+        system_fits = (
+            fits or not session.system or session.fits_alone({"role": "user", "content": ""})
+        )
+    except ValueError as e:  # the template refused the message (review: it ended the REPL)
+        print(f"(error: {e}; nothing was sent)", file=out)
+        return
+    if not fits:
         whose = "with the system prompt " if session.system else ""
-        if session.system and not session.fits_alone({"role": "user", "content": ""}):
+        if not system_fits:
             print(
                 "(the system prompt alone does not fit the context; /system changes it)", file=out
             )

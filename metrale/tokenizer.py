@@ -242,7 +242,11 @@ class Tokenizer:
             )
         template = self._compiled.get(source)
         if template is None:
-            template = self._compiled[source] = jinja_env().from_string(source)
+            try:
+                template = jinja_env().from_string(source)
+            except jinja2.exceptions.TemplateError as e:  # (a syntax error: review)
+                raise ValueError(f"chat template: {e}") from e
+            self._compiled[source] = template
         variables = {**self.special_tokens, **kwargs}
         try:
             return template.render(

@@ -174,3 +174,34 @@ def test_an_engine_whose_ranks_are_gone_ends_the_chat(small_llm, monkeypatch):
     text = out.getvalue()
     assert text.count("the engine has stopped") == 1
     assert stdin.read() == "again\n"  # the next line was never read
+
+
+def test_a_message_the_template_refuses_is_said_and_the_chat_goes_on(tiny_model_dir, tmp_path):
+    """A chat template that raises for one message (`raise_exception`) ended the REPL and the
+    conversation (found in review); a template with a syntax error was a raw jinja2 traceback
+    rather than a ValueError. Now the turn is reported and the next one is answered."""
+    import io
+    import json
+    import shutil
+
+    from metrale.chat_repl import say
+
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    picky = (
+        "{% for m in messages %}{% if m.content == 'bad' %}{{ raise_exception('no bad words') }}"
+        "{% endif %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+    )
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": picky}))
+    llm = LLM(model, device="cpu", max_model_len=256)
+    session = ChatSession(llm, SamplingParams(temperature=0.0, max_tokens=4))
+    out = io.StringIO()
+    say(session, "bad", out)
+    assert "no bad words" in out.getvalue() and session.turns == []
+    say(session, "hello", out)
+    assert [t["role"] for t in session.turns] == ["user", "assistant"]
+    broken = {**config, "chat_template": "{% for m in messages %}{{ m.content }"}
+    (model / "tokenizer_config.json").write_text(json.dumps(broken))
+    with pytest.raises(ValueError, match="^chat template: "):
+        LLM(model, device="cpu", max_model_len=256).chat([{"role": "user", "content": "hi"}])
