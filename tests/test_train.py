@@ -507,3 +507,40 @@ def test_drafter_training_refuses_a_hybrid_target_before_writing(corpus, tokeniz
         with pytest.raises(ValueError, match=f"hybrid .*`metrale train {stage}`"):
             train(hybrid, corpus, opts, out_dir=out)
         assert not out.exists()
+
+
+def test_a_refused_mtp_run_writes_nothing_and_a_copy_always_loads(corpus, mtp, tmp_path):
+    """Found in review: `train mtp --out` copied the target before reading the corpus, so a
+    corpus with no files left a copy whose index named an MTP file it lacked (unloadable), as
+    did a run stopped before its head was written."""
+    import shutil
+
+    model = tmp_path / "source"  # a checkpoint with an indexed MTP head
+    shutil.copytree(mtp[0], model)
+    index = model / "model.safetensors.index.json"
+    names = load_file(str(model / "model.safetensors"))
+    index.write_text(json.dumps({"weight_map": dict.fromkeys(names, "model.safetensors")}))
+    from metrale.train.mtp import save_mtp
+
+    save_mtp(model, load_file(str(model / "mtp.safetensors")))  # the index names the head
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    opts = replace(OPTS, steps=4, seq_len=16, eval_every=0)
+    with pytest.raises(ValueError):
+        train_mtp(model, CorpusSpec(dirs=(empty,)), opts, depths=1, out_dir=tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+    train_mtp(model, corpus, replace(opts, stop_at=2), depths=1, out_dir=tmp_path / "s")
+    assert not (tmp_path / "s" / "mtp.safetensors").exists()
+    llm = LLM(tmp_path / "s", device="cpu")  # the stopped run's copy loads as a plain target
+    assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+
+
+def test_a_diverging_run_fails_naming_the_lr_and_writes_no_head(corpus, target, tmp_path):
+    """Found in review: `--lr 1e10` trained NaN weights, wrote them and reported a completed
+    run. A non-finite loss (training or held-out) now ends the run with a ValueError."""
+    opts = replace(OPTS, steps=20, seq_len=16, lr=1e10, grad_clip=0.0, eval_every=0)
+    with pytest.raises(ValueError, match="diverged .* lower lr than 1e\\+10"):
+        train_mtp(target[0], corpus, opts, depths=1, out_dir=tmp_path / "o")
+    assert not (tmp_path / "o" / "mtp.safetensors").exists()
+    with pytest.raises(ValueError, match="seed must be in"):
+        replace(OPTS, seed=2**64)

@@ -143,3 +143,20 @@ def test_every_batch_has_an_anchor():
                 anchors = anchors_of(batch, block, stride).tolist()
                 assert anchors and anchors[0] >= 1 and anchors[-1] + block - 1 <= length - 1
                 assert all(b - a == stride for a, b in zip(anchors, anchors[1:], strict=False))
+
+
+def test_dflash_resume_over_other_target_weights_is_refused(corpus, target, tmp_path):  # noqa: F811
+    """Found in review: a stopped DFlash run resumed after its target's weights changed (same
+    config), and reported a completed drafter trained against two targets; the MTP stage
+    refused it."""
+    from safetensors.torch import save_file
+
+    model = tmp_path / "target"
+    shutil.copytree(target[0], model)
+    opts = replace(OPTS, steps=6, seq_len=24, eval_every=0)
+    part = train_dflash(model, corpus, replace(opts, stop_at=3), block_size=4, out_dir=tmp_path)
+    assert not part["completed"]
+    weights = load_file(str(model / "model.safetensors"))
+    save_file({k: v + 0.01 for k, v in weights.items()}, str(model / "model.safetensors"))
+    with pytest.raises(ValueError, match="target_weights_sha256"):
+        train_dflash(model, corpus, replace(opts, resume=True), block_size=4, out_dir=tmp_path)

@@ -36,6 +36,7 @@ from metrale.train.bpe import load_tokenizer
 from metrale.train.corpus import CorpusSpec, tokenize_corpus
 from metrale.train.loop import TrainOptions, resolve_device, run_training
 from metrale.train.model import CausalLM, dense_target_config, init_weights
+from metrale.train.mtp import weights_hash
 
 DFLASH_DIR = "dflash"
 STATE_FILE = "dflash_train_state.pt"
@@ -196,6 +197,8 @@ def train_dflash(
     fingerprint = {
         "stage": "dflash",
         "target_config": target_raw,
+        # (a target retrained in place resumed silently: review)
+        "target_weights_sha256": weights_hash(target_dir),
         "corpus": data.identity(corpus),
         "block_size": block_size,
         "num_layers": num_layers,

@@ -90,6 +90,8 @@ class TrainOptions:
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not 0 <= self.seed < 2**63:  # (torch's generators: an overflow naming nothing)
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.stop_at is not None and self.stop_at < 1:
             raise ValueError(f"stop_at must be >= 1, got {self.stop_at}")
         for name in ("time_limit", "max_seconds"):
@@ -307,6 +309,7 @@ def run_training(
     def run_eval() -> None:
         if heldout:
             result = evaluate(module, loss_fn, heldout, device)
+            diverged(None if math.isfinite(result["loss"]) else result["loss"])
             evals.append({"step": step, **result})
             shown = " ".join(f"{k} {v:.4f}" for k, v in result.items())
             _log(f"{stage} step {step}: held-out {shown}")
@@ -321,10 +324,20 @@ def run_training(
     def flush() -> None:
         # One device sync per LOG_EVERY steps instead of one per step.
         if pending:
-            history.extend(torch.stack(pending).tolist())
+            losses = torch.stack(pending).tolist()
             pending.clear()
+            diverged(next((v for v in losses if not math.isfinite(v)), None))
+            history.extend(losses)
             elapsed = time.perf_counter() - session_start
             bar.set_postfix(loss=f"{history[-1]:.4f}", tok_s=f"{session_tokens / elapsed:.0f}")
+
+    def diverged(loss: float | None) -> None:
+        # NaN weights trained on, saved and reported as a completed run (review)
+        if loss is not None:
+            raise ValueError(
+                f"{stage}: training diverged (loss {loss} by step {step}); nothing more is "
+                f"written: try a lower lr than {opts.lr:g}"
+            )
 
     bar = tqdm(
         total=opts.steps, initial=step, desc=stage, disable=not opts.progress, dynamic_ncols=True

@@ -107,7 +107,7 @@ def _check_no_other_mtp(model_dir: Path, cfg: ModelConfig) -> None:
                     )
 
 
-def _weights_hash(model_dir: Path) -> str:
+def weights_hash(model_dir: Path) -> str:
     """A digest of the target's weight files, so a resumed run cannot silently switch targets."""
     digest = hashlib.sha256()
     for path in checkpoint_files(model_dir):
@@ -148,6 +148,13 @@ def _copy_target(src: Path, dst: Path) -> None:
             if path.name in (SUMMARY_FILE, MTP_FILE):
                 continue
             shutil.copyfile(path, dst / path.name)
+    # The source's MTP head is not copied: an index naming its file made the copy unloadable
+    # until this stage wrote its own (a run stopped or failed first left it so; review).
+    index = dst / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {k: v for k, v in data["weight_map"].items() if v != MTP_FILE}
+        index.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def train_mtp(
@@ -187,11 +194,12 @@ def train_mtp(
     out = Path(out_dir) if out_dir is not None else target_dir
     if opts.resume:  # before the copy: refused after it, the finished head lost its index
         refuse_finished_resume(out, STATE_FILE, "mtp")
-    if out.resolve() != target_dir.resolve():
-        _copy_target(target_dir, out)
+    # the corpus and the device before the copy: a bad one is refused with nothing written
     tok = load_tokenizer(target_dir)
     data = tokenize_corpus(corpus, tok, opts.seq_len)
     device = resolve_device(opts.device)
+    if out.resolve() != target_dir.resolve():
+        _copy_target(target_dir, out)
     target = CausalLM.from_checkpoint(target_dir, max_positions=opts.seq_len)
     target.requires_grad_(False).eval().to(device)
     head = MTPHead(cfg, num_layers)
@@ -228,7 +236,7 @@ def train_mtp(
     fingerprint = {
         "stage": "mtp",
         "target_config": json.loads((target_dir / "config.json").read_text()),
-        "target_weights_sha256": _weights_hash(target_dir),
+        "target_weights_sha256": weights_hash(target_dir),
         "corpus": data.identity(corpus),
         "depths": depths,
         "depth_decay": depth_decay,
