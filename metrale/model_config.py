@@ -5,6 +5,7 @@ ValueError that names it and the file it came from."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,12 @@ class RopeConfig:
     high_freq_factor: float = 4.0
 
 
+def _given(cfg: dict[str, Any], key: str, default: Any) -> Any:
+    """cfg[key] where present and not null, else `default`."""
+    value = cfg.get(key)
+    return default if value is None else value
+
+
 def _rope_from_hf(cfg: dict[str, Any], source: str = "config.json") -> RopeConfig:
     params, legacy = cfg.get("rope_parameters") or {}, cfg.get("rope_scaling") or {}
     for key, value in (("rope_parameters", params), ("rope_scaling", legacy)):
@@ -77,6 +84,8 @@ def _rope_from_hf(cfg: dict[str, Any], source: str = "config.json") -> RopeConfi
         return None if value is None else float(value)
 
     theta = num("rope_theta", cfg.get("rope_theta", 10000.0))
+    if theta is None or not 0 < theta < math.inf:  # (null reached the rotary tables: review)
+        raise ValueError(f"{source}: field 'rope_theta' must be a positive number, got {theta!r}")
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
@@ -167,15 +176,25 @@ class ModelConfig:
 
         hidden = positive_int("hidden_size", need("hidden_size"))
         heads = positive_int("num_attention_heads", need("num_attention_heads"))
-        kv_heads = positive_int("num_key_value_heads", cfg.get("num_key_value_heads") or heads)
+        # (0 is refused, not read as absent: review)
+        kv_heads = positive_int("num_key_value_heads", _given(cfg, "num_key_value_heads", heads))
         if heads % kv_heads:
             raise ValueError(
                 f"{source}: num_attention_heads {heads} is not a multiple of "
                 f"num_key_value_heads {kv_heads}"
             )
-        head_dim = positive_int("head_dim", cfg.get("head_dim") or hidden // heads)
+        head_dim = positive_int("head_dim", _given(cfg, "head_dim", hidden // heads))
         if head_dim % 2:
             raise ValueError(f"{source}: field 'head_dim' must be even for rotary, got {head_dim}")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":  # (another ran as SiLU, its output silently wrong: review)
+            raise ValueError(f"{source}: field 'hidden_act' {act!r} is not supported (silu only)")
+        for key in ("tie_word_embeddings", "attention_bias"):
+            if not isinstance(cfg.get(key, False), bool):  # ("false" read as true: review)
+                raise ValueError(f"{source}: field {key!r} must be true or false, got {cfg[key]!r}")
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        if not is_real(eps) or not 0 < eps < 1:
+            raise ValueError(f"{source}: field 'rms_norm_eps' must be in (0, 1), got {eps!r}")
         if cfg.get("use_sliding_window"):
             raise ValueError(f"{source}: field 'use_sliding_window' = true is not supported")
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
@@ -203,7 +222,7 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(eps),
             max_position_embeddings=positive_int(
                 "max_position_embeddings", cfg.get("max_position_embeddings", 32768)
             ),

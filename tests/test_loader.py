@@ -100,6 +100,16 @@ def test_missing_weights_and_shards(model_copy):
         (lambda c: c.update(dtype="int8", torch_dtype="int8"), "torch_dtype"),
         (lambda c: c.update(rope_parameters={"rope_type": "dynamic", "factor": 2.0}), "rope_type"),
         (lambda c: c.update(use_sliding_window=True), "use_sliding_window"),
+        # found in review: tracebacks from deep inside, or accepted and run wrong
+        (lambda c: c.update(rms_norm_eps=None), "rms_norm_eps"),
+        (lambda c: c.update(rms_norm_eps="1e-6"), "rms_norm_eps"),
+        (lambda c: c.update(rms_norm_eps=-1e-6), "rms_norm_eps"),
+        (lambda c: (c.pop("rope_parameters", None), c.update(rope_theta=None)), "rope_theta"),
+        (lambda c: c.update(rope_parameters={"rope_theta": -10.0}), "rope_theta"),
+        (lambda c: c.update(hidden_act="gelu"), "hidden_act"),
+        (lambda c: c.update(tie_word_embeddings="false"), "tie_word_embeddings"),
+        (lambda c: c.update(head_dim=0), "head_dim"),
+        (lambda c: c.update(num_key_value_heads=0), "num_key_value_heads"),
     ],
 )
 def test_bad_config_is_named(model_copy, edit, field):
