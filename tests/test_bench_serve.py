@@ -38,3 +38,31 @@ def test_bench_serve_reports_percentiles_and_acceptance(tiny_model_dir, tmp_path
         srv.wait_idle()
     finally:
         srv.close()
+
+
+def test_bench_serve_over_a_model_its_server_refuses_is_exit_2(tiny_model_dir, tmp_path, capsys):
+    """Found in review: the server's refusal (exit 2, a clear message) reached the user as a
+    RuntimeError traceback from the bench, exit 1."""
+    import shutil
+
+    model = tmp_path / "llama"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config["architectures"] = ["LlamaForCausalLM"]
+    (model / "config.json").write_text(json.dumps(config))
+    assert main(["bench", "serve", "--model", str(model), "--num-prompts", "1"]) == 2
+    assert "metrale serve refused the settings" in capsys.readouterr().err
+
+
+def test_bench_refuses_options_that_would_be_dropped(tiny_model_dir, tmp_path, capsys):
+    """Found in review: `--shape` beside `--model`, `--acceptance` or `--e2e-drafter` was
+    dropped without a word (the run measured another model)."""
+    out = ["--out", str(tmp_path)]
+    cases = [
+        (["--shape", "tiny", "--model", str(tiny_model_dir)], "--shape and --model"),
+        (["--shape", "tiny", "--acceptance"], "--acceptance runs"),
+        (["--shape", "tiny", "--e2e-drafter", "mtp"], "--e2e-drafter runs"),
+    ]
+    for argv, said in cases:
+        assert main(["bench", *argv, *out]) == 2
+        assert said in capsys.readouterr().err

@@ -52,6 +52,17 @@ from metrale.speculative.verify_cost import VerifyCostModel
 def main(args) -> int:
     """`metrale bench`: the acceptance report, a real drafter's end-to-end run, or the step,
     verify and replayed end-to-end measurements; JSON into --out and as the last stdout line."""
+    if args.shape is not None:  # (each of these ran on something else, said nowhere: review)
+        if args.model is not None:
+            raise ValueError(
+                "--shape and --model: give one (random weights of a shape, or a model)"
+            )
+        if args.acceptance or args.e2e_drafter:
+            given = "--acceptance" if args.acceptance else "--e2e-drafter"
+            raise ValueError(
+                f"{given} runs a model's own drafter on held-out text: give --model (or "
+                "neither, for the embedded model), not --shape"
+            )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.acceptance:

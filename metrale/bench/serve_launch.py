@@ -82,6 +82,8 @@ def _wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log_path: st
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = Path(log_path).read_text()[-4000:]
+            if proc.returncode == 2:  # it refused its settings: the caller's error, said as such
+                raise ValueError(f"metrale serve refused the settings:\n{tail.strip()}")
             raise RuntimeError(f"metrale serve exited with {proc.returncode}:\n{tail}")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(url + "/health", timeout=5).status_code == 200:
