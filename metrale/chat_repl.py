@@ -117,6 +117,11 @@ def run_repl(llm, params, system: str | None = None, stdin=sys.stdin, out=sys.st
             session.system = command[len("/system") :].strip() or None
             print("(system prompt set)" if session.system else "(system prompt cleared)", file=out)
             continue
+        word = command.split()[0]
+        if word[:1] == "/" and word[1:].isalpha():  # (a path such as /usr/lib is a message)
+            # a mistyped command went to the model as the user's message (review)
+            print(f"(unknown command {word}; /help lists them)", file=out)
+            continue
         try:
             say(session, line, out)
         except KeyboardInterrupt:  # between the reply's chunks, or before it started

@@ -46,6 +46,8 @@ _PORT = arg_type(int, lambda v: 0 <= v <= 65535, "a port in 0..65535")
 _POSITIVE = arg_type(int, lambda v: v > 0, "a positive integer")
 _COUNT_OR_ZERO = arg_type(int, lambda v: v >= 0, "an integer >= 0")
 _SECONDS = arg_type(float, lambda v: 0 <= v < float("inf"), "a finite number >= 0")
+# (an empty name was taken as no name: review)
+_served_name = arg_type(str, lambda v: v.strip() == v != "", "a name (not empty or padded)")
 
 
 def _device(text: str) -> str:
@@ -81,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     srv.add_argument(
         "--served-model-name",
+        type=_served_name,
         default=None,
         help="the model's name in the API (default: the Hub id, or the directory's name)",
     )

@@ -47,10 +47,12 @@ def test_chat_reads_turns_from_stdin(tiny_model_dir, tmp_path):
         "--system",
         "be brief",
         home=tmp_path,
-        stdin="hi\nhow are you?\n",
+        stdin="hi\n/bogus\n/usr/lib is a path\nhow are you?\n",
     )
     assert res.returncode == 0, res.stderr
-    assert res.stdout.count("assistant> ") == 2
+    # a mistyped command is said, not sent as a message (review); a path is a message
+    assert res.stdout.count("assistant> ") == 3
+    assert "(unknown command /bogus; /help lists them)" in res.stdout
 
 
 @pytest.mark.parametrize(

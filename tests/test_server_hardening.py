@@ -332,3 +332,6 @@ def test_a_directory_given_as_dot_is_served_under_its_own_name(tiny_model_dir, m
     assert loop.model_name == "mine"
     args = build_parser().parse_args(["serve", "--served-model-name", "mine"])
     assert args.served_model_name == "mine"
+    for bad in ("", " mine"):  # (an empty one was taken as none: review)
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--served-model-name", bad])

@@ -160,3 +160,26 @@ def test_dflash_resume_over_other_target_weights_is_refused(corpus, target, tmp_
     save_file({k: v + 0.01 for k, v in weights.items()}, str(model / "model.safetensors"))
     with pytest.raises(ValueError, match="target_weights_sha256"):
         train_dflash(model, corpus, replace(opts, resume=True), block_size=4, out_dir=tmp_path)
+
+
+def test_the_draft_model_may_be_trainings_out_dir_and_zero_layers_are_refused(
+    dflash,  # noqa: F811
+    target,  # noqa: F811
+    tmp_path,
+):
+    """Found in review: `train dflash --out OUT` writes OUT/dflash, and `spec.model=OUT` said
+    there was no drafter there; a drafter config of 0 layers loaded, then failed every
+    request."""
+    path, _ = dflash
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for model in (path, path.parent):
+        spec = dict(method="dflash", model=str(model), num_drafts=3)
+        llm = LLM(target[0], device="cpu", dtype="float32", spec=spec)
+        assert llm.generate(["def f(x):"], params, use_tqdm=False)[0].outputs[0].token_ids
+    broken = tmp_path / "dflash"
+    shutil.copytree(path, broken)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 0}))
+    spec = dict(method="dflash", model=str(broken), num_drafts=3)
+    with pytest.raises(ValueError, match="num_hidden_layers must be >= 1, got 0"):
+        LLM(target[0], device="cpu", dtype="float32", spec=spec)

@@ -78,6 +78,10 @@ class DFlashConfig:
         missing = [n for n in ("target_layer_ids", "mask_token_id") if value(n) is None]
         if missing:
             raise ValueError(f"DFlash drafter {file}: dflash_config lacks {', '.join(missing)}")
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads"):
+            count = raw.get(name)  # (0 layers loaded, then failed every request: review)
+            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                raise ValueError(f"DFlash drafter {file}: {name} must be >= 1, got {count!r}")
         heads = raw["num_attention_heads"]
         softcap = value("final_logit_softcapping")
         return cls(

@@ -23,7 +23,9 @@ def dflash_dir(spec: SpecConfig, model_dir: Path) -> Path | None:
     the target's weights."""
     if spec.method != "dflash":
         return None
-    path = Path(spec.model) if spec.model else model_dir / "dflash"
+    path = Path(spec.model).expanduser() if spec.model else model_dir / "dflash"
+    if spec.model and not (path / "config.json").is_file() and (path / "dflash").is_dir():
+        path = path / "dflash"  # `train dflash --out DIR` writes DIR/dflash (review)
     if not (path / "config.json").is_file():
         raise ValueError(
             f"spec.model: no DFlash drafter at {path} (give spec=dict(method='dflash', "
