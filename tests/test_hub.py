@@ -146,3 +146,22 @@ def test_files_the_engine_never_reads_need_not_be_in_the_cache(tiny_model_dir, t
     (cache / "models--acme--tiny-qwen3" / "snapshots" / COMMIT / "tokenizer.json").unlink()
     result = run("from metrale import LLM\nLLM('acme/tiny-qwen3', device='cpu')\n", cache)
     assert result.returncode != 0 and "tokenizer.json" in result.stderr
+
+
+def test_a_dflash_drafter_given_as_a_hub_id_resolves_from_the_cache(tmp_path):
+    """`spec.model` (`--draft-model`) resolves as `model` does: a Hub id from the local cache
+    (it was read as a relative path and refused; review)."""
+    from metrale.default_model import default_model_dir
+
+    cache = fake_cache(tmp_path / "hub", default_model_dir() / "dflash", "acme/tiny-dflash")
+    code = (
+        "from metrale import LLM, SamplingParams\n"
+        "spec = dict(method='dflash', model='acme/tiny-dflash', num_drafts=3)\n"
+        "llm = LLM(device='cpu', spec=spec)\n"
+        "out = llm.generate(['def f(x):'], SamplingParams(temperature=0, max_tokens=8))\n"
+        "print(llm.engine.telemetry.spec.num_draft_tokens, out[0].outputs[0].token_ids)\n"
+    )
+    result = run(code, cache)
+    assert result.returncode == 0, result.stderr
+    drafted = int(result.stdout.strip().splitlines()[-1].split()[0])
+    assert drafted > 0

@@ -183,3 +183,10 @@ def test_the_draft_model_may_be_trainings_out_dir_and_zero_layers_are_refused(
     spec = dict(method="dflash", model=str(broken), num_drafts=3)
     with pytest.raises(ValueError, match="num_hidden_layers must be >= 1, got 0"):
         LLM(target[0], device="cpu", dtype="float32", spec=spec)
+
+
+def test_more_taps_than_target_layers_is_refused(corpus, target, tmp_path):  # noqa: F811
+    """Found in review: `--num-taps 100` was clamped to the target's layers without a word."""
+    with pytest.raises(ValueError, match="num_taps 100: the target has 2 layers"):
+        train_dflash(target[0], corpus, replace(OPTS, steps=2), num_taps=100, out_dir=tmp_path)
+    assert not (tmp_path / "dflash").exists()

@@ -7,6 +7,7 @@ import dataclasses
 from pathlib import Path
 
 from metrale.config import EngineConfig, SpecConfig
+from metrale.hub import resolve_model
 from metrale.knobs import knobs
 from metrale.models.dflash import DFlashConfig
 from metrale.spec_config import DEFAULT_NUM_DRAFTS
@@ -23,7 +24,12 @@ def dflash_dir(spec: SpecConfig, model_dir: Path) -> Path | None:
     the target's weights."""
     if spec.method != "dflash":
         return None
-    path = Path(spec.model).expanduser() if spec.model else model_dir / "dflash"
+    path = model_dir / "dflash"
+    if spec.model:  # a directory, or a Hub id in the local HF cache, as `model` (review)
+        try:
+            path = resolve_model(spec.model)
+        except FileNotFoundError:
+            path = Path(spec.model).expanduser()
     if spec.model and not (path / "config.json").is_file() and (path / "dflash").is_dir():
         path = path / "dflash"  # `train dflash --out DIR` writes DIR/dflash (review)
     if not (path / "config.json").is_file():

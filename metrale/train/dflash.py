@@ -104,6 +104,10 @@ def train_dflash(
     if teacher not in TEACHERS:
         raise ValueError(f"teacher must be one of {TEACHERS}, got {teacher!r}")
     tcfg = dense_target_config(target_dir, "dflash")
+    if not target_layers and num_taps > tcfg.num_hidden_layers:  # (it was clamped: review)
+        raise ValueError(
+            f"num_taps {num_taps}: the target has {tcfg.num_hidden_layers} layers to read"
+        )
     layers = tcfg.num_hidden_layers
     # the drafter reads one hidden state per tap: a repeated layer is not the drafter asked for
     if target_layers and len(set(target_layers)) < len(target_layers):
