@@ -101,12 +101,13 @@ def run_repl(llm, params, system: str | None = None, stdin=sys.stdin, out=sys.st
         command = line.strip()
         if not command:
             continue
-        if command in ("/exit", "/quit"):
+        word = command.split()[0]  # ("/exit now" exits, "/help me" helps)
+        if word in ("/exit", "/quit"):
             break
-        if command == "/help":
+        if word == "/help":
             print(HELP, file=out)
             continue
-        if command == "/clear":
+        if word == "/clear":
             session.turns.clear()
             print("(conversation cleared)", file=out)
             continue
@@ -117,7 +118,6 @@ def run_repl(llm, params, system: str | None = None, stdin=sys.stdin, out=sys.st
             session.system = command[len("/system") :].strip() or None
             print("(system prompt set)" if session.system else "(system prompt cleared)", file=out)
             continue
-        word = command.split()[0]
         if word[:1] == "/" and word[1:].isalpha():  # (a path such as /usr/lib is a message)
             # a mistyped command went to the model as the user's message (review)
             print(f"(unknown command {word}; /help lists them)", file=out)

@@ -66,7 +66,11 @@ _VLLM_UNSUPPORTED: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
     "detokenize": (lambda v, p: v is None or v is True, "only True"),
     # (vLLM's fast detokenizer follows neither value: nor does a `tokenizers` decode)
     "spaces_between_special_tokens": (lambda v, p: v is None or isinstance(v, bool), "a bool"),
-    "output_kind": (lambda v, p: v is None, "only None (LLM.stream gives deltas)"),
+    # (vLLM's default, RequestOutputKind.CUMULATIVE, is what LLM.generate returns)
+    "output_kind": (
+        lambda v, p: v is None or getattr(v, "name", None) == "CUMULATIVE",
+        "only CUMULATIVE (LLM.stream gives deltas)",
+    ),
     "extra_args": (lambda v, p: v is None or v == {}, "only None"),
     "structured_outputs": (lambda v, p: v is None, "use structured= for constrained output"),
 }

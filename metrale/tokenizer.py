@@ -325,15 +325,19 @@ class IncrementalDetokenizer:
         self._window.extend(t for t in ids if not self._skipped(t) and t not in self._stops)
         text = self._decode(self._window)
         stable = self._stable(text)
+        forced = len(self._window) - self._read > self.MAX_PENDING
+        # A byte-fallback run this long is garbage, not a character: its U+FFFD go out now
+        # (held, a second forced slide dropped them with the context; review).
+        whole = forced and not self._tokenizer.byte_level
+        if whole:
+            stable = text
         unfinished = len(stable) < len(text)
         delta = stable[self._emitted :]
         self._emitted = max(self._emitted, len(stable))
         # Slide once the pending tokens produced text of their own, so the next left context is
         # never text-less (which would drop a SentencePiece leading space).
-        if (not unfinished and len(text) > self._context_len) or (
-            len(self._window) - self._read > self.MAX_PENDING
-        ):
-            self._slide()
+        if (not unfinished and len(text) > self._context_len) or forced:
+            self._slide(whole)
         self.text += delta
         return delta
 
@@ -363,7 +367,7 @@ class IncrementalDetokenizer:
         del self.token_ids[n:]
         self._window = list(window)
 
-    def _slide(self) -> None:
+    def _slide(self, emitted_all: bool = False) -> None:
         """Make the pending ids the new left context and drop the older ones.
 
         After a forced slide the cut can fall inside a character; that is harmless. The ids
@@ -371,12 +375,13 @@ class IncrementalDetokenizer:
         character (a normal slide needs new text after it, a forced one more than 3 bytes), so
         the decoder is back in step before any pending id; only already-emitted context text
         decodes differently. (Ids that make no text never count towards it: `_skipped`.)
+        `emitted_all`: the whole text went out, a held tail included.
         """
         del self._window[: self._read]
         self._read = len(self._window)
         context = self._decode(self._window)
         self._context_len = len(context)
-        self._emitted = len(self._stable(context))
+        self._emitted = len(context if emitted_all else self._stable(context))
 
     def flush(self) -> str:
         """Return any held-back text (an unfinished character renders as U+FFFD)."""

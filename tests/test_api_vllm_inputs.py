@@ -7,12 +7,15 @@ one chat templates render, in the Python API and over HTTP (a 400 naming `messag
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import pytest
 
 from metrale import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0)
+# vLLM's enum, as a vLLM user's code passes it
+RequestOutputKind = enum.Enum("RequestOutputKind", "CUMULATIVE DELTA FINAL_ONLY")
 TEXT = "hello there"
 
 
@@ -108,6 +111,7 @@ def test_stream_names_a_bad_prompt_dicts_field(llm):
         {"bad_words": [], "logits_processors": [], "allowed_token_ids": None},
         {"truncate_prompt_tokens": None, "guided_decoding": None},
         {"spaces_between_special_tokens": False, "output_kind": None},
+        {"output_kind": RequestOutputKind.CUMULATIVE},
         {"spaces_between_special_tokens": True, "extra_args": {}, "structured_outputs": None},
     ],
 )
@@ -137,6 +141,7 @@ def test_vllm_fields_at_their_unused_value_change_nothing(kwargs):
         ({"detokenize": False}, "detokenize"),
         ({"spaces_between_special_tokens": 0}, "spaces_between_special_tokens"),
         ({"output_kind": 2}, "output_kind"),
+        ({"output_kind": RequestOutputKind.DELTA}, "output_kind"),
         ({"extra_args": {"k": 1}}, "extra_args"),
         ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
     ],

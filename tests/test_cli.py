@@ -47,7 +47,7 @@ def test_chat_reads_turns_from_stdin(tiny_model_dir, tmp_path):
         "--system",
         "be brief",
         home=tmp_path,
-        stdin="hi\n/bogus\n/usr/lib is a path\nhow are you?\n",
+        stdin="hi\n/bogus\n/usr/lib is a path\nhow are you?\n/exit now\nnot read\n",
     )
     assert res.returncode == 0, res.stderr
     # a mistyped command is said, not sent as a message (review); a path is a message

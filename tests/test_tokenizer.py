@@ -254,6 +254,14 @@ def test_byte_fallback_detokenizer_streams_every_character_whole():
         assert "".join(deltas) + det.flush() == want, (trial, text, deltas)
         det = IncrementalDetokenizer(sp)
         assert det.push_each(ids) + det.flush() == want
+    # A run of garbage bytes is streamed as it passes `MAX_PENDING` and never lost: holding every
+    # U+FFFD back, a second forced slide dropped those of the first (found in review).
+    for n in (16, 17, 34, 40, 100):
+        ids = [vocab["\u2581a"]] + [vocab["<0x80>"]] * n + [vocab["\u2581a"]]
+        det = IncrementalDetokenizer(sp)
+        deltas = [det.push(t) for t in ids]
+        assert "".join(deltas) + det.flush() == sp.decode(ids), n
+        assert sum(1 for d in deltas if d) >= 2 + n // (IncrementalDetokenizer.MAX_PENDING + 1)
 
 
 def test_push_each_makes_the_text_of_one_push_an_id(tok):

@@ -544,3 +544,4 @@ def test_a_diverging_run_fails_naming_the_lr_and_writes_no_head(corpus, target, 
     assert not (tmp_path / "o" / "mtp.safetensors").exists()
     with pytest.raises(ValueError, match="seed must be in"):
         replace(OPTS, seed=2**64)
+    assert replace(OPTS, seed=-1).seed == -1  # (torch's range: what trained before trains)

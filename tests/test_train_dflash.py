@@ -160,6 +160,15 @@ def test_dflash_resume_over_other_target_weights_is_refused(corpus, target, tmp_
     save_file({k: v + 0.01 for k, v in weights.items()}, str(model / "model.safetensors"))
     with pytest.raises(ValueError, match="target_weights_sha256"):
         train_dflash(model, corpus, replace(opts, resume=True), block_size=4, out_dir=tmp_path)
+    # a state saved before the digest was recorded resumes, unchecked, as before
+    from metrale.train.dflash import STATE_FILE
+
+    state_path = tmp_path / "dflash" / STATE_FILE
+    state = torch.load(state_path, weights_only=True)
+    del state["identity"]["target_weights_sha256"]
+    torch.save(state, state_path)
+    done = train_dflash(model, corpus, replace(opts, resume=True), block_size=4, out_dir=tmp_path)
+    assert done["completed"]
 
 
 def test_the_draft_model_may_be_trainings_out_dir_and_zero_layers_are_refused(
@@ -179,10 +188,18 @@ def test_the_draft_model_may_be_trainings_out_dir_and_zero_layers_are_refused(
     broken = tmp_path / "dflash"
     shutil.copytree(path, broken)
     config = json.loads((broken / "config.json").read_text())
-    (broken / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 0}))
     spec = dict(method="dflash", model=str(broken), num_drafts=3)
-    with pytest.raises(ValueError, match="num_hidden_layers must be >= 1, got 0"):
-        LLM(target[0], device="cpu", dtype="float32", spec=spec)
+    edits = [
+        ({"num_hidden_layers": 0}, "num_hidden_layers must be >= 1, got 0"),
+        ({"head_dim": 0}, "head_dim must be >= 1"),
+        ({"attention_bias": "false"}, "attention_bias must be true or false"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"rms_norm_eps": None}, "rms_norm_eps must be in"),
+    ]
+    for edit, said in edits:
+        (broken / "config.json").write_text(json.dumps({**config, **edit}))
+        with pytest.raises(ValueError, match=said):
+            LLM(target[0], device="cpu", dtype="float32", spec=spec)
 
 
 def test_more_taps_than_target_layers_is_refused(corpus, target, tmp_path):  # noqa: F811

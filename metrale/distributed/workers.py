@@ -73,9 +73,8 @@ def _init_group(rank: int, size: int, store, device: torch.device, timeout: floa
         torch.cuda.set_device(device)
     if rank:  # a worker: rank 0 sees it join once all that may fail before the group did not
         host, port = store
-        store = dist.TCPStore(
-            host, port, size, is_master=False, timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT)
-        )
+        patience = datetime.timedelta(seconds=max(timeout, STARTUP_TIMEOUT))
+        store = dist.TCPStore(host, port, size, is_master=False, timeout=patience)
         store.set(_joined_key(rank), "1")
     dist.init_process_group(
         backend,
@@ -322,6 +321,9 @@ def start(build, size: int, expert_parallel: bool, device: torch.device, timeout
             _expect(rank, proc, pipe, "ready", patience)
     except BaseException as e:  # (a Ctrl-C while shards build too: the group goes)
         _stop(workers, pipes, False)
+        # the store's port stayed bound while the error's frames held it (review)
+        traceback.clear_frames(e.__traceback__)
+        store = None
         if not isinstance(e, Exception) or isinstance(e, (DistributedError, ShardSettingsError)):
             raise
         raise DistributedError(f"tensor-parallel group did not form: {e}") from e

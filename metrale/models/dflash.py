@@ -78,10 +78,22 @@ class DFlashConfig:
         missing = [n for n in ("target_layer_ids", "mask_token_id") if value(n) is None]
         if missing:
             raise ValueError(f"DFlash drafter {file}: dflash_config lacks {', '.join(missing)}")
-        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads"):
-            count = raw.get(name)  # (0 layers loaded, then failed every request: review)
-            if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        # (0 layers loaded, then failed every request; "false" read as true; gelu ran as SiLU:
+        # review, as for the target's config.json)
+        sizes = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+        for name in (*sizes, "num_key_value_heads", "head_dim"):
+            count = raw.get(name)
+            if (count is not None or name in sizes) and (
+                isinstance(count, bool) or not isinstance(count, int) or count < 1
+            ):
                 raise ValueError(f"DFlash drafter {file}: {name} must be >= 1, got {count!r}")
+        if not isinstance(raw.get("attention_bias", False), bool):
+            raise ValueError(f"DFlash drafter {file}: attention_bias must be true or false")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"DFlash drafter {file}: hidden_act {raw['hidden_act']!r}: silu only")
+        eps = raw.get("rms_norm_eps", 1e-6)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+            raise ValueError(f"DFlash drafter {file}: rms_norm_eps must be in (0, 1), got {eps!r}")
         heads = raw["num_attention_heads"]
         softcap = value("final_logit_softcapping")
         return cls(

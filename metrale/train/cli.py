@@ -178,7 +178,10 @@ def add_train_parsers(sub) -> None:
     dfl.add_argument("--block-size", type=_positive_int, default=8, help="block (drafts + 1)")
     dfl.add_argument("--num-draft-layers", type=_positive_int, default=1, help="draft layers")
     dfl.add_argument(
-        "--num-taps", type=_positive_int, default=3, help="target layers read (evenly spaced)"
+        "--num-taps",
+        type=_positive_int,
+        default=None,
+        help="target layers read, evenly spaced (default: 3, or every layer of a shallower target)",
     )
     dfl.add_argument(
         "--target-layers",

@@ -74,13 +74,17 @@ def tapped(target: CausalLM, ids: torch.Tensor, layers: tuple[int, ...]):
     return torch.cat([taps[i] for i in layers], dim=-1), target.model.norm(x)
 
 
+# Target layers a drafter reads when `num_taps` is not given.
+DEFAULT_TAPS = 3
+
+
 def train_dflash(
     target_dir: str | Path,
     corpus: CorpusSpec,
     opts: TrainOptions,
     block_size: int = 8,
     num_layers: int = 1,
-    num_taps: int = 3,
+    num_taps: int | None = None,
     target_layers: tuple[int, ...] | None = None,
     gamma: float = 4.0,
     anchor_stride: int = 16,
@@ -89,22 +93,24 @@ def train_dflash(
     init: str | Path | None = None,
 ) -> dict:
     """The DFlash stage; the drafter goes to `<out_dir or target_dir>/dflash/`. The drafter reads
-    `target_layers` of the target (default: `num_taps` evenly spaced). `init`: a DFlash
-    checkpoint of the same shape whose weights the run starts from instead of random ones (to
-    train a shipped drafter further; the optimizer starts afresh). Returns the summary (also
-    `dflash_train_summary.json` there once complete)."""
+    `target_layers` of the target (default: `num_taps`, else `DEFAULT_TAPS`, evenly spaced).
+    `init`: a DFlash checkpoint of the same shape whose weights the run starts from instead of
+    random ones (to train a shipped drafter further; the optimizer starts afresh). Returns the
+    summary (also `dflash_train_summary.json` there once complete)."""
     start = time.perf_counter()
     target_dir = Path(target_dir)
     if not (target_dir / "config.json").is_file():
         raise FileNotFoundError(f"{target_dir}: no config.json (run `metrale train target`)")
     if block_size < 2 or block_size + 1 > opts.seq_len:
         raise ValueError(f"block_size must be in [2, seq_len - 1], got {block_size}")
-    if not 0 < gamma < math.inf or anchor_stride < 1 or num_taps < 1:
+    if not 0 < gamma < math.inf or anchor_stride < 1 or (num_taps is not None and num_taps < 1):
         raise ValueError("gamma must be > 0, anchor_stride and num_taps >= 1")
     if teacher not in TEACHERS:
         raise ValueError(f"teacher must be one of {TEACHERS}, got {teacher!r}")
     tcfg = dense_target_config(target_dir, "dflash")
-    if not target_layers and num_taps > tcfg.num_hidden_layers:  # (it was clamped: review)
+    if num_taps is None:  # DEFAULT_TAPS, or every layer of a shallower target
+        num_taps = min(DEFAULT_TAPS, tcfg.num_hidden_layers)
+    elif not target_layers and num_taps > tcfg.num_hidden_layers:  # (clamped silently: review)
         raise ValueError(
             f"num_taps {num_taps}: the target has {tcfg.num_hidden_layers} layers to read"
         )

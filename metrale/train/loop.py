@@ -90,8 +90,8 @@ class TrainOptions:
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        if not 0 <= self.seed < 2**63:  # (torch's generators: an overflow naming nothing)
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if not -(2**63) <= self.seed < 2**64:  # (torch's range: past it, an unnamed overflow)
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         if self.stop_at is not None and self.stop_at < 1:
             raise ValueError(f"stop_at must be >= 1, got {self.stop_at}")
         for name in ("time_limit", "max_seconds"):
@@ -265,6 +265,10 @@ def run_training(
             # alone are what it can be checked against
             identity = {**identity, "corpus": {**identity["corpus"]}}
             identity["corpus"].pop("files", None)
+        if "target_weights_sha256" not in saved and "target_weights_sha256" in identity:
+            # a DFlash state saved before its target's digest was recorded: not checked
+            _log(f"{state_path}: saved before the target's weights were fingerprinted")
+            identity = {k: v for k, v in identity.items() if k != "target_weights_sha256"}
         differ = sorted(
             k for k in identity.keys() | saved.keys() if identity.get(k) != saved.get(k)
         )
@@ -288,8 +292,14 @@ def run_training(
         # a run killed before its first save: a script that always passes --resume restarts
         _log(f"{stage}: no {state_name} in {out_dir}; starting at step 0")
 
+    def check_weights() -> None:
+        # weights an update made non-finite with no loss saying so yet (the last step's)
+        if any(not bool(torch.isfinite(p).all()) for p in params):
+            diverged(float("nan"))
+
     def save() -> None:
         flush()
+        check_weights()
         _save_state(
             state_path,
             {
@@ -383,6 +393,7 @@ def run_training(
     flush()
     bar.close()
     completed = not stopped_early
+    check_weights()
     if completed:
         if not evals or evals[-1]["step"] != step:
             run_eval()
