@@ -62,6 +62,30 @@ class RopeConfig:
     high_freq_factor: float = 4.0
 
 
+def positive_int(source: str, key: str, value: Any) -> int:
+    """`value` of field `key` of `source`, which must be a positive integer (ValueError)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{source}: field {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def checked_layer_fields(cfg: dict[str, Any], source: str) -> float:
+    """The fields a Qwen3 decoder layer's config shares, the target's and a DFlash drafter's:
+    `hidden_act` silu only (another ran as SiLU, silently wrong), `tie_word_embeddings` and
+    `attention_bias` booleans ("false" was read as true), `rms_norm_eps` in (0, 1) (null
+    reached the norms); found in review. Returns rms_norm_eps."""
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{source}: field 'hidden_act' {act!r} is not supported (silu only)")
+    for key in ("tie_word_embeddings", "attention_bias"):
+        if not isinstance(cfg.get(key, False), bool):
+            raise ValueError(f"{source}: field {key!r} must be true or false, got {cfg[key]!r}")
+    eps = cfg.get("rms_norm_eps", 1e-6)
+    if not is_real(eps) or not 0 < eps < 1:
+        raise ValueError(f"{source}: field 'rms_norm_eps' must be in (0, 1), got {eps!r}")
+    return float(eps)
+
+
 def _given(cfg: dict[str, Any], key: str, default: Any) -> Any:
     """cfg[key] where present and not null, else `default`."""
     value = cfg.get(key)
@@ -167,34 +191,22 @@ class ModelConfig:
                 raise ValueError(f"{source}: missing field {key!r}")
             return cfg[key]
 
-        def positive_int(key: str, value: Any) -> int:
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(
-                    f"{source}: field {key!r} must be a positive integer, got {value!r}"
-                )
-            return value
+        def positive(key: str, value: Any) -> int:
+            return positive_int(source, key, value)
 
-        hidden = positive_int("hidden_size", need("hidden_size"))
-        heads = positive_int("num_attention_heads", need("num_attention_heads"))
+        hidden = positive("hidden_size", need("hidden_size"))
+        heads = positive("num_attention_heads", need("num_attention_heads"))
         # (0 is refused, not read as absent: review)
-        kv_heads = positive_int("num_key_value_heads", _given(cfg, "num_key_value_heads", heads))
+        kv_heads = positive("num_key_value_heads", _given(cfg, "num_key_value_heads", heads))
         if heads % kv_heads:
             raise ValueError(
                 f"{source}: num_attention_heads {heads} is not a multiple of "
                 f"num_key_value_heads {kv_heads}"
             )
-        head_dim = positive_int("head_dim", _given(cfg, "head_dim", hidden // heads))
+        head_dim = positive("head_dim", _given(cfg, "head_dim", hidden // heads))
         if head_dim % 2:
             raise ValueError(f"{source}: field 'head_dim' must be even for rotary, got {head_dim}")
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":  # (another ran as SiLU, its output silently wrong: review)
-            raise ValueError(f"{source}: field 'hidden_act' {act!r} is not supported (silu only)")
-        for key in ("tie_word_embeddings", "attention_bias"):
-            if not isinstance(cfg.get(key, False), bool):  # ("false" read as true: review)
-                raise ValueError(f"{source}: field {key!r} must be true or false, got {cfg[key]!r}")
-        eps = cfg.get("rms_norm_eps", 1e-6)
-        if not is_real(eps) or not 0 < eps < 1:
-            raise ValueError(f"{source}: field 'rms_norm_eps' must be in (0, 1), got {eps!r}")
+        eps = checked_layer_fields(cfg, source)
         if cfg.get("use_sliding_window"):
             raise ValueError(f"{source}: field 'use_sliding_window' = true is not supported")
         dtype_name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
@@ -209,21 +221,21 @@ class ModelConfig:
         bos = cfg.get("bos_token_id")
         if bos is not None and (isinstance(bos, bool) or not isinstance(bos, int) or bos < 0):
             raise ValueError(f"{source}: field 'bos_token_id' must be a token id, got {bos!r}")
-        num_layers = positive_int("num_hidden_layers", need("num_hidden_layers"))
+        num_layers = positive("num_hidden_layers", need("num_hidden_layers"))
         hybrid = None
         if arch == "Qwen3NextForCausalLM":
-            hybrid = hybrid_from_hf(cfg, source, num_layers, head_dim, positive_int)
+            hybrid = hybrid_from_hf(cfg, source, num_layers, head_dim, positive)
         return cls(
             architecture=arch,
-            vocab_size=positive_int("vocab_size", need("vocab_size")),
+            vocab_size=positive("vocab_size", need("vocab_size")),
             hidden_size=hidden,
-            intermediate_size=positive_int("intermediate_size", need("intermediate_size")),
+            intermediate_size=positive("intermediate_size", need("intermediate_size")),
             num_hidden_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(eps),
-            max_position_embeddings=positive_int(
+            rms_norm_eps=eps,
+            max_position_embeddings=positive(
                 "max_position_embeddings", cfg.get("max_position_embeddings", 32768)
             ),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),

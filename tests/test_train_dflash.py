@@ -190,11 +190,11 @@ def test_the_draft_model_may_be_trainings_out_dir_and_zero_layers_are_refused(
     config = json.loads((broken / "config.json").read_text())
     spec = dict(method="dflash", model=str(broken), num_drafts=3)
     edits = [
-        ({"num_hidden_layers": 0}, "num_hidden_layers must be >= 1, got 0"),
-        ({"head_dim": 0}, "head_dim must be >= 1"),
-        ({"attention_bias": "false"}, "attention_bias must be true or false"),
-        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-        ({"rms_norm_eps": None}, "rms_norm_eps must be in"),
+        ({"num_hidden_layers": 0}, "'num_hidden_layers' must be a positive integer, got 0"),
+        ({"head_dim": 0}, "'head_dim' must be a positive integer, got 0"),
+        ({"attention_bias": "false"}, "'attention_bias' must be true or false"),
+        ({"hidden_act": "gelu"}, "'hidden_act' 'gelu' is not supported"),
+        ({"rms_norm_eps": None}, "'rms_norm_eps' must be in"),
     ]
     for edit, said in edits:
         (broken / "config.json").write_text(json.dumps({**config, **edit}))
