@@ -205,7 +205,7 @@ def test_a_worker_that_refuses_the_settings_is_a_value_error():
     import multiprocessing
 
     from metrale.distributed.parallel import DistributedError
-    from metrale.distributed.workers import ShardSettingsError, _expect
+    from metrale.distributed.startup import ShardSettingsError, _expect
 
     ours, theirs = multiprocessing.Pipe()
     alive, _ = multiprocessing.Pipe()  # a worker's sentinel that never fires

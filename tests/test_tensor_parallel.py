@@ -408,10 +408,10 @@ def test_a_worker_gone_before_the_group_forms_is_seen_at_once(tiny_model_dir, mo
     """Found in review: rank 0 waited in the group's formation for the start-up's patience
     (ten minutes) for a worker that had already exited or said why. With that patience cut to
     60 s, the old code failed only at the group's own timeout, naming no rank."""
-    from metrale.distributed import workers
+    from metrale.distributed import startup
 
-    monkeypatch.setattr(workers, "STARTUP_TIMEOUT", 60.0)
-    monkeypatch.setattr(workers, "_worker_main", worker_gone_before_the_group)
+    monkeypatch.setattr(startup, "STARTUP_TIMEOUT", 60.0)
+    monkeypatch.setattr(startup, "_worker_main", worker_gone_before_the_group)
     want = "rank 1 exited before it joined the group [(]exit code 3[)]"
     if size == 4:  # ranks 1 and 3 exit silently, 2 says why: whichever is seen first is named
         want = "rank ([13] exited before it joined the group|2 could not build .*invalid device)"

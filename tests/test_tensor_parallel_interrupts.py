@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from metrale import LLM, SamplingParams
-from metrale.distributed import workers
+from metrale.distributed import startup, workers
 from metrale.distributed.parallel import DistributedError
 from metrale.distributed.workers import HeldInterrupt
 
@@ -148,17 +148,17 @@ def test_a_second_engine_is_refused_and_the_first_goes_on(tiny_model_dir, want):
 
 
 def test_a_ctrl_c_while_shards_build_tears_the_group_down(tiny_model_dir, want, monkeypatch):
-    expect = workers._expect
+    expect = startup._expect
 
     def interrupted(rank, proc, pipe, word, patience):
         if word == "ready":
             raise KeyboardInterrupt
         return expect(rank, proc, pipe, word, patience)
 
-    monkeypatch.setattr(workers, "_expect", interrupted)
+    monkeypatch.setattr(startup, "_expect", interrupted)
     with pytest.raises(KeyboardInterrupt):
         tp_llm(tiny_model_dir)
-    monkeypatch.setattr(workers, "_expect", expect)
+    monkeypatch.setattr(startup, "_expect", expect)
     assert not dist.is_initialized()
     a_new_engine_gives(tiny_model_dir, want)
 

@@ -29,7 +29,7 @@ class DistributedError(RuntimeError):
 
 
 # The process group the forward's collectives run in, under `distributed_timeout_s`; the default
-# group, formed with a start-up's patience, only forms it (`workers._init_group`).
+# group, formed with a start-up's patience, only forms it (`startup._init_group`).
 _collectives: dist.ProcessGroup | None = None
 
 

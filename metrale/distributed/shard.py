@@ -104,7 +104,7 @@ def start_workers(
     """Start ranks 1..N-1 with this rank's pool sizes (KV pages; a hybrid's state entries, which
     rank 0's `StateSlots` will ask for) and join the group: rank 0's model handle, whose calls
     every rank runs (`workers.TPModel`)."""
-    from metrale.distributed import workers
+    from metrale.distributed import startup, workers
     from metrale.kernels.paged_attention import TritonPagedAttention
 
     build = functools.partial(
@@ -120,7 +120,7 @@ def start_workers(
     )
     size = cfg.tensor_parallel_size
     timeout = cfg.distributed_timeout_s
-    _, procs, pipes = workers.start(build, size, cfg.expert_parallel, device, timeout)
+    _, procs, pipes = startup.start(build, size, cfg.expert_parallel, device, timeout)
     return workers.TPModel(model, procs, pipes, device)
 
 
