@@ -19,7 +19,7 @@ from metrale.server import check_serve_options
 from metrale.tokenizer import Tokenizer
 from metrale.train import CorpusSpec, TrainOptions
 from metrale.train.dflash import train_dflash
-from metrale.train.loop import _load_state
+from metrale.train.state import load_state
 
 
 def _usage_error(argv: list[str], capsys) -> str:
@@ -93,7 +93,7 @@ def test_an_unreadable_state_file_is_named(tmp_path, content):
     path = tmp_path / "mtp_train_state.pt"
     path.write_bytes(content)
     with pytest.raises(ValueError, match="unreadable.*remove it to start over"):
-        _load_state(path)
+        load_state(path)
 
 
 # 3. serve's listener options

@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -31,6 +30,12 @@ from tqdm import tqdm
 
 from metrale.config import resolve_device
 from metrale.train.corpus import TokenData
+from metrale.train.state import (
+    load_state,
+    refuse_finished_resume,
+    save_state,
+    unreadable,
+)
 
 LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 STATE_VERSION = 1
@@ -152,14 +157,6 @@ def _warn_if_long(stage: str, opts: TrainOptions, done: int, start: float, devic
         )
 
 
-def _summary_stage(path: Path) -> str | None:
-    """The stage a summary file says completed, if it is one."""
-    try:
-        return json.loads(path.read_text()).get("stage")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
 def _log(message: str) -> None:
     # stderr, through tqdm so a live bar is redrawn below the line; stdout stays for results.
     tqdm.write(message, file=sys.stderr)
@@ -182,42 +179,6 @@ def evaluate(
         rows += batch.shape[0]
     module.train(was_training)
     return {name: round(total / rows, 6) for name, total in totals.items()}
-
-
-def _save_state(path: Path, state: dict) -> None:
-    # Write, then rename: a run killed mid-save leaves the previous state intact.
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
-def _unreadable(path: Path, e: BaseException) -> ValueError:
-    return ValueError(f"state file {path} is unreadable ({e!r}); remove it to start over")
-
-
-def _load_state(path: Path) -> dict:
-    """The saved state, or a ValueError naming the file: a truncated or foreign file makes
-    torch.load raise any of RuntimeError, EOFError, UnpicklingError, BadZipFile ..."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - torch.load has no single error type
-        raise _unreadable(path, e) from None
-    if not isinstance(state, dict) or not isinstance(state.get("identity"), dict):
-        raise _unreadable(path, TypeError("not a metrale training state"))
-    return state
-
-
-def refuse_finished_resume(out_dir: Path, state_name: str, stage: str) -> None:
-    """`--resume` where the stage's run completed (its summary, no state left): nothing to
-    continue. (Started over, it overwrote the finished run's checkpoint: found in review; a
-    stage that writes into `out_dir` before training checks this first.)"""
-    out_dir = Path(out_dir)
-    summary = out_dir / state_name.replace("_state.pt", "_summary.json")
-    if not (out_dir / state_name).is_file() and _summary_stage(summary) == stage:
-        raise ValueError(
-            f"resume: the {stage} run in {out_dir} completed ({summary.name}); nothing to "
-            "continue: drop --resume to train again"
-        )
 
 
 def run_training(
@@ -258,7 +219,7 @@ def run_training(
                 f"{state_path} holds an earlier run's state; pass --resume to continue it, or "
                 "remove it to start over"
             )
-        state = _load_state(state_path)
+        state = load_state(state_path)
         saved = state["identity"]
         if isinstance(saved.get("corpus"), dict) and "files" not in saved["corpus"]:
             # a state saved before the corpus identity had the files' digest: its options
@@ -285,7 +246,7 @@ def run_training(
             step, tokens, wall = state["step"], state["tokens"], state["wall_time"]
             history, evals = state["history"], state["evals"]
         except (KeyError, TypeError, ValueError, RuntimeError) as e:
-            raise _unreadable(state_path, e) from None
+            raise unreadable(state_path, e) from None
         _log(f"{stage}: resuming from step {step} of {opts.steps} ({state_path})")
     elif opts.resume:
         refuse_finished_resume(out_dir, state_name, stage)
@@ -300,7 +261,7 @@ def run_training(
     def save() -> None:
         flush()
         check_weights()
-        _save_state(
+        save_state(
             state_path,
             {
                 "identity": identity,

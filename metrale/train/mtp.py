@@ -48,8 +48,9 @@ from metrale.models.loader import checkpoint_files, like_written
 from metrale.models.mtp import QWEN3_NEXT, _module_tensor_shapes, depth_prefixes
 from metrale.train.bpe import load_tokenizer
 from metrale.train.corpus import CorpusSpec, tokenize_corpus
-from metrale.train.loop import TrainOptions, refuse_finished_resume, resolve_device, run_training
+from metrale.train.loop import TrainOptions, resolve_device, run_training
 from metrale.train.model import CausalLM, MTPHead, dense_target_config
+from metrale.train.state import refuse_finished_resume
 from metrale.train.target import check_no_stale_drafters, drop_earlier_weights
 
 MTP_FILE = "mtp.safetensors"
