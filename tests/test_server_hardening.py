@@ -335,3 +335,51 @@ def test_a_directory_given_as_dot_is_served_under_its_own_name(tiny_model_dir, m
     for bad in ("", " mine"):  # (an empty one was taken as none: review)
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", "--served-model-name", bad])
+
+
+def test_an_engine_failure_adding_a_request_is_a_500_and_the_engine_goes_on(server):
+    """`add_request` raising anything but a ValueError (an engine bug, not the request's) ended
+    the engine thread: every later request waited forever while /health said ok (found in
+    review). Now that request alone gets a 500 in the OpenAI shape."""
+    engine = server.loop.engine
+    real = engine.add_request
+
+    def add_request(request_id, prompt, params):
+        if params.max_tokens == 3:
+            raise RuntimeError("boom while adding")
+        return real(request_id, prompt, params)
+
+    engine.add_request = add_request
+    try:
+        bad = httpx.post(server.url + CMPL, json={"prompt": "hi", "max_tokens": 3}, timeout=30)
+        error = error_of(bad, 500)
+        assert error["type"] == "internal_error" and "boom while adding" in error["message"]
+        good = httpx.post(server.url + CMPL, json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert good.status_code == 200 and good.json()["choices"][0]["finish_reason"]
+    finally:
+        engine.add_request = real
+    assert_healthy(server)
+
+
+def test_requests_still_queued_when_the_engine_stops_are_answered(tiny_model_dir):
+    """A request submitted but not yet taken in by the engine thread when it stops is added and
+    aborted with the rest: its client gets a final output (finish_reason "abort") rather than
+    waiting forever (found in review)."""
+    import asyncio
+
+    from metrale.config import SamplingParams
+    from metrale.server import build
+    from metrale.server.engine_loop import EngineLoop
+
+    _, loop = build(tiny_model_dir, served_name="tiny", device="cpu", max_model_len=64)
+    idle = EngineLoop(loop.engine)  # its thread never started: nothing takes the inbox in
+
+    async def submit_then_stop():
+        queue = idle.submit("late-1", [1, 2, 3], SamplingParams(max_tokens=4))
+        idle._stop.set()
+        await asyncio.to_thread(idle._run)  # what the thread does once it is told to stop
+        return await asyncio.wait_for(queue.get(), 5)
+
+    out = asyncio.run(submit_then_stop())
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert not idle._live and not loop.engine.has_unfinished_requests()

@@ -213,8 +213,10 @@ def create_app(
         try:
             while not finished:
                 item = await queue.get()
-                if isinstance(item, Exception):
+                if isinstance(item, ValueError):  # the request's own (a race with the pool)
                     raise APIError(str(item))
+                if isinstance(item, Exception):  # the engine's fault, not the request's
+                    raise APIError(f"internal error: {item}", None, 500, "internal_error")
                 finished = item.finished
                 yield item
         finally:

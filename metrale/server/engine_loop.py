@@ -12,6 +12,7 @@ client gets a well-formed response ending with finish_reason "abort".
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -124,7 +125,9 @@ class EngineLoop:
         return pending
 
     def _deliver(self, pending: _Pending, item: RequestOutput | Exception) -> None:
-        pending.loop.call_soon_threadsafe(pending.outputs.put_nowait, item)
+        # (RuntimeError: its event loop is closed, nobody is left to answer)
+        with contextlib.suppress(RuntimeError):
+            pending.loop.call_soon_threadsafe(pending.outputs.put_nowait, item)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -136,15 +139,28 @@ class EngineLoop:
                 try:
                     with self.lock:  # /metrics reads what this changes
                         self.engine.add_request(item.request_id, item.prompt, item.params)
-                except ValueError as e:  # validated already; a race with the pool, say
+                except Exception as e:  # noqa: BLE001 (that request's failure alone)
+                    # ValueError: validated already, a race with the pool, say (a 400). Anything
+                    # else is the engine's fault (a 500): it used to escape `_run` and end the
+                    # engine thread, every client then waiting forever while /health said ok
+                    if not isinstance(e, ValueError):
+                        log.exception("adding request %s failed", item.request_id)
                     self._forget(item.request_id)
                     self._deliver(item, e)
             else:
-                with self.lock:
-                    out = self.engine.abort_request(item)
-                pending = self._forget(item)
-                if pending is not None and out is not None:
-                    self._deliver(pending, out)
+                self._end(item)
+
+    def _end(self, request_id: str) -> None:
+        """Abort a request and give its client the final output (finish_reason "abort")."""
+        try:
+            with self.lock:
+                out = self.engine.abort_request(request_id)
+        except Exception as e:  # noqa: BLE001 (the client still gets an answer)
+            log.exception("aborting request %s failed", request_id)
+            out = e
+        pending = self._forget(request_id)
+        if pending is not None and out is not None:
+            self._deliver(pending, out)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -170,9 +186,10 @@ class EngineLoop:
                 self._deliver(pending, out)
                 if out.finished:
                     self._forget(out.request_id)
-        for request_id in list(self._live):
-            with self.lock:
-                out = self.engine.abort_request(request_id)
-            pending = self._forget(request_id)
-            if out is not None:
-                self._deliver(pending, out)
+        # (requests still in the inbox are added first, so that aborting them answers their
+        # clients too: left there, they were never answered)
+        try:
+            self._drain_inbox()
+        finally:
+            for request_id in list(self._live):
+                self._end(request_id)
