@@ -17,6 +17,8 @@ from metrale.speculative.drafter import Verdict
 if TYPE_CHECKING:
     from metrale.engine.llm import LLMEngine
 
+NONFINITE = "the target's logits for this sequence were not finite (NaN or inf)"
+
 
 def commit_rows(
     engine: LLMEngine, out: StepOutput, changed: dict, advanced: bool, finished: list
@@ -38,6 +40,10 @@ def commit_rows(
     for entry, end in zip(out.entries, out.row_ends, strict=True):
         seq, first = entry.seq, entry.seq.num_computed_tokens
         v = verdict_of.get(id(entry))
+        # A row whose logits were not finite shows -1 and ends the verdict
+        # (`step_output.shown_tokens`): the tokens before it are emitted, then the sequence ends
+        # with an error (no arbitrary token, and none of its pages offered to the prefix cache)
+        broken = v is not None and v.tokens[-1].token_id < 0
         accepted = 0 if v is None else v.num_accepted
         committed = entry.num_rows - len(entry.drafts) + accepted
         if advanced:
@@ -47,7 +53,7 @@ def commit_rows(
                 seq.drop_inflight()
         else:
             seq.num_computed_tokens += committed
-        if page and seq.num_computed_tokens >= (seq.num_registered_pages + 1) * page:
+        if page and not broken and seq.num_computed_tokens >= (seq.num_registered_pages + 1) * page:
             filled.append(seq)
         tokens: list[int] = []
         if v is not None:
@@ -56,7 +62,7 @@ def commit_rows(
             if not advanced:  # else counted at launch (the next step's noise keys on it)
                 seq.noise_epoch += 1
             before = len(seq.output_token_ids)
-            delta = engine.emitter.emit(seq, v.tokens)
+            delta = engine.emitter.emit(seq, v.tokens[:-1] if broken else v.tokens)
             tokens = seq.output_token_ids[before:]
             emitted += len(tokens)
             if tokens and seq.first_commit_time is None:
@@ -67,9 +73,13 @@ def commit_rows(
                 deltas = changed.setdefault(seq.request_id, {})
                 earlier = deltas.get(seq.seq_id, ("", []))
                 deltas[seq.seq_id] = (earlier[0] + delta[0], earlier[1] + delta[1])
+            if broken and seq.finish_reason is None:  # (not if a stop came first)
+                seq.finish_reason, seq.error = "error", NONFINITE
+                deltas = changed.setdefault(seq.request_id, {})
+                deltas.setdefault(seq.seq_id, ("", []))
             if seq.finish_reason is not None:
                 finished.append(seq)
-        if observing:
+        if observing and not broken:
             row = end - entry.num_rows
             drafter_verdicts.append(
                 Verdict(

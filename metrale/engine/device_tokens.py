@@ -64,17 +64,21 @@ class HostCopy:
     """A device tensor's copy to the host, queued behind the work that makes it: a pinned
     buffer and an event on CUDA, so that reading it (`rows`) waits for that work alone."""
 
-    def __init__(self, tensor: torch.Tensor, timed: bool = False) -> None:
+    def __init__(
+        self, tensor: torch.Tensor, timed: bool = False, shown: torch.Tensor | None = None
+    ) -> None:
+        """`shown`: what the host copy holds instead of `tensor`'s values (the same shape)."""
         self.tensor = tensor
         self._rows: list | None = None
         self._done = None
+        source = tensor if shown is None else shown
         if tensor.device.type == "cuda":
-            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            self._host.copy_(tensor, non_blocking=True)
+            self._host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+            self._host.copy_(source, non_blocking=True)
             self._done = torch.cuda.Event(enable_timing=timed)
             record_now(self._done)
         else:
-            self._host = tensor.clone()
+            self._host = source.clone()
 
     def rows(self) -> list:
         """The values as host lists (waits for the work before the copy alone, once)."""
@@ -90,12 +94,17 @@ class DeviceDrafts(HostCopy):
     any tokens a later step's input ids take from the device: the asynchronous engine's
     sampled tokens, `engine/ahead.py`)."""
 
-    def __init__(self, tokens: torch.Tensor, started: DeviceClock | None = None) -> None:
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        started: DeviceClock | None = None,
+        shown: torch.Tensor | None = None,
+    ) -> None:
         """`started`: taken before the drafter's device work, so `stall_seconds` can say what
-        that work cost the step."""
+        that work cost the step; `shown`: what the host reads instead (`HostCopy`)."""
         if not tokens.is_contiguous():
             raise ValueError("device drafts must be a contiguous [sequences, drafts] tensor")
-        super().__init__(tokens, timed=started is not None)
+        super().__init__(tokens, timed=started is not None, shown=shown)
         self.width = self.tensor.shape[1]
         self._started, self._used = started, None
 
@@ -242,7 +251,9 @@ def pending_fills(pending: list[tuple[int, DeviceRow]], input_ids: list[int]) ->
     for end, row in pending:
         source, k = row.source, row.length
         if source._used is not None:  # `in_use`, read without a property call
-            input_ids[end - k : end] = row.tolist()
+            # (-1: a token whose logits were not finite, `step_output.shown_tokens`; its
+            # sequence fails at that step's commit, any id serves its row meanwhile)
+            input_ids[end - k : end] = [max(t, 0) for t in row.tolist()]
             continue
         entry = fills.get(source)
         if entry is None:

@@ -43,6 +43,7 @@ from metrale.engine.step_output import (
     pending_greedy,
     pending_sampled,
     sampled_verdicts,
+    shown_tokens,
     to_host,
 )
 from metrale.kernels.batch_invariant import check_invariant_support, make_batch_invariant
@@ -343,17 +344,17 @@ class ModelRunner:
         if defer:
             if verify_state or any(e.drafts for e in entries):
                 raise RuntimeError("only a step without drafts can leave its verdicts pending")
-            pending = (
-                pending_greedy(entries, logits.argmax(dim=-1))
-                if greedy
-                else pending_sampled(entries, logits, self.penalties)
-            )
+            if greedy:
+                picks = logits.argmax(dim=-1)
+                pending = pending_greedy(entries, picks, shown_tokens(logits, picks, True))
+            else:
+                pending = pending_sampled(entries, logits, self.penalties)
             return StepOutput(batch.entries, [], hidden, ends, pending)
         if greedy:
             # The common case needs only each row's argmax: no sampling tensors, no kernels
             # beyond the argmax, the same one host sync.
             picks = logits.argmax(dim=-1)
-            table = to_host(picks, follow, picks)
+            table = to_host(shown_tokens(logits, picks, True), follow, picks)
             verdicts = greedy_verdicts(entries, table, self.forced_acceptance)
         else:
             forced, raw = self.forced_acceptance, self.verify_raw_argmax

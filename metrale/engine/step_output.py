@@ -110,6 +110,17 @@ def to_host(tensor: torch.Tensor, follow=None, tokens: torch.Tensor | None = Non
     return host.tolist()
 
 
+def shown_tokens(logits: torch.Tensor, tokens: torch.Tensor, picked: bool) -> torch.Tensor:
+    """`tokens` [R] as the host is shown them: -1 at each row whose logits are not finite (a NaN,
+    an inf, or every entry -inf: a forward gone wrong), which fails that sequence alone at its
+    commit (`commit.commit_rows`) rather than emit an arbitrary token. `picked`: `tokens` are
+    the rows' argmax, which lands on a NaN or +inf wherever there is one, so the logit it picked
+    tells (a gather); else the whole row is reduced. The device keeps `tokens` themselves:
+    valid ids for the next step's input, whose row for that sequence is thrown away."""
+    value = logits.gather(1, tokens.view(-1, 1)).view(-1) if picked else logits.amax(dim=-1)
+    return torch.where(torch.isfinite(value), tokens, -1)
+
+
 def verdict_table(acc) -> tuple[torch.Tensor, int]:
     """([R, 2 (+ 2 + 2k)] every row's match, emitted token and logprob data together, k): what
     the step's one host copy carries."""
@@ -190,7 +201,8 @@ def sampled_verdicts(
     are one-hot (a match is then an equal token); `penalties`: the engine's penalty state."""
     acc, one_hot = _acceptance(entries, logits, raw_argmax, forced, penalties)
     follow = follow if one_hot else None  # the drafts' own q: matches are not equal tokens
-    return verdicts_of(entries, acc, lambda table: to_host(table, follow, acc.emitted))
+    shown = _shown(acc, logits)
+    return verdicts_of(entries, shown, lambda table: to_host(table, follow, acc.emitted))
 
 
 def pending_sampled(
@@ -198,14 +210,25 @@ def pending_sampled(
 ) -> PendingVerdicts:
     """`sampled_verdicts` of a step without drafts, left on the device (`PendingVerdicts`)."""
     acc, _ = _acceptance(entries, logits, False, penalties=penalties)
-    table, k = verdict_table(acc)
+    table, k = verdict_table(_shown(acc, logits))
     tokens = DeviceDrafts(acc.emitted.long().contiguous().view(-1, 1))
     return PendingVerdicts(entries, tokens, HostCopy(table), k)
 
 
-def pending_greedy(entries: list[ScheduledSeq], picks: torch.Tensor) -> PendingVerdicts:
-    """`greedy_verdicts` of a step without drafts, left on the device (`PendingVerdicts`)."""
-    return PendingVerdicts(entries, DeviceDrafts(picks.view(-1, 1)), None, 0)
+def pending_greedy(
+    entries: list[ScheduledSeq], picks: torch.Tensor, shown: torch.Tensor
+) -> PendingVerdicts:
+    """`greedy_verdicts` of a step without drafts, left on the device (`PendingVerdicts`):
+    the next step's input ids take `picks`, the host reads `shown` (`shown_tokens`)."""
+    tokens = DeviceDrafts(picks.view(-1, 1), shown=shown.view(-1, 1))
+    return PendingVerdicts(entries, tokens, None, 0)
+
+
+def _shown(acc, logits: torch.Tensor):
+    """`acc` as the host is shown it (`shown_tokens`): a row whose logits are not finite emits
+    -1 and matches no draft, so the sequence's verdict ends there, with it."""
+    shown = shown_tokens(logits, acc.emitted, picked=False)
+    return acc._replace(emitted=shown, matches=acc.matches & (shown >= 0))
 
 
 def _acceptance(
