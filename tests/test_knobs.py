@@ -246,3 +246,35 @@ def test_hidden_fingerprint_is_zero_when_the_copy_fails():
 def test_ep_command_words():
     assert EP_CMD_VERIFY_K4 == 0xFFFFFFF4
     assert EP_CMD_MTP_PROPOSE == 0xFFFFFFF5
+
+
+def test_nothing_but_knobs_reads_the_environment():
+    """ARCHITECTURE: every `METRALE_*` variable is read in `knobs.py` alone. Elsewhere the
+    environment is only written (`setdefault`), handed to a child process whole (`dict`), or
+    read for Triton's own switch, `TRITON_INTERPRET`, which Triton itself reads the same way."""
+    import ast
+    from pathlib import Path
+
+    import metrale
+
+    allowed = {"TRITON_INTERPRET"}
+    root = Path(metrale.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "knobs.py" and path.parent == root:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            # os.environ.get(X) / os.getenv(X) / os.environ[X]
+            call = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            if call and ast.unparse(node.func) in ("os.environ.get", "os.getenv"):
+                key = node.args[0] if node.args else None
+            elif isinstance(node, ast.Subscript) and ast.unparse(node.value) == "os.environ":
+                if not isinstance(node.ctx, ast.Load):
+                    continue
+                key = node.slice
+            else:
+                continue
+            name = key.value if isinstance(key, ast.Constant) else ast.unparse(key)
+            if name not in allowed:
+                found.append(f"{path.relative_to(root)}:{node.lineno} reads {name}")
+    assert not found, found
