@@ -227,3 +227,39 @@ def test_device_drafts_left_no_row_by_the_budget(method):
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].finish_reason for o in got] == ["length"] * 4, got[3].outputs[0].error
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_the_shadow_line_logs_each_verify_s_base_picks_and_drafts(tiny_model_dir, knob_env, caplog):
+    """`METRALE_MTP_SHADOW_TOPK` (seed 002): every verify logs `SHADOW_TGT base=<the sequence's
+    length before the verify> v=[the target's pick at each row] drafts=[the drafts]`, the join
+    key and the target side of the drafter's top-k probe; with the knob unset, nothing."""
+    import logging
+    import re
+
+    from metrale import LLM, SamplingParams
+
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    spec = {"method": "ngram", "num_drafts": 3, "dcut": False}
+    line = re.compile(r"SHADOW_TGT base=(\d+) v=\[([\d, ]*)\] drafts=\[([\d, ]*)\]")
+    caplog.set_level(logging.INFO, logger="metrale.speculative.controller")
+    LLM(tiny_model_dir, device="cpu", spec=spec).generate([prompt], params, use_tqdm=False)
+    assert not [r for r in caplog.records if "SHADOW_TGT" in r.getMessage()]
+    knob_env(METRALE_MTP_SHADOW_TOPK="3")
+    out = LLM(tiny_model_dir, device="cpu", spec=spec).generate([prompt], params, use_tqdm=False)
+    tokens = prompt + out[0].outputs[0].token_ids
+    messages = [r.getMessage() for r in caplog.records]
+    seen = [line.fullmatch(m) for m in messages if "SHADOW_TGT" in m]
+    assert seen and all(seen)
+    # the first verify follows the prefill's token; each later one, the tokens the one before
+    # committed (every step verifies: the drafter always finds the prompt's period)
+    expected = len(prompt) + 1
+    for match in seen:
+        base = int(match[1])
+        picks = [int(t) for t in match[2].split(",")]
+        drafts = [int(t) for t in match[3].split(",")]
+        assert base == expected and len(picks) == len(drafts) + 1 >= 2
+        # the picks up to the first miss, and the one after, are the tokens that followed
+        accepted = next((i for i, (d, p) in enumerate(zip(drafts, picks)) if d != p), len(drafts))
+        assert tokens[base : base + accepted + 1] == picks[: accepted + 1]
+        expected = base + accepted + 1
