@@ -273,3 +273,32 @@ def test_run_acceptance_reads_a_namespace(model_dir, corpus):
     assert out["prompt_lengths"] == [32, 32] and out["max_tokens"] == 12
     assert [(r["drafter"], r["k"]) for r in out["results"]] == [("ngram", 1), ("ngram", 2)]
     assert out["identical_outputs"] is True
+
+
+def test_matches_count_past_the_first_miss_and_acceptance_by_width():
+    """ARCHITECTURE: per-position matches are recorded at every position, even past the first
+    miss, and acceptance by the step's verify width. Drafts [1, 2, 3] against the target's
+    picks [1, 9, 3, x] match at positions 0 and 2 and accept 1; the verdicts say so, and the
+    counters take every match while accepting the prefix alone."""
+    from metrale.engine.sequence import ScheduledSeq, Sequence
+    from metrale.engine.step_output import greedy_verdicts, parse_verdicts
+    from metrale.telemetry import SpecTelemetry, width_bucket
+
+    seq = Sequence(0, "r", [4, 5], SamplingParams(temperature=0.0), 0, (), 0)
+    seq.num_computed_tokens = 1
+    entry = ScheduledSeq(seq, 4, [1, 2, 3])
+    (greedy,) = greedy_verdicts([entry], [1, 9, 3, 7])
+    # the sampled path's table: (match, emitted) per row, the last row's match unused
+    (sampled,) = parse_verdicts([entry], [[1, 1], [0, 9], [1, 3], [0, 7]], 0)
+    for v in (greedy, sampled):
+        assert v.matches == [True, False, True] and v.num_accepted == 1
+        assert [t.token_id for t in v.tokens] == [1, 9]
+    tel = SpecTelemetry()
+    tel.record_verifies(10, [(greedy.matches, greedy.num_accepted), ([False, True], 0)])
+    tel.record_verifies(1, [([True], 1)])
+    assert tel.drafted_per_pos == [3, 2, 1]
+    assert tel.matched_per_pos == [2, 1, 1]  # every match, past the first miss too
+    assert tel.accepted_per_pos == [2, 0, 0]
+    assert tel.by_width[width_bucket(10)] == [2, 5, 1]  # verifies, drafts, accepted
+    assert tel.by_width[width_bucket(1)] == [1, 1, 1]
+    assert width_bucket(10) != width_bucket(1)
