@@ -263,3 +263,33 @@ def test_the_shadow_line_logs_each_verify_s_base_picks_and_drafts(tiny_model_dir
         accepted = next((i for i, (d, p) in enumerate(zip(drafts, picks)) if d != p), len(drafts))
         assert tokens[base : base + accepted + 1] == picks[: accepted + 1]
         expected = base + accepted + 1
+
+
+def test_the_verify_shapes_remembered_stay_bounded(tiny_model_dir):
+    """ARCHITECTURE: everything the engine keeps per shape is bounded. The verify steps' shapes
+    (slots and depths) whose telemetry `_record_verify` worked out are forgotten past
+    `SHAPES_REMEMBERED`, and a shape seen again is recorded as the first time."""
+    from types import SimpleNamespace
+
+    from metrale import LLM
+    from metrale.speculative.controller import SHAPES_REMEMBERED
+
+    spec = LLM(tiny_model_dir, device="cpu", spec={"method": "ngram", "num_drafts": 3}).engine.spec
+
+    def entries(n: int):
+        # a distinct shape for each n: slots 0..7, depths from n's digits in base 3, plus one
+        depths = [1 + (n // 3**i) % 3 for i in range(8)]
+        return [
+            SimpleNamespace(seq=SimpleNamespace(slot=s), drafts=[0] * d)
+            for s, d in enumerate(depths)
+        ]
+
+    first = None
+    for n in range(SHAPES_REMEMBERED + 50):
+        spec._record_verify(entries(n))
+        assert len(spec._shapes) <= SHAPES_REMEMBERED
+        if n == 0:
+            first = dict(spec._shapes)
+    spec._shapes.clear()
+    spec._record_verify(entries(0))
+    assert spec._shapes == first and spec.telemetry.verify_steps == SHAPES_REMEMBERED + 51
