@@ -152,7 +152,8 @@ class Knobs:
         "METRALE_NO_MTP_EP_PROPOSE",
         _is_one,
         bool,
-        "=1: do not run the sharded MTP drafter on every expert-parallel rank",
+        "=1: the reference system's MTP drafter then ran on rank 0 alone; metrale's always does "
+        "(a whole-vocabulary copy there, no collective a draft step), so this changes nothing",
     )
     no_dcut_host_cost: bool = _knob(
         "METRALE_NO_DCUT_HOST_COST",
@@ -228,7 +229,9 @@ class Knobs:
 
     @property
     def mtp_ep_propose_enabled(self) -> bool:
-        """Run the sharded MTP drafter on every rank (with `EP_CMD_MTP_PROPOSE`)."""
+        """The reference system's switch for its MTP drafter on every rank (`EP_CMD_MTP_PROPOSE`),
+        parsed as it parses it. metrale's MTP drafter runs on rank 0 alone whatever it says
+        (`distributed/shard.py`: `WholeVocab`), so nothing reads it to decide."""
         return not self.no_mtp_ep_propose
 
     @property
