@@ -77,6 +77,10 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """The engine's tokenizer (`metrale.tokenizer.Tokenizer`), as vLLM's `LLM` names it."""
+        return self.engine.tokenizer
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What a request given no SamplingParams samples with (vLLM's method of that name):
         the checkpoint's recommended sampling in generation_config.json (temperature, top_p,

@@ -53,22 +53,25 @@ def _step_through(engine) -> tuple[list, int]:
 
 
 def _drive_failing_emit(path, async_on: bool, fail_at: int):
-    """Requests a and b; the emitter raises once, at a's `fail_at`-th emission, out of the
-    step (as a detokenizer failure would); the loop goes on as the server's engine loop does."""
+    """Requests a and b; the commit raises once, right after a's `fail_at`-th emission, out of
+    the step (the request telemetry's record of it: a failure of the emission itself now ends
+    that sequence alone, `test_failure_isolation.py`); the loop goes on as the server's engine
+    loop does."""
     llm = LLM(path, device="cpu", async_scheduling=async_on)
     engine = llm.engine
     engine.add_request("a", [5, 6, 7, 8], _greedy(8, stop=["zz-never"]))
     engine.add_request("b", [9, 10, 11], _greedy(8, stop=["zz-never"]))
-    real, count = engine.emitter.emit, [0]
+    requests = engine.telemetry.request
+    real, count = requests.emitted, [0]
 
-    def emit(seq, tokens):
+    def emitted(seq, *args):
         if seq.request_id == "a":
             count[0] += 1
             if count[0] == fail_at:
-                raise RuntimeError("a detokenizer hiccup")
-        return real(seq, tokens)
+                raise RuntimeError("a hiccup after the emission")
+        return real(seq, *args)
 
-    engine.emitter.emit = emit
+    requests.emitted = emitted
     outs, errors = _step_through(engine)
     finals = {o.request_id: o.outputs[0].token_ids for o in outs if o.finished}
     assert engine.allocator.num_free == engine.allocator.num_usable
@@ -89,57 +92,65 @@ def test_an_exception_out_of_a_step_loses_no_other_token(tiny_model_dir):
         assert 0 not in finals["a"]
 
 
-def test_an_exception_while_a_launched_step_moves_the_counters_loses_nothing(tiny_model_dir):
-    """The prefix cache's commit of the pages a launched step fills raises once, while that
-    step's placeholders go out (`AheadStepper._advance`): those already out are taken back, so
-    every output is the synchronous engine's (before: token 0 stayed in both; found in
-    review)."""
+def test_an_exception_while_a_launched_step_moves_the_counters_loses_nothing(
+    tiny_model_dir, monkeypatch
+):
+    """An exception while a launched step's placeholders go out (`AheadStepper._advance`; here
+    the second placeholder's making raises once): those already out are taken back, so every
+    output is the synchronous engine's (before: token 0 stayed in both; found in review, with
+    the prefix cache's commit raising there, which now costs the cache alone)."""
+    from metrale.engine import ahead
+
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [9, 10, 11]]
     finals = {}
     for async_on in (False, True):
         llm = LLM(tiny_model_dir, device="cpu", async_scheduling=async_on, page_size=4)
-        engine, cache = llm.engine, llm.engine.allocator.cache
-        real, calls = cache.commit, [0]
+        engine = llm.engine
+        real, calls = ahead.DeviceRow, [0]
 
-        def commit(seq, real=real, calls=calls):
+        def placeholder(*args, real=real, calls=calls):
             calls[0] += 1
             if calls[0] == 2:
                 raise RuntimeError("injected")
-            return real(seq)
+            return real(*args)
 
-        cache.commit = commit
+        monkeypatch.setattr(ahead, "DeviceRow", placeholder)
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, _greedy(8), final_only=True)
         outs, errors = _step_through(engine)
+        monkeypatch.undo()
         got = {o.request_id: o.outputs[0].token_ids for o in outs}
-        assert errors == 1 and engine.allocator.num_free == engine.allocator.num_usable
+        assert errors == async_on and engine.allocator.num_free == engine.allocator.num_usable
         finals[async_on] = got
     assert finals[True] == finals[False]
 
 
 @pytest.mark.parametrize("async_on", [False, True], ids=["sync", "async"])
 def test_an_exception_after_a_sequence_ended_ends_it_and_keeps_its_output(tiny_model_dir, async_on):
-    """The prefix cache's commit raises once in the step that ends a request (its last token
-    fills a page): the request still ends there, with `max_tokens` tokens (before: it ran one
-    step more and returned max_tokens + 1), and its final output comes with the next step
-    (`LLMEngine._carried`), though no sequence is left to run (found in review)."""
-    for fail_at in (1, 2):  # a page filled mid-way, then the last step's
+    """An exception out of the step that ends a request, after its commit (here the step's
+    telemetry raises once): the request still ends there, with `max_tokens` tokens (before: it
+    ran one step more and returned max_tokens + 1), and its final output comes with the next
+    step (`LLMEngine._carried`), though no sequence is left to run (found in review, with the
+    prefix cache's commit raising there, which now costs the cache alone)."""
+    for when in ("mid-way", "at its end"):
         llm = LLM(tiny_model_dir, device="cpu", async_scheduling=async_on, page_size=4)
-        engine, cache = llm.engine, llm.engine.allocator.cache
-        real, calls = cache.commit, [0]
+        engine = llm.engine
+        engine.add_request("a", [5, 6, 7], _greedy(6), final_only=True)
+        seq, real, calls = engine.requests["a"].seqs[0], engine._record_step, [0]
 
-        def commit(seq, real=real, calls=calls, fail_at=fail_at):
+        def record(*args, real=real, calls=calls, when=when, seq=seq):
             calls[0] += 1
-            if calls[0] == fail_at:
+            due = calls[0] == 2 if when == "mid-way" else seq.finish_reason is not None
+            if due and calls[0] > 0:
+                calls[0] = -100  # once
                 raise RuntimeError("injected")
-            return real(seq)
+            return real(*args)
 
-        cache.commit = commit
-        engine.add_request("a", [5, 6, 7], _greedy(6), final_only=True)  # 9 rows: 2 pages + 1
+        engine._record_step = record
         outs, errors = _step_through(engine)
         final = next((o.outputs[0] for o in reversed(outs) if o.finished), None)
-        assert errors == 1 and final is not None, fail_at
-        assert (len(final.token_ids), final.finish_reason) == (6, "length"), fail_at
+        assert errors == 1 and final is not None, when
+        assert (len(final.token_ids), final.finish_reason) == (6, "length"), when
         assert engine.allocator.num_free == engine.allocator.num_usable and not engine.requests
 
 
@@ -160,21 +171,23 @@ def _finals(engine) -> dict[str, tuple]:
 
 @pytest.mark.parametrize("async_on", [False, True], ids=["sync", "async"])
 def test_an_exception_after_a_step_made_its_outputs_loses_no_final_output(tiny_model_dir, async_on):
-    """An exception after a step made its outputs (the launched step's prefix-cache commit,
-    D-Cut's timing of the step) loses none of them: a request that step finished is still in
-    the engine and its final output comes with the next step. Before, the outputs had let the
-    finished request go, and the next step passed over it: its output never came (found in
-    review, async at the third prefix-cache commit; the synchronous engine lost the whole
-    step's outputs when the timing raised). A streamed request's deltas stay in order (made
-    again, text drained since went in front of the text they held: found in review)."""
+    """An exception after a step made its outputs (the step's telemetry, the launched step's
+    placeholders, D-Cut's timing of the step) loses none of them: a request that step finished
+    is still in the engine and its final output comes with the next step. Before, the outputs
+    had let the finished request go, and the next step passed over it: its output never came
+    (found in review, async at the third prefix-cache commit; the synchronous engine lost the
+    whole step's outputs when the timing raised). A streamed request's deltas stay in order
+    (made again, text drained since went in front of the text they held: found in review)."""
     prompts = {"a": ([5, 6, 7], 3), "b": ([9, 10, 11, 12, 13], 12)}
     spec = {"method": "ngram", "num_drafts": 2}
     seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
 
-    def run(fail_commit: int = 0, fail_timing: int = 0):
+    from metrale.engine import ahead
+
+    def run(fail_record: int = 0, fail_timing: int = 0, fail_placeholder: int = 0):
         llm = LLM(tiny_model_dir, device="cpu", async_scheduling=async_on, page_size=4, spec=spec)
         engine = llm.engine
-        calls = {"commit": 0, "timing": 0}
+        calls = {"record": 0, "timing": 0, "placeholder": 0}
 
         def failing(name, real, at):
             def call(*args):
@@ -185,9 +198,10 @@ def test_an_exception_after_a_step_made_its_outputs_loses_no_final_output(tiny_m
 
             return call
 
-        cache = engine.allocator.cache
-        cache.commit = failing("commit", cache.commit, fail_commit)
+        engine._record_step = failing("record", engine._record_step, fail_record)
         engine.spec.timed_step = failing("timing", engine.spec.timed_step, fail_timing)
+        mp = pytest.MonkeyPatch()
+        mp.setattr(ahead, "DeviceRow", failing("placeholder", ahead.DeviceRow, fail_placeholder))
         for rid, (prompt, n) in prompts.items():
             engine.add_request(rid, prompt, _greedy(n), final_only=True)
         engine.add_request("streamed", [5, 6, 7], seeded)
@@ -195,14 +209,17 @@ def test_an_exception_after_a_step_made_its_outputs_loses_no_final_output(tiny_m
         ids, text, (delta_ids, delta_text) = finals["streamed"]
         assert (delta_ids, delta_text) == (ids, text)
         assert engine.allocator.num_free == engine.allocator.num_usable and not engine.requests
+        mp.undo()
         return finals, calls
 
     reference, calls = run()
     assert sorted(reference) == ["a", "b", "streamed"]
-    for at in range(1, calls["commit"] + 1):
-        assert run(fail_commit=at)[0] == reference, ("commit", at)
+    for at in range(1, calls["record"] + 1):
+        assert run(fail_record=at)[0] == reference, ("record", at)
     for at in range(1, calls["timing"] + 1):
         assert run(fail_timing=at)[0] == reference, ("timing", at)
+    for at in range(1, calls["placeholder"] + 1):  # (the asynchronous engine's launches)
+        assert run(fail_placeholder=at)[0] == reference, ("placeholder", at)
 
 
 def test_the_step_after_the_last_is_not_counted(tiny_model_dir):
@@ -265,27 +282,27 @@ def test_a_failing_launch_is_logged(tiny_model_dir, caplog):
 
 def test_an_exception_out_of_a_step_leaves_a_hybrid_state_on_its_counters(hybrid_dir):  # noqa: F811
     """A hybrid target: an exception out of `step()` after a launched forward advanced the
-    Gated-DeltaNet state (in the prefix cache's commit of a launched step; reading back the
-    step before, with this one launched) moves counters back or leaves them unmoved; the state
+    Gated-DeltaNet state (while a launched step's placeholders go out; reading back the step
+    before, with this one launched) moves counters back or leaves them unmoved; the state
     is rebuilt to match them, so every request still gets the synchronous engine's tokens
     (before: their rows ran again on the advanced state; found in review)."""
     import pytest
 
-    from metrale.engine import step_output
+    from metrale.engine import ahead, step_output
 
     def run(async_on: bool, where: str | None, prompts):
         llm = LLM(hybrid_dir, device="cpu", async_scheduling=async_on, page_size=4)
-        engine, cache, calls = llm.engine, llm.engine.allocator.cache, [0]
-        real_commit, real_settle = cache.commit, step_output.StepOutput.settle
+        engine, calls = llm.engine, [0]
+        real_placeholder, real_settle = ahead.DeviceRow, step_output.StepOutput.settle
 
         def second() -> bool:
             calls[0] += 1
             return calls[0] == 2
 
-        def commit(seq):
+        def placeholder(*args):
             if second():
                 raise RuntimeError("injected")
-            return real_commit(seq)
+            return real_placeholder(*args)
 
         def settle(self):
             if second():
@@ -293,8 +310,8 @@ def test_an_exception_out_of_a_step_leaves_a_hybrid_state_on_its_counters(hybrid
             return real_settle(self)
 
         mp = pytest.MonkeyPatch()
-        if where == "commit":
-            mp.setattr(cache, "commit", commit)
+        if where == "placeholder":
+            mp.setattr(ahead, "DeviceRow", placeholder)
         elif where == "settle":
             mp.setattr(step_output.StepOutput, "settle", settle)
         try:
@@ -308,6 +325,6 @@ def test_an_exception_out_of_a_step_leaves_a_hybrid_state_on_its_counters(hybrid
         return got, errors
 
     two = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [9, 10, 11]]
-    for where, prompts in (("commit", two), ("settle", [*two, [40, 41, 42, 43, 44, 45]])):
+    for where, prompts in (("placeholder", two), ("settle", [*two, [40, 41, 42, 43, 44, 45]])):
         ref, _ = run(False, None, prompts)
         assert run(True, where, prompts) == (ref, 1)

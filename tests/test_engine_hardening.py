@@ -295,3 +295,28 @@ def test_a_draft_distribution_with_autograd_on_is_drawn_from_as_without(tiny_mod
         outs.append(llm.generate(PROMPTS[:1], sampled, use_tqdm=False)[0].outputs[0])
     assert outs[1].finish_reason == "length", outs[1].error
     assert outs[1].token_ids == outs[0].token_ids
+
+
+def test_a_request_that_fails_while_added_leaves_no_count_behind(tiny_model_dir):
+    """A grammar matcher raising for the second of n sequences (an engine failure, not a bad
+    field) used to leave the engine counting the first as running under a grammar: its
+    masks' work on every step, and no step ahead of the one before for good (review)."""
+    llm = LLM(tiny_model_dir, device="cpu")
+    engine = llm.engine
+    real, calls = engine.grammars.matcher, []
+
+    def matcher(spec):
+        calls.append(spec)
+        if len(calls) == 2:
+            raise RuntimeError("the matcher failed")
+        return real(spec)
+
+    engine.grammars.matcher = matcher
+    params = SamplingParams(n=2, max_tokens=3, structured={"choice": ["ab", "cd"]})
+    with pytest.raises(RuntimeError, match="the matcher failed"):
+        engine.add_request("r1", [1, 2, 3], params)
+    assert engine.runner.structured_seqs == 0 and engine.sync_seqs == 0
+    assert "r1" not in engine.requests and not engine.has_unfinished_requests()
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].finish_reason == "length"
+    assert engine._ahead.launches_ahead > 0  # still running ahead

@@ -79,3 +79,72 @@ def test_nonfinite_logits_end_only_their_sequence(
     engine = llm.engine
     assert not engine.has_unfinished_requests()
     assert engine.allocator.num_free == engine.allocator.num_usable
+
+
+def poison_embedding_once(llm, position: int) -> None:
+    """NaN embeddings at `position`, in one forward: that row's K/V is NaN in every layer."""
+    model = llm.engine.runner.model
+    forward, left = model.forward, [1]
+
+    def poisoned(ids, positions, *args, **kwargs):
+        hook = None
+        if left[0] and bool((positions == position).any()):
+            left[0] = 0
+            bad = (positions == position).unsqueeze(-1)
+
+            def nan_rows(module, args, out):
+                return torch.where(bad, torch.full_like(out, float("nan")), out)
+
+            hook = model.model.embed_tokens.register_forward_hook(nan_rows)
+        try:
+            return forward(ids, positions, *args, **kwargs)
+        finally:
+            if hook is not None:
+                hook.remove()
+
+    model.forward = poisoned
+
+
+@pytest.mark.parametrize("async_on", [True, False])
+def test_pages_of_a_broken_row_never_reach_the_prefix_cache(tiny_model_dir, async_on):
+    """Review: the asynchronous engine offers a step's full pages to the prefix cache when it
+    launches it, before its verdicts are read; a page holding the NaN row's K/V stayed cached,
+    and every later request sharing that prefix failed too. Now its names are taken back."""
+    prompt = PROMPTS[0]
+    p = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    kw = dict(device="cpu", dtype="float32", page_size=4, async_scheduling=async_on)
+    llm = LLM(tiny_model_dir, **kw)
+    poison_embedding_once(llm, len(prompt) - 1)  # the last prompt row: it fills a page
+    first = llm.generate([prompt], p, use_tqdm=False)[0].outputs[0]
+    assert first.finish_reason == "error"
+    later = llm.generate([prompt + [1, 2, 3]], p, use_tqdm=False)[0]
+    fresh = LLM(tiny_model_dir, **kw).generate([prompt + [1, 2, 3]], p, use_tqdm=False)[0]
+    assert later.outputs[0].finish_reason == "length"
+    assert later.outputs[0].token_ids == fresh.outputs[0].token_ids
+    assert later.num_cached_tokens < len(prompt)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_forced_acceptance_never_accepts_past_a_broken_row(tiny_model_dir, temperature):
+    """The bench's forced acceptance draws the matches: a draft row whose pick was not finite
+    was accepted, and its -1 reached the detokenizer (the step raised). Review."""
+    from metrale.bench.forced import ForcedAcceptance
+
+    spec = {"method": "ngram", "num_drafts": 3, "dcut": False}
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", page_size=4, spec=spec)
+    llm.engine.runner.forced_acceptance = ForcedAcceptance(1.0)
+    poison_position(llm, len(PROMPTS[0]) + 5, float("nan"))
+    p = SamplingParams(temperature=temperature, seed=1, max_tokens=16, ignore_eos=True)
+    out = llm.generate([PROMPTS[0]], p, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "error" and len(out.token_ids) == 6
+
+
+def test_a_broken_sequence_keeps_the_text_of_its_tokens(tiny_model_dir):
+    """Its text held back for a stop string that never completed is released with the error,
+    as at any end but a stop: the text covers the tokens (review: it was empty)."""
+    p = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=["\x00never"])
+    llm = LLM(tiny_model_dir, device="cpu", dtype="float32", page_size=4)
+    poison_position(llm, len(PROMPTS[0]) + 6, float("nan"))
+    out = llm.generate([PROMPTS[0]], p, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "error" and len(out.token_ids) == 7
+    assert out.text == llm.get_tokenizer().decode(out.token_ids)

@@ -46,6 +46,7 @@ import time
 from dataclasses import dataclass
 
 from metrale.distributed.parallel import DistributedError
+from metrale.engine.commit import offer_pages
 from metrale.engine.device_tokens import DeviceRow
 from metrale.engine.isolation import rebuild_state, recompute_later, run_batch, still_running
 from metrale.engine.sequence import Batch, Phase, ScheduledSeq, Sequence, SequenceStatus
@@ -331,16 +332,19 @@ class AheadStepper:
                 row += 1
             if seq.status is FINISHED:  # the step before ended it: this row is thrown away
                 continue
+            # (made first: a sequence moves all at once or not at all, so that `_withdraw` can
+            # take back every one that moved)
+            inflight = DeviceRow(tokens, row - 1, 1) if entry.samples else None
             seq.num_computed_tokens += entry.num_rows
-            if entry.samples:
+            if inflight is not None:
                 seq.noise_epoch += 1
                 seq.output_token_ids.append(0)
-                seq.inflight = DeviceRow(tokens, row - 1, 1)
+                seq.inflight = inflight
                 if penalised:
                     sampled.append(seq)
                     at.append(row - 1)
             if page and seq.num_computed_tokens >= (seq.num_registered_pages + 1) * page:
-                cache.commit(seq)
+                offer_pages(cache, seq)
         if sampled:  # the penalties' counts take those tokens on the device
             penalties.launched(sampled, at, tokens.tensor)
         states = self.engine.runner.states

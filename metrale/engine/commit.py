@@ -7,6 +7,7 @@ Split out of `engine/llm.py`: `LLMEngine._commit` wraps it (the sequences it end
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,8 @@ from metrale.speculative.drafter import Verdict
 
 if TYPE_CHECKING:
     from metrale.engine.llm import LLMEngine
+
+log = logging.getLogger(__name__)
 
 NONFINITE = "the target's logits for this sequence were not finite (NaN or inf)"
 
@@ -44,6 +47,10 @@ def commit_rows(
         # (`step_output.shown_tokens`): the tokens before it are emitted, then the sequence ends
         # with an error (no arbitrary token, and none of its pages offered to the prefix cache)
         broken = v is not None and v.tokens[-1].token_id < 0
+        if broken and cache is not None:
+            # a step launched ahead offered the pages its rows filled at launch
+            # (`AheadStepper._advance`), before anyone knew: their names go
+            cache.withdraw(seq, (first - (entry.num_rows if advanced else 0)) // page)
         accepted = 0 if v is None else v.num_accepted
         committed = entry.num_rows - len(entry.drafts) + accepted
         if advanced:
@@ -62,7 +69,15 @@ def commit_rows(
             if not advanced:  # else counted at launch (the next step's noise keys on it)
                 seq.noise_epoch += 1
             before = len(seq.output_token_ids)
-            delta = engine.emitter.emit(seq, v.tokens[:-1] if broken else v.tokens)
+            try:
+                delta = engine.emitter.emit(seq, v.tokens[:-1] if broken else v.tokens)
+            except Exception as e:  # noqa: BLE001 (its detokenizer, grammar: its failure alone)
+                # out of `step`, it failed every request of the call, and one that raised
+                # each step stopped the engine (found in review)
+                log.exception("emitting the tokens of %s failed", seq.request_id)
+                broken, delta = True, ("", [])
+                seq.finish_reason = None
+                seq.error = f"emitting its tokens failed: {type(e).__name__}: {e}"
             tokens = seq.output_token_ids[before:]
             emitted += len(tokens)
             if tokens and seq.first_commit_time is None:
@@ -74,7 +89,7 @@ def commit_rows(
                 earlier = deltas.get(seq.seq_id, ("", []))
                 deltas[seq.seq_id] = (earlier[0] + delta[0], earlier[1] + delta[1])
             if broken and seq.finish_reason is None:  # (not if a stop came first)
-                seq.finish_reason, seq.error = "error", NONFINITE
+                seq.finish_reason, seq.error = "error", seq.error or NONFINITE
                 deltas = changed.setdefault(seq.request_id, {})
                 deltas.setdefault(seq.seq_id, ("", []))
             if seq.finish_reason is not None:
@@ -105,7 +120,20 @@ def commit_rows(
     # After the drafters wrote their KV rows of these positions: the pages are complete.
     for seq in filled:
         if seq.status is SequenceStatus.RUNNING:
-            cache.commit(seq)
+            offer_pages(cache, seq)
     if filled and engine.runner.states is not None:  # a hybrid's snapshots, all at once
         engine.runner.states.flush_snapshots()
     return emitted
+
+
+def offer_pages(cache, seq: Sequence) -> None:
+    """`cache.commit(seq)`, whose failure costs the cache those pages and nothing else: out of
+    the step, it failed every request of the call, and one raising each step stopped the
+    engine (found in review); the sequence's own output never depended on it."""
+    try:
+        cache.commit(seq)
+    except Exception:  # noqa: BLE001
+        log.exception("offering the pages of %s to the prefix cache failed", seq.request_id)
+        # (not offered again: once a page, not once a step)
+        done = min(seq.num_computed_tokens, seq.num_tokens)
+        seq.num_registered_pages = max(seq.num_registered_pages, done // cache.page_size)

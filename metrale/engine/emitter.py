@@ -153,10 +153,18 @@ class Emitter:
 
     def settle(self, seq: Sequence) -> None:
         """Detokenize `seq`'s deferred tokens now (it ends, fails or is aborted): their delta
-        joins the drained ones, so its output shows them."""
+        joins the drained ones, so its output shows them. A sequence that fails or is aborted
+        also gets the text held back for its stop strings and its detokenizer's tail, as one
+        that runs out of tokens does (`stop.check_stop`): its text then covers its tokens."""
         entry = self._pending.pop(seq.seq_id, None)
-        if entry is not None:
-            self._drained.append((seq, self._detokenize(*entry)))
+        text, ids = ("", []) if entry is None else self._detokenize(*entry)
+        if seq.finish_reason in ("error", "abort"):
+            tail = seq.pending_text + seq.detokenizer.flush()
+            seq.pending_text = ""
+            seq.text += tail
+            text += tail
+        if entry is not None or text:
+            self._drained.append((seq, (text, ids)))
 
     def pending_tokens(self, seq: Sequence) -> int:
         entry = self._pending.get(seq.seq_id)

@@ -380,12 +380,17 @@ class LLMEngine(RequestAdmission):
             seq.drop_inflight()  # a token still in flight never reaches its output
             self.runner.penalties.release(seq)
             self._sync_seq_ids.discard(seq.seq_id)
-            self.emitter.settle(seq)
-            self.telemetry.requests_finished[seq.finish_reason] += 1
-            self.telemetry.request.finished(seq, now)
             if seq.grammar is not None:
                 seq.grammar = None
                 self.runner.structured_seqs -= 1
+            try:
+                self.emitter.settle(seq)
+            except Exception:  # noqa: BLE001 (its text alone is lost, not the engine's counts)
+                # (found in review: a detokenizer raising here left the engine counting the
+                # sequence as synchronous and under a grammar for good)
+                log.exception("the text of %s could not be finished", seq.request_id)
+            self.telemetry.requests_finished[seq.finish_reason] += 1
+            self.telemetry.request.finished(seq, now)
             if self.spec is not None:
                 self.spec.release(seq)
 

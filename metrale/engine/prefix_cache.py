@@ -313,6 +313,21 @@ class PrefixCache:
             if seq.snapshot_at.pop(0) == done and self.snapshots is not None:
                 self.snapshots.save(names[full - 1], seq.slot)
 
+    def withdraw(self, seq: Sequence, first: int) -> None:
+        """Take back the names of the pages `seq` offered from its page `first` on (their rows
+        came from a forward whose output was not finite: `commit.commit_rows`), and any
+        snapshot saved with them. Pages it found cached hold no row of its own: none is past
+        the rows it computed."""
+        for i in range(first, seq.num_registered_pages):
+            name = self._name_of.pop(seq.block_table[i], None)
+            if name is None:
+                continue
+            del self._page_of[name]
+            self._draft_mark.pop(seq.block_table[i], None)
+            if self.snapshots is not None:
+                self.snapshots.drop(name)
+        seq.num_registered_pages = min(seq.num_registered_pages, first)
+
     def release(self, seq: Sequence) -> None:
         """`seq` gave its pages back (finished, preempted, failed)."""
         if seq.state_pin >= 0 and self.snapshots is not None:

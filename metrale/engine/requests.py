@@ -111,11 +111,16 @@ class RequestAdmission:
             )
             if params.structured is not None:
                 seq.grammar = self.grammars.matcher(params.structured)
+            self._next_seq_id += 1
+            seqs.append(seq)
+        # the engine's counts change once every sequence is made: a matcher that raised for the
+        # second of n left them counting a sequence that never ran (review), which kept the
+        # engine synchronous for good
+        for seq in seqs:
+            if seq.grammar is not None:
                 self.runner.structured_seqs += 1
             if not runs_ahead(seq, self.spec):
                 self._sync_seq_ids.add(seq.seq_id)
-            self._next_seq_id += 1
-            seqs.append(seq)
         self.requests[request_id] = Request(request_id, text, list(token_ids), seqs, final_only)
         for seq in seqs:
             self.scheduler.add(seq)

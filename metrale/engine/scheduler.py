@@ -17,12 +17,15 @@ to end at its snapshot boundaries (`Sequence.snapshot_at`), where its state is s
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from collections.abc import Iterable
 
 from metrale.engine.kv_cache import PageAllocator
 from metrale.engine.prefix_cache import Hit
 from metrale.engine.sequence import Batch, ScheduledSeq, Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -187,23 +190,34 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             seq = self.waiting[0]
-            hit = self._match(seq)
-            start = seq.num_computed_tokens if hit is None else hit.tokens
-            num_rows = self._chunk(seq, start, budget)
-            need = self._reach(seq, start + num_rows)
-            if self._never_fits(seq, need):
+            try:
+                hit = self._match(seq)
+                start = seq.num_computed_tokens if hit is None else hit.tokens
+                num_rows = self._chunk(seq, start, budget)
+                need = self._reach(seq, start + num_rows)
+                if self._never_fits(seq, need):
+                    self.waiting.pop(0)
+                    batch.failed.append(seq)
+                    continue
+                cached = [] if hit is None else hit.pages
+                taken = 0 if hit is None else hit.idle  # idle cached pages it maps stop being free
+                if self.allocator.pages_for(need) - len(cached) > self.allocator.num_free - taken:
+                    break
                 self.waiting.pop(0)
+                if hit is not None:
+                    self.allocator.share(seq, hit.pages)
+                    self.allocator.cache.admit(seq, hit)
+                self.allocator.reserve(seq, need)
+            except Exception as e:  # noqa: BLE001 (its admission's failure: it alone ends)
+                # Out of `schedule`, it failed every request of the step, again each step; or,
+                # past `pop`, the sequence was lost: neither waiting nor running, its request
+                # never answered (found in review). Its pages go back as it fails.
+                log.exception("admitting %s failed", seq.request_id)
+                if self.waiting and self.waiting[0] is seq:
+                    self.waiting.pop(0)
+                seq.error = f"admission failed: {type(e).__name__}: {e}"
                 batch.failed.append(seq)
                 continue
-            cached = [] if hit is None else hit.pages
-            taken = 0 if hit is None else hit.idle  # idle cached pages it maps stop being free
-            if self.allocator.pages_for(need) - len(cached) > self.allocator.num_free - taken:
-                break
-            self.waiting.pop(0)
-            if hit is not None:
-                self.allocator.share(seq, hit.pages)
-                self.allocator.cache.admit(seq, hit)
-            self.allocator.reserve(seq, need)
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:  # queue time ends (a re-admission keeps it)
                 seq.first_scheduled_time = time.perf_counter()

@@ -179,8 +179,8 @@ def greedy_verdicts(
         row += k + 1
         if forced is None:
             matches = [d == t for d, t in zip(e.drafts, rows, strict=False)]
-        else:
-            matches = forced.draw(k)
+        else:  # (never past a row whose logits were not finite: `shown_tokens`)
+            matches = [m and t >= 0 for m, t in zip(forced.draw(k), rows, strict=False)]
         accepted = next((i for i, m in enumerate(matches) if not m), k)
         tokens = [SampledToken(e.seq, t) for t in rows[: accepted + 1]]
         result.append(SeqVerdict(e, accepted, matches, tokens, rows))

@@ -252,7 +252,12 @@ class SpeculativeDecoder(DepthPlanning):
             if draft is None:
                 continue
             if seq.grammar is not None:
-                draft = grammar_drafts(seq, draft, cap)
+                try:
+                    draft = grammar_drafts(seq, draft, cap)
+                except Exception as e:  # noqa: BLE001 (its grammar's failure: it alone ends)
+                    log.exception("the grammar of %s failed on its drafts", seq.request_id)
+                    failed.append((seq, f"grammar: {type(e).__name__}: {e}"))
+                    continue
             tokens = draft.tokens
             if not tokens:
                 continue

@@ -1,0 +1,133 @@
+"""An engine failure while serving one sequence, outside its forward (its detokenizer, its
+grammar, its prefix-cache look-up, its admission), ends that sequence alone with finish_reason
+"error" and a message naming what failed (the prefix cache failing to take its pages costs the
+cache those pages, and the sequence nothing); nothing escapes `step` (which failed every request of
+the call, or, raised each step, stopped the engine), the other requests give a fresh engine's
+output, the pool ends idle and the engine's counts come back to zero (found by a review that
+injected failures one component at a time). Synchronous and asynchronous, plain and with n-gram
+speculation."""
+
+from __future__ import annotations
+
+import pytest
+
+from metrale import LLM, SamplingParams
+from metrale.structured.grammar import SequenceGrammar
+
+PROMPTS = [[(5 * i + 3 * j) % 200 + 3 for j in range(6 + i)] for i in range(4)]
+VICTIM = 0
+
+
+def boom(*args, **kwargs):
+    raise RuntimeError("injected")
+
+
+def params(structured: bool = False, stop: bool = False) -> list[SamplingParams]:
+    out = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True) for _ in PROMPTS]
+    if structured:
+        out[VICTIM] = SamplingParams(
+            temperature=0.0, max_tokens=10, structured={"regex": "[a-z]{3,40}"}
+        )
+    if stop:
+        out[VICTIM] = SamplingParams(temperature=0.0, max_tokens=10, stop=["\x00never"])
+    return out
+
+
+def victim_only(seq) -> bool:
+    return seq.request_id.endswith(f"-{VICTIM}") or seq.request_id == str(VICTIM)
+
+
+def inject(llm, where: str, monkeypatch) -> None:
+    engine = llm.engine
+    if where in ("detokenizer", "detokenizer-stop"):
+        real = engine.add_request
+
+        def add_request(request_id, prompt, p=None, final_only=False):
+            real(request_id, prompt, p, final_only)
+            if victim_only(engine.requests[request_id].seqs[0]):
+                for seq in engine.requests[request_id].seqs:
+                    seq.detokenizer.push = seq.detokenizer.push_each = boom
+
+        monkeypatch.setattr(engine, "add_request", add_request)
+    elif where in ("grammar-advance", "grammar-forced"):
+        name = "advance" if where == "grammar-advance" else "forced"
+        real = getattr(SequenceGrammar, name)
+
+        def failing(self, *args):
+            if self is victim_grammar[0]:
+                raise RuntimeError("injected")
+            return real(self, *args)
+
+        victim_grammar = [None]
+        matcher = engine.grammars.matcher
+
+        def made(spec):
+            victim_grammar[0] = matcher(spec)
+            return victim_grammar[0]
+
+        monkeypatch.setattr(engine.grammars, "matcher", made)
+        monkeypatch.setattr(SequenceGrammar, name, failing)
+    elif where in ("cache-match", "cache-commit"):
+        cache = engine.allocator.cache
+        real = getattr(cache, where.split("-")[1])
+
+        def failing(seq, *args):
+            if victim_only(seq):
+                raise RuntimeError("injected")
+            return real(seq, *args)
+
+        monkeypatch.setattr(cache, where.split("-")[1], failing)
+    elif where == "admission":
+        allocator = engine.allocator
+        real = allocator.reserve
+
+        def reserve(seq, rows):
+            if victim_only(seq) and not seq.block_table:
+                raise MemoryError("injected")
+            return real(seq, rows)
+
+        monkeypatch.setattr(allocator, "reserve", reserve)
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        "detokenizer",
+        "detokenizer-stop",
+        "grammar-advance",
+        "grammar-forced",
+        "cache-match",
+        "cache-commit",
+        "admission",
+    ],
+)
+@pytest.mark.parametrize("spec", [None, "ngram"])
+@pytest.mark.parametrize("async_on", [True, False])
+def test_one_sequence_s_failure_ends_it_alone(tiny_model_dir, monkeypatch, where, spec, async_on):
+    if where == "grammar-forced" and spec is None:
+        pytest.skip("forced tokens are asked for drafting alone")
+    kw = dict(device="cpu", async_scheduling=async_on, page_size=4)
+    if spec is not None:
+        kw["spec"] = {"method": spec, "num_drafts": 2, "dcut": False}
+    each = params(structured=where.startswith("grammar"), stop=where == "detokenizer-stop")
+    want = LLM(tiny_model_dir, **kw).generate(PROMPTS, each, use_tqdm=False)
+    llm = LLM(tiny_model_dir, **kw)
+    inject(llm, where, monkeypatch)
+    got = llm.generate(PROMPTS, each, use_tqdm=False)  # nothing escapes a step
+    bad = got[VICTIM].outputs[0]
+    if where == "cache-commit":  # it costs the cache its pages, never its output
+        assert bad.token_ids == want[VICTIM].outputs[0].token_ids and bad.error is None
+    else:
+        assert bad.finish_reason == "error" and "injected" in bad.error, (bad.finish_reason, bad)
+    for i, (out, ref) in enumerate(zip(got, want, strict=True)):
+        if i != VICTIM:
+            assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+            assert out.outputs[0].finish_reason == ref.outputs[0].finish_reason
+    engine = llm.engine
+    assert not engine.has_unfinished_requests() and not engine.requests
+    assert engine.allocator.num_free == engine.allocator.num_usable
+    assert engine.sync_seqs == 0 and engine.runner.structured_seqs == 0
+    monkeypatch.undo()
+    again = llm.generate(PROMPTS, params(), use_tqdm=False)
+    fresh = LLM(tiny_model_dir, **kw).generate(PROMPTS, params(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in fresh]
