@@ -131,3 +131,60 @@ def test_one_sequence_s_failure_ends_it_alone(tiny_model_dir, monkeypatch, where
     again = llm.generate(PROMPTS, params(), use_tqdm=False)
     fresh = LLM(tiny_model_dir, **kw).generate(PROMPTS, params(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in fresh]
+
+
+@pytest.mark.parametrize("where", ["detokenizer", "detokenizer-stop", "grammar-advance"])
+@pytest.mark.parametrize("async_on", [True, False])
+@pytest.mark.parametrize("fail_at", [1, 3])
+def test_the_streamed_deltas_of_a_failed_sequence_add_up(
+    tiny_model_dir, monkeypatch, where, async_on, fail_at
+):
+    """A failure partway through an emission (its `fail_at`-th call) loses none of the tokens
+    it recorded from the stream: the deltas add up to the final token ids and text (found in
+    review: the tokens recorded before the raise were in the final output and in no delta)."""
+    llm = LLM(tiny_model_dir, device="cpu", async_scheduling=async_on, page_size=4)
+    engine = llm.engine
+    each = params(structured=where.startswith("grammar"), stop=where == "detokenizer-stop")
+    for i, (prompt, p) in enumerate(zip(PROMPTS, each, strict=True)):
+        engine.add_request(f"req-{i}", prompt, p)
+    victim = engine.requests[f"req-{VICTIM}"].seqs[0]
+    calls = [0]
+    if where.startswith("detokenizer"):
+        detokenizer = victim.detokenizer
+        real_push, real_each = detokenizer.push, detokenizer.push_each
+
+        def failing(real):
+            def call(*args):
+                calls[0] += 1
+                if calls[0] >= fail_at:
+                    raise RuntimeError("injected")
+                return real(*args)
+
+            return call
+
+        detokenizer.push, detokenizer.push_each = failing(real_push), failing(real_each)
+    else:
+        real = SequenceGrammar.advance
+
+        def advance(self, tokens):
+            if self is victim.grammar:
+                calls[0] += 1
+                if calls[0] >= fail_at:
+                    raise RuntimeError("injected")
+            return real(self, tokens)
+
+        monkeypatch.setattr(SequenceGrammar, "advance", advance)
+    summed: dict[str, tuple[list[int], str]] = {}
+    last = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            ids, text = summed.get(out.request_id, ([], ""))
+            one = out.outputs[0]
+            summed[out.request_id] = (ids + one.delta_token_ids, text + one.delta_text)
+            last[out.request_id] = one
+    bad = last[f"req-{VICTIM}"]
+    assert bad.finish_reason == "error" and "injected" in bad.error
+    for rid, one in last.items():
+        ids, text = summed[rid]
+        assert ids == list(one.token_ids), rid
+        assert text == one.text, rid

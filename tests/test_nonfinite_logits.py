@@ -148,3 +148,26 @@ def test_a_broken_sequence_keeps_the_text_of_its_tokens(tiny_model_dir):
     out = llm.generate([PROMPTS[0]], p, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "error" and len(out.token_ids) == 7
     assert out.text == llm.get_tokenizer().decode(out.token_ids)
+
+
+@pytest.mark.parametrize("async_on", [True, False])
+def test_a_chunked_prompt_s_pages_are_withdrawn_too(tiny_model_dir, async_on):
+    """The non-finite row may be in an earlier prompt chunk than the row that samples (its K/V
+    poisons the chunks after it): every page the sequence computed loses its name, not the
+    last step's alone (found in review)."""
+    prompt = PROMPTS[0]
+    p = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    kw = dict(
+        device="cpu",
+        dtype="float32",
+        page_size=4,
+        async_scheduling=async_on,
+        max_num_batched_tokens=8,
+    )
+    llm = LLM(tiny_model_dir, **kw)
+    poison_embedding_once(llm, 1)  # in the first chunk
+    assert llm.generate([prompt], p, use_tqdm=False)[0].outputs[0].finish_reason == "error"
+    later = llm.generate([prompt + [1, 2, 3]], p, use_tqdm=False)[0]
+    fresh = LLM(tiny_model_dir, **kw).generate([prompt + [1, 2, 3]], p, use_tqdm=False)[0]
+    assert later.outputs[0].token_ids == fresh.outputs[0].token_ids
+    assert later.num_cached_tokens == 0

@@ -48,9 +48,10 @@ def commit_rows(
         # with an error (no arbitrary token, and none of its pages offered to the prefix cache)
         broken = v is not None and v.tokens[-1].token_id < 0
         if broken and cache is not None:
-            # a step launched ahead offered the pages its rows filled at launch
-            # (`AheadStepper._advance`), before anyone knew: their names go
-            cache.withdraw(seq, (first - (entry.num_rows if advanced else 0)) // page)
+            # its pages offered so far (at a launch ahead, `AheadStepper._advance`, before
+            # anyone knew; a prompt chunk's, whose row may be the one gone wrong) lose their
+            # names, from the first it computed (those it found cached are others' rows)
+            cache.withdraw(seq, seq.num_cached_tokens // page)
         accepted = 0 if v is None else v.num_accepted
         committed = entry.num_rows - len(entry.drafts) + accepted
         if advanced:
@@ -75,7 +76,11 @@ def commit_rows(
                 # out of `step`, it failed every request of the call, and one that raised
                 # each step stopped the engine (found in review)
                 log.exception("emitting the tokens of %s failed", seq.request_id)
-                broken, delta = True, ("", [])
+                broken = True
+                # the ids it recorded reach the caller: later from the emitter's pending ones
+                # (`Emitter.settle`), else now, without text
+                pending = engine.emitter.pending_tokens(seq)
+                delta = None if pending else ("", seq.output_token_ids[before:])
                 seq.finish_reason = None
                 seq.error = f"emitting its tokens failed: {type(e).__name__}: {e}"
             tokens = seq.output_token_ids[before:]

@@ -13,12 +13,16 @@ stop strings (the text decides when they end) or logprobs are detokenized in the
 
 from __future__ import annotations
 
+import logging
+
 from metrale.engine.sequence import Sequence
 from metrale.engine.step_output import SampledToken
 from metrale.engine.stop import check_stop, find_stop_string, token_stop
 from metrale.knobs import knobs
 from metrale.outputs import CompletionOutput, Logprob, RequestOutput
 from metrale.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 # A delta: the text and the token ids a sequence emitted since its last output.
 Delta = tuple[str, list[int]]
@@ -51,27 +55,46 @@ class Emitter:
                 if seq.finish_reason is not None:
                     break
             return text, ids
-        ids = []
-        for token in tokens:
-            self._record(seq, token)
-            ids.append(token.token_id)
-            reason = token_stop(seq, self.max_model_len)
-            if reason is not None:
-                seq.finish_reason, seq.stop_reason = reason
-                break
-        entry = self._pending.get(seq.seq_id)
-        if entry is None:
-            self._pending[seq.seq_id] = (seq, ids)
-        else:
-            entry[1].extend(ids)
+        start = len(seq.output_token_ids)
+        try:
+            for token in tokens:
+                self._record(seq, token)
+                reason = token_stop(seq, self.max_model_len)
+                if reason is not None:
+                    seq.finish_reason, seq.stop_reason = reason
+                    break
+        finally:
+            # every token recorded is pending, one whose grammar then raised included: its id
+            # reaches the caller with the others (`settle`), never lost from the deltas
+            ids = seq.output_token_ids[start:]
+            entry = self._pending.get(seq.seq_id)
+            if entry is None:
+                self._pending[seq.seq_id] = (seq, ids)
+            else:
+                entry[1].extend(ids)
         if seq.finish_reason is None:
             return None
         # It ended: its text now, the last detokenizer tail included, so its final output
         # is whole; the delta covers every token its outputs have not shown yet.
-        delta = self._detokenize(*self._pending.pop(seq.seq_id))
-        tail = seq.detokenizer.flush()
+        entry = self._pending.pop(seq.seq_id)
+        try:
+            delta = self._detokenize(*entry)
+        except BaseException:
+            self._pending[seq.seq_id] = entry  # (`settle` gives the caller its ids)
+            raise
+        tail = self._flush(seq)
         seq.text += tail
         return delta[0] + tail, delta[1]
+
+    @staticmethod
+    def _flush(seq: Sequence) -> str:
+        """The detokenizer's tail, or nothing if it fails (the text's end is lost, not the
+        ids that come with it)."""
+        try:
+            return seq.detokenizer.flush()
+        except Exception:  # noqa: BLE001
+            log.exception("the detokenizer of %s failed at its end", seq.request_id)
+            return ""
 
     def _emit_whole(self, seq: Sequence, tokens: list[SampledToken]) -> Delta | None:
         """`emit`'s in-step path for a verify's several tokens in one detokenizer push and one
@@ -157,9 +180,15 @@ class Emitter:
         also gets the text held back for its stop strings and its detokenizer's tail, as one
         that runs out of tokens does (`stop.check_stop`): its text then covers its tokens."""
         entry = self._pending.pop(seq.seq_id, None)
-        text, ids = ("", []) if entry is None else self._detokenize(*entry)
+        text, ids = "", []
+        if entry is not None:
+            try:
+                text, ids = self._detokenize(*entry)
+            except Exception:  # noqa: BLE001 (its ids still reach the caller, without text)
+                log.exception("detokenizing the last tokens of %s failed", seq.request_id)
+                ids = list(entry[1])
         if seq.finish_reason in ("error", "abort"):
-            tail = seq.pending_text + seq.detokenizer.flush()
+            tail = seq.pending_text + self._flush(seq)
             seq.pending_text = ""
             seq.text += tail
             text += tail
