@@ -188,3 +188,23 @@ def test_the_streamed_deltas_of_a_failed_sequence_add_up(
         ids, text = summed[rid]
         assert ids == list(one.token_ids), rid
         assert text == one.text, rid
+
+
+@pytest.mark.parametrize("deferred", [True, False])
+def test_a_detokenizer_failing_at_the_end_fails_its_sequence(tiny_model_dir, knob_env, deferred):
+    """The detokenizer's tail raising as a sequence ends: that sequence ends in error, on the
+    deferred-text path as on the in-step one (review), its ids all in its deltas."""
+    if not deferred:
+        knob_env(METRALE_NO_DEFERRED_TEXT="1")
+    engine = LLM(tiny_model_dir, device="cpu").engine
+    engine.add_request("a", [5, 17, 30, 42], SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.add_request("b", [7, 8, 9], SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.requests["a"].seqs[0].detokenizer.flush = boom
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    final = {o.request_id: o.outputs[0] for o in outs if o.finished}
+    assert final["a"].finish_reason == "error" and "injected" in final["a"].error
+    assert final["b"].finish_reason == "length"
+    ids = [t for o in outs if o.request_id == "a" for t in o.outputs[0].delta_token_ids]
+    assert ids == list(final["a"].token_ids) and len(ids) == 5

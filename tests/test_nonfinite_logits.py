@@ -171,3 +171,27 @@ def test_a_chunked_prompt_s_pages_are_withdrawn_too(tiny_model_dir, async_on):
     fresh = LLM(tiny_model_dir, **kw).generate([prompt + [1, 2, 3]], p, use_tqdm=False)[0]
     assert later.outputs[0].token_ids == fresh.outputs[0].token_ids
     assert later.num_cached_tokens == 0
+
+
+def test_pages_computed_before_a_preemption_are_withdrawn_too(tiny_model_dir):
+    """Re-admitted after a preemption, a sequence hits its own pages; a non-finite row among
+    them must leave the cache with the rest (found in review: withdrawn from the last
+    admission's hit on, they stayed, and a later request with that prefix failed)."""
+    kw = dict(device="cpu", dtype="float32", page_size=4, async_scheduling=False)
+    kw["max_num_batched_tokens"] = 8
+    p = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm = LLM(tiny_model_dir, **kw)
+    engine = llm.engine
+    poison_embedding_once(llm, 1)
+    engine.add_request("a", PROMPTS[0], p)
+    engine.step()  # the first chunk: its two pages (row 1 among them) are offered
+    seq = engine.requests["a"].seqs[0]
+    engine.scheduler.preempt(seq)  # as the scheduler does to its newest sequence
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert seq.num_cached_tokens == 8  # re-admitted on its own pages
+    assert outs[-1].outputs[0].finish_reason == "error"
+    later = llm.generate([PROMPTS[0] + [1, 2, 3]], p, use_tqdm=False)[0]
+    fresh = LLM(tiny_model_dir, **kw).generate([PROMPTS[0] + [1, 2, 3]], p, use_tqdm=False)[0]
+    assert later.outputs[0].token_ids == fresh.outputs[0].token_ids

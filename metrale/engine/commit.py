@@ -50,8 +50,9 @@ def commit_rows(
         if broken and cache is not None:
             # its pages offered so far (at a launch ahead, `AheadStepper._advance`, before
             # anyone knew; a prompt chunk's, whose row may be the one gone wrong) lose their
-            # names, from the first it computed (those it found cached are others' rows)
-            cache.withdraw(seq, seq.num_cached_tokens // page)
+            # names, from the first it computed: those its first admission found cached are
+            # others' rows (a later admission's hits may be its own, from before a preemption)
+            cache.withdraw(seq, seq.num_prompt_cached_tokens // page)
         accepted = 0 if v is None else v.num_accepted
         committed = entry.num_rows - len(entry.drafts) + accepted
         if advanced:

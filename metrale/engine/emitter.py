@@ -82,14 +82,20 @@ class Emitter:
         except BaseException:
             self._pending[seq.seq_id] = entry  # (`settle` gives the caller its ids)
             raise
-        tail = self._flush(seq)
+        try:
+            tail = seq.detokenizer.flush()
+        except Exception as e:  # noqa: BLE001 (it ends in error, with the text it has)
+            log.exception("the detokenizer of %s failed at its end", seq.request_id)
+            seq.finish_reason = "error"
+            seq.error = f"its detokenizer failed at its end: {type(e).__name__}: {e}"
+            tail = ""
         seq.text += tail
         return delta[0] + tail, delta[1]
 
     @staticmethod
     def _flush(seq: Sequence) -> str:
-        """The detokenizer's tail, or nothing if it fails (the text's end is lost, not the
-        ids that come with it)."""
+        """The detokenizer's tail of a sequence that failed or was aborted, or nothing if the
+        detokenizer fails too (the text's end is lost, not the ids that come with it)."""
         try:
             return seq.detokenizer.flush()
         except Exception:  # noqa: BLE001

@@ -316,8 +316,8 @@ class PrefixCache:
     def withdraw(self, seq: Sequence, first: int) -> None:
         """Take back the names of the pages `seq` offered from its page `first` on (their rows
         came from a forward whose output was not finite: `commit.commit_rows`), and any
-        snapshot saved with them. Pages it found cached hold no row of its own: none is past
-        the rows it computed."""
+        snapshot saved with them. `first`: the first page it computed (those its first
+        admission found cached hold no row of its own)."""
         for i in range(first, seq.num_registered_pages):
             name = self._name_of.pop(seq.block_table[i], None)
             if name is None:
