@@ -383,3 +383,31 @@ def test_requests_still_queued_when_the_engine_stops_are_answered(tiny_model_dir
     out = asyncio.run(submit_then_stop())
     assert out.finished and out.outputs[0].finish_reason == "abort"
     assert not idle._live and not loop.engine.has_unfinished_requests()
+
+
+def test_an_engine_thread_that_dies_says_so(tiny_model_dir):
+    """Anything that ends the engine thread past the step's own net (a BaseException) turns
+    /health to 503 naming it and refuses new requests with 503, and the request in flight is
+    answered (finish_reason "abort"), rather than every client waiting on a dead thread while
+    /health said ok (found in review)."""
+    srv = Server(tiny_model_dir, max_num_seqs=4, max_model_len=128)
+    engine = srv.loop.engine
+    real = engine.step
+
+    def step():
+        if any(r.prompt_token_ids == [7, 7, 7] for r in engine.requests.values()):
+            raise SystemExit("the engine thread is told to go")
+        return real()
+
+    engine.step = step
+    try:
+        body = {"prompt": [7, 7, 7], "max_tokens": 4}
+        first = httpx.post(srv.url + CMPL, json=body, timeout=30)
+        assert first.status_code == 200, first.text
+        assert first.json()["choices"][0]["finish_reason"] == "abort"
+        health = httpx.get(srv.url + "/health", timeout=5)
+        assert health.status_code == 503 and "engine thread stopped" in health.json()["error"]
+        later = httpx.post(srv.url + CMPL, json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert error_of(later, 503)["code"] == "server_busy"
+    finally:
+        srv.close()

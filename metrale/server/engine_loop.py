@@ -163,6 +163,23 @@ class EngineLoop:
             self._deliver(pending, out)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: BLE001 (the thread ends here: say so to everyone)
+            # (what the step's own net does not catch: health turns 503, new requests too)
+            log.exception("the engine thread stopped")
+            self.fatal = f"the engine thread stopped: {type(e).__name__}: {e}"
+            self.draining = True
+        finally:
+            # (requests still in the inbox are added first, so that aborting them answers
+            # their clients too: left there, they were never answered)
+            try:
+                self._drain_inbox()
+            finally:
+                for request_id in list(self._live):
+                    self._end(request_id)
+
+    def _serve(self) -> None:
         while not self._stop.is_set():
             self._drain_inbox()
             if not self.engine.has_unfinished_requests():
@@ -186,10 +203,3 @@ class EngineLoop:
                 self._deliver(pending, out)
                 if out.finished:
                     self._forget(out.request_id)
-        # (requests still in the inbox are added first, so that aborting them answers their
-        # clients too: left there, they were never answered)
-        try:
-            self._drain_inbox()
-        finally:
-            for request_id in list(self._live):
-                self._end(request_id)
