@@ -345,16 +345,16 @@ class ModelRunner:
             if verify_state or any(e.drafts for e in entries):
                 raise RuntimeError("only a step without drafts can leave its verdicts pending")
             if greedy:
-                picks = logits.argmax(dim=-1)
-                pending = pending_greedy(entries, picks, shown_tokens(logits, picks, True))
+                values, picks = logits.max(dim=-1)
+                pending = pending_greedy(entries, picks, shown_tokens(values, picks))
             else:
                 pending = pending_sampled(entries, logits, self.penalties)
             return StepOutput(batch.entries, [], hidden, ends, pending)
         if greedy:
             # The common case needs only each row's argmax: no sampling tensors, no kernels
-            # beyond the argmax, the same one host sync.
-            picks = logits.argmax(dim=-1)
-            table = to_host(shown_tokens(logits, picks, True), follow, picks)
+            # beyond the max (and its finiteness), the same one host sync.
+            values, picks = logits.max(dim=-1)
+            table = to_host(shown_tokens(values, picks), follow, picks)
             verdicts = greedy_verdicts(entries, table, self.forced_acceptance)
         else:
             forced, raw = self.forced_acceptance, self.verify_raw_argmax

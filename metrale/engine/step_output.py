@@ -110,15 +110,15 @@ def to_host(tensor: torch.Tensor, follow=None, tokens: torch.Tensor | None = Non
     return host.tolist()
 
 
-def shown_tokens(logits: torch.Tensor, tokens: torch.Tensor, picked: bool) -> torch.Tensor:
+def shown_tokens(values: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """`tokens` [R] as the host is shown them: -1 at each row whose logits are not finite (a NaN,
     an inf, or every entry -inf: a forward gone wrong), which fails that sequence alone at its
-    commit (`commit.commit_rows`) rather than emit an arbitrary token. `picked`: `tokens` are
-    the rows' argmax, which lands on a NaN or +inf wherever there is one, so the logit it picked
-    tells (a gather); else the whole row is reduced. The device keeps `tokens` themselves:
-    valid ids for the next step's input, whose row for that sequence is thrown away."""
-    value = logits.gather(1, tokens.view(-1, 1)).view(-1) if picked else logits.amax(dim=-1)
-    return torch.where(torch.isfinite(value), tokens, -1)
+    commit (`commit.commit_rows`) rather than emit an arbitrary token. `values` [R]: each row's
+    max logit (a max lands on a NaN or +inf wherever there is one; the greedy path has it from
+    the reduction that picks its tokens). Two small kernels and a select: v - v is 0 exactly
+    when v is finite (`torch.isfinite` is four). The device keeps `tokens` themselves: valid
+    ids for the next step's input, whose row for that sequence is thrown away."""
+    return torch.where((values - values) == 0, tokens, -1)
 
 
 def verdict_table(acc) -> tuple[torch.Tensor, int]:
@@ -227,7 +227,7 @@ def pending_greedy(
 def _shown(acc, logits: torch.Tensor):
     """`acc` as the host is shown it (`shown_tokens`): a row whose logits are not finite emits
     -1 and matches no draft, so the sequence's verdict ends there, with it."""
-    shown = shown_tokens(logits, acc.emitted, picked=False)
+    shown = shown_tokens(logits.amax(dim=-1), acc.emitted)
     return acc._replace(emitted=shown, matches=acc.matches & (shown >= 0))
 
 
