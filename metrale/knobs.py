@@ -161,6 +161,13 @@ class Knobs:
         bool,
         "=1: D-Cut prices verify rows only, not the drafter's measured host work (A/B runs)",
     )
+    no_held_verify: bool = _knob(
+        "METRALE_NO_HELD_VERIFY",
+        _is_one,
+        bool,
+        "=1: commit each verify step before the next step is launched, not while its forward "
+        "runs (A/B runs; `engine/held_verify.py`)",
+    )
     no_deferred_text: bool = _knob(
         "METRALE_NO_DEFERRED_TEXT",
         _is_one,

@@ -23,6 +23,11 @@ class Seq:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    @property
+    def num_settled_tokens(self) -> int:
+        """Its tokens but the one in flight (the placeholders here are one token each)."""
+        return self.num_tokens - (self.inflight is not None)
+
     def tokens(self, start: int, stop: int) -> list[int]:
         return (self.prompt_token_ids + self.output_token_ids)[start:stop]
 

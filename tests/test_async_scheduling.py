@@ -287,21 +287,32 @@ def test_steps_dcut_plans_at_depth_zero_run_ahead(tiny_model_dir):
     assert stepper.launches_ahead > stepper.launches // 2
 
 
-def test_dcut_learns_under_async_scheduling_as_it_does_synchronously(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("held", [False, True])
+def test_dcut_learns_under_async_scheduling_as_it_does_synchronously(
+    tiny_model_dir, monkeypatch, held
+):
     """D-Cut's probes teach it the same acceptance either way: drafts always wrong, then always
     right, and it goes back to verifying (a probe whose drafts the cut left at depth 0 once ran
     ahead, its verdicts unobserved, and D-Cut never verified again: the H200's forced grid at
-    alpha 0.8 after alpha 0). Host pricing off: the plans then depend on counts alone, and the
-    speculative telemetry of both engines is the same."""
+    alpha 0.8 after alpha 0). Host pricing off: the plans then depend on counts alone, and with
+    verifies committed before the next step (`METRALE_NO_HELD_VERIFY=1`) the speculative
+    telemetry of both engines is the same. Held (`engine/held_verify.py`), each verify is
+    observed one step later: the wrong drafts cost the same verifies (the probes'), and the
+    right ones are learned and verified deep again (`_learning_figures` checks)."""
     from metrale.knobs import knobs
 
     monkeypatch.setenv("METRALE_NO_DCUT_HOST_COST", "1")
+    if not held:
+        monkeypatch.setenv("METRALE_NO_HELD_VERIFY", "1")
     knobs.cache_clear()
     try:
         figures = _learning_figures(tiny_model_dir)
     finally:
         knobs.cache_clear()
-    assert figures[1] == figures[0]
+    if held:
+        assert figures[1][0] == figures[0][0]
+    else:
+        assert figures[1] == figures[0]
 
 
 def _learning_figures(path) -> list[tuple]:

@@ -47,9 +47,10 @@ class Recorder:
             self.steps[-1]["phases"].append(batch.phase)
             return real_execute(batch, **kw)
 
-        def observe(verdicts):
-            self.steps[-1]["observed"] = True
-            return real_observe(verdicts)
+        def observe(verdicts, state=None):
+            # (a held verify's is made in the next step's: `engine/held_verify.py`)
+            self.steps[-1 if state is None else -2]["observed"] = True
+            return real_observe(verdicts, state)
 
         engine.step, drafter.propose, runner.execute, spec.observe = step, propose, execute, observe
 

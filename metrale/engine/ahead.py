@@ -19,13 +19,15 @@ computes, a placeholder for its token), tokens when it is settled.
 
 Where the engine stays synchronous (the step waits for the one before it):
 - a step that drafts: D-Cut plans it from counts (the placeholders keep them right), and a plan
-  that drafts settles the step in flight before the drafter reads any token; the verify then
-  runs synchronously, and so does a step whose drafts were all cut (a probe: its verdicts teach
-  D-Cut each sequence's first draft, and only a synchronous commit observes them). A step D-Cut
-  plans at depth 0 everywhere runs ahead like a plain one. A drafter that learns from every
-  step (MTP, not `stateless`) keeps the whole engine synchronous while a sequence it learns
-  from is unfinished (`runs_ahead`: MTP `observes_drafting_only`, so an engine serving only
-  requests with `speculative=False` runs ahead);
+  that drafts settles the step in flight before the drafter reads any token (not a held
+  verify's: its tokens are on the host); the verify's forward and verdicts then run
+  synchronously, its commit while the next step's forward runs where it may be held
+  (`engine/held_verify.py`). A step whose drafts were all cut (a probe) runs wholly
+  synchronously: its verdicts teach D-Cut each sequence's first draft, before the next plan.
+  A step D-Cut plans at depth 0 everywhere runs ahead like a plain one. A drafter that learns
+  from every step (MTP, not `stateless`) keeps the whole engine synchronous while a sequence
+  it learns from is unfinished (`runs_ahead`: MTP `observes_drafting_only`, so an engine
+  serving only requests with `speculative=False` runs ahead);
 - any unfinished sequence that follows a grammar (the mask needs its last token),
   `may_run_ahead` (penalties do not: their counts take a launched step's tokens on the device,
   `penalty_state.py`);
@@ -48,6 +50,7 @@ from dataclasses import dataclass
 from metrale.distributed.parallel import DistributedError
 from metrale.engine.commit import offer_pages
 from metrale.engine.device_tokens import DeviceRow
+from metrale.engine.held_verify import HeldTokens, StepState, can_hold, run_held
 from metrale.engine.isolation import rebuild_state, recompute_later, run_batch, still_running
 from metrale.engine.sequence import Batch, Phase, ScheduledSeq, Sequence, SequenceStatus
 from metrale.engine.step_output import StepOutput
@@ -77,6 +80,9 @@ class Launched:
     out: StepOutput
     start: float  # perf_counter when the step began
     prompt_rows: int
+    # a held verify's controller state (`engine/held_verify.py`): its verdicts are on the host
+    held: StepState | None = None
+    emitted: int = 0  # tokens it emitted already (a held verify's sequences it ended)
 
     @property
     def tokens(self):
@@ -93,6 +99,7 @@ class AheadStepper:
         # steps launched, and those launched while the step before was still unread
         self.launches = 0
         self.launches_ahead = 0
+        self.held_verifies = 0  # verify steps held (`engine/held_verify.py`)
         self._waited = 0.0
         self._failed = False  # the last `_launch` raised (not: it did not defer)
         # launched steps whose placeholders are out and not yet committed, with the device
@@ -152,7 +159,8 @@ class AheadStepper:
                 if row is None or tokens is None or row.source is not tokens:
                     continue
                 seq.drop_inflight()
-                seq.num_computed_tokens -= entry.num_rows
+                # (a held verify's sequence moved past its committed rows alone)
+                seq.num_computed_tokens -= row.rows if type(row) is HeldTokens else entry.num_rows
                 seq.noise_epoch -= 1
         if not rebuild:  # (an interrupt, a rank gone: no forward runs here)
             recompute_later(self.engine, ran)
@@ -179,7 +187,8 @@ class AheadStepper:
             in_flight = [prev]
 
             def settle_first() -> None:
-                if in_flight[0] is not None:
+                # (not a held verify: its tokens are on the host, in its placeholders)
+                if in_flight[0] is not None and in_flight[0].held is None:
                     self._settle(in_flight[0], changed)
                     in_flight[0] = None
 
@@ -196,13 +205,23 @@ class AheadStepper:
         engine._scheduled(batch, changed)
         launched = ran_now = None
         ahead = prev is not None
-        if any(e.drafts for e in batch.entries) or (
-            engine.spec is not None and engine.spec.needs_verdicts
-        ):
+        verifies = any(e.drafts for e in batch.entries)
+        if verifies or (engine.spec is not None and engine.spec.needs_verdicts):
             # a verify, or a step whose verdicts the drafter and D-Cut learn from (a probe that
-            # the cut left at depth 0 learns each sequence's first draft): the commit observes
-            # them, so it runs now (the step before is settled: drafting waited for it)
-            self._run_now(batch, start, changed)
+            # the cut left at depth 0 learns each sequence's first draft): its verdicts are read
+            # now (the step before is settled: drafting waited for it, or it is a held verify),
+            # and a verify's commit runs while the next step's forward does where it may be
+            # held (not a probe's: the next step's plan waits for what it teaches)
+            holds = verifies and can_hold(engine)
+            if prev is not None and not (holds and prev.held is not None):
+                self._settle(prev, changed)
+                prev = None
+            if holds:
+                self.launched = run_held(self, batch, start, changed, prev)
+                self.held_verifies += self.launched is not None
+                prev = None
+            else:
+                self._run_now(batch, start, changed)
             ran_now = batch
         elif batch.entries:
             launched = self._launch(batch, start)
@@ -362,7 +381,9 @@ class AheadStepper:
         waited = time.perf_counter()
         out.settle()
         self._waited += time.perf_counter() - waited
-        emitted = engine._commit(out, changed, advanced=True)
+        emitted = launched.emitted + engine._commit(
+            out, changed, advanced=True, state=launched.held
+        )
         self._open = [o for o in self._open if o[0] is not launched]
         engine._mark_errors(launched.batch, changed)
         engine._record_step(launched.batch, launched.prompt_rows, emitted, launched.start)

@@ -11,6 +11,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from metrale.engine.held_verify import HeldTokens, StepState
 from metrale.engine.sequence import Sequence, SequenceStatus
 from metrale.engine.step_output import StepOutput
 from metrale.speculative.drafter import Verdict
@@ -24,17 +25,27 @@ NONFINITE = "the target's logits for this sequence were not finite (NaN or inf)"
 
 
 def commit_rows(
-    engine: LLMEngine, out: StepOutput, changed: dict, advanced: bool, finished: list
+    engine: LLMEngine,
+    out: StepOutput,
+    changed: dict,
+    advanced: bool,
+    finished: list,
+    state: StepState | None = None,
 ) -> int:
     """`LLMEngine._commit`'s work but ending the sequences it ends (`finished` gets them, and
-    `_commit` ends them whatever happens here)."""
+    `_commit` ends them whatever happens here). `state`: a held verify's controller state
+    (`held_verify.StepState`), which says whether it is observed."""
     verdict_of = {id(v.entry): v for v in out.verdicts}
     now, requests = time.perf_counter(), engine.telemetry.request
     # A step that drafted nothing, with a drafter that keeps no per-step state, has nothing
     # to tell the speculative side: it is a plain decode step.
-    # (a step launched ahead drafted nothing, for a `stateless` drafter)
-    observing = not advanced and engine.spec is not None and engine.spec.observing
-    needs_hidden = observing and engine.spec.drafter.needs_hidden
+    # (a plain step launched ahead drafted nothing, for a `stateless` drafter)
+    spec = engine.spec
+    if state is not None:
+        observing = state.observing
+    else:
+        observing = not advanced and spec is not None and spec.observing
+    needs_hidden = observing and spec.drafter.needs_hidden
     drafter_verdicts: list[Verdict] = []
     cache = engine.allocator.cache
     page = 0 if cache is None else cache.page_size
@@ -42,6 +53,9 @@ def commit_rows(
     emitted = 0
     for entry, end in zip(out.entries, out.row_ends, strict=True):
         seq, first = entry.seq, entry.seq.num_computed_tokens
+        if advanced:  # its counters moved at the launch (a held verify's by the rows it kept)
+            held = seq.inflight
+            first -= held.rows if type(held) is HeldTokens else entry.num_rows
         v = verdict_of.get(id(entry))
         # A row whose logits were not finite shows -1 and ends the verdict
         # (`step_output.shown_tokens`): the tokens before it are emitted, then the sequence ends
@@ -120,7 +134,7 @@ def commit_rows(
     if penalties.holds_rows:
         penalties.committed([v.seq for v in out.verdicts])
     if observing:
-        for seq, message in engine.spec.observe(drafter_verdicts):
+        for seq, message in spec.observe(drafter_verdicts, state):
             engine._fail(seq, message)
             changed.setdefault(seq.request_id, {}).setdefault(seq.seq_id, ("", []))
     # After the drafters wrote their KV rows of these positions: the pages are complete.

@@ -265,7 +265,8 @@ class Emitter:
         for i, seq in enumerate(request.seqs):
             delta_text, delta_ids = deltas.get(seq.seq_id, ("", []))
             wants_logprobs = seq.params.logprobs is not None
-            shown = len(seq.output_token_ids) - self.pending_tokens(seq)
+            # (not a held verify's tokens: they are emitted at its commit, `held_verify.py`)
+            shown = seq.num_settled_tokens - seq.num_prompt_tokens - self.pending_tokens(seq)
             outputs.append(
                 CompletionOutput(
                     index=i,

@@ -23,6 +23,7 @@ import logging
 import torch
 
 from metrale.config import SamplingParams
+from metrale.engine.device_tokens import DeviceRow
 from metrale.engine.sequence import Sequence
 from metrale.engine.staging import to_device_packed
 
@@ -188,7 +189,8 @@ class PenaltyState:
         self.rebuilds += 1
         self.counts[row.index].zero_()
         out = seq.output_token_ids
-        inflight = seq.inflight
+        # (a held verify's placeholder holds its tokens' values: counted with the others)
+        inflight = seq.inflight if type(seq.inflight) is DeviceRow else None
         known = out[: len(out) - len(inflight)] if inflight is not None else out
         if known:
             where_t, tokens_t = to_device_packed([[row.index] * len(known), known], self.device)

@@ -98,19 +98,27 @@ class Sequence:
     state_pin: int = -1
     snapshot_at: list[int] = field(default_factory=list)
     # Asynchronous scheduling (`engine/ahead.py`): the token its last launched step samples,
-    # still on the device (a `DeviceRow`); `output_token_ids` ends with a placeholder for it
-    # until that step is settled.
+    # still on the device (a `DeviceRow`), or the tokens of a held verify, known but not
+    # emitted yet (`held_verify.HeldTokens`); `output_token_ids` ends with a placeholder for
+    # them until that step is settled.
     inflight: Any = None
 
     def drop_inflight(self) -> None:
-        """Drop the placeholder of a token still in flight (`inflight`), if any."""
+        """Drop the placeholder of the tokens still in flight (`inflight`), if any: one token on
+        the device (a `DeviceRow`), or a held verify's tokens (`held_verify.HeldTokens`)."""
         if self.inflight is not None:
-            self.output_token_ids.pop()
+            del self.output_token_ids[-len(self.inflight) :]
             self.inflight = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_settled_tokens(self) -> int:
+        """Its tokens but those a placeholder stands for (`inflight`)."""
+        held = self.inflight
+        return self.num_tokens - (0 if held is None else len(held))
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -161,7 +169,7 @@ class ScheduledSeq:
         seq = self.seq
         start = seq.num_computed_tokens
         end = min(start + self.num_rows, seq.num_tokens)
-        if seq.inflight is not None and end == seq.num_tokens:
+        if type(seq.inflight) is DeviceRow and end == seq.num_tokens:
             # its last token is still being sampled by the step before (no drafts then)
             return PendingIds.of(seq.tokens(start, end - 1), seq.inflight)
         if isinstance(self.drafts, DeviceRow):

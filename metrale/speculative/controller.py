@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from metrale.config import SpecConfig
 from metrale.engine.device_tokens import DeviceDrafts, DeviceRow
+from metrale.engine.held_verify import StepState
 from metrale.engine.sequence import Sequence
 from metrale.knobs import knobs
 from metrale.speculative.draft_shapes import checked_draft, draft_caps, grammar_drafts
@@ -311,23 +312,35 @@ class SpeculativeDecoder(DepthPlanning):
                 failed.append((seq, f"drafter {self.drafter.name}: {type(e).__name__}: {e}"))
         return drafts, failed
 
-    def observe(self, verdicts: list[Verdict]) -> list[tuple[Sequence, str]]:
+    def step_state(self) -> StepState:
+        """This step's state that `observe` reads, for a step observed after the next one is
+        prepared (a held verify, `engine/held_verify.py`): `prepare` resets it."""
+        return StepState(self.observing, self._proposed, self._sources)
+
+    def observe(
+        self, verdicts: list[Verdict], state: StepState | None = None
+    ) -> list[tuple[Sequence, str]]:
         """Record one step's verdicts (sequences that verified drafts and those that did not);
         returns the sequences whose drafter `observe` raised, with why (they end; the others
-        go on)."""
+        go on). `state`: the step's own (`step_state`), where a later step was prepared since."""
         start = time.perf_counter()
         try:
-            return self._observe(verdicts)
+            return self._observe(verdicts, self._proposed if state is None else state.proposed)
         finally:
             # the drafter's device work too, as far as the step waited for it (`prepare` no
             # longer does)
-            sources, self._sources = self._sources, set()
+            # (a held step's runs while the next forward does: its host time is hidden there)
+            if state is None:
+                sources, self._sources = self._sources, set()
+                spent = time.perf_counter() - start
+            else:  # (once: a held step's ending sequences are observed before the others)
+                sources, state.sources, spent = state.sources, set(), 0.0
             device = sum(source.stall_seconds() for source in sources)
-            self.host.spent(time.perf_counter() - start + device)
+            self.host.spent(spent + device)
 
-    def _observe(self, verdicts: list[Verdict]) -> list[tuple[Sequence, str]]:
+    def _observe(self, verdicts: list[Verdict], proposed: dict) -> list[tuple[Sequence, str]]:
         # (gathered, then recorded in one call each: this runs for every verified sequence)
-        proposed_of = self._proposed.get
+        proposed_of = proposed.get
         verifies, learned = [], []
         for v in verdicts:
             seq_id = v.seq.seq_id

@@ -292,7 +292,7 @@ class NgramDrafter:
         for seq in seqs:
             if seq.is_finished:  # released already, or about to be: no index to grow
                 continue
-            total = seq.num_tokens - (seq.inflight is not None)
+            total = seq.num_settled_tokens
             if device:
                 if self.device_table.behind(seq, total) >= CATCH_UP_MIN:
                     late.append(seq)
@@ -317,7 +317,7 @@ class NgramDrafter:
         for seq_id, seq in list(self._lagging.items()):
             if budget <= 0:
                 break
-            total = seq.num_tokens - (seq.inflight is not None)
+            total = seq.num_settled_tokens
             index = None if seq.is_finished else self._index(seq)
             if index is not None and index.length < total:
                 # (never past the window that `extend` keeps: older tokens are dropped anyway)

@@ -1,0 +1,234 @@
+"""Held verify steps (`engine/held_verify.py`): under asynchronous scheduling a verify's commit runs
+while the next step's forward does. The engine's output must be the synchronous engine's, token
+for token and stream for stream, whatever ends a sequence meanwhile (stop strings, EOS, its
+length, an abort, a failure), with arrivals, preemptions and sampling; the verifies must really
+be held where they may be, and not where they may not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metrale import LLM, SamplingParams
+from metrale.knobs import knobs
+from tests.test_deferred_text_fuzz import _check_streams, _drive, _make_plan, _summary
+from tests.test_hybrid_engine import hybrid_dir  # noqa: F401 (a module fixture)
+
+NGRAM = {"method": "ngram", "num_drafts": 3}
+
+
+@pytest.fixture(scope="module")
+def varied(hf_qwen3_factory):
+    return hf_qwen3_factory("varied", initializer_range=0.2)  # its outputs repeat at times
+
+
+def _prefix(a: list, b: list) -> bool:
+    n = min(len(a), len(b))
+    return a[:n] == b[:n]
+
+
+@pytest.mark.parametrize("dcut", [False, True])
+@pytest.mark.parametrize("seed", range(8))
+def test_held_verifies_give_the_synchronous_engines_outputs(varied, dcut, seed):
+    """Random workloads (greedy and seeded sampling, n > 1, stop strings, stop token ids, EOS,
+    logprobs, min_tokens, short lengths, arrivals, aborts) on a small KV pool (preemptions):
+    every stream is its deltas added up, and every request not aborted ends as in the
+    synchronous engine (an aborted one's tokens are a prefix of each other's: the asynchronous
+    engine's outputs come a step later)."""
+    plan = [p for p in _make_plan(seed) if "structured" not in p[2]]  # (a grammar: synchronous)
+    opts = dict(
+        device="cpu",
+        spec={**NGRAM, "dcut": dcut},
+        num_kv_pages=14,
+        page_size=4,
+        max_model_len=64,
+        max_num_seqs=6,
+        max_num_batched_tokens=32,
+    )
+    llm = LLM(varied, async_scheduling=True, **opts)
+    streams, finals = _drive(llm, plan)
+    _check_streams(streams)
+    ref_streams, ref_finals = _drive(LLM(varied, async_scheduling=False, **opts), plan)
+    a, b = _summary(finals), _summary(ref_finals)
+    for rid in a:
+        if next(p[4] for p in plan if p[0] == rid) is not None:  # aborted
+            assert all(_prefix(x[1], y[1]) for x, y in zip(a[rid], b[rid], strict=True)), rid
+            continue
+        assert a[rid] == b[rid], rid
+    engine = llm.engine
+    assert engine.allocator.num_free == engine.allocator.num_usable
+    assert engine._ahead.held_verifies > 0 or engine.telemetry.spec.verify_steps == 0
+
+
+def _ngram_run(path, async_on: bool, params, prompts, **kw):
+    llm = LLM(path, device="cpu", spec=NGRAM, async_scheduling=async_on, **kw)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return llm, [
+        (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs
+    ]
+
+
+PROMPTS = [[3, 4, 5, 3, 4, 5, 3, 4], [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [10, 200, 31, 77, 301, 5]]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),  # ends mid-verify
+        SamplingParams(temperature=0.8, seed=3, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2),
+    ],
+)
+def test_verifies_are_held_and_lose_nothing(varied, params):
+    held, got = _ngram_run(varied, True, params, PROMPTS)
+    _, want = _ngram_run(varied, False, params, PROMPTS)
+    assert got == want
+    assert held.engine._ahead.held_verifies > 0
+    if params.temperature == 0.0:
+        assert held.engine.telemetry.spec.num_accepted_tokens > 0
+
+
+def test_a_stop_string_inside_a_held_verify_ends_it_there(varied):
+    """A stop string completed by a held verify's tokens: the sequence ends at it, the next
+    step's rows for it (computed meanwhile) are thrown away, its text is the synchronous
+    engine's."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    _, free = _ngram_run(varied, False, params, PROMPTS[:1])
+    text = free[0][1]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop])
+    held, got = _ngram_run(varied, True, params, PROMPTS[:1])
+    _, want = _ngram_run(varied, False, params, PROMPTS[:1])
+    assert got == want and got[0][2] == "stop"
+    assert held.engine._ahead.held_verifies > 0
+
+
+def test_not_held_where_it_may_not_be(varied, hybrid_dir, monkeypatch):  # noqa: F811
+    """The knob, penalties and a hybrid target keep verifies synchronous (and the outputs)."""
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    _, want = _ngram_run(varied, False, params, PROMPTS)
+    monkeypatch.setenv("METRALE_NO_HELD_VERIFY", "1")
+    knobs.cache_clear()
+    try:
+        off, got = _ngram_run(varied, True, params, PROMPTS)
+    finally:
+        monkeypatch.undo()
+        knobs.cache_clear()
+    assert got == want and off.engine._ahead.held_verifies == 0
+    penalised = SamplingParams(
+        temperature=0.0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3
+    )
+    pen, got = _ngram_run(varied, True, penalised, PROMPTS)
+    assert got == _ngram_run(varied, False, penalised, PROMPTS)[1]
+    assert pen.engine._ahead.held_verifies == 0
+    hyb, got = _ngram_run(hybrid_dir, True, params, PROMPTS)
+    assert got == _ngram_run(hybrid_dir, False, params, PROMPTS)[1]
+    assert hyb.engine._ahead is None or hyb.engine._ahead.held_verifies == 0
+
+
+def _step_through(engine) -> tuple[dict, int]:
+    finals, errors = {}, 0
+    while engine.has_unfinished_requests():
+        try:
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out.outputs[0].token_ids
+        except RuntimeError:
+            errors += 1
+            # every placeholder taken back with the rows it moved past: a decoding sequence
+            # stands right before its last token, as after a synchronous step
+            for seq in engine.scheduler.running:
+                assert seq.inflight is None
+                if seq.output_token_ids:
+                    assert seq.num_computed_tokens == seq.num_tokens - 1, seq.request_id
+    return finals, errors
+
+
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_a_held_commit_that_raises_is_taken_back(varied, which):
+    """The held step's commit raises (out of the step, as the server's engine loop meets it)
+    after some of its sequences emitted, while others still hold tokens of a verify that
+    rejected drafts (`which`: the first, second or third such moment): their placeholders and
+    counters are taken back (to the rows they moved past, not the rows the step ran), their
+    rows run again, and every request ends with the synchronous engine's tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+
+    def run(async_on: bool, inject: bool) -> dict:
+        engine = LLM(varied, device="cpu", spec=NGRAM, async_scheduling=async_on).engine
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, params)
+        requests = engine.telemetry.request
+        real, seen = requests.emitted, [0]
+
+        def rejected_held() -> bool:
+            for launched, _ in engine._ahead._open:
+                for e in launched.batch.entries:
+                    row = e.seq.inflight
+                    mine = row is not None and getattr(row, "source", None) is launched
+                    if mine and getattr(row, "rows", e.num_rows) != e.num_rows:
+                        return True
+            return False
+
+        def emitted(seq, *args):
+            if rejected_held():
+                seen[0] += 1
+                if seen[0] == which + 1:
+                    raise RuntimeError("a hiccup after an emission")
+            return real(seq, *args)
+
+        if inject:
+            requests.emitted = emitted
+        finals, errors = _step_through(engine)
+        assert errors == (1 if inject else 0)
+        assert engine.allocator.num_free == engine.allocator.num_usable
+        return finals
+
+    assert run(True, True) == run(False, False)
+
+
+def test_a_held_step_counts_its_sampling_step_as_the_commit_does(varied):
+    """Each sequence's `noise_epoch` (what a distribution-carrying draft's noise keys on) moves
+    once a sampling step, held or not: at the end it is the synchronous engine's."""
+    epochs = {}
+    for async_on in (False, True):
+        engine = LLM(varied, device="cpu", spec=NGRAM, async_scheduling=async_on).engine
+        params = SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True)
+        seqs = {}
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, params)
+            seqs[f"r{i}"] = engine.requests[f"r{i}"].seqs[0]
+        while engine.has_unfinished_requests():
+            engine.step()
+        epochs[async_on] = {
+            rid: (s.noise_epoch, len(s.output_token_ids)) for rid, s in seqs.items()
+        }
+        if async_on:
+            assert engine._ahead.held_verifies > 0
+    assert epochs[True] == epochs[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("drafter", ["ngram", "mtp"])
+def test_on_cuda_graphs_held_verifies_give_the_same_bits(drafter):
+    """Under CUDA graphs, with the n-gram drafter drafting ahead on the device (and MTP, which
+    is never held): the shipped model's tokens, texts and logprobs equal the synchronous
+    engine's (batch-invariant kernels: the rows thrown away change no other row's bits)."""
+    from metrale.default_model import default_model_dir
+    from tests.test_async_scheduling import _params, _prompts
+
+    prompts = _prompts(24, seed=9)
+    params = [_params(i) for i in range(len(prompts))]
+    kw = dict(device="cuda", dtype="bfloat16", deterministic=True, max_num_seqs=16)
+    kw["spec"] = {"method": drafter, "num_drafts": 3}
+    path = default_model_dir()
+    ref = LLM(path, **kw, async_scheduling=False).generate(prompts, params, use_tqdm=False)
+    llm = LLM(path, **kw, async_scheduling=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for o, r in zip(outs, ref, strict=True):
+        for c, d in zip(o.outputs, r.outputs, strict=True):
+            assert (c.token_ids, c.text, c.finish_reason) == (d.token_ids, d.text, d.finish_reason)
+            assert c.logprobs == d.logprobs
+    held = llm.engine._ahead.held_verifies
+    assert held > 0 if drafter == "ngram" else held == 0
