@@ -232,3 +232,48 @@ def test_on_cuda_graphs_held_verifies_give_the_same_bits(drafter):
             assert c.logprobs == d.logprobs
     held = llm.engine._ahead.held_verifies
     assert held > 0 if drafter == "ngram" else held == 0
+
+
+def test_ends_now_is_the_commits_token_by_token_stop():
+    """`ends_now` (from the counts) against `stop.token_stop` applied token by token, as the
+    commit applies it, on random sequences and tokens: lengths, EOS with and without
+    `ignore_eos`, stop token ids, `min_tokens`, the model length, a non-finite row's -1."""
+    import random
+
+    from metrale.engine.held_verify import ends_now
+    from metrale.engine.sequence import Sequence
+    from metrale.engine.stop import token_stop
+
+    rng = random.Random(0)
+    for case in range(3000):
+        max_tokens = rng.choice([None, 3, 6, 9])
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            min_tokens=min(rng.choice([0, 0, 2, 5]), max_tokens or 9),
+            ignore_eos=rng.random() < 0.5,
+            stop_token_ids=rng.choice([[], [4], [4, 7]]),
+        )
+        n = rng.randrange(0, 6)
+        if params.max_tokens is not None:
+            n = min(n, params.max_tokens - 1)
+        seq = Sequence(
+            seq_id=case,
+            request_id="r",
+            prompt_token_ids=[1, 2, 3],
+            params=params,
+            seed=0,
+            eos_token_ids=(9,),
+            arrival=0,
+        )
+        seq.output_token_ids = [rng.randrange(3, 12) for _ in range(n)]
+        ids = [rng.choice([3, 4, 5, 7, 9, 10, 11, -1 if rng.random() < 0.05 else 6])]
+        ids += [rng.randrange(3, 12) for _ in range(rng.randrange(0, 4))]
+        limit = rng.choice([64, 3 + n + 2, 3 + n + len(ids) + 1])
+        want = False
+        for token in ids:
+            seq.output_token_ids.append(token)
+            if token < 0 or token_stop(seq, limit) is not None:
+                want = True
+                break
+        del seq.output_token_ids[n:]
+        assert ends_now(seq, ids, limit) == want, (params, seq.output_token_ids, ids, limit)

@@ -39,7 +39,6 @@ from dataclasses import dataclass
 
 from metrale.engine.sequence import SequenceStatus
 from metrale.engine.step_output import StepOutput
-from metrale.engine.stop import token_stop
 from metrale.knobs import knobs
 
 FINISHED = SequenceStatus.FINISHED
@@ -85,17 +84,26 @@ def can_hold(engine) -> bool:
 
 def ends_now(seq, ids: list[int], max_model_len: int) -> bool:
     """Whether emitting `ids` ends `seq` by a token alone (its length, EOS, a stop token id) or
-    fails it (-1: logits that were not finite), as the commit would find (`stop.token_stop`)."""
-    out = seq.output_token_ids
-    start = len(out)
-    try:
-        for token in ids:
-            out.append(token)
-            if token < 0 or token_stop(seq, max_model_len) is not None:
-                return True
+    fails it (-1: logits that were not finite), as the commit would find token by token
+    (`stop.token_stop`; a grammar's end aside: a sequence under one is never held). Worked out
+    from the counts, not token by token: this runs for every sequence of every held verify."""
+    if not ids:
         return False
-    finally:
-        del out[start:]
+    params = seq.params
+    n = len(seq.output_token_ids)
+    if seq.error is not None or min(ids) < 0:
+        return True
+    # (the lengths only grow: some token reaches a limit iff the last one does)
+    if params.max_tokens is not None and n + len(ids) >= params.max_tokens:
+        return True
+    if seq.num_tokens + len(ids) >= max_model_len:
+        return True
+    stops = params.stop_token_ids
+    eos = () if params.ignore_eos else seq.eos_token_ids
+    if stops or eos:
+        first = max(params.min_tokens - n - 1, 0)  # token i counts once n + i + 1 >= min_tokens
+        return any(t in stops or t in eos for t in ids[first:])
+    return False
 
 
 def hold(launched, out) -> int:
