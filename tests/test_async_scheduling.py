@@ -315,7 +315,9 @@ def test_dcut_learns_under_async_scheduling_as_it_does_synchronously(
         assert figures[1] == figures[0]
 
 
-def _learning_figures(path) -> list[tuple]:
+def _learning_figures(path, engines: list | None = None) -> list[tuple]:
+    """(wrong, right, drafts) of a synchronous then an asynchronous engine (each `LLM` appended
+    to `engines` when given)."""
     from metrale.speculative.replay import ReplayDrafter
 
     prompts = _prompts(6, seed=9)
@@ -340,6 +342,8 @@ def _learning_figures(path) -> list[tuple]:
         right = (tel.verify_steps - wrong[0], tel.num_accepted_tokens - wrong[1])
         assert right[0] > 0 and right[1] > 3 * right[0] // 2  # it verifies again, deep
         figures.append((wrong, right, tel.num_drafts))
+        if engines is not None:
+            engines.append(llm)
     return figures
 
 

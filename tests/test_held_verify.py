@@ -277,3 +277,14 @@ def test_ends_now_is_the_commits_token_by_token_stop():
                 break
         del seq.output_token_ids[n:]
         assert ends_now(seq, ids, limit) == want, (params, seq.output_token_ids, ids, limit)
+
+
+def test_probes_run_ahead_and_still_teach_dcut(tiny_model_dir):
+    """Drafts always wrong, then always right (`test_async_scheduling._learning_figures`): the
+    probe steps, whose drafts the cut left at depth 0, are launched ahead as plain steps, and
+    observed at their settle they still bring D-Cut back to verifying deep."""
+    from tests.test_async_scheduling import _learning_figures
+
+    engines: list = []
+    _learning_figures(tiny_model_dir, engines)  # (it checks the deep verifies)
+    assert engines[-1].engine._ahead.probes_ahead > 0

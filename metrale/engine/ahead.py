@@ -22,8 +22,9 @@ Where the engine stays synchronous (the step waits for the one before it):
   that drafts settles the step in flight before the drafter reads any token (not a held
   verify's: its tokens are on the host); the verify's forward and verdicts then run
   synchronously, its commit while the next step's forward runs where it may be held
-  (`engine/held_verify.py`). A step whose drafts were all cut (a probe) runs wholly
-  synchronously: its verdicts teach D-Cut each sequence's first draft, before the next plan.
+  (`engine/held_verify.py`). A step whose drafts were all cut (a probe) runs ahead as a plain
+  step where its drafter allows (`held_verify.probes_ahead`): its verdicts, which teach D-Cut
+  each probed sequence's first draft, are observed at its settle, after the next step's plan.
   A step D-Cut plans at depth 0 everywhere runs ahead like a plain one. A drafter that learns
   from every step (MTP, not `stateless`) keeps the whole engine synchronous while a sequence
   it learns from is unfinished (`runs_ahead`: MTP `observes_drafting_only`, so an engine
@@ -50,7 +51,13 @@ from dataclasses import dataclass
 from metrale.distributed.parallel import DistributedError
 from metrale.engine.commit import offer_pages
 from metrale.engine.device_tokens import DeviceRow
-from metrale.engine.held_verify import HeldTokens, StepState, can_hold, run_held
+from metrale.engine.held_verify import (
+    HeldTokens,
+    StepState,
+    can_hold,
+    probes_ahead,
+    run_held,
+)
 from metrale.engine.isolation import rebuild_state, recompute_later, run_batch, still_running
 from metrale.engine.sequence import Batch, Phase, ScheduledSeq, Sequence, SequenceStatus
 from metrale.engine.step_output import StepOutput
@@ -80,8 +87,9 @@ class Launched:
     out: StepOutput
     start: float  # perf_counter when the step began
     prompt_rows: int
-    # a held verify's controller state (`engine/held_verify.py`): its verdicts are on the host
-    held: StepState | None = None
+    # the controller's state to observe it with (a held verify, a probe launched ahead)
+    state: StepState | None = None
+    held: bool = False  # a held verify (`engine/held_verify.py`): its tokens are on the host
     emitted: int = 0  # tokens it emitted already (a held verify's sequences it ended)
 
     @property
@@ -100,6 +108,7 @@ class AheadStepper:
         self.launches = 0
         self.launches_ahead = 0
         self.held_verifies = 0  # verify steps held (`engine/held_verify.py`)
+        self.probes_ahead = 0  # probe steps launched ahead (`held_verify.probes_ahead`)
         self._waited = 0.0
         self._failed = False  # the last `_launch` raised (not: it did not defer)
         # launched steps whose placeholders are out and not yet committed, with the device
@@ -188,7 +197,7 @@ class AheadStepper:
 
             def settle_first() -> None:
                 # (not a held verify: its tokens are on the host, in its placeholders)
-                if in_flight[0] is not None and in_flight[0].held is None:
+                if in_flight[0] is not None and not in_flight[0].held:
                     self._settle(in_flight[0], changed)
                     in_flight[0] = None
 
@@ -206,14 +215,16 @@ class AheadStepper:
         launched = ran_now = None
         ahead = prev is not None
         verifies = any(e.drafts for e in batch.entries)
-        if verifies or (engine.spec is not None and engine.spec.needs_verdicts):
-            # a verify, or a step whose verdicts the drafter and D-Cut learn from (a probe that
-            # the cut left at depth 0 learns each sequence's first draft): its verdicts are read
-            # now (the step before is settled: drafting waited for it, or it is a held verify),
-            # and a verify's commit runs while the next step's forward does where it may be
-            # held (not a probe's: the next step's plan waits for what it teaches)
+        # a probe whose drafts were all cut runs ahead as a plain step, observed at its settle
+        # (`probes_ahead`), or else synchronously
+        learns = not verifies and engine.spec is not None and engine.spec.needs_verdicts
+        if verifies or (learns and not probes_ahead(engine)):
+            # a verify, or a step whose verdicts the drafter and D-Cut learn from: its verdicts
+            # are read now (the step before is settled: drafting waited for it, or it is a held
+            # verify), and a verify's commit runs while the next step's forward does where it
+            # may be held
             holds = verifies and can_hold(engine)
-            if prev is not None and not (holds and prev.held is not None):
+            if prev is not None and not (holds and prev.held):
                 self._settle(prev, changed)
                 prev = None
             if holds:
@@ -225,6 +236,9 @@ class AheadStepper:
             ran_now = batch
         elif batch.entries:
             launched = self._launch(batch, start)
+            if launched is not None and learns:
+                launched.state = engine.spec.step_state()
+                self.probes_ahead += 1
             self._launching = launched
             if launched is None:  # its launch raised: after the step before, synchronously
                 if prev is not None:
@@ -382,7 +396,7 @@ class AheadStepper:
         out.settle()
         self._waited += time.perf_counter() - waited
         emitted = launched.emitted + engine._commit(
-            out, changed, advanced=True, state=launched.held
+            out, changed, advanced=True, state=launched.state
         )
         self._open = [o for o in self._open if o[0] is not launched]
         engine._mark_errors(launched.batch, changed)

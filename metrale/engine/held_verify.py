@@ -23,6 +23,13 @@ The controller's per-step state (what was proposed, whether the step is observed
 the held step (`SpeculativeDecoder.step_state`), since the next `prepare` resets it before the
 held step is observed: D-Cut and the drafter learn from every verify, one step later.
 
+A D-Cut probe step whose drafts were all cut is a plain decode step whose verdicts D-Cut learns
+from (each probed sequence's first draft against the token it emitted): it is launched ahead like
+a plain step and observed at its settle with its own state (`probes_ahead`); it used to run
+synchronously and drain the pipeline twice (before it, for the drafter, which reads tokens, and
+after it). The plan of the step after a probe is then made before the probe is observed, and
+made again once it is (`SpeculativeDecoder._observe`).
+
 Where a verify is not held (`can_hold`), it runs synchronously as before:
 - a hybrid target (its recurrent state commits inside the step and its snapshots with the pages);
 - a drafter that is not `stateless` (MTP learns from every step's verdicts before it drafts) or
@@ -78,6 +85,21 @@ def can_hold(engine) -> bool:
         and getattr(spec.drafter, "stateless", False) is True
         and not spec.drafter.needs_hidden
         and not runner.penalties.holds_rows
+        and not knobs().no_held_verify
+    )
+
+
+def probes_ahead(engine) -> bool:
+    """Whether a D-Cut probe step whose drafts were all cut (a plain decode step whose verdicts
+    teach D-Cut each probed sequence's first draft) may be launched ahead like a plain step and
+    observed at its settle, with its controller state: a drafter that is `stateless` (nothing
+    else learns from it) and reads no hidden states (a program's buffer, rewritten by the next
+    step), the knob unset. D-Cut's next plan is then made before it is observed."""
+    spec = engine.spec
+    return (
+        spec is not None
+        and getattr(spec.drafter, "stateless", False) is True
+        and not spec.drafter.needs_hidden
         and not knobs().no_held_verify
     )
 
@@ -204,7 +226,7 @@ def run_held(stepper, batch, start: float, changed: dict, prev):
         now, out = _split(out, ending)
         emitted = engine._commit(now, changed, state=state)
         engine._mark_errors(Batch(now.entries), changed)
-    launched = Launched(batch, out, start, prompt_rows, held=state, emitted=emitted)
+    launched = Launched(batch, out, start, prompt_rows, state=state, held=True, emitted=emitted)
     # open before the placeholders go out (`AheadStepper._withdraw` takes back those that did)
     stepper._open = [(launched, launched)]
     if not hold(launched, out):

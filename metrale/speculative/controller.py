@@ -365,6 +365,12 @@ class SpeculativeDecoder(DepthPlanning):
         if learned:
             self.estimator.observe_many(learned)
             self._quiet = None
+            if self._last_plan is not None and not self._last_plan[1]:
+                # a depth-0 plan made before these verdicts were observed (a probe or verify
+                # observed a step late, `engine/held_verify.py`): plan again, as after a quiet
+                # plan, rather than keep it `dcut_replan_every` steps, the caps worked out
+                # each step
+                self._last_plan = None
         shadow = knobs().mtp_shadow_topk
         if shadow > 0:
             for v in (v for v in verdicts if v.drafts):
