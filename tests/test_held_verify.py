@@ -11,6 +11,7 @@ import torch
 
 from metrale import LLM, SamplingParams
 from metrale.knobs import knobs
+from metrale.speculative.ngram import NgramDrafter
 from tests.test_deferred_text_fuzz import _check_streams, _drive, _make_plan, _summary
 from tests.test_hybrid_engine import hybrid_dir  # noqa: F401 (a module fixture)
 
@@ -288,3 +289,98 @@ def test_probes_run_ahead_and_still_teach_dcut(tiny_model_dir):
     engines: list = []
     _learning_figures(tiny_model_dir, engines)  # (it checks the deep verifies)
     assert engines[-1].engine._ahead.probes_ahead > 0
+
+
+class Flaky(NgramDrafter):
+    """A stateless drafter (n-gram) that raises for sequence 0 once it has 12 tokens."""
+
+    def propose(self, seqs, max_drafts):
+        if any(s.seq_id == 0 and len(s.output_token_ids) >= 12 for s in seqs):
+            raise RuntimeError("the drafter failed for sequence 0")
+        return super().propose(seqs, max_drafts)
+
+
+def _finals(llm, prompts, params) -> list:
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    engine = llm.engine
+    assert engine.allocator.num_free == engine.allocator.num_usable
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+
+
+@pytest.mark.parametrize("where", ["drafter", "forward"])
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_sequence_failing_while_it_holds_tokens_keeps_them(varied, where, n):
+    """A sequence whose drafter (or forward, run again alone) fails in the step after a held
+    verify ends with an error after the held verify's tokens, as in the synchronous engine
+    (found in review: ended first, it lost them); the others go on."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    got = {}
+    for async_on in (True, False):
+        if where == "drafter":
+            llm = LLM(
+                varied,
+                device="cpu",
+                drafter=Flaky(),
+                spec={"num_drafts": 3},
+                async_scheduling=async_on,
+            )
+        else:
+            llm = LLM(varied, device="cpu", spec=NGRAM, async_scheduling=async_on)
+            runner, real = llm.engine.runner, llm.engine.runner.execute
+
+            def execute(batch, defer=False, real=real):
+                if any(
+                    e.seq.seq_id == 0 and len(e.seq.output_token_ids) >= 12 for e in batch.entries
+                ):
+                    raise RuntimeError("the forward failed for sequence 0")
+                return real(batch, defer=defer)
+
+            runner.execute = execute
+        got[async_on] = _finals(llm, PROMPTS[:n], params)
+        if async_on:
+            assert llm.engine._ahead.held_verifies > 0
+    assert got[True] == got[False]
+    assert got[True][0][1] == "error" and len(got[True][0][0]) >= 12
+
+
+def test_pages_a_held_verify_fills_are_hit_by_the_next_steps_arrivals(varied):
+    """B's prompt is prefilled in a held verify step (beside A's verify); C, with B's first
+    pages, arrives at the next step, before that step commits the held one: it hits them as in
+    the synchronous engine (found in review: offered at the commit, they were missed)."""
+    shared = [101, 57, 230, 77, 19, 202, 311, 88, 9, 140, 66, 12]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    for k in (3, 5, 8):
+        got = {}
+        for async_on in (True, False):
+            engine = LLM(
+                varied, device="cpu", spec=NGRAM, page_size=4, async_scheduling=async_on
+            ).engine
+            long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+            engine.add_request("A", PROMPTS[0], long)
+            cached, step = {}, 0
+            while engine.has_unfinished_requests():
+                if step == k:
+                    engine.add_request("B", shared + [5, 6], params)
+                if step == k + 1:
+                    engine.add_request("C", shared + [7, 8], params)
+                for out in engine.step():
+                    if out.finished:
+                        cached[out.request_id] = (out.num_cached_tokens, out.outputs[0].token_ids)
+                step += 1
+            got[async_on] = cached
+        assert got[True] == got[False], k
+        assert got[True]["C"][0] == 12
+
+
+def test_verify_telemetry_by_width_is_the_synchronous_engines(varied):
+    """A held verify some of whose sequences it ended (committed at once) is observed as one
+    step: its verifies filed under the step's width (found in review: under each part's)."""
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (13, 40, 27)]
+    prompts = [*PROMPTS[:2], [7, 7, 9, 7, 7, 9, 7, 7]]
+    tels = []
+    for async_on in (True, False):
+        llm = LLM(varied, device="cpu", spec=NGRAM, async_scheduling=async_on)
+        llm.generate(prompts, params, use_tqdm=False)
+        t = llm.engine.telemetry.spec
+        tels.append((t.num_drafts, t.num_accepted_tokens, t.by_width, t.verify_steps))
+    assert tels[0] == tels[1]

@@ -201,10 +201,16 @@ class AheadStepper:
                     self._settle(in_flight[0], changed)
                     in_flight[0] = None
 
-            running = engine.scheduler.running
-            for seq, message in engine.spec.prepare(running, settle_first):
-                engine._fail(seq, message)
-                changed.setdefault(seq.request_id, {}).setdefault(seq.seq_id, ("", []))
+            failed = engine.spec.prepare(engine.scheduler.running, settle_first)
+            if failed and in_flight[0] is not None and in_flight[0].held:
+                # a sequence failing holds a held verify's tokens: they are committed first
+                # (found in review: they were lost), and one they end fails no more
+                self._settle(in_flight[0], changed)
+                in_flight[0] = None
+            for seq, message in failed:
+                if not seq.is_finished:
+                    engine._fail(seq, message)
+                    changed.setdefault(seq.request_id, {}).setdefault(seq.seq_id, ("", []))
             prev = in_flight[0]
         batch = engine.scheduler.schedule(hold=prev is not None)
         if batch is None:  # it would preempt or fail a sequence whose token is in flight

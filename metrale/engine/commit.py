@@ -31,10 +31,12 @@ def commit_rows(
     advanced: bool,
     finished: list,
     state: StepState | None = None,
+    observe_later: bool = False,
 ) -> int:
     """`LLMEngine._commit`'s work but ending the sequences it ends (`finished` gets them, and
-    `_commit` ends them whatever happens here). `state`: a held verify's controller state
-    (`held_verify.StepState`), which says whether it is observed."""
+    `_commit` ends them whatever happens here). `state`: the step's controller state where
+    a later step was prepared since (`held_verify.StepState`), which says whether it is
+    observed; `observe_later`: its verdicts wait in it for the rest of the step's."""
     verdict_of = {id(v.entry): v for v in out.verdicts}
     now, requests = time.perf_counter(), engine.telemetry.request
     # A step that drafted nothing, with a drafter that keeps no per-step state, has nothing
@@ -133,7 +135,11 @@ def commit_rows(
     penalties = engine.runner.penalties
     if penalties.holds_rows:
         penalties.committed([v.seq for v in out.verdicts])
-    if observing:
+    if observing and observe_later:
+        state.early.extend(drafter_verdicts)
+    elif observing:
+        if state is not None and state.early:
+            drafter_verdicts, state.early = state.early + drafter_verdicts, []
         for seq, message in spec.observe(drafter_verdicts, state):
             engine._fail(seq, message)
             changed.setdefault(seq.request_id, {}).setdefault(seq.seq_id, ("", []))

@@ -42,13 +42,16 @@ Grammars keep the whole engine synchronous already (`AheadStepper.may_run_ahead`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
+from metrale.distributed.parallel import DistributedError
 from metrale.engine.sequence import SequenceStatus
 from metrale.engine.step_output import StepOutput
 from metrale.knobs import knobs
 
 FINISHED = SequenceStatus.FINISHED
+log = logging.getLogger(__name__)
 
 
 class HeldTokens:
@@ -74,6 +77,9 @@ class StepState:
     observing: bool
     proposed: dict
     sources: set
+    # verdicts of its sequences committed before the others (those it ended, `run_held`),
+    # observed with the others' as one step's (the telemetry files a verify by its width)
+    early: list = field(default_factory=list)
 
 
 def can_hold(engine) -> bool:
@@ -128,10 +134,16 @@ def ends_now(seq, ids: list[int], max_model_len: int) -> bool:
     return False
 
 
-def hold(launched, out) -> int:
+def hold(launched, out, cache=None) -> int:
     """Move each unfinished sequence of a verify step whose verdicts are read (`out`) past its
     committed rows and give it its tokens as a `HeldTokens` placeholder; returns how many
-    sequences hold one."""
+    sequences hold one. The pages its rows filled are offered to the prefix cache (`cache`)
+    now, as a plain step's are at its launch (`AheadStepper._advance`): the next step admits
+    requests before this one is committed (found in review: they missed those pages). Not
+    where a drafter keeps K/V rows in the pages: the commit offers those."""
+    from metrale.engine.commit import offer_pages
+
+    page = cache.page_size if cache is not None and cache.draft_kv is None else 0
     verdict_of = {id(v.entry): v for v in out.verdicts}
     held = 0
     for entry in out.entries:
@@ -141,17 +153,25 @@ def hold(launched, out) -> int:
         v = verdict_of.get(id(entry))
         if v is None:  # a prompt chunk: its rows are computed, nothing to emit
             seq.num_computed_tokens += entry.num_rows
-            continue
-        committed = entry.num_rows - len(entry.drafts) + v.num_accepted
-        ids = [t.token_id for t in v.tokens]
-        # (made first: a sequence moves all at once, so that `_withdraw` can take it back)
-        row = HeldTokens(launched, len(ids), committed)
-        seq.num_computed_tokens += committed
-        seq.noise_epoch += 1  # (the commit counts it for a step not held)
-        seq.output_token_ids.extend(ids)
-        seq.inflight = row
-        held += 1
+        else:
+            held += _hold_tokens(launched, entry, v)
+        if page and seq.num_computed_tokens >= (seq.num_registered_pages + 1) * page:
+            offer_pages(cache, seq)
     return held
+
+
+def _hold_tokens(launched, entry, v) -> int:
+    """`hold`'s work for one sampling sequence (its verdict `v`): 1."""
+    seq = entry.seq
+    committed = entry.num_rows - len(entry.drafts) + v.num_accepted
+    ids = [t.token_id for t in v.tokens]
+    # (made first: a sequence moves all at once, so that `_withdraw` can take it back)
+    row = HeldTokens(launched, len(ids), committed)
+    seq.num_computed_tokens += committed
+    seq.noise_epoch += 1  # (the commit counts it for a step not held)
+    seq.output_token_ids.extend(ids)
+    seq.inflight = row
+    return 1
 
 
 def _split(out, ending: set[int]):
@@ -208,12 +228,27 @@ def run_held(stepper, batch, start: float, changed: dict, prev):
 
     runner.while_forward_runs = window
     try:
-        out = run_batch(engine, batch)
+        try:
+            out = runner.execute(batch)
+        except DistributedError:
+            raise
+        except Exception as e:  # noqa: BLE001 (isolation: each alone, as `run_batch` does)
+            if failed:
+                raise failed[0] from e
+            # Isolation fails the sequences whose forward fails alone: the held step is
+            # committed first, so that none of them loses the tokens it holds (found in
+            # review), and those its commit ends run no more
+            if pending[0] is not None:
+                held, pending[0] = pending[0], None
+                stepper._settle(held, changed)
+            batch = Batch([e for e in batch.entries if not e.seq.is_finished])
+            log.warning("a verify batch failed (%s: %s); running each alone", type(e).__name__, e)
+            out = run_batch(engine, batch, rebuild=True)
     finally:
         runner.while_forward_runs = None
     if failed:
         raise failed[0]
-    if pending[0] is not None:  # no forward reached its window (each sequence failed alone)
+    if pending[0] is not None:  # (no forward reached its window)
         stepper._settle(pending[0], changed)
     limit = engine.emitter.max_model_len
     ending = {
@@ -223,13 +258,14 @@ def run_held(stepper, batch, start: float, changed: dict, prev):
     }
     emitted = 0
     if ending:
+        # (their verdicts observed with the others', as one step's: `StepState.early`)
         now, out = _split(out, ending)
-        emitted = engine._commit(now, changed, state=state)
+        emitted = engine._commit(now, changed, state=state, observe_later=True)
         engine._mark_errors(Batch(now.entries), changed)
     launched = Launched(batch, out, start, prompt_rows, state=state, held=True, emitted=emitted)
     # open before the placeholders go out (`AheadStepper._withdraw` takes back those that did)
     stepper._open = [(launched, launched)]
-    if not hold(launched, out):
+    if not hold(launched, out, engine.allocator.cache):
         stepper._open = []
         # nothing to emit, but the step was one: its commit observes and counts it now
         stepper._settle(launched, changed)

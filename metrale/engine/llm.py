@@ -355,11 +355,13 @@ class LLMEngine(RequestAdmission):
         """Run the batch, isolating a failing sequence (`isolation.run_batch`)."""
         return run_batch(self, batch)
 
-    def _commit(self, out: StepOutput, changed: dict, advanced: bool = False, state=None) -> int:
+    def _commit(
+        self, out: StepOutput, changed: dict, advanced=False, state=None, observe_later=False
+    ) -> int:
         """Advance every sequence past its committed rows, emit its tokens, feed the drafter.
         `advanced`: a step launched ahead (`engine/ahead.py`), whose counters moved at launch
-        and whose sequences ended since are passed over; `state`: a held verify's controller
-        state (`engine/held_verify.py`).
+        and whose sequences ended since are passed over; `state`, `observe_later`: a held
+        verify's (`engine/held_verify.py`, `commit.commit_rows`).
 
         NOTE: rollback: a sequence that verified k drafts and accepted a of them keeps the KV of
         its rows up to its last token plus the a accepted drafts; the rows of rejected drafts lie
@@ -368,7 +370,7 @@ class LLMEngine(RequestAdmission):
             self.emitter.drain()
         finished: list[Sequence] = []
         try:
-            return commit_rows(self, out, changed, advanced, finished, state)
+            return commit_rows(self, out, changed, advanced, finished, state, observe_later)
         finally:
             # (an exception after a sequence ended, out of the drafter's side or the cache,
             # left it running past its last token: it decoded once more; found in review)
