@@ -104,11 +104,9 @@ class AheadStepper:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.launched: Launched | None = None
-        # steps launched, and those launched while the step before was still unread
-        self.launches = 0
-        self.launches_ahead = 0
-        self.held_verifies = 0  # verify steps held (`engine/held_verify.py`)
-        self.probes_ahead = 0  # probe steps launched ahead (`held_verify.probes_ahead`)
+        # steps launched, those launched while the step before was unread, verify steps held
+        # (`engine/held_verify.py`), probe steps launched ahead (`held_verify.probes_ahead`)
+        self.launches = self.launches_ahead = self.held_verifies = self.probes_ahead = 0
         self._waited = 0.0
         self._failed = False  # the last `_launch` raised (not: it did not defer)
         # launched steps whose placeholders are out and not yet committed, with the device
@@ -133,11 +131,9 @@ class AheadStepper:
 
     def settle_ended(self) -> None:
         """Settle now a launched step none of whose sequences is unfinished any more (their
-        requests were aborted: a client left). Kept, it waited for the next request, however
-        long the engine then idled, and was counted as a step lasting that gap, as the step
-        launched for sequences the step before ended was (ba239c4); settled now, it is counted
-        as the synchronous engine counts the step it ran before the abort (its prompt rows
-        included). A failure to read it is logged, not raised: the abort itself is done."""
+        requests were aborted). Kept, it waited for the next request and was counted as a step
+        lasting the idle gap (ba239c4); settled now, it is counted as the synchronous engine
+        counts the step before an abort. A failure to read it is logged: the abort is done."""
         launched = self.launched
         if launched is None or any(not e.seq.is_finished for e in launched.batch.entries):
             return
@@ -151,10 +147,9 @@ class AheadStepper:
 
     def _withdraw(self, rebuild: bool = True) -> None:
         """An exception escaped `step` (the server's engine loop goes on after one): every step
-        launched and not committed takes its placeholders back and moves its sequences'
-        counters back, so that their rows run again, as the synchronous engine runs again the
-        rows of a step it did not commit. Without this an unsettled step's placeholder stayed
-        in other requests' output as token 0 (found in review)."""
+        launched and not committed takes its placeholders and its sequences' counters back, so
+        that their rows run again, as the synchronous engine's of a step it did not commit
+        (without this a placeholder stayed in other requests' output as token 0)."""
         opened, self._open = self._open, []
         launching, self._launching = self._launching, None
         self.launched = None
@@ -191,20 +186,17 @@ class AheadStepper:
             prev = None
         if engine.spec is not None:
             # D-Cut plans from counts, which the placeholders keep right; a plan that drafts
-            # settles the step in flight first (drafters read tokens), and the step that
-            # verifies runs synchronously
+            # settles the step in flight first (drafters read tokens; a held verify's are here)
             in_flight = [prev]
 
             def settle_first() -> None:
-                # (not a held verify: its tokens are on the host, in its placeholders)
                 if in_flight[0] is not None and not in_flight[0].held:
                     self._settle(in_flight[0], changed)
                     in_flight[0] = None
 
             failed = engine.spec.prepare(engine.scheduler.running, settle_first)
             if failed and in_flight[0] is not None and in_flight[0].held:
-                # a sequence failing holds a held verify's tokens: they are committed first
-                # (found in review: they were lost), and one they end fails no more
+                # a failing sequence's held tokens are committed first (found in review)
                 self._settle(in_flight[0], changed)
                 in_flight[0] = None
             for seq, message in failed:
