@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from metrale import LLM, SamplingParams
+from metrale.speculative.ngram import NgramDrafter
 from tests.test_deferred_text_fuzz import _check_streams, _drive, _make_plan, _summary
 
 PROMPTS = [
@@ -93,3 +94,59 @@ def test_the_deferred_text_fuzz_workloads(varied, dcut, seed):
     for rid, _, _, _, abort in plan:
         if abort is None:  # an abort lands on another step's outputs under async scheduling
             assert got[rid] == want[rid], rid
+
+
+class FailsAt(NgramDrafter):
+    """The n-gram drafter, raising for request r1 (stop strings) once it has `at` tokens."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at = at
+
+    def propose(self, seqs, max_drafts):
+        if any(s.request_id == "r1" and len(s.output_token_ids) >= self.at for s in seqs):
+            raise RuntimeError("the drafter failed for r1")
+        return super().propose(seqs, max_drafts)
+
+
+def _streams(engine, params) -> dict[str, tuple]:
+    """`streamed` with the given sampling parameters for each of `PROMPTS`."""
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, params[i])
+    outs: dict[str, list] = {f"r{i}": [] for i in range(len(PROMPTS))}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[out.request_id].append(out)
+    whole = {}
+    for rid, chunks in outs.items():
+        text, ids = "", []
+        for chunk in chunks:
+            c = chunk.outputs[0]
+            text, ids = text + c.delta_text, ids + list(c.delta_token_ids)
+            assert (c.text, list(c.token_ids)) == (text, ids), rid
+        whole[rid] = (text, ids, chunks[-1].outputs[0].finish_reason)
+    return whole
+
+
+@pytest.mark.parametrize("at", range(3, 12))
+@pytest.mark.parametrize("async_on", [False, True])
+def test_a_failure_right_after_a_commit_streams_its_held_back_text_last(varied, at, async_on):
+    """r1 has a stop string (its text is made in the step, its last character held back) and
+    its drafter fails at the step right after a commit emitted text for it (under async
+    scheduling, in the same `step` call): the held-back tail comes after that commit's delta
+    (found in review: it came before, and the deltas no longer added up to the text); the
+    other requests are the synchronous engine's."""
+    spec = {"num_drafts": 3, "dcut": False}
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=["q~"])
+        for _ in PROMPTS
+    ]
+    ref = _streams(LLM(varied, device="cpu", spec={"method": "ngram", **spec}).engine, params)
+    llm = LLM(varied, device="cpu", drafter=FailsAt(at), spec=spec, async_scheduling=async_on)
+    got = _streams(llm.engine, params)  # (each stream checked to be its deltas added up)
+    text, ids, reason = got["r1"]
+    assert reason == "error" and len(ids) >= at
+    assert ids == ref["r1"][1][: len(ids)] and ref["r1"][0].startswith(text)
+    assert {k: v for k, v in got.items() if k != "r1"} == {
+        k: v for k, v in ref.items() if k != "r1"
+    }

@@ -35,8 +35,10 @@ class Emitter:
         self.max_model_len = max_model_len
         # seq_id -> (sequence, token ids recorded but not yet detokenized)
         self._pending: dict[int, tuple[Sequence, list[int]]] = {}
-        # deltas `drain` made, waiting for the step to return them
+        # deltas `drain` made, waiting for the step to return them; and the text a sequence
+        # that failed or was aborted had held back (`settle`), the last of its output
         self._drained: list[tuple[Sequence, Delta]] = []
+        self._tails: list[tuple[Sequence, str]] = []
         self.defers = not knobs().no_deferred_text
 
     def emit(self, seq: Sequence, tokens: list[SampledToken]) -> Delta | None:
@@ -164,9 +166,12 @@ class Emitter:
         tokens. Returns (sequence, tokens) of each delta: what its outputs now show."""
         if request_id is None:
             drained, self._drained = self._drained, []
+            tails, self._tails = self._tails, []
         else:
             drained = [d for d in self._drained if d[0].request_id == request_id]
             self._drained = [d for d in self._drained if d[0].request_id != request_id]
+            tails = [t for t in self._tails if t[0].request_id == request_id]
+            self._tails = [t for t in self._tails if t[0].request_id != request_id]
         # one delta a sequence, its drained pieces in order (insertion order: the first seen)
         earlier: dict[int, tuple[Sequence, str, list[int]]] = {}
         for seq, (text, ids) in drained:
@@ -178,6 +183,12 @@ class Emitter:
             later = deltas.get(seq.seq_id, ("", []))
             deltas[seq.seq_id] = (text + later[0], ids + later[1])
             shown.append((seq, len(ids)))
+        # after the step's own delta: the tail is the text's end (found in review: a sequence
+        # failing right after its step's commit streamed its tail before that commit's text)
+        for seq, tail in tails:
+            deltas = changed.setdefault(seq.request_id, {})
+            text, ids = deltas.get(seq.seq_id, ("", []))
+            deltas[seq.seq_id] = (text + tail, ids)
         return shown
 
     def settle(self, seq: Sequence) -> None:
@@ -193,13 +204,14 @@ class Emitter:
             except Exception:  # noqa: BLE001 (its ids still reach the caller, without text)
                 log.exception("detokenizing the last tokens of %s failed", seq.request_id)
                 ids = list(entry[1])
+        if entry is not None:
+            self._drained.append((seq, (text, ids)))
         if seq.finish_reason in ("error", "abort"):
             tail = seq.pending_text + self._flush(seq)
             seq.pending_text = ""
             seq.text += tail
-            text += tail
-        if entry is not None or text:
-            self._drained.append((seq, (text, ids)))
+            if tail:
+                self._tails.append((seq, tail))
 
     def pending_tokens(self, seq: Sequence) -> int:
         entry = self._pending.get(seq.seq_id)
