@@ -208,3 +208,48 @@ def test_a_detokenizer_failing_at_the_end_fails_its_sequence(tiny_model_dir, kno
     assert final["b"].finish_reason == "length"
     ids = [t for o in outs if o.request_id == "a" for t in o.outputs[0].delta_token_ids]
     assert ids == list(final["a"].token_ids) and len(ids) == 5
+
+
+@pytest.mark.parametrize("async_on", [True, False])
+def test_a_detokenizer_failing_inside_a_verify_keeps_a_logprob_a_token(varied_dir, async_on):
+    """The victim's detokenizer raises on a verify's tokens (pushed whole, `_emit_whole`), with
+    logprobs asked for: it ends with an error, showing those tokens with their logprob entries
+    (found in review: the tokens without them), and the others are unaffected."""
+    llm = LLM(
+        varied_dir,
+        device="cpu",
+        spec={"method": "ngram", "num_drafts": 3},
+        async_scheduling=async_on,
+    )
+    engine, real = llm.engine, llm.engine.add_request
+    pushed = [0]
+
+    def push_each(ids, push=None):
+        pushed[0] += 1
+        if len(ids) >= 2 and pushed[0] > 3:  # a verify's tokens, after a few steps
+            raise RuntimeError("injected")
+        return push(ids)
+
+    def add_request(request_id, prompt, p=None, final_only=False):
+        real(request_id, prompt, p, final_only)
+        seq = engine.requests[request_id].seqs[0]
+        if victim_only(seq):
+            seq.detokenizer.push_each = lambda ids, push=seq.detokenizer.push_each: push_each(
+                ids, push
+            )
+
+    engine.add_request = add_request
+    prompts = [[3, 4, 5, 3, 4, 5, 3, 4], [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]
+    sp = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=1)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    victim, other = outs[0].outputs[0], outs[1].outputs[0]
+    assert victim.finish_reason == "error" and pushed[0] > 3
+    assert len(victim.logprobs) == len(victim.token_ids)
+    ref = LLM(varied_dir, device="cpu").generate(prompts, sp, use_tqdm=False)
+    assert victim.token_ids == ref[0].outputs[0].token_ids[: len(victim.token_ids)]
+    assert (other.token_ids, other.text) == (ref[1].outputs[0].token_ids, ref[1].outputs[0].text)
+
+
+@pytest.fixture(scope="module")
+def varied_dir(hf_qwen3_factory):
+    return hf_qwen3_factory("varied", initializer_range=0.2)  # its outputs repeat at times

@@ -124,7 +124,14 @@ class Emitter:
                 return None
         ids = out[start:]
         mark = seq.detokenizer.mark()
-        text = seq.pending_text + seq.detokenizer.push_each(ids)
+        try:
+            text = seq.pending_text + seq.detokenizer.push_each(ids)
+        except BaseException:
+            # its ids stay recorded (the commit ends it, showing them): with their logprob
+            # entries, as token by token (found in review: the output had fewer entries)
+            for token in tokens:
+                self._logprobs(seq, token)
+            raise
         stops = params.stop
         # (none found in the whole new text: none at any token; one found: which token
         # completed it, and whether after `min_tokens`, is the token-by-token path's to say)
