@@ -164,7 +164,7 @@ def _hold_tokens(launched, entry, v) -> int:
     """`hold`'s work for one sampling sequence (its verdict `v`): 1."""
     seq = entry.seq
     committed = entry.num_rows - len(entry.drafts) + v.num_accepted
-    ids = [t.token_id for t in v.tokens]
+    ids = v.picks[: len(v.tokens)]  # (its tokens' ids: the picks of its rows up to the bonus)
     # (made first: a sequence moves all at once, so that `_withdraw` can take it back)
     row = HeldTokens(launched, len(ids), committed)
     seq.num_computed_tokens += committed
@@ -254,7 +254,7 @@ def run_held(stepper, batch, start: float, changed: dict, prev):
     ending = {
         id(v.entry)
         for v in out.verdicts
-        if not v.seq.is_finished and ends_now(v.seq, [t.token_id for t in v.tokens], limit)
+        if not v.seq.is_finished and ends_now(v.seq, v.picks[: len(v.tokens)], limit)
     }
     emitted = 0
     if ending:
