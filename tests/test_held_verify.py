@@ -384,3 +384,63 @@ def test_verify_telemetry_by_width_is_the_synchronous_engines(varied):
         t = llm.engine.telemetry.spec
         tels.append((t.num_drafts, t.num_accepted_tokens, t.by_width, t.verify_steps))
     assert tels[0] == tels[1]
+
+
+def test_sequences_a_held_verify_ends_leave_no_estimate_behind(varied):
+    """A held verify's sequences it ends are committed first and observed with the others, after
+    their release: the estimator forgets them again (found in review: their entries piled up,
+    up to its bound, where the oldest live sequences' estimates were evicted)."""
+    for async_on in (False, True):
+        llm = LLM(varied, device="cpu", spec=NGRAM, async_scheduling=async_on)
+        for i in range(8):
+            sp = SamplingParams(temperature=0.0, max_tokens=9 + i, ignore_eos=True)
+            llm.generate([[3, 4, 5] * 8], sp, use_tqdm=False)
+        assert len(llm.engine.spec.estimator) == 0
+        assert not async_on or llm.engine._ahead.held_verifies > 0
+
+
+class Wrong:
+    """A stateless drafter whose drafts are always wrong."""
+
+    name, needs_hidden, stateless = "wrong", False, True
+
+    def propose(self, seqs, caps):
+        from metrale.speculative.drafter import Draft
+
+        return [
+            Draft([(s.output_token_ids[-1] + 1) % 300 if s.output_token_ids else 1] * k)
+            for s, k in zip(seqs, caps, strict=True)
+        ]
+
+    def observe(self, verdicts):
+        pass
+
+    def release(self, seq):
+        pass
+
+
+def test_probes_back_off_once_a_probe_as_synchronously(varied):
+    """Drafts always wrong: D-Cut goes quiet and its probes' interval doubles once a probe. Run
+    ahead, a probe's verdicts come a step late and the step after it is planned twice (before
+    and after them): the probes come at the synchronous engine's steps all the same (found in
+    review: the interval doubled twice a probe)."""
+    prompts = [[(11 * i + 5 * j) % 250 + 3 for j in range(6 + 3 * i)] for i in range(4)]
+    steps = {}
+    for async_on in (False, True):
+        spec = {"num_drafts": 3, "dcut": True, "dcut_probe_every": 8}
+        llm = LLM(varied, device="cpu", async_scheduling=async_on, drafter=Wrong(), spec=spec)
+        dec, probes, real = llm.engine.spec, [], llm.engine.spec._prepare
+
+        def prepare(running, before=None, real=real, dec=dec, probes=probes):
+            failed = real(running, before)
+            if dec._probing:
+                probes.append(dec._steps)
+            return failed
+
+        dec._prepare = prepare
+        sp = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+        llm.generate(prompts, sp, use_tqdm=False)
+        steps[async_on] = probes
+        if async_on:
+            assert llm.engine._ahead.probes_ahead > 0
+    assert len(steps[True]) >= 4 and steps[True] == steps[False]

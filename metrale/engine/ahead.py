@@ -234,10 +234,10 @@ class AheadStepper:
             ran_now = batch
         elif batch.entries:
             launched = self._launch(batch, start)
+            self._launching = launched
             if launched is not None and learns:
                 launched.state = engine.spec.step_state()
                 self.probes_ahead += 1
-            self._launching = launched
             if launched is None:  # its launch raised: after the step before, synchronously
                 if prev is not None:
                     self._settle(prev, changed)

@@ -365,6 +365,12 @@ class SpeculativeDecoder(DepthPlanning):
         if learned:
             self.estimator.observe_many(learned)
             self._quiet = None
+            for v in verdicts:
+                if v.seq.is_finished:
+                    # observed after its release (a held verify's sequence it ended, committed
+                    # first, `engine/held_verify.py`): the pool learned from it, its own entry
+                    # goes again (found in review: entries of ended sequences piled up)
+                    self.estimator.forget(v.seq.seq_id)
             if self._last_plan is not None and not self._last_plan[1]:
                 # a depth-0 plan made before these verdicts were observed (a probe or verify
                 # observed a step late, `engine/held_verify.py`): plan again, as after a quiet

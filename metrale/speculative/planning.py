@@ -285,9 +285,11 @@ class DepthPlanning:
         """A probe step after steps that did not verify, and the `steps` - 1 after it, took
         `seconds` beside the drafter's host work: what they cost beyond as many plain steps
         spaces the probes (`ProbeSchedule.priced`). With the step after it: under async
-        scheduling a probe waits for the step in flight and runs synchronously, so the step
-        after it has none to wait for and is that much shorter. Neither is a step during which
-        a program was captured (`timed_step` checks)."""
+        scheduling a probe waits for the step in flight (its drafter reads tokens) and, where
+        it cannot be launched ahead (`held_verify.probes_ahead`), runs synchronously, so the
+        step after it has none to wait for and is that much shorter; launched ahead, the step
+        after it waits for it. Neither is a step during which a program was captured
+        (`timed_step` checks)."""
         plain = self.host.plain_seconds(width) or self.host.plain_near(width, self.cost)
         if plain:
             self._probes.priced(seconds / plain - steps, self._steps)

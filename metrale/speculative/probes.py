@@ -1,9 +1,11 @@
 """When D-Cut's probe steps come. A probe drafts for a few sequences that D-Cut planned at depth
-0, in turn, so that their acceptance estimates can rise again; it costs a drafting step (and under
-async scheduling a synchronous one, which drains the pipeline). While drafting does not pay, each
-probe that finds nothing worth drafting doubles the interval, up to its bound; a plan that drafts
-brings it back (and the next probe with it). On the H200 (qwen3-8b shape, alpha 0, async
-scheduling, batch 64) a probe every 8 steps kept decoding at 0.94x plain. The price: a sequence
+0, in turn, so that their acceptance estimates can rise again; it costs a drafting step (under
+async scheduling the drafter waits for the step in flight; the probe step itself, its drafts all
+cut, is launched ahead and observed at its settle: `engine/held_verify.probes_ahead`). While
+drafting does not pay, each probe that finds nothing worth drafting doubles the interval, up to
+its bound; a plan that drafts brings it back (and the next probe with it). On the H200
+(qwen3-8b shape, alpha 0, async scheduling, batch 64) a probe every 8 steps kept decoding at
+0.94x plain. The price: a sequence
 whose acceptance rises mid-stream is noticed later.
 
 The bound is `MAX_BACKOFF` times `dcut_probe_every`, or more where a probe step is measured to
@@ -39,6 +41,7 @@ class ProbeSchedule:
         self._next = every  # the step of the next probe
         self._last = 0  # the step of the last one
         self._probes = 0
+        self._backed_off = -1  # the probe count when the interval last doubled
         # what a probe step after plain steps cost beyond a plain step, in plain steps
         self._excess = Window()
 
@@ -67,11 +70,15 @@ class ProbeSchedule:
 
     def planned(self, drafts: bool) -> None:
         """A plan was made: drafting pays for some sequence (back to the base interval, the
-        next probe included), or for none (the interval doubles, up to its bound)."""
+        next probe included), or for none (the interval doubles, up to its bound, once a
+        probe: a plan made again once a probe's verdicts are observed, a step after the plan
+        that did not know them yet, is the same finding; found in review: the interval
+        doubled twice a probe when probes ran ahead)."""
         if drafts:
             self.every = self.base
             self._next = min(self._next, self._last + self.base)
-        else:
+        elif self._backed_off != self._probes:
+            self._backed_off = self._probes
             self.every = min(2 * self.every, self.bound)
 
     def priced(self, excess: float, step: int) -> None:
