@@ -328,3 +328,32 @@ def test_an_exception_out_of_a_step_leaves_a_hybrid_state_on_its_counters(hybrid
     for where, prompts in (("placeholder", two), ("settle", [*two, [40, 41, 42, 43, 44, 45]])):
         ref, _ = run(False, None, prompts)
         assert run(True, where, prompts) == (ref, 1)
+
+
+def test_a_sequence_its_tokens_in_flight_end_by_length_is_not_scheduled_again(tiny_model_dir):
+    """A sequence whose token in flight reaches its `max_tokens` (or the model length) ends when
+    that token is committed, whatever it is: the asynchronous engine schedules it no more, so it
+    runs the synchronous engine's forwards, outputs and pages (found in review: every closed
+    batch ended with a step computed for nothing, whose page reservations evicted cached
+    pages)."""
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17]]
+    params = [_greedy(10), _greedy(4), SamplingParams(temperature=0.0, ignore_eos=True)]
+    got = {}
+    for async_on in (False, True):
+        llm = LLM(tiny_model_dir, device="cpu", async_scheduling=async_on, max_model_len=20)
+        engine, calls = llm.engine, [0]
+        real = engine.runner.execute
+
+        def execute(batch, real=real, calls=calls, **kw):
+            calls[0] += 1
+            return real(batch, **kw)
+
+        engine.runner.execute = execute
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        got[async_on] = (
+            calls[0],
+            [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs],
+        )
+        assert engine.allocator.num_free == engine.allocator.num_usable
+    assert got[True] == got[False]
+    assert [len(ids) for ids, _ in got[True][1]] == [10, 4, 14]

@@ -137,6 +137,7 @@ class LLMEngine(RequestAdmission):
         # ended as an error. The server refuses prompt + max_tokens past it.
         pool_tokens = self.allocator.num_usable * self.allocator.page_size + 1
         self.context_len = min(self.max_model_len, pool_tokens)
+        self.scheduler.context_len = self.context_len
         if self.context_len < self.max_model_len:
             log.warning(
                 "the KV pool holds %d tokens, fewer than max_model_len=%d: sequences stop at %d "

@@ -42,6 +42,9 @@ class Scheduler:
         self.lookahead = lookahead
         # Where lookahead rows stop for every sequence: the pool's rows.
         self._row_limit = allocator.num_usable * allocator.page_size
+        # The most tokens a sequence holds (the engine's context length): one whose tokens in
+        # flight reach it, or its `max_tokens`, ends when they are committed (`_ends_in_flight`)
+        self.context_len = self._row_limit
         self.waiting: list[Sequence] = []  # sorted by arrival
         self.running: list[Sequence] = []  # in admission order; the last is the newest
         self.num_preemptions = 0
@@ -94,6 +97,17 @@ class Scheduler:
             return []
         return seq.draft.tokens[: budget - 1]
 
+    def _ends_in_flight(self, seq: Sequence) -> bool:
+        """Whether the tokens a sequence has in flight (asynchronous scheduling: placeholders,
+        `Sequence.inflight`) bring it to its `max_tokens` or the context length: it ends when
+        they are committed, whatever they are (`stop.token_stop`), so it is not scheduled
+        again. Scheduled, its rows were computed and thrown away (a whole step at the end of
+        every closed batch) and their pages reserved, evicting cached ones (found in review)."""
+        max_tokens = seq.params.max_tokens
+        if max_tokens is not None and len(seq.output_token_ids) >= max_tokens:
+            return True
+        return seq.num_tokens >= self.context_len
+
     def _release_slot(self, seq: Sequence) -> None:
         if seq.slot >= 0:
             self._free_slots.append(seq.slot)
@@ -138,6 +152,9 @@ class Scheduler:
         idx = 0
         while idx < len(self.running) and budget > 0:
             seq = self.running[idx]
+            if seq.inflight is not None and self._ends_in_flight(seq):
+                idx += 1
+                continue
             drafts = self._drafts_for(seq, budget)
             num_rows = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if num_rows > 1 and seq.snapshot_at:  # a prompt chunk (never a decode's one row)
