@@ -28,12 +28,12 @@ def varied(hf_qwen3_factory):
     return hf_qwen3_factory("varied", initializer_range=0.2)  # its outputs repeat at times
 
 
-def streamed(engine, abort: tuple[int, str] | None = None) -> dict[str, tuple]:
+def streamed(engine, abort: tuple[int, str] | None = None, params=None) -> dict[str, tuple]:
     """Request id -> (text, token ids, finish reason) of its streamed outputs, each checked to
-    be its deltas added up."""
+    be its deltas added up (`params`: each prompt's, else greedy with `EXTRAS`)."""
     for i, (prompt, extra) in enumerate(zip(PROMPTS, EXTRAS, strict=True)):
-        params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, **extra)
-        engine.add_request(f"r{i}", prompt, params)
+        sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, **extra)
+        engine.add_request(f"r{i}", prompt, sp if params is None else params[i])
     outs: dict[str, list] = {f"r{i}": [] for i in range(len(PROMPTS))}
     steps = 0
     while engine.has_unfinished_requests():
@@ -109,25 +109,6 @@ class FailsAt(NgramDrafter):
         return super().propose(seqs, max_drafts)
 
 
-def _streams(engine, params) -> dict[str, tuple]:
-    """`streamed` with the given sampling parameters for each of `PROMPTS`."""
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(f"r{i}", prompt, params[i])
-    outs: dict[str, list] = {f"r{i}": [] for i in range(len(PROMPTS))}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            outs[out.request_id].append(out)
-    whole = {}
-    for rid, chunks in outs.items():
-        text, ids = "", []
-        for chunk in chunks:
-            c = chunk.outputs[0]
-            text, ids = text + c.delta_text, ids + list(c.delta_token_ids)
-            assert (c.text, list(c.token_ids)) == (text, ids), rid
-        whole[rid] = (text, ids, chunks[-1].outputs[0].finish_reason)
-    return whole
-
-
 @pytest.mark.parametrize("at", range(3, 12))
 @pytest.mark.parametrize("async_on", [False, True])
 def test_a_failure_right_after_a_commit_streams_its_held_back_text_last(varied, at, async_on):
@@ -141,9 +122,9 @@ def test_a_failure_right_after_a_commit_streams_its_held_back_text_last(varied, 
         SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=["q~"])
         for _ in PROMPTS
     ]
-    ref = _streams(LLM(varied, device="cpu", spec={"method": "ngram", **spec}).engine, params)
+    ref = streamed(LLM(varied, device="cpu", spec={"method": "ngram", **spec}).engine, None, params)
     llm = LLM(varied, device="cpu", drafter=FailsAt(at), spec=spec, async_scheduling=async_on)
-    got = _streams(llm.engine, params)  # (each stream checked to be its deltas added up)
+    got = streamed(llm.engine, None, params)  # (each stream checked to be its deltas added up)
     text, ids, reason = got["r1"]
     assert reason == "error" and len(ids) >= at
     assert ids == ref["r1"][1][: len(ids)] and ref["r1"][0].startswith(text)
