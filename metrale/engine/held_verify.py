@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from metrale.distributed.parallel import DistributedError
 from metrale.engine.sequence import SequenceStatus
 from metrale.engine.step_output import StepOutput
+from metrale.engine.stop import reaches_length
 from metrale.knobs import knobs
 
 FINISHED = SequenceStatus.FINISHED
@@ -122,9 +123,7 @@ def ends_now(seq, ids: list[int], max_model_len: int) -> bool:
     if seq.error is not None or min(ids) < 0:
         return True
     # (the lengths only grow: some token reaches a limit iff the last one does)
-    if params.max_tokens is not None and n + len(ids) >= params.max_tokens:
-        return True
-    if seq.num_tokens + len(ids) >= max_model_len:
+    if reaches_length(seq, n + len(ids), seq.num_tokens + len(ids), max_model_len):
         return True
     stops = params.stop_token_ids
     eos = () if params.ignore_eos else seq.eos_token_ids

@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from metrale.engine.kv_cache import PageAllocator
 from metrale.engine.prefix_cache import Hit
 from metrale.engine.sequence import Batch, ScheduledSeq, Sequence, SequenceStatus
+from metrale.engine.stop import reaches_length
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +104,7 @@ class Scheduler:
         they are committed, whatever they are (`stop.token_stop`), so it is not scheduled
         again. Scheduled, its rows were computed and thrown away (a whole step at the end of
         every closed batch) and their pages reserved, evicting cached ones (found in review)."""
-        max_tokens = seq.params.max_tokens
-        if max_tokens is not None and len(seq.output_token_ids) >= max_tokens:
-            return True
-        return seq.num_tokens >= self.context_len
+        return reaches_length(seq, len(seq.output_token_ids), seq.num_tokens, self.context_len)
 
     def _release_slot(self, seq: Sequence) -> None:
         if seq.slot >= 0:

@@ -30,11 +30,16 @@ def token_stop(seq: Sequence, max_model_len: int) -> tuple[str, int | None] | No
             return "stop", token
         if not params.ignore_eos and token in seq.eos_token_ids:
             return "stop", None
-    if params.max_tokens is not None and n_out >= params.max_tokens:
-        return "length", None
-    if seq.num_tokens >= max_model_len:
+    if reaches_length(seq, n_out, seq.num_tokens, max_model_len):
         return "length", None
     return None
+
+
+def reaches_length(seq: Sequence, n_out: int, num_tokens: int, max_model_len: int) -> bool:
+    """Whether `seq` with `n_out` output tokens, `num_tokens` in all, is at its length: its
+    `max_tokens`, or the model length (`token_stop`'s "length", whatever the tokens are)."""
+    max_tokens = seq.params.max_tokens
+    return (max_tokens is not None and n_out >= max_tokens) or num_tokens >= max_model_len
 
 
 def find_stop_string(seq: Sequence, text: str, new_from: int) -> tuple[int, str] | None:
