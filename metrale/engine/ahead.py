@@ -52,10 +52,10 @@ from metrale.distributed.parallel import DistributedError
 from metrale.engine.commit import offer_pages
 from metrale.engine.device_tokens import DeviceRow
 from metrale.engine.held_verify import (
-    HeldTokens,
     StepState,
     can_hold,
     probes_ahead,
+    rows_moved,
     run_held,
 )
 from metrale.engine.isolation import rebuild_state, recompute_later, run_batch, still_running
@@ -162,9 +162,8 @@ class AheadStepper:
                 row = seq.inflight
                 if row is None or tokens is None or row.source is not tokens:
                     continue
+                seq.num_computed_tokens -= rows_moved(seq, entry)
                 seq.drop_inflight()
-                # (a held verify's sequence moved past its committed rows alone)
-                seq.num_computed_tokens -= row.rows if type(row) is HeldTokens else entry.num_rows
                 seq.noise_epoch -= 1
         if not rebuild:  # (an interrupt, a rank gone: no forward runs here)
             recompute_later(self.engine, ran)

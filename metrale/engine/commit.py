@@ -11,7 +11,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from metrale.engine.held_verify import HeldTokens, StepState
+from metrale.engine.held_verify import StepState, rows_moved
 from metrale.engine.sequence import Sequence, SequenceStatus
 from metrale.engine.step_output import StepOutput
 from metrale.speculative.drafter import Verdict
@@ -55,9 +55,8 @@ def commit_rows(
     emitted = 0
     for entry, end in zip(out.entries, out.row_ends, strict=True):
         seq, first = entry.seq, entry.seq.num_computed_tokens
-        if advanced:  # its counters moved at the launch (a held verify's by the rows it kept)
-            held = seq.inflight
-            first -= held.rows if type(held) is HeldTokens else entry.num_rows
+        if advanced:  # its counters moved at the launch
+            first -= rows_moved(seq, entry)
         v = verdict_of.get(id(entry))
         # A row whose logits were not finite shows -1 and ends the verdict
         # (`step_output.shown_tokens`): the tokens before it are emitted, then the sequence ends

@@ -69,6 +69,13 @@ class HeldTokens:
         return self.length
 
 
+def rows_moved(seq, entry) -> int:
+    """The rows a launched step moved `seq` past (`entry`: its rows there): a held verify's
+    placeholder says (its committed rows alone), else all the step ran for it."""
+    held = seq.inflight
+    return held.rows if type(held) is HeldTokens else entry.num_rows
+
+
 @dataclass
 class StepState:
     """What the controller knew of a step when it ran (`SpeculativeDecoder.step_state`): whether
