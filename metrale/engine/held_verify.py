@@ -140,18 +140,19 @@ def ends_now(seq, ids: list[int], max_model_len: int) -> bool:
     return False
 
 
-def hold(launched, out, cache=None) -> int:
+def hold(launched, out, cache, max_model_len: int) -> tuple[int, set[int]]:
     """Move each unfinished sequence of a verify step whose verdicts are read (`out`) past its
-    committed rows and give it its tokens as a `HeldTokens` placeholder; returns how many
-    sequences hold one. The pages its rows filled are offered to the prefix cache (`cache`)
-    now, as a plain step's are at its launch (`AheadStepper._advance`): the next step admits
-    requests before this one is committed (found in review: they missed those pages). Not
-    where a drafter keeps K/V rows in the pages: the commit offers those."""
+    committed rows and give it its tokens as a `HeldTokens` placeholder, but those its tokens
+    end (`ends_now`, for the caller to commit now); returns how many hold one, and the ids of
+    the entries of those they end. The pages the rows filled are offered to the prefix cache
+    (`cache`) now, as a plain step's are at its launch (`AheadStepper._advance`): the next
+    step admits requests before this one is committed (found in review: they missed those
+    pages). Not where a drafter keeps K/V rows in the pages: the commit offers those."""
     from metrale.engine.commit import offer_pages
 
     page = cache.page_size if cache is not None and cache.draft_kv is None else 0
     verdict_of = {id(v.entry): v for v in out.verdicts}
-    held = 0
+    held, ending = 0, set()
     for entry in out.entries:
         seq = entry.seq
         if seq.status is FINISHED:  # the step before ended it: its rows are thrown away
@@ -160,24 +161,27 @@ def hold(launched, out, cache=None) -> int:
         if v is None:  # a prompt chunk: its rows are computed, nothing to emit
             seq.num_computed_tokens += entry.num_rows
         else:
-            held += _hold_tokens(launched, entry, v)
+            ids = v.picks[: len(v.tokens)]  # (its tokens' ids: its rows' picks to the bonus)
+            if ends_now(seq, ids, max_model_len):
+                ending.add(id(entry))
+                continue
+            _hold_tokens(launched, entry, v, ids)
+            held += 1
         if page and seq.num_computed_tokens >= (seq.num_registered_pages + 1) * page:
             offer_pages(cache, seq)
-    return held
+    return held, ending
 
 
-def _hold_tokens(launched, entry, v) -> int:
-    """`hold`'s work for one sampling sequence (its verdict `v`): 1."""
+def _hold_tokens(launched, entry, v, ids: list[int]) -> None:
+    """`hold`'s work for one sampling sequence (its verdict `v`, its tokens' `ids`)."""
     seq = entry.seq
     committed = entry.num_rows - len(entry.drafts) + v.num_accepted
-    ids = v.picks[: len(v.tokens)]  # (its tokens' ids: the picks of its rows up to the bonus)
     # (made first: a sequence moves all at once, so that `_withdraw` can take it back)
     row = HeldTokens(launched, len(ids), committed)
     seq.num_computed_tokens += committed
     seq.noise_epoch += 1  # (the commit counts it for a step not held)
     seq.output_token_ids.extend(ids)
     seq.inflight = row
-    return 1
 
 
 def _split(out, ending: set[int]):
@@ -256,22 +260,16 @@ def run_held(stepper, batch, start: float, changed: dict, prev):
         raise failed[0]
     if pending[0] is not None:  # (no forward reached its window)
         stepper._settle(pending[0], changed)
-    limit = engine.emitter.max_model_len
-    ending = {
-        id(v.entry)
-        for v in out.verdicts
-        if not v.seq.is_finished and ends_now(v.seq, v.picks[: len(v.tokens)], limit)
-    }
-    emitted = 0
-    if ending:
-        # (their verdicts observed with the others', as one step's: `StepState.early`)
-        now, out = _split(out, ending)
-        emitted = engine._commit(now, changed, state=state, observe_later=True)
-        engine._mark_errors(Batch(now.entries), changed)
-    launched = Launched(batch, out, start, prompt_rows, state=state, held=True, emitted=emitted)
+    launched = Launched(batch, out, start, prompt_rows, state=state, held=True)
     # open before the placeholders go out (`AheadStepper._withdraw` takes back those that did)
     stepper._open = [(launched, launched)]
-    if not hold(launched, out, engine.allocator.cache):
+    held, ending = hold(launched, out, engine.allocator.cache, engine.emitter.max_model_len)
+    if ending:
+        # (their verdicts observed with the others', as one step's: `StepState.early`)
+        now, launched.out = _split(out, ending)
+        launched.emitted = engine._commit(now, changed, state=state, observe_later=True)
+        engine._mark_errors(Batch(now.entries), changed)
+    if not held:
         stepper._open = []
         # nothing to emit, but the step was one: its commit observes and counts it now
         stepper._settle(launched, changed)
