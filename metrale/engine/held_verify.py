@@ -46,7 +46,8 @@ import logging
 from dataclasses import dataclass, field
 
 from metrale.distributed.parallel import DistributedError
-from metrale.engine.sequence import SequenceStatus
+from metrale.engine.isolation import run_batch
+from metrale.engine.sequence import Batch, SequenceStatus
 from metrale.engine.step_output import StepOutput
 from metrale.engine.stop import reaches_length
 from metrale.knobs import knobs
@@ -209,9 +210,7 @@ def run_held(stepper, batch, start: float, changed: dict, prev):
     is found at the commit: its next step's rows are thrown away. The sequences the step before
     ended run all the same: their rows are thrown away (filtered first, the batch's rows would
     no longer be the ones scheduled and reserved)."""
-    from metrale.engine.ahead import Launched
-    from metrale.engine.isolation import run_batch
-    from metrale.engine.sequence import Batch
+    from metrale.engine.ahead import Launched  # (ahead imports this module)
 
     engine = stepper.engine
     runner = engine.runner
