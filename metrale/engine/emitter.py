@@ -204,15 +204,13 @@ class Emitter:
         also gets the text held back for its stop strings and its detokenizer's tail, as one
         that runs out of tokens does (`stop.check_stop`): its text then covers its tokens."""
         entry = self._pending.pop(seq.seq_id, None)
-        text, ids = "", []
         if entry is not None:
             try:
-                text, ids = self._detokenize(*entry)
+                delta = self._detokenize(*entry)
             except Exception:  # noqa: BLE001 (its ids still reach the caller, without text)
                 log.exception("detokenizing the last tokens of %s failed", seq.request_id)
-                ids = list(entry[1])
-        if entry is not None:
-            self._drained.append((seq, (text, ids)))
+                delta = ("", list(entry[1]))
+            self._drained.append((seq, delta))
         if seq.finish_reason in ("error", "abort"):
             tail = seq.pending_text + self._flush(seq)
             seq.pending_text = ""

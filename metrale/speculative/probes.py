@@ -5,8 +5,7 @@ cut, is launched ahead and observed at its settle: `engine/held_verify.probes_ah
 drafting does not pay, each probe that finds nothing worth drafting doubles the interval, up to
 its bound; a plan that drafts brings it back (and the next probe with it). On the H200
 (qwen3-8b shape, alpha 0, async scheduling, batch 64) a probe every 8 steps kept decoding at
-0.94x plain. The price: a sequence
-whose acceptance rises mid-stream is noticed later.
+0.94x plain. The price: a sequence whose acceptance rises mid-stream is noticed later.
 
 The bound is `MAX_BACKOFF` times `dcut_probe_every`, or more where a probe step is measured to
 cost so much beyond a plain step that probes at that interval would take more than
