@@ -38,6 +38,15 @@ def _params(i: int) -> SamplingParams:
     return SamplingParams(temperature=0.7, seed=7 + i, max_tokens=8, n=2)
 
 
+def same_bits(outs, ref) -> None:
+    """Tokens, text, finish reason and logprobs exactly (CUDA's batch-invariant kernels)."""
+    assert len(outs) == len(ref)
+    for o, r in zip(outs, ref, strict=True):
+        for c, d in zip(o.outputs, r.outputs, strict=True):
+            assert (c.token_ids, c.text, c.finish_reason) == (d.token_ids, d.text, d.finish_reason)
+            assert c.logprobs == d.logprobs
+
+
 def _same(outs, ref) -> None:
     """Tokens, text and finish reason exactly; logprobs to 1e-4 (a step ahead runs beside other
     rows, and CPU kernels round by the row count: issue 13)."""
@@ -498,11 +507,7 @@ def test_on_cuda_graphs_the_async_engine_gives_the_same_bits(tmp_path, tokenizer
     kw = dict(device="cuda", dtype="bfloat16", deterministic=True, max_num_seqs=16)
     ref = LLM(path, **kw, async_scheduling=False).generate(prompts, params, use_tqdm=False)
     llm = LLM(path, **kw, async_scheduling=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    for o, r in zip(outs, ref, strict=True):
-        for c, d in zip(o.outputs, r.outputs, strict=True):
-            assert (c.token_ids, c.text, c.finish_reason) == (d.token_ids, d.text, d.finish_reason)
-            assert c.logprobs == d.logprobs
+    same_bits(llm.generate(prompts, params, use_tqdm=False), ref)
     stepper = llm.engine._ahead
     assert stepper.launches_ahead > stepper.launches // 2
     assert llm.engine.runner.graph_refusals == 0

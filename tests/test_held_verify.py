@@ -217,7 +217,7 @@ def test_on_cuda_graphs_held_verifies_give_the_same_bits(drafter):
     is never held): the shipped model's tokens, texts and logprobs equal the synchronous
     engine's (batch-invariant kernels: the rows thrown away change no other row's bits)."""
     from metrale.default_model import default_model_dir
-    from tests.test_async_scheduling import _params, _prompts
+    from tests.test_async_scheduling import _params, _prompts, same_bits
 
     prompts = _prompts(24, seed=9)
     params = [_params(i) for i in range(len(prompts))]
@@ -226,11 +226,7 @@ def test_on_cuda_graphs_held_verifies_give_the_same_bits(drafter):
     path = default_model_dir()
     ref = LLM(path, **kw, async_scheduling=False).generate(prompts, params, use_tqdm=False)
     llm = LLM(path, **kw, async_scheduling=True)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    for o, r in zip(outs, ref, strict=True):
-        for c, d in zip(o.outputs, r.outputs, strict=True):
-            assert (c.token_ids, c.text, c.finish_reason) == (d.token_ids, d.text, d.finish_reason)
-            assert c.logprobs == d.logprobs
+    same_bits(llm.generate(prompts, params, use_tqdm=False), ref)
     held = llm.engine._ahead.held_verifies
     assert held > 0 if drafter == "ngram" else held == 0
 
