@@ -74,3 +74,42 @@ def test_a_prompt_may_fill_the_pool_and_one_past_it_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match=r"prompt: .* under the \d+-token context the KV pool"):
         llm.generate([[5] * (rows + 1)], LONG, use_tqdm=False)
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_usable
+
+
+class _CapsSeen:
+    """An n-gram drafter that records each sequence's length and the cap it was asked to draft
+    within (a plugged-in drafter, so the engine's caps reach it as they are)."""
+
+    def __init__(self) -> None:
+        from metrale.speculative.ngram import NgramDrafter
+
+        self._inner = NgramDrafter(1, 3, 64)
+        self.name, self.stateless, self.needs_hidden = "caps-seen", True, False
+        self.asked: list[tuple[int, int]] = []
+
+    def propose(self, seqs, caps):
+        self.asked += [(seq.num_tokens, cap) for seq, cap in zip(seqs, caps, strict=True)]
+        return self._inner.propose(seqs, caps)
+
+    def observe(self, verdicts):
+        return self._inner.observe(verdicts)
+
+    def release(self, seq):
+        return self._inner.release(seq)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_drafts_are_capped_by_the_pools_context_not_max_model_len(models, async_scheduling):
+    """Found in review: the speculative side capped drafts by max_model_len, so near a smaller
+    pool's end the drafter was asked for drafts that the scheduler then dropped."""
+    path, reference = models["dense"]
+    drafter = _CapsSeen()
+    llm = LLM(
+        path, device="cpu", dtype="float32", max_model_len=256, page_size=4, num_kv_pages=20,
+        drafter=drafter, spec={"num_drafts": 3}, async_scheduling=async_scheduling,
+    )  # fmt: skip
+    context = llm.engine.context_len
+    out = llm.generate([PROMPT], LONG, use_tqdm=False)[0].outputs[0]
+    assert len(PROMPT) + len(out.token_ids) == context
+    assert out.token_ids == reference[: len(out.token_ids)]
+    assert drafter.asked and max(n + cap for n, cap in drafter.asked) == context - 1

@@ -149,8 +149,9 @@ class LLMEngine(RequestAdmission):
         self.emitter = Emitter(self.tokenizer, self.context_len)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.runner.grammar_vocab = self.grammars.vocab_size
+        # (drafts capped by the context a sequence reaches: past a small pool's end, dropped)
         self.spec = speculative_decoder(
-            self.config, self.runner, drafter, self.telemetry.spec, self.max_model_len
+            self.config, self.runner, drafter, self.telemetry.spec, self.context_len
         )
         if cache is not None and self.spec is not None:
             # a drafter whose K/V rows live in the pages reads them on a prefix hit too

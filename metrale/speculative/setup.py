@@ -67,7 +67,8 @@ def speculative_decoder(
     telemetry: SpecTelemetry,
     max_model_len: int,
 ) -> SpeculativeDecoder | None:
-    """The engine's speculative side, or None when it does not speculate."""
+    """The engine's speculative side, or None when it does not speculate. `max_model_len`: the
+    tokens a sequence can reach (the engine's `context_len`: less where the KV pool holds less)."""
     spec = config.spec
     if drafter is not None:
         # (a string or a class was taken and failed at the first step: found in review)
