@@ -245,7 +245,7 @@ def test_the_shadow_line_logs_each_verify_s_base_picks_and_drafts(tiny_model_dir
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     spec = {"method": "ngram", "num_drafts": 3, "dcut": False}
     line = re.compile(r"SHADOW_TGT base=(\d+) v=\[([\d, ]*)\] drafts=\[([\d, ]*)\]")
-    caplog.set_level(logging.INFO, logger="metrale.speculative.controller")
+    caplog.set_level(logging.INFO, logger="metrale.speculative.observing")
     LLM(tiny_model_dir, device="cpu", spec=spec).generate([prompt], params, use_tqdm=False)
     assert not [r for r in caplog.records if "SHADOW_TGT" in r.getMessage()]
     knob_env(METRALE_MTP_SHADOW_TOPK="3")

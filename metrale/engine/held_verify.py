@@ -21,14 +21,17 @@ computed and thrown away, as under asynchronous scheduling of plain steps.
 
 The controller's per-step state (what was proposed, whether the step is observed) is taken with
 the held step (`SpeculativeDecoder.step_state`), since the next `prepare` resets it before the
-held step is observed: D-Cut and the drafter learn from every verify, one step later.
+held step is observed: the drafter and the telemetry learn from every verify at its commit, one
+step later. D-Cut's estimates take its verdicts when they are read (`learn_held`), so the next
+step is planned from them as the synchronous engine's is (learned at the commit, the plans lagged
+a step: 2% more steps a closed batch at batch 64, `benchmarks/simulated_device.py`).
 
 A D-Cut probe step whose drafts were all cut is a plain decode step whose verdicts D-Cut learns
 from (each probed sequence's first draft against the token it emitted): it is launched ahead like
 a plain step and observed at its settle with its own state (`probes_ahead`); it used to run
 synchronously and drain the pipeline twice (before it, for the drafter, which reads tokens, and
 after it). The plan of the step after a probe is then made before the probe is observed, and
-made again once it is (`SpeculativeDecoder._observe`).
+made again once it is (`Observing._learn`).
 
 Where a verify is not held (`can_hold`), it runs synchronously as before:
 - a hybrid target (its recurrent state commits inside the step and its snapshots with the pages);
@@ -89,6 +92,8 @@ class StepState:
     # verdicts of its sequences committed before the others (those it ended, `run_held`),
     # observed with the others' as one step's (the telemetry files a verify by its width)
     early: list = field(default_factory=list)
+    # whether D-Cut's estimates took its verdicts already (`SpeculativeDecoder.learn_held`)
+    learned: bool = False
 
 
 def can_hold(engine) -> bool:
@@ -260,6 +265,8 @@ def run_held(stepper, batch, start: float, changed: dict, prev):
     if pending[0] is not None:  # (no forward reached its window)
         stepper._settle(pending[0], changed)
     launched = Launched(batch, out, start, prompt_rows, state=state, held=True)
+    # D-Cut learns its verdicts now: the next step's plan is made before its commit
+    engine.spec.learn_held(out.verdicts, state)
     # open before the placeholders go out (`AheadStepper._withdraw` takes back those that did)
     stepper._open = [(launched, launched)]
     held, ending = hold(launched, out, engine.allocator.cache, engine.emitter.max_model_len)

@@ -19,9 +19,10 @@ from metrale.engine.held_verify import StepState
 from metrale.engine.sequence import Sequence
 from metrale.knobs import knobs
 from metrale.speculative.draft_shapes import checked_draft, draft_caps, grammar_drafts
-from metrale.speculative.drafter import Drafter, Verdict
+from metrale.speculative.drafter import Drafter
 from metrale.speculative.estimator import AcceptanceEstimator
 from metrale.speculative.host_cost import HostCost
+from metrale.speculative.observing import Observing
 from metrale.speculative.planning import DepthPlanning
 from metrale.speculative.row_table import RowTable
 from metrale.speculative.verify_cost import VerifyCostModel
@@ -34,13 +35,11 @@ from metrale.telemetry import SpecTelemetry
 
 log = logging.getLogger(__name__)
 
-# Sequence-verifies between two per-width acceptance lines (METRALE_MTP_ACCEPT_DEBUG).
-ACCEPT_DEBUG_EVERY = 256
 # Verify steps' shapes (slots and depths) whose telemetry `_record_verify` keeps worked out.
 SHAPES_REMEMBERED = 1024
 
 
-class SpeculativeDecoder(DepthPlanning):
+class SpeculativeDecoder(DepthPlanning, Observing):
     def __init__(
         self,
         cfg: SpecConfig,
@@ -316,99 +315,6 @@ class SpeculativeDecoder(DepthPlanning):
         """This step's state that `observe` reads, for a step observed after the next one is
         prepared (a held verify, `engine/held_verify.py`): `prepare` resets it."""
         return StepState(self.observing, self._proposed, self._sources)
-
-    def observe(
-        self, verdicts: list[Verdict], state: StepState | None = None
-    ) -> list[tuple[Sequence, str]]:
-        """Record one step's verdicts (sequences that verified drafts and those that did not);
-        returns the sequences whose drafter `observe` raised, with why (they end; the others
-        go on). `state`: the step's own (`step_state`), where a later step was prepared since."""
-        start = time.perf_counter()
-        try:
-            return self._observe(verdicts, self._proposed if state is None else state.proposed)
-        finally:
-            # the drafter's device work too, as far as the step waited for it (`prepare` no
-            # longer does)
-            # (a held step's runs while the next forward does: its host time is hidden there)
-            if state is None:
-                sources, self._sources = self._sources, set()
-                spent = time.perf_counter() - start
-            else:  # (once: a held step's ending sequences are observed before the others)
-                sources, state.sources, spent = state.sources, set(), 0.0
-            device = sum(source.stall_seconds() for source in sources)
-            self.host.spent(spent + device)
-
-    def _observe(self, verdicts: list[Verdict], proposed: dict) -> list[tuple[Sequence, str]]:
-        # (gathered, then recorded in one call each: this runs for every verified sequence)
-        proposed_of = proposed.get
-        verifies, learned = [], []
-        for v in verdicts:
-            seq_id = v.seq.seq_id
-            if v.drafts:
-                found = proposed_of(seq_id)
-                real = len(v.drafts) if found is None else found[0]
-                matches = v.matches[:real]
-                verifies.append((matches, min(v.num_accepted, real)))
-                learned.append((seq_id, matches))
-            elif v.emitted:
-                found = proposed_of(seq_id)
-                if found is not None:
-                    # Cut to depth 0: whether its first draft was the token it emitted anyway.
-                    learned.append((seq_id, [found[1][0] == v.emitted[0]]))
-        if verifies:
-            telemetry = self.telemetry
-            before = telemetry.num_drafts // ACCEPT_DEBUG_EVERY
-            telemetry.record_verifies(len(verifies), verifies)  # the step's verify width
-            if self._debug and telemetry.num_drafts // ACCEPT_DEBUG_EVERY > before:
-                for line in telemetry.width_lines():
-                    log.info("spec accept %s", line)
-        if learned:
-            self.estimator.observe_many(learned)
-            self._quiet = None
-            for v in verdicts:
-                if v.seq.is_finished:
-                    # observed after its release (a held verify's sequence it ended, committed
-                    # first, `engine/held_verify.py`): the pool learned from it, its own entry
-                    # goes again (found in review: entries of ended sequences piled up)
-                    self.estimator.forget(v.seq.seq_id)
-            if self._last_plan is not None and not self._last_plan[1]:
-                # a depth-0 plan made before these verdicts were observed (a probe or verify
-                # observed a step late, `engine/held_verify.py`): plan again, as after a quiet
-                # plan, rather than keep it `dcut_replan_every` steps, the caps worked out
-                # each step
-                self._last_plan = None
-        shadow = knobs().mtp_shadow_topk
-        if shadow > 0:
-            for v in (v for v in verdicts if v.drafts):
-                log.info(
-                    "SHADOW_TGT base=%d v=%s drafts=%s",
-                    v.first_position + 1,
-                    v.picks,
-                    v.drafts,
-                )
-        # A sequence that finished this step (its status changes after) has nothing to draft.
-        return self._drafter_observe([v for v in verdicts if v.seq.finish_reason is None])
-
-    def _drafter_observe(self, verdicts: list[Verdict]) -> list[tuple[Sequence, str]]:
-        """The drafter's `observe`; if it raises, each verdict alone, to find the sequence(s)
-        it fails for."""
-        try:
-            self.drafter.observe(verdicts)
-            return []
-        except Exception:  # noqa: BLE001 (isolate: only the failing sequences end)
-            if len(verdicts) == 1:
-                return self._observe_failed(verdicts[0])
-        failed = []
-        for v in verdicts:
-            try:
-                self.drafter.observe([v])
-            except Exception:  # noqa: BLE001
-                failed += self._observe_failed(v)
-        return failed
-
-    def _observe_failed(self, v: Verdict) -> list[tuple[Sequence, str]]:
-        log.exception("drafter %s observe failed for %s", self.drafter.name, v.seq.request_id)
-        return [(v.seq, f"drafter {self.drafter.name}: observe failed")]
 
     def release(self, seq: Sequence) -> None:
         seq.draft = None
