@@ -471,3 +471,37 @@ def test_dcut_plans_from_a_held_verifys_verdicts_as_synchronously(varied):
             assert engine._ahead.held_verifies > 0
     assert any(d for step in depths[False] for _, d in step)
     assert depths[True] == depths[False]
+
+
+@pytest.mark.parametrize("dcut", [True, False], ids=["dcut", "no-dcut"])
+def test_sequences_a_stop_string_ends_at_a_held_commit_leave_no_estimate(varied, dcut):
+    """A held step's commit, in the next step's forward, ends a sequence by a stop string: that
+    next step's verdicts for it are not learned (found in review: learned at their read after
+    its release, its estimator entry stayed for good and the pool took a verdict the
+    synchronous engine never computed). And with D-Cut off, where the commit learns, the
+    sequences a held verify ends by their length (committed first) are forgotten again."""
+    free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    spec = {"method": "ngram", "num_drafts": 3, "dcut": dcut}
+    texts = [
+        o.outputs[0].text
+        for o in LLM(varied, device="cpu", spec=spec).generate(PROMPTS, free, use_tqdm=False)
+    ]
+    pools = {}
+    for async_on in (False, True):
+        llm = LLM(varied, device="cpu", spec=spec, async_scheduling=async_on)
+        for rep in range(12):
+            cut = [t[len(t) // 2 + rep % 5 : len(t) // 2 + rep % 5 + 2] for t in texts]
+            params = [
+                SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[c])
+                for c in cut
+            ]
+            llm.generate(PROMPTS, params, use_tqdm=False)
+            assert len(llm.engine.spec.estimator) == 0, (async_on, rep)
+        # and sequences a held verify ends by their length, beside others it does not end
+        ends = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (13, 27)]
+        llm.generate(PROMPTS[:2], ends, use_tqdm=False)
+        assert len(llm.engine.spec.estimator) == 0, async_on
+        pools[async_on] = llm.engine.spec.estimator._pooled
+        if async_on:
+            assert llm.engine._ahead.held_verifies > 0
+    assert pools[True] == pools[False]

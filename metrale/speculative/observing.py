@@ -22,6 +22,9 @@ ACCEPT_DEBUG_EVERY = 256
 
 
 class Observing:
+    """Verdict methods of `SpeculativeDecoder` (its `cfg`, `estimator`, `telemetry`, `drafter`,
+    `host`, `_proposed`, `_sources`, `_quiet`, `_last_plan` and `_debug`)."""
+
     def observe(
         self, verdicts: list[Verdict], state: StepState | None = None
     ) -> list[tuple[Sequence, str]]:
@@ -51,12 +54,17 @@ class Observing:
         after the next step's plan. Learned there, the estimates lagged a step and the plans
         differed from the synchronous engine's (a closed batch's tail took 2% more steps at
         batch 64, `benchmarks/simulated_device.py`). As the commit would: not a sequence whose
-        row was not finite (it ends), and a sequence cut to depth 0 learns its first draft."""
-        if not state.observing:
+        row was not finite (it ends), nor one the held step before ended at its commit, in this
+        step's forward (the synchronous engine never ran it again, and its release forgot its
+        entry: found in review, entries of stop-string-ended sequences piled up); a sequence
+        cut to depth 0 learns its first draft. A held step taken back after a failure
+        (`AheadStepper._withdraw`) has been learned: its rows run again and are learned again.
+        With D-Cut off nothing reads the estimates: the commit learns, off the critical path."""
+        if not (state.observing and self.cfg.dcut):
             return
         proposed_of, learned = state.proposed.get, []
         for v in verdicts:
-            if not v.tokens or v.tokens[-1].token_id < 0:
+            if v.seq.is_finished or not v.tokens or v.tokens[-1].token_id < 0:
                 continue
             seq_id, drafts = v.seq.seq_id, v.entry.drafts
             found = proposed_of(seq_id)
@@ -116,9 +124,10 @@ class Observing:
         self._quiet = None
         for v in verdicts:
             if v.seq.is_finished:
-                # observed after its release (ended by a step observed at its settle, a probe
-                # run ahead): the pool learned from it, its own entry goes again (found in
-                # review: entries of ended sequences piled up)
+                # observed after its release (a held verify's sequence it ended, committed
+                # first and observed with the others at its commit, where D-Cut is off and
+                # `learn_held` left them): the pool learned from it, its own entry goes again
+                # (found in review: entries of ended sequences piled up)
                 self.estimator.forget(v.seq.seq_id)
         if self._last_plan is not None and not self._last_plan[1]:
             # a depth-0 plan made before these verdicts were observed (a probe observed a step
