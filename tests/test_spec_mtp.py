@@ -161,7 +161,7 @@ def test_dcut_padding_stays_within_each_cap(monkeypatch):
     deep = SimpleNamespace(order=[0, 1, 2, 3], depths=[4, 4, 4, 4])
     monkeypatch.setattr(planning, "plan", lambda inputs, cost, cap, **kw: deep)
     spec = SpeculativeDecoder(
-        SpecConfig(num_drafts=4), Fixed(), SpecTelemetry(), max_model_len=64, vocab_size=32
+        SpecConfig(num_drafts=4), Fixed(), SpecTelemetry(), context_len=64, vocab_size=32
     )
     spec.prepare(seqs)
     assert [len(s.draft.tokens) for s in seqs] == [4, 2, 1, 4]

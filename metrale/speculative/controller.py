@@ -3,8 +3,9 @@ feed verdicts back to the drafter, the acceptance estimator and the telemetry.
 
 Per step, before scheduling, `prepare(running)` leaves on each decoding sequence the drafts it will
 verify (`seq.draft`), within its caps (the engine's K, the request's `num_drafts`, the room left
-under `max_tokens` and `max_model_len`). After the verify, `observe(...)` records the verdicts.
-A drafter that raises fails only the sequences it was drafting for.
+under `max_tokens` and the context a sequence reaches). After the verify, `observe(...)` records
+the verdicts (`observing.Observing`). A drafter that raises fails only the sequences it was
+drafting for.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class SpeculativeDecoder(DepthPlanning, Observing):
         cfg: SpecConfig,
         drafter: Drafter,
         telemetry: SpecTelemetry,
-        max_model_len: int,
+        context_len: int,
         vocab_size: int,
         cost: VerifyCostModel | None = None,
         write_on_accept: bool = False,
@@ -60,7 +61,7 @@ class SpeculativeDecoder(DepthPlanning, Observing):
         self.cfg = cfg
         self.drafter = drafter
         self.telemetry = telemetry
-        self.max_model_len = max_model_len
+        self.context_len = context_len  # the tokens a sequence can reach (the engine's)
         self.vocab_size = vocab_size
         self.cost = cost or VerifyCostModel()
         self.write_on_accept = write_on_accept
@@ -217,7 +218,7 @@ class SpeculativeDecoder(DepthPlanning, Observing):
         seqs, caps = [], []
         for seq in running:
             seq.draft = None
-            cap = draft_caps(seq, self.cfg, self.max_model_len)
+            cap = draft_caps(seq, self.cfg, self.context_len)
             if cap > 0:
                 seqs.append(seq)
                 caps.append(cap)

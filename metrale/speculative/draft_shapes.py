@@ -17,14 +17,14 @@ from metrale.speculative.drafter import Draft
 from metrale.speculative.verify import DRAFT_STREAM
 
 
-def draft_caps(seq: Sequence, cfg: SpecConfig, max_model_len: int) -> int:
+def draft_caps(seq: Sequence, cfg: SpecConfig, context_len: int) -> int:
     """How many drafts `seq` may verify now: every accepted draft plus the bonus token must fit
-    under `max_tokens` and `max_model_len`, so speculation never emits past either."""
+    under `max_tokens` and the context (`context_len`), so speculation never emits past either."""
     params = seq.params
     if not params.speculative or seq.is_prefilling:
         return 0
     k = cfg.num_drafts if params.num_drafts is None else min(cfg.num_drafts, params.num_drafts)
-    k = min(k, max_model_len - seq.num_tokens - 1)
+    k = min(k, context_len - seq.num_tokens - 1)
     if params.max_tokens is not None:
         k = min(k, params.max_tokens - len(seq.output_token_ids) - 1)
     return max(k, 0)

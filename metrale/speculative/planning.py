@@ -125,7 +125,7 @@ class DepthPlanning:
         skips planning and the caps of its sequences alike (`SpeculativeDecoder._prepare`).
         Those that may draft are those `_planned` plans over (caps above 0), without working
         the caps out: prefilling or non-speculative ones never draft, and the caps that
-        `max_tokens` or `max_model_len` close last a sequence's final step. (Counted as
+        `max_tokens` or the context close last a sequence's final step. (Counted as
         running, they kept a batch that had halved from planning again: found in review.)"""
         if self._quiet is None or self._probes.is_due(self._steps):
             return False
@@ -173,7 +173,7 @@ class DepthPlanning:
             return
         seqs, caps = [], []
         for seq in running:
-            cap = draft_caps(seq, self.cfg, self.max_model_len)
+            cap = draft_caps(seq, self.cfg, self.context_len)
             if cap > 0:
                 seqs.append(seq)
                 caps.append(cap)
@@ -217,7 +217,7 @@ class DepthPlanning:
 
         NOTE: the canonical deal, or one depth for a batch wider than `dcut_width_cap`, may give
         a sequence more rows than it drafted (padded rows); never more than its cap, or an
-        accepted padded row would emit past `max_tokens` or write KV past `max_model_len`.
+        accepted padded row would emit past `max_tokens` or write KV past the context.
         That sequence then breaks the canonical table: correct output first. Where the
         target's programs take any mix of depths (`any_depths`), nothing needs the padding:
         each sequence verifies no more than it drafted (found in review: a wide probe step

@@ -65,10 +65,10 @@ def speculative_decoder(
     runner,
     drafter: Drafter | None,
     telemetry: SpecTelemetry,
-    max_model_len: int,
+    context_len: int,
 ) -> SpeculativeDecoder | None:
-    """The engine's speculative side, or None when it does not speculate. `max_model_len`: the
-    tokens a sequence can reach (the engine's `context_len`: less where the KV pool holds less)."""
+    """The engine's speculative side, or None when it does not speculate. `context_len`: the
+    tokens a sequence can reach (`max_model_len`, or less where the KV pool holds less)."""
     spec = config.spec
     if drafter is not None:
         # (a string or a class was taken and failed at the first step: found in review)
@@ -87,9 +87,9 @@ def speculative_decoder(
             return None
         if spec.method == "ngram":
             drafter = NgramDrafter(spec.ngram_min, spec.ngram_max, spec.ngram_window)
-            # a scheduler slot per running sequence, at most max_model_len tokens each
+            # a scheduler slot per running sequence, at most context_len tokens each
             on_device = drafter.use_device(
-                config.max_num_seqs, max_model_len, runner.device, spec.num_drafts
+                config.max_num_seqs, context_len, runner.device, spec.num_drafts
             )
             if on_device and runner.graphs is not None and not knobs().no_ngram_ahead:
                 drafter.attach(runner)  # its next drafts right after each verify program
@@ -109,7 +109,7 @@ def speculative_decoder(
         spec,
         drafter,
         telemetry,
-        max_model_len,
+        context_len,
         runner.model_cfg.vocab_size,
         write_on_accept=runner.hybrid and config.hybrid_verify_state == "write_on_accept",
         any_depths=runner.graphs is None or runner.graphs.ragged,
