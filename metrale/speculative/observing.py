@@ -21,6 +21,18 @@ log = logging.getLogger(__name__)
 ACCEPT_DEBUG_EVERY = 256
 
 
+def learned_matches(drafts, matches: list[bool], first: int | None, found) -> list[bool] | None:
+    """What the estimates learn of one sequence's step, or None: the matches of the drafts it
+    verified (`drafts`, `matches`), as many as were proposed (`found`: the step's `proposed`
+    entry, or None), or, cut to depth 0, whether its first proposed draft was the token it
+    emitted anyway (`first`). One rule for a step's commit and a held verify's read."""
+    if drafts:
+        return matches[: len(drafts) if found is None else found[0]]
+    if found is not None and first is not None:
+        return [found[1][0] == first]
+    return None
+
+
 class Observing:
     """Verdict methods of `SpeculativeDecoder` (its `cfg`, `estimator`, `telemetry`, `drafter`,
     `host`, `_proposed`, `_sources`, `_quiet`, `_last_plan` and `_debug`)."""
@@ -66,12 +78,11 @@ class Observing:
         for v in verdicts:
             if v.seq.is_finished or not v.tokens or v.tokens[-1].token_id < 0:
                 continue
-            seq_id, drafts = v.seq.seq_id, v.entry.drafts
-            found = proposed_of(seq_id)
-            if drafts:
-                learned.append((seq_id, v.matches[: len(drafts) if found is None else found[0]]))
-            elif found is not None:
-                learned.append((seq_id, [found[1][0] == v.tokens[0].token_id]))
+            seq_id = v.seq.seq_id
+            first = v.tokens[0].token_id
+            matches = learned_matches(v.entry.drafts, v.matches, first, proposed_of(seq_id))
+            if matches is not None:
+                learned.append((seq_id, matches))
         state.learned = True
         self._learn(learned, [])
 
@@ -84,17 +95,13 @@ class Observing:
         verifies, learns = [], []
         for v in verdicts:
             seq_id = v.seq.seq_id
-            if v.drafts:
-                found = proposed_of(seq_id)
-                real = len(v.drafts) if found is None else found[0]
-                matches = v.matches[:real]
-                verifies.append((matches, min(v.num_accepted, real)))
-                learns.append((seq_id, matches))
-            elif v.emitted:
-                found = proposed_of(seq_id)
-                if found is not None:
-                    # Cut to depth 0: whether its first draft was the token it emitted anyway.
-                    learns.append((seq_id, [found[1][0] == v.emitted[0]]))
+            first = v.emitted[0] if v.emitted else None
+            matches = learned_matches(v.drafts, v.matches, first, proposed_of(seq_id))
+            if matches is None:
+                continue
+            if v.drafts:  # (the real drafts verified: as many as `matches`)
+                verifies.append((matches, min(v.num_accepted, len(matches))))
+            learns.append((seq_id, matches))
         if verifies:
             telemetry = self.telemetry
             before = telemetry.num_drafts // ACCEPT_DEBUG_EVERY
