@@ -32,6 +32,7 @@ import metrale.engine.runner as runner_mod
 from metrale.bench.e2e import random_prompts, replay_engine
 from metrale.bench.forced import ForcedAcceptance
 from metrale.config import SamplingParams
+from metrale.engine.heap import freeze_startup_heap
 
 
 class SimulatedDevice:
@@ -104,6 +105,7 @@ def main() -> None:
         kv_cache_memory_gb=1.0,
         spec={"num_drafts": 3, "dcut": args.dcut},
     )
+    freeze_startup_heap()  # as `metrale bench`: no full collection mid-run
     engine = llm.engine
     prompts = random_prompts(args.batch, min(1000, engine.vocab_size), seed=0)
     base = dict(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)

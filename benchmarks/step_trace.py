@@ -30,6 +30,7 @@ from metrale.bench.drafter import concurrency, steady_lengths
 from metrale.bench.e2e import random_prompts, replay_engine
 from metrale.bench.forced import ForcedAcceptance
 from metrale.config import SamplingParams
+from metrale.engine.heap import freeze_startup_heap
 from metrale.speculative import planning
 
 
@@ -82,6 +83,7 @@ def main() -> None:
         )
         stdlib = Path(sysconfig.get_paths()["stdlib"])
         prompts = heldout_prompts(stdlib, llm.tokenizer, count, 128)
+    freeze_startup_heap()  # as `metrale bench`: no full collection mid-run
     engine = llm.engine
     times: dict[str, float] = {}
     for obj, name in [

@@ -26,6 +26,7 @@ from metrale.bench.e2e import random_prompts, replay_engine
 from metrale.bench.forced import ForcedAcceptance
 from metrale.config import SamplingParams
 from metrale.engine.calibrate import sync
+from metrale.engine.heap import freeze_startup_heap
 
 
 class PhaseTimer:
@@ -238,6 +239,7 @@ def main() -> None:
             spec={"method": args.drafter, "num_drafts": 3},
             async_scheduling=args.async_scheduling,
         )
+        freeze_startup_heap()  # as `metrale bench`: no full collection mid-run
         stdlib = Path(sysconfig.get_paths()["stdlib"])
         prompts = heldout_prompts(stdlib, llm.tokenizer, args.batch * args.requests_per_slot, 128)
         base = dict(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -254,6 +256,7 @@ def main() -> None:
         spec={"num_drafts": 3, "dcut": args.dcut},
         async_scheduling=args.async_scheduling,
     )
+    freeze_startup_heap()
     prompts = random_prompts(args.batch, min(1000, llm.engine.vocab_size), seed=0)
     base = dict(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     params = SamplingParams(**base)
