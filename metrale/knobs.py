@@ -194,6 +194,13 @@ class Knobs:
         bool,
         "=1: run RMSNorm, QK-norm + rotary and SwiGLU as plain torch ops on CUDA too (A/B runs)",
     )
+    no_pdl: bool = _knob(
+        "METRALE_NO_PDL",
+        _is_one,
+        bool,
+        "=1: launch the decode step's Triton kernels without programmatic dependent launch "
+        "(A/B runs; `kernels/pdl.py`)",
+    )
     no_mtp_chain_graphs: bool = _knob(
         "METRALE_NO_MTP_CHAIN_GRAPHS",
         _is_one,

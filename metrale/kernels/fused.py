@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from metrale.kernels import pdl
 from metrale.knobs import knobs
 
 try:
@@ -33,6 +34,7 @@ def fused_enabled(x: torch.Tensor) -> bool:
 
 
 if triton is not None:
+    from metrale.kernels.pdl import pdl_prologue
 
     @triton.jit
     def _round(x, DT: tl.constexpr):
@@ -53,7 +55,9 @@ if triton is not None:
         HAS_RES: tl.constexpr,
         ZERO_CENTRED: tl.constexpr,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_prologue(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
@@ -95,7 +99,9 @@ if triton is not None:
         NUM_Q: tl.constexpr,
         NUM_KV: tl.constexpr,
         D: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_prologue(PDL)
         row = tl.program_id(0)
         head = tl.program_id(1)  # q heads first, then k heads
         half = tl.arange(0, D // 2)
@@ -134,7 +140,8 @@ if triton is not None:
             tl.store(vc_ptr + at + D // 2 + half, tl.load(v_src + D // 2 + half).to(cdt))
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, out_ptr, stride_x, n, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(x_ptr, out_ptr, stride_x, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_prologue(PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n
@@ -145,7 +152,10 @@ if triton is not None:
         tl.store(out_ptr + row * n + cols, (act * up).to(dt), mask=mask)
 
     @triton.jit
-    def _gated_rmsnorm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, n, eps, BLOCK: tl.constexpr):
+    def _gated_rmsnorm_kernel(
+        x_ptr, z_ptr, w_ptr, out_ptr, n, eps, BLOCK: tl.constexpr, PDL: tl.constexpr
+    ):
+        pdl_prologue(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
@@ -193,6 +203,7 @@ def add_rmsnorm(
         ZERO_CENTRED=zero_centred,
         BLOCK=block,
         num_warps=min(max(block // 512, 1), 16),
+        **pdl.launch(x2),
     )
     new_residual = res_out.view(x.shape) if residual is not None else x
     return out.view(x.shape), new_residual
@@ -242,6 +253,7 @@ def qk_norm_rope(
             NUM_KV=num_kv,
             D=dim,
             num_warps=1,
+            **pdl.launch(qkv),
         )
     return q, k
 
@@ -271,7 +283,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(triton.next_power_of_2(n), 1024)
     if rows:
         _silu_mul_kernel[(rows, triton.cdiv(n, block))](
-            x2, out, x2.stride(0), n, BLOCK=block, num_warps=4
+            x2, out, x2.stride(0), n, BLOCK=block, num_warps=4, **pdl.launch(x2)
         )
     return out.view(*x.shape[:-1], n)
 
@@ -282,6 +294,13 @@ def gated_rmsnorm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps
     out = torch.empty_like(x2)
     if x2.shape[0]:
         _gated_rmsnorm_kernel[(x2.shape[0],)](
-            x2, z2, weight, out, x2.shape[1], eps, BLOCK=triton.next_power_of_2(x2.shape[1])
+            x2,
+            z2,
+            weight,
+            out,
+            x2.shape[1],
+            eps,
+            BLOCK=triton.next_power_of_2(x2.shape[1]),
+            **pdl.launch(x2),
         )
     return out.view(x.shape)

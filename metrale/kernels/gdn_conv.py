@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import torch
 
+from metrale.kernels import pdl
 from metrale.kernels.gdn_recurrent import triton
 
 if triton is not None:
     import triton.language as tl
+
+    from metrale.kernels.pdl import pdl_prologue
 
     @triton.jit
     def _conv_kernel(
@@ -41,7 +44,9 @@ if triton is not None:
         WRITE_ROWS: tl.constexpr,
         STORE_OUT: tl.constexpr,
         LENS_FROM_STARTS: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_prologue(PDL)
         b = tl.program_id(0).to(tl.int64)  # row offsets of big batches pass 2**31
         d = tl.program_id(1) * BD + tl.arange(0, BD)
         ok = d < D
@@ -132,5 +137,6 @@ def conv_in_pool(
         STORE_OUT=weight is not None,
         LENS_FROM_STARTS=lengths is None,
         num_warps=4,
+        **pdl.launch(x),
     )
     return out

@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import torch
 
+from metrale.kernels import pdl
 from metrale.kernels.fused import triton
 
 if triton is not None:
     import triton.language as tl
+
+    from metrale.kernels.pdl import pdl_prologue
 
     @triton.jit
     def _softplus(x):
@@ -51,7 +54,9 @@ if triton is not None:
         BC: tl.constexpr,
         PAD_CONV: tl.constexpr,
         RAW: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_prologue(PDL)
         p = tl.program_id(0).to(tl.int64)  # padded position b * T + t
         b = p // T
         valid = (p % T) < tl.load(lens_ptr + b)
@@ -92,7 +97,9 @@ if triton is not None:
         HV: tl.constexpr,
         DV: tl.constexpr,
         BD: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_prologue(PDL)
         r = tl.program_id(0).to(tl.int64)  # packed row
         h = tl.program_id(1)
         src = r
@@ -153,6 +160,7 @@ def prepare(
             mixed, mixed.stride(0), ba, ba.stride(0), a_log, dt_bias, index.contiguous(), lengths,
             conv if pad else g, g, beta, t, channels,
             HV=hv, BH=triton.next_power_of_2(hv), BC=block_c, PAD_CONV=pad, RAW=raw, num_warps=4,
+            **pdl.launch(mixed),
         )  # fmt: skip
     return (conv if pad else mixed.unsqueeze(1)), g, beta
 
@@ -179,6 +187,6 @@ def gated_norm(
             row_seq = row_offset = res
         _gated_norm_kernel[(rows, hv)](
             out.contiguous(), z, z.stride(0), weight, row_seq, row_offset, res, t, eps,
-            HV=hv, DV=dv, BD=triton.next_power_of_2(dv), num_warps=1,
+            HV=hv, DV=dv, BD=triton.next_power_of_2(dv), num_warps=1, **pdl.launch(z),
         )  # fmt: skip
     return res

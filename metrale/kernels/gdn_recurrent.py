@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from metrale.kernels import pdl
 from metrale.kernels.dispatch import interpreter_forced
 from metrale.knobs import knobs
 
@@ -77,6 +78,7 @@ _ONE_BINARY = [
 
 if triton is not None:
     from metrale.kernels.gdn_fused import _softplus
+    from metrale.kernels.pdl import pdl_prologue
 
     # The kernel's arguments, in order: pointers and strides, then the launch shape, then the
     # variant's switches (a program's mode: which of the states and outputs it writes).
@@ -159,7 +161,9 @@ if triton is not None:
         RAW_GATES: tl.constexpr, ROUND_STATE: tl.constexpr,
         WRITE_FINAL: tl.constexpr, WRITE_ROWS: tl.constexpr, HAS_LENS: tl.constexpr,
         STORE_OUT: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
+        pdl_prologue(PDL)
         _delta_rule_program(
             q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, pool_ptr, read_ptr, final_ptr,
             rows_ptr, lens_ptr, T, stride_qb, stride_qt, stride_kb, stride_kt, stride_vb,
@@ -182,7 +186,9 @@ if triton is not None:
         BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, HAS_STATE: tl.constexpr,
         RAW_GATES: tl.constexpr, ROUND_STATE: tl.constexpr,
         WRITE_FINAL, WRITE_ROWS, HAS_LENS, STORE_OUT,
+        PDL: tl.constexpr,
     ):  # fmt: skip
+        pdl_prologue(PDL)
         _delta_rule_program(
             q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, pool_ptr, read_ptr, final_ptr,
             rows_ptr, lens_ptr, T, stride_qb, stride_qt, stride_kb, stride_kt, stride_vb,
@@ -290,6 +296,7 @@ def delta_rule_in_pool(
         RAW_GATES=gates is not None,
         ROUND_STATE=pool.dtype != torch.float32,
         num_warps=num_warps,
+        **pdl.launch(q),
     )
     return out
 

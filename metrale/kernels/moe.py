@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 
+from metrale.kernels import pdl
 from metrale.kernels.fused import triton
 from metrale.kernels.moe_plan import MoEPlan
 
@@ -51,6 +52,8 @@ class SharedExpert(NamedTuple):
 
 if triton is not None:
     import triton.language as tl
+
+    from metrale.kernels.pdl import pdl_prologue
 
     @triton.jit
     def _r(x, DT: tl.constexpr):
@@ -80,7 +83,9 @@ if triton is not None:
         BK: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_prologue(PDL)
         t = tl.program_id(0)
         expert = tl.load(tiles_ptr + t)
         if expert < 0:
@@ -142,7 +147,9 @@ if triton is not None:
         BK: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_prologue(PDL)
         t = tl.program_id(0)
         expert = tl.load(tiles_ptr + t)
         if expert < 0:
@@ -196,7 +203,9 @@ if triton is not None:
         SHARED: tl.constexpr,
         ADD_NORM: tl.constexpr,
         SKIPS: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_prologue(PDL)
         n = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BH + tl.arange(0, BH)
         c_ok = cols < H
@@ -280,12 +289,14 @@ def grouped_experts(
         x, x.stride(0), gate_up_proj, ws_up, plan.order, plan.tiles, h,
         nk, n, tiles, num_experts, hidden, inter, inter_s, iw,
         K=plan.top_k, BM=plan.block_m, BN=bn, BK=bk, **dots, num_warps=warps, num_stages=stages,
+        **pdl.launch(x),
     )  # fmt: skip
     bn, bk, warps, stages = DOWN_BLOCKS
     _down_kernel[(tiles, triton.cdiv(hidden, bn))](
         h, down_proj, ws_down, plan.order, plan.tiles, y,
         n, tiles, num_experts, hidden, inter, inter_s, iw,
         BM=plan.block_m, BN=bn, BK=bk, **dots, num_warps=warps, num_stages=stages,
+        **pdl.launch(x),
     )  # fmt: skip
     # the norm needs a whole row per program
     block_h = triton.next_power_of_2(hidden) if add_norm else min(COMBINE_BLOCK, hidden)
@@ -298,6 +309,6 @@ def grouped_experts(
         out, res_out, nk, hidden, eps,
         K=plan.top_k, BH=block_h, BX=min(1024, triton.next_power_of_2(hidden)),
         SHARED=shared is not None, ADD_NORM=add_norm, SKIPS=plan.skips,
-        num_warps=min(max(block_h // 512, 1), 16),
+        num_warps=min(max(block_h // 512, 1), 16), **pdl.launch(x),
     )  # fmt: skip
     return (out, res_out) if add_norm else out

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from metrale.kernels import pdl
 from metrale.kernels.fused import triton
 from metrale.kernels.moe_plan import MoEPlan, max_tiles
 
@@ -32,6 +33,7 @@ if triton is not None:
     import triton.language as tl
 
     from metrale.kernels.moe_picks import _pick, _plan_in_registers, _router_product
+    from metrale.kernels.pdl import pdl_prologue
 
 # Experts a program multiplies (tl.dot's least N), and at most how many runs of the hidden
 # columns the product is split into.
@@ -69,7 +71,9 @@ if triton is not None:
         NORM: tl.constexpr,
         SHARED: tl.constexpr,
         IEEE: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_prologue(PDL)
         eb, s = tl.program_id(0), tl.program_id(1)
         rows = tl.arange(0, BR)
         r_ok = rows < N
@@ -144,6 +148,6 @@ def split_route(
         S=slices, EB=EXPERTS_PER_PROGRAM, K=top_k, BR=block_rows, BE=block_e,
         BKK=triton.next_power_of_2(top_k), BM=block_m, BH=block_h,
         BT=min(64, triton.next_power_of_2(tiles_n)), NORM=norm_topk_prob, SHARED=shared,
-        IEEE=interpreted, num_warps=8,
+        IEEE=interpreted, num_warps=8, **pdl.launch(hidden),
     )  # fmt: skip
     return plan

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import torch
 
+from metrale.kernels import pdl
 from metrale.kernels.fused import kv_cache_halves, triton
 
 if triton is not None:
     import triton.language as tl
+
+    from metrale.kernels.pdl import pdl_prologue
 
     @triton.jit
     def _r(x, DT: tl.constexpr):
@@ -52,7 +55,9 @@ if triton is not None:
         D: tl.constexpr,
         ROT: tl.constexpr,
         BD: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_prologue(PDL)
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)  # q heads first, then k heads
         d = tl.arange(0, BD)
@@ -101,7 +106,9 @@ if triton is not None:
         NUM_Q: tl.constexpr,
         D: tl.constexpr,
         BD: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_prologue(PDL)
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         d = tl.arange(0, BD)
@@ -139,6 +146,7 @@ def qk_norm_rope(
             qkv, qkv.stride(0), q_weight, k_weight, cos, sin, cos.stride(0), positions, q, k,
             kc, vc, slots, int(kv_cache is not None), eps, NUM_Q=num_q, NUM_KV=num_kv, D=dim,
             ROT=2 * cos.shape[-1], BD=triton.next_power_of_2(dim), num_warps=1,
+            **pdl.launch(qkv),
         )  # fmt: skip
     return q, k
 
@@ -150,6 +158,6 @@ def output_gate(attn: torch.Tensor, qkv: torch.Tensor, num_q: int) -> torch.Tens
     if rows:
         _output_gate_kernel[(rows, num_q)](
             attn.contiguous(), qkv, qkv.stride(0), out, NUM_Q=num_q, D=dim,
-            BD=triton.next_power_of_2(dim), num_warps=1,
+            BD=triton.next_power_of_2(dim), num_warps=1, **pdl.launch(qkv),
         )  # fmt: skip
     return out

@@ -31,7 +31,7 @@ import os
 
 import torch
 
-from metrale.kernels import kv_tiles
+from metrale.kernels import kv_tiles, pdl
 from metrale.kernels.invariant_attention import invariant_attention
 from metrale.kernels.kv_tiles import tile_scores
 from metrale.models.attention import AttentionMetadata, TorchPagedAttention, write_kv
@@ -50,6 +50,7 @@ MAX_KERNEL_ROWS = 16
 PREFILL_TILE_ROWS = 64
 
 if triton is not None:
+    from metrale.kernels.pdl import pdl_prologue
 
     @triton.jit
     def _tile_of(starts_ptr, num_seqs, BLOCK_Q: tl.constexpr):
@@ -106,7 +107,9 @@ if triton is not None:
         Q_TILED: tl.constexpr,
         PRECISION: tl.constexpr,
         DOT_F32: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_prologue(PDL)
         kvh = tl.program_id(1)
         if Q_TILED:  # axis 0: a tile of query rows of the whole step
             seq, first_row = _tile_of(starts_ptr, num_seqs, BLOCK_Q)
@@ -185,7 +188,9 @@ if triton is not None:
         NUM_HEADS: tl.constexpr,
         D: tl.constexpr,
         SPLITS: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_prologue(PDL)
         row = tl.program_id(0)
         head = tl.program_id(1)
         s = tl.arange(0, SPLITS)
@@ -347,6 +352,7 @@ class TritonPagedAttention(TorchPagedAttention):
             DOT_F32=INTERPRETED,
             num_warps=kv_tiles.NUM_WARPS,
             num_stages=kv_tiles.NUM_STAGES,
+            **pdl.launch(q),
         )
         if splits > 1:
             _combine_splits_kernel[(rows, heads)](
@@ -358,5 +364,6 @@ class TritonPagedAttention(TorchPagedAttention):
                 NUM_HEADS=heads,
                 D=dim,
                 SPLITS=splits,
+                **pdl.launch(q),
             )
         return out

@@ -1,0 +1,131 @@
+"""Programmatic dependent launch (`kernels/pdl.py`): off where it cannot apply; every kernel that
+may be launched with it waits for the kernel before it first (the rule that keeps it correct,
+checked over the source); and on a GPU, a captured chain of the step's kernels gives the same bits
+with it as without it.
+
+    python -m pytest -q tests/test_pdl.py   (the GPU test is skipped without CUDA)
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from metrale.kernels import pdl
+
+KERNELS = Path(pdl.__file__).parent
+
+
+def test_pdl_is_off_on_the_cpu_and_under_the_knob(knob_env):
+    x = torch.zeros(2)
+    assert pdl.launch(x) == {"PDL": False}
+    knob_env(METRALE_NO_PDL="1")
+    assert pdl.launch(x) == {"PDL": False}
+
+
+def _jit_kernels(tree: ast.Module) -> dict[str, ast.FunctionDef]:
+    found = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and any(
+            "jit" in ast.unparse(d) for d in node.decorator_list
+        ):
+            found[node.name] = node
+    return found
+
+
+def _launched_with_pdl(tree: ast.Module) -> set[str]:
+    """Names of the kernels called as `name[grid](..., **pdl.launch(...))` (or through a
+    variable bound to one of several kernels: every name it may hold)."""
+    names = set()
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)):
+            continue
+        if any(
+            k.arg is None and ast.unparse(k.value).startswith("pdl.launch") for k in node.keywords
+        ):
+            names.add(ast.unparse(node.func.value))
+    return names
+
+
+def test_every_kernel_launched_with_pdl_waits_first():
+    """A kernel launched with PDL may start before the kernel before it has finished: its first
+    statement (after a docstring) must be `pdl_prologue(PDL)`, before any load or store. And a
+    launch that passes `pdl.launch` must be of a kernel that takes `PDL`."""
+    checked = 0
+    for path in sorted(KERNELS.glob("*.py")):
+        if path.name == "pdl.py":  # the prologue itself
+            continue
+        tree = ast.parse(path.read_text())
+        kernels = _jit_kernels(tree)
+        for name, fn in kernels.items():
+            params = [a.arg for a in fn.args.args]
+            if "PDL" not in params:
+                continue
+            body = fn.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                body = body[1:]  # the docstring
+            assert ast.unparse(body[0]) == "pdl_prologue(PDL)", f"{path.name}: {name}"
+            checked += 1
+        for called in _launched_with_pdl(tree):
+            if called == "kernel":  # gdn_recurrent: one of two kernels, chosen by mode
+                targets = [k for k in kernels if k.endswith("delta_rule_kernel")]
+            else:
+                targets = [called]
+            for target in targets:
+                assert target in kernels, f"{path.name}: {target} is not a kernel of the file"
+                args = [a.arg for a in kernels[target].args.args]
+                assert "PDL" in args, f"{path.name}: {target} launched with PDL takes no PDL"
+    assert checked >= 15  # the step's kernels (norms, attention, GDN, MoE)
+
+
+@pytest.mark.gpu
+def test_a_captured_moe_block_gives_the_same_bits_with_and_without_pdl(monkeypatch):
+    """The MoE block (router product and plan, grouped gate/up and down, combine with the next
+    norm) replayed from CUDA graphs, its kernels launched with PDL, then without: equal bits."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs a Hopper GPU or later")
+    from metrale.config import ModelConfig
+    from metrale.models import qwen3_next_moe
+    from metrale.models.qwen3_next_moe import Qwen3NextSparseMoeBlock
+
+    monkeypatch.setattr(qwen3_next_moe, "hybrid_kernels_enabled", lambda x: True)
+    raw = dict(
+        architectures=["Qwen3NextForCausalLM"], hidden_size=2048, intermediate_size=5120,
+        num_hidden_layers=1, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, num_experts=64, num_experts_per_tok=10,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, vocab_size=64,
+    )  # fmt: skip
+    block = Qwen3NextSparseMoeBlock(ModelConfig.from_dict(raw))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+    block = block.cuda().bfloat16()
+    outs = {}
+    for mode in ("on", "off"):
+        if mode == "off":
+            monkeypatch.setattr(pdl, "launch", lambda x: {"PDL": False})
+        got = []
+        for n in (1, 16):
+            x = torch.randn(n, 2048, generator=torch.Generator().manual_seed(n)).cuda().bfloat16()
+            with torch.no_grad():
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    block(x)  # compiles
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    y = block(block(x))  # two blocks back to back: kernel after kernel
+                for _ in range(3):
+                    graph.replay()
+            torch.cuda.synchronize()
+            got.append(y.clone())
+        outs[mode] = got
+    for a, b in zip(outs["on"], outs["off"], strict=True):
+        assert torch.equal(a, b)
