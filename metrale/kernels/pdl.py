@@ -7,6 +7,9 @@ step on the H100 (`benchmarks/results/session72-h100/`). A kernel launched with 
 while the kernel before it in the stream still runs; its programs then wait at `gdc_wait` until
 that kernel has completed and its writes are visible, so the launch and the wait overlap the
 predecessor's tail instead of following it (SGLang and vLLM launch FlashInfer's kernels this way).
+No kernel lives here, so no torch reference either: each kernel launched this way keeps its own
+(named in its module), since PDL changes when programs start, never what they compute
+(`tests/test_pdl.py` compares a captured MoE block's bits with and without it on a GPU).
 
 The rule that keeps it correct. A kernel launched with PDL calls `gdc_wait()` first, before it
 reads or writes global memory, and only then `gdc_launch_dependents()` (the kernel after it may
