@@ -27,6 +27,39 @@ def test_pdl_is_off_on_the_cpu_and_under_the_knob(knob_env):
     assert pdl.launch(x) == {"PDL": False}
 
 
+class _FakeCuda:
+    """A tensor stand-in on an sm90 CUDA device (`launch` reads `is_cuda` and `device`)."""
+
+    is_cuda = True
+    device = torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("why", ["no gdc", "rocm", "interpreter", "knob", "sm80"])
+def test_pdl_is_off_wherever_it_cannot_launch(why, monkeypatch, knob_env):
+    """On an sm90 device it is on, and off without the instructions in Triton (a stand-in that
+    took their name once made them look present: found in review), on ROCm (its Triton takes
+    no `launch_pdl`), under Triton's interpreter with CUDA tensors, under the knob, and before
+    sm90."""
+    monkeypatch.setattr(pdl, "HAS_GDC", True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(pdl, "_capable", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    assert pdl.launch(_FakeCuda()) == {"PDL": True, "launch_pdl": True}
+    pdl._capable.clear()
+    if why == "no gdc":
+        monkeypatch.setattr(pdl, "HAS_GDC", False)
+    elif why == "rocm":
+        monkeypatch.setattr(torch.version, "hip", "6.2")
+    elif why == "interpreter":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    elif why == "knob":
+        knob_env(METRALE_NO_PDL="1")
+    else:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    assert pdl.launch(_FakeCuda()) == {"PDL": False}
+
+
 def _jit_kernels(tree: ast.Module) -> dict[str, ast.FunctionDef]:
     found = {}
     for node in ast.walk(tree):
@@ -70,8 +103,9 @@ def test_every_kernel_launched_with_pdl_waits_first():
                 body = body[1:]  # the docstring
             assert ast.unparse(body[0]) == "pdl_prologue(PDL)", f"{path.name}: {name}"
             checked += 1
+        launched = set()
         for called in _launched_with_pdl(tree):
-            if called == "kernel":  # gdn_recurrent: one of two kernels, chosen by mode
+            if called == "kernel" and path.name == "gdn_recurrent.py":  # one of two, by mode
                 targets = [k for k in kernels if k.endswith("delta_rule_kernel")]
             else:
                 targets = [called]
@@ -79,7 +113,11 @@ def test_every_kernel_launched_with_pdl_waits_first():
                 assert target in kernels, f"{path.name}: {target} is not a kernel of the file"
                 args = [a.arg for a in kernels[target].args.args]
                 assert "PDL" in args, f"{path.name}: {target} launched with PDL takes no PDL"
-    assert checked >= 15  # the step's kernels (norms, attention, GDN, MoE)
+                launched.add(target)
+        # and the other way: a kernel that takes PDL is launched with `pdl.launch`
+        takes = {name for name, fn in kernels.items() if "PDL" in [a.arg for a in fn.args.args]}
+        assert takes <= launched, f"{path.name}: {sorted(takes - launched)} never get pdl.launch"
+    assert checked == 17  # the step's kernels (norms, attention, GDN, MoE)
 
 
 @pytest.mark.gpu
@@ -110,6 +148,8 @@ def test_a_captured_moe_block_gives_the_same_bits_with_and_without_pdl(monkeypat
     for mode in ("on", "off"):
         if mode == "off":
             monkeypatch.setattr(pdl, "launch", lambda x: {"PDL": False})
+        else:  # (not a silent fallback: the comparison would then prove nothing)
+            assert pdl.launch(torch.zeros(1, device="cuda"))["PDL"]
         got = []
         for n in (1, 16):
             x = torch.randn(n, 2048, generator=torch.Generator().manual_seed(n)).cuda().bfloat16()
