@@ -101,6 +101,8 @@ def _token_id(token, vocab_size: int) -> int:
     """A draft token as an int id: Python's, numpy's and 0-d torch integers are ids; a bool or a
     float (3.0) is a TypeError, an id outside the vocabulary a ValueError (its sequence alone
     fails)."""
+    if type(token) is int and 0 <= token < vocab_size:  # (the usual case, first: every token)
+        return token
     if isinstance(token, (bool, float)) or (
         isinstance(token, torch.Tensor) and (token.dtype == torch.bool or token.is_floating_point())
     ):
