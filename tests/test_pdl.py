@@ -9,7 +9,6 @@ with it as without it.
 from __future__ import annotations
 
 import ast
-import math
 from pathlib import Path
 
 import pytest
@@ -126,24 +125,11 @@ def test_a_captured_moe_block_gives_the_same_bits_with_and_without_pdl(monkeypat
     norm) replayed from CUDA graphs, its kernels launched with PDL, then without: equal bits."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs a Hopper GPU or later")
-    from metrale.config import ModelConfig
     from metrale.models import qwen3_next_moe
-    from metrale.models.qwen3_next_moe import Qwen3NextSparseMoeBlock
+    from tests.test_hybrid_kernels_gpu import _block  # (qwen3-next-a3b-64e's MoE block)
 
     monkeypatch.setattr(qwen3_next_moe, "hybrid_kernels_enabled", lambda x: True)
-    raw = dict(
-        architectures=["Qwen3NextForCausalLM"], hidden_size=2048, intermediate_size=5120,
-        num_hidden_layers=1, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
-        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-        linear_value_head_dim=128, num_experts=64, num_experts_per_tok=10,
-        moe_intermediate_size=512, shared_expert_intermediate_size=512, vocab_size=64,
-    )  # fmt: skip
-    block = Qwen3NextSparseMoeBlock(ModelConfig.from_dict(raw))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in block.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
-    block = block.cuda().bfloat16()
+    block = _block()
     outs = {}
     for mode in ("on", "off"):
         if mode == "off":
