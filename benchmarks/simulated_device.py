@@ -13,6 +13,10 @@ each timed run with a fresh draw (`--seeds` of them), as `metrale bench --forced
     PYTHONPATH=. python benchmarks/simulated_device.py --batch 8 --plain-ms 0.2 --row-ms 0.1
     PYTHONPATH=. python benchmarks/simulated_device.py --batch 64 --alpha 0.5 --dcut
 
+Besides the speedup it prints how long the device waited for the host between forwards, a step on
+average (`*_idle_ms_per_step`): a speculative step's bubble, which a plain step launched ahead
+does not have while its forward takes longer than the host's work.
+
 Figures from this CPU are slower than a GPU machine's host, and the forward's device time is a
 model: use it for A/B runs of host-side changes (`METRALE_NO_HELD_VERIFY=1` and the like) and
 for where host work stops hiding, not as a benchmark (`results/session72-h100/`).
@@ -42,12 +46,16 @@ class SimulatedDevice:
         self.plain, self.row, self.hidden = plain_ms / 1e3, row_ms / 1e3, hidden
         self.free_at = 0.0  # when the last queued forward is done
         self.busy = 0.0
+        self.idle = 0.0  # the device waiting for the host: each launch after the device drained
         self.steps = self.rows = 0
 
     def forward(self, batch, input_ids, positions, meta, verify=False, head_seqs=0):
         rows, seqs = input_ids.shape[0], max(len(batch.entries), 1)
         seconds = self.plain + self.row * max(rows - seqs, 0) / seqs
-        self.free_at = max(time.perf_counter(), self.free_at) + seconds
+        now = time.perf_counter()
+        if self.steps:  # (not before the run's first forward)
+            self.idle += max(now - self.free_at, 0.0)
+        self.free_at = max(now, self.free_at) + seconds
         self.busy += seconds
         self.steps, self.rows = self.steps + 1, self.rows + rows
         return torch.zeros(rows, self.hidden), None
@@ -117,12 +125,13 @@ def main() -> None:
 
     def run(speculative: bool, seed: int = 0) -> dict:
         engine.runner.forced_acceptance = ForcedAcceptance(args.alpha, seed=seed)
-        device.busy, device.steps, device.rows = 0.0, 0, 0
+        device.busy, device.idle, device.steps, device.rows = 0.0, 0.0, 0, 0
         start = time.perf_counter()
         llm.generate(prompts, SamplingParams(**base, speculative=speculative), use_tqdm=False)
         device.wait(device.free_at)
         wall = time.perf_counter() - start
-        return {"ms": wall * 1e3, "busy_ms": device.busy * 1e3, "steps": device.steps}
+        idle = device.idle * 1e3 / max(device.steps - 1, 1)
+        return {"ms": wall * 1e3, "busy_ms": device.busy * 1e3, "steps": device.steps, "idle": idle}
 
     run(False), run(True)  # warm
     plain_runs = [run(False) for _ in range(3)]
@@ -140,6 +149,10 @@ def main() -> None:
                 "spec_steps": statistics.mean(r["steps"] for r in spec_runs),
                 "spec_device_busy": round(statistics.mean(r["busy_ms"] for r in spec_runs), 2),
                 "speedup": round(plain_ms / spec_ms, 3),
+                # ms a step the device waited for the host between forwards (a verify's:
+                # its verdicts read, the next step drafted, planned, packed and launched)
+                "plain_idle_ms_per_step": round(statistics.mean(r["idle"] for r in plain_runs), 3),
+                "spec_idle_ms_per_step": round(statistics.mean(r["idle"] for r in spec_runs), 3),
                 "held_verifies": engine._ahead.held_verifies if engine._ahead else 0,
             }
         )
