@@ -79,12 +79,15 @@ def main() -> None:
     starts = [f[0] for f in frames]
     longest = max((f[1] - f[0] for f in frames), default=0.0)
 
+    def outermost_first(active) -> list[tuple[float, str]]:
+        """(duration, name) of the active frames, the longest (outermost) first."""
+        return sorted(((f[1] - f[0], f[2]) for f in active), key=lambda a: -a[0])
+
     def stack_at(t: float) -> list[tuple[float, str]]:
         """The metrale frames active at t, outermost first."""
         i = bisect.bisect_right(starts, t)
         lo = bisect.bisect_left(starts, t - longest)
-        active = [(f[1] - f[0], f[2]) for f in frames[lo:i] if f[1] >= t]
-        return sorted(active, key=lambda a: -a[0])
+        return outermost_first(f for f in frames[lo:i] if f[1] >= t)
 
     by_frame: collections.Counter = collections.Counter()
     by_path: collections.Counter = collections.Counter()
@@ -100,7 +103,7 @@ def main() -> None:
                 nxt += 1
             active = [f for f in active if f[1] >= t]
             if active:
-                stack = sorted(((f[1] - f[0], f[2]) for f in active), key=lambda s: -s[0])
+                stack = outermost_first(active)
                 by_frame[stack[-1][1]] += 1
                 by_path[" > ".join(s[1] for s in stack[-3:])] += 1
             else:
