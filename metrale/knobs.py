@@ -201,6 +201,13 @@ class Knobs:
         "=1: launch the decode step's Triton kernels without programmatic dependent launch "
         "(A/B runs; `kernels/pdl.py`)",
     )
+    no_gemv: bool = _knob(
+        "METRALE_NO_GEMV",
+        _is_one,
+        bool,
+        "=1: run projections of a few rows as cuBLAS GEMMs, not the PDL weight-streaming GEMV "
+        "(A/B runs; `kernels/gemv.py`)",
+    )
     no_mtp_chain_graphs: bool = _knob(
         "METRALE_NO_MTP_CHAIN_GRAPHS",
         _is_one,

@@ -47,6 +47,7 @@ from metrale.engine.step_output import (
     to_host,
 )
 from metrale.kernels.batch_invariant import check_invariant_support, make_batch_invariant
+from metrale.kernels.gemv import stream_projections
 from metrale.kernels.paged_attention import TritonPagedAttention, triton_available
 from metrale.models.attention import AttentionMetadata, TorchPagedAttention
 from metrale.models.dflash import load_dflash
@@ -128,6 +129,9 @@ class ModelRunner:
             # length by the lookahead
             reach = max(positions, max_model_len + lookahead)
             self.dflash = load_dflash(dflash_dir, model_cfg, reach, self.device, self.dtype)
+        for part in (self.model, self.mtp, self.dflash):  # few-row projections as GEMVs on
+            if part is not None:  # CUDA (`kernels/gemv.py`; not the invariant products)
+                stream_projections(part)
         extra = (
             0 if self.dflash is None else self.dflash.config.page_bytes(self.page_size, self.dtype)
         )

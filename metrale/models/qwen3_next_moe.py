@@ -27,6 +27,7 @@ from torch import nn
 
 from metrale.config import ModelConfig
 from metrale.kernels.dispatch import hybrid_kernels_enabled
+from metrale.kernels.gemv import StreamedLinear
 from metrale.kernels.moe import BLOCK_M, SharedExpert, grouped_experts
 from metrale.kernels.moe_routing import makes_logits, route, route_block_rows, route_reference
 from metrale.models.activations import sigmoid, silu
@@ -228,7 +229,7 @@ class Qwen3NextSparseMoeBlock(nn.Module):
         experts = gate.weight.shape[0]
         return (
             SPLIT_ROUTER
-            and type(gate) is nn.Linear  # (not the deterministic mode's invariant product)
+            and type(gate) in (nn.Linear, StreamedLinear)  # (not the deterministic mode's)
             and gate.weight.dtype == x.dtype
             and makes_logits(experts)
             and x.shape[0] <= route_block_rows(experts)

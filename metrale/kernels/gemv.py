@@ -1,0 +1,209 @@
+"""Projections of a few rows (a decode or small verify step) as a Triton weight-streaming GEMV
+launched with PDL, with `F.linear` as the torch reference (`tests/test_gemv.py`).
+
+Why. At batch 1 a decode step's dense projections are cuBLAS GEMMs of one row against a large
+weight (on the qwen3-next-a3b-64e shape: 97 a step, 1.35 ms of 4.45 on an H100 against 0.91 at
+the weight roofline). cuBLAS's kernels cannot take part in programmatic dependent launch
+(`kernels/pdl.py`), so each of them waits, unlaunched, for the kernel before it to finish, and
+the kernel after it for it; and its one-row tiles read the 4096 -> 2048 projections as a split-K
+GEMM plus a reduce at about half the bandwidth. This kernel is launched with PDL like the step's
+other kernels, and streams its weight near the bandwidth (`benchmarks/gemv_chain.py`).
+
+The kernel. Each program holds a BN-row strip of the weight whole in registers (K up to
+`MAX_K`), then takes every row of x (one or two) against it: out[m, n] = sum_k x[m, k]
+w[n, k] (+ b[n]), accumulated in float32 as cuBLAS does (the sums are ordered differently, so
+the bits may differ from cuBLAS's in the last place, as one cuBLAS kernel's do from another's).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from metrale.kernels import pdl
+from metrale.kernels.dispatch import interpreter_forced
+from metrale.knobs import knobs
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU machines without Triton
+    triton = None
+
+# Where the strip GEMV beats cuBLAS on an H100 (`benchmarks/gemv_chain.py`, session 74): one row
+# of x up to K = MAX_K, two up to K = MAX_K_TWO_ROWS; at 4 rows cuBLAS is faster (each row's
+# product widens the registers a program holds by a strip).
+MAX_K = 16384
+MAX_K_TWO_ROWS = 4096
+STRIP = 4096  # weight elements a program holds (8 KiB of bf16): BN = STRIP // next_pow2(K)
+
+if triton is not None:
+    from metrale.kernels.pdl import pdl_prologue
+
+    @triton.jit
+    def _gemv_kernel(
+        x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr,
+        PDL: tl.constexpr,
+    ):  # fmt: skip
+        """out[M, N] = x[M, K] @ w[N, K]^T (+ b): a BN-row strip of w per program, all of K, and
+        all M (<= BM) rows of x, reduced over K in one pass."""
+        pdl_prologue(PDL)
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        m = tl.arange(0, BM)
+        k = tl.arange(0, BK)
+        w_ok = (n[:, None] < N) & (k[None, :] < K)
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :], mask=w_ok, other=0.0)
+        x_ok = (m[:, None] < M) & (k[None, :] < K)
+        x = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=x_ok, other=0.0)
+        acc = tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+        out_ok = (m[:, None] < M) & (n[None, :] < N)
+        out = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + m[:, None] * stride_o + n[None, :], out, mask=out_ok)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _skinny_kernel(
+        x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr,
+        DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """out[M, N] = x[M, K] @ w[N, K]^T (+ b) on the tensor cores, M <= BM (>= 16, the
+        product's least), a BN-row strip of w per program, K in BK steps (pipelined).
+        `DOT_F32`: the operands in float32 (the interpreter's product takes no bf16); float32
+        products in full precision (`PRECISION` "ieee", not tf32)."""
+        pdl_prologue(PDL)
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        m = tl.arange(0, BM)
+        kk = tl.arange(0, BK)
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, K, BK):
+            k = k0 + kk
+            x_ok = (m[:, None] < M) & (k[None, :] < K)
+            x = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=x_ok, other=0.0)
+            w_ok = (n[:, None] < N) & (k[None, :] < K)
+            w = tl.load(
+                w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :], mask=w_ok, other=0.0
+            )
+            if DOT_F32:
+                x, w = x.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+        out_ok = (m[:, None] < M) & (n[None, :] < N)
+        out = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + m[:, None] * stride_o + n[None, :], out, mask=out_ok)
+
+
+def launch_skinny(
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    bn: int,
+    bk: int,
+    warps: int,
+    stages: int,
+) -> None:
+    """out [M, N] = rows [M, K] @ weight^T (+ bias) on the tensor cores (M <= 64)."""
+    m, k = rows.shape
+    n = weight.shape[0]
+    _skinny_kernel[(triton.cdiv(n, bn),)](
+        rows, weight, bias if bias is not None else weight, out,
+        m, n, k, rows.stride(0), weight.stride(0), out.stride(0),
+        BM=max(16, triton.next_power_of_2(m)), BN=bn, BK=bk, HAS_BIAS=bias is not None,
+        DOT_F32=not rows.is_cuda,
+        PRECISION="ieee" if rows.dtype == torch.float32 or not rows.is_cuda else "tf32",
+        num_warps=warps, num_stages=stages, **pdl.launch(rows),
+    )  # fmt: skip
+
+
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` streams x @ weight^T through the kernel: CUDA (or the CPU where a test
+    forces the fused paths, `kernels/dispatch.py`), the weight in x's dtype and row-major, one
+    row of K at most MAX_K or two of K at most MAX_K_TWO_ROWS, no autograd, the knob off."""
+    return (
+        triton is not None
+        and (x.is_cuda or interpreter_forced(x))
+        and weight.dtype == x.dtype
+        and weight.dim() == 2
+        and weight.stride(1) == 1
+        and x.shape[-1] == weight.shape[1]
+        and (
+            x.numel() <= weight.shape[1] <= MAX_K
+            or x.numel() <= 2 * weight.shape[1] <= 2 * MAX_K_TWO_ROWS
+        )
+        and not (torch.is_grad_enabled() and weight.requires_grad)
+        and not knobs().no_gemv
+    )
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] through the kernel, any device
+    Triton runs on (its interpreter on the CPU). The caller checks the shape (`gemv_applies`)."""
+    n, k = weight.shape
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], n, device=x.device, dtype=x.dtype)
+    if rows.shape[0] and n:
+        bn, warps = strip_of(n, k)
+        launch(rows, weight, bias, out, bn, warps)
+    return out.view(*x.shape[:-1], n)
+
+
+def strip_of(n: int, k: int, strip: int = STRIP) -> tuple[int, int]:
+    """(weight rows a program holds, warps) for an [n, k] weight: about `strip` elements."""
+    bk = triton.next_power_of_2(k)
+    bn = max(1, min(64, strip // bk, triton.next_power_of_2(n)))
+    return bn, 4 if bn * bk <= 8192 else 8
+
+
+def launch(
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    bn: int,
+    warps: int,
+) -> None:
+    """out [M, N] = rows [M, K] @ weight^T (+ bias), BN weight rows a program (`gemv`'s tiles
+    or a benchmark's)."""
+    m, k = rows.shape
+    n = weight.shape[0]
+    _gemv_kernel[(triton.cdiv(n, bn),)](
+        rows, weight, bias if bias is not None else weight, out,
+        m, n, k, rows.stride(0), weight.stride(0), out.stride(0),
+        BM=triton.next_power_of_2(m), BN=bn, BK=triton.next_power_of_2(k),
+        HAS_BIAS=bias is not None, num_warps=warps, **pdl.launch(rows),
+    )  # fmt: skip
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through the GEMV kernel where it applies (`gemv_applies`)."""
+    if gemv_applies(x, weight):
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class StreamedLinear(nn.Linear):
+    """An nn.Linear whose forward is `linear` (same parameters, same state dict)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def stream_projections(module: nn.Module, skip: tuple[nn.Module, ...] = ()) -> int:
+    """Point every plain nn.Linear under `module` (not those in `skip`) at `linear`, in place (the
+    class changes, the parameters stay). Returns how many were changed."""
+    changed = 0
+    for sub in module.modules():
+        if type(sub) is nn.Linear and not any(sub is s for s in skip):
+            sub.__class__ = StreamedLinear
+            changed += 1
+    return changed

@@ -1,0 +1,124 @@
+"""The few-row projection GEMV (`kernels/gemv.py`) against `F.linear`, under Triton's interpreter
+on CPU tensors (on the GPU where there is one); where `linear` takes the kernel and where it
+leaves the product to cuBLAS; and the engine's projections pointed at it.
+
+    python -m pytest -q tests/test_gemv.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+pytest.importorskip("triton")
+
+from metrale.kernels import gemv  # noqa: E402
+from metrale.kernels.batch_invariant import InvariantLinear, make_batch_invariant  # noqa: E402
+from metrale.kernels.paged_attention import INTERPRETED  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and not INTERPRETED:
+    pytest.skip("no CUDA and TRITON_INTERPRET is not set", allow_module_level=True)
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """float32 to rounding; bf16 by the whole tensor's relative error (both accumulate in
+    float32, in different orders, and round once)."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert err < 8e-3, err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "rows, n, k",
+    [(1, 1, 7), (1, 5, 64), (3, 33, 100), (4, 300, 256), (8, 70, 1000), (2, 3, 4096)],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_matches_f_linear(dtype, rows, n, k, bias):
+    """Widths off the power of two (the masks), strips of 1 to 64 weight rows, 1 to 8 rows of
+    x, a bias or none."""
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(DEVICE, dtype)
+    b = torch.randn(n, generator=g).to(DEVICE, dtype) if bias else None
+    _close(gemv.gemv(x, w, b), F.linear(x, w, b))
+
+
+def test_gemv_takes_leading_dims_and_strided_rows():
+    """x [2, 3, K] gives [2, 3, N]; rows of a wider tensor (a column slice) are read in place,
+    a transposed x is copied first."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 96, generator=g).to(DEVICE)
+    x = torch.randn(2, 3, 96, generator=g).to(DEVICE)
+    _close(gemv.gemv(x, w), F.linear(x, w))
+    wide = torch.randn(5, 200, generator=g).to(DEVICE)
+    _close(gemv.gemv(wide[:, 50:146], w), F.linear(wide[:, 50:146], w))
+    tall = torch.randn(96, 4, generator=g).to(DEVICE).t()
+    _close(gemv.gemv(tall, w), F.linear(tall, w))
+
+
+def test_linear_takes_the_kernel_only_where_it_applies(monkeypatch, knob_env):
+    """One row of K up to MAX_K or two of K up to MAX_K_TWO_ROWS, the weight in x's dtype and
+    row-major, no autograd, the knob off; anything else is F.linear (and a CPU tensor is,
+    unless the fused paths are forced under the interpreter)."""
+    knob_env(METRALE_FORCE_FUSED_KERNELS="1")
+    calls = []
+    real = gemv.gemv
+    monkeypatch.setattr(gemv, "gemv", lambda *a: calls.append(1) or real(*a))
+    w = torch.randn(12, 32, device=DEVICE)
+
+    def taken(x, weight=w, **grad) -> bool:
+        calls.clear()
+        with torch.set_grad_enabled(grad.get("grad", False)):
+            _close(gemv.linear(x, weight).detach(), F.linear(x, weight).detach())
+        return bool(calls)
+
+    assert taken(torch.randn(1, 32, device=DEVICE)) and taken(torch.randn(2, 32, device=DEVICE))
+    assert not taken(torch.randn(3, 32, device=DEVICE))
+    k2 = gemv.MAX_K_TWO_ROWS
+    assert taken(torch.randn(2, k2, device=DEVICE), torch.randn(3, k2, device=DEVICE))
+    assert not taken(torch.randn(2, k2 + 1, device=DEVICE), torch.randn(3, k2 + 1, device=DEVICE))
+    assert taken(torch.randn(1, k2 + 1, device=DEVICE), torch.randn(3, k2 + 1, device=DEVICE))
+    assert not taken(torch.randn(2, 32, device=DEVICE), w.t().contiguous().t())  # column-major
+    assert not gemv.gemv_applies(torch.randn(2, 32, device=DEVICE, dtype=torch.float64), w)
+    assert not taken(torch.randn(2, 32, device=DEVICE), nn.Parameter(w), grad=True)
+    assert taken(torch.randn(2, 32, device=DEVICE), nn.Parameter(w))  # (inference: no autograd)
+    wide = torch.randn(4, gemv.MAX_K + 1, device=DEVICE)
+    assert not taken(wide, torch.randn(3, gemv.MAX_K + 1, device=DEVICE))
+    knob_env(METRALE_FORCE_FUSED_KERNELS="1", METRALE_NO_GEMV="1")
+    assert not taken(torch.randn(2, 32, device=DEVICE))
+    if DEVICE == "cpu":
+        knob_env()
+        assert not taken(torch.randn(2, 32))
+
+
+def test_stream_projections_leaves_invariant_products_and_skips_alone():
+    """Every plain nn.Linear becomes a StreamedLinear (parameters and state dict unchanged);
+    the deterministic mode's invariant products and the modules passed in `skip` stay."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 4)))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    make_batch_invariant(model[1][0])
+    assert gemv.stream_projections(model, skip=(model[1][1],)) == 1
+    assert type(model[0]) is gemv.StreamedLinear
+    assert type(model[1][0]) is InvariantLinear and type(model[1][1]) is nn.Linear
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    x = torch.randn(3, 8)
+    assert torch.equal(model[0](x), F.linear(x, model[0].weight, model[0].bias))
+
+
+@pytest.mark.parametrize("rows, n, k, bn, bk", [(3, 40, 100, 16, 32), (16, 70, 256, 32, 64)])
+def test_skinny_matches_f_linear(rows, n, k, bn, bk):
+    """The tensor-core kernel for a few rows: K off its step, N off its strip, a bias."""
+    g = torch.Generator().manual_seed(rows + n)
+    x = torch.randn(rows, k, generator=g).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(DEVICE, torch.bfloat16)
+    b = torch.randn(n, generator=g).to(DEVICE, torch.bfloat16)
+    out = torch.empty(rows, n, device=DEVICE, dtype=torch.bfloat16)
+    gemv.launch_skinny(x, w, b, out, bn, bk, 4, 3)
+    _close(out, F.linear(x, w, b))
