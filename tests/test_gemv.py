@@ -110,15 +110,3 @@ def test_stream_projections_leaves_invariant_products_and_skips_alone():
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     x = torch.randn(3, 8)
     assert torch.equal(model[0](x), F.linear(x, model[0].weight, model[0].bias))
-
-
-@pytest.mark.parametrize("rows, n, k, bn, bk", [(3, 40, 100, 16, 32), (16, 70, 256, 32, 64)])
-def test_skinny_matches_f_linear(rows, n, k, bn, bk):
-    """The tensor-core kernel for a few rows: K off its step, N off its strip, a bias."""
-    g = torch.Generator().manual_seed(rows + n)
-    x = torch.randn(rows, k, generator=g).to(DEVICE, torch.bfloat16)
-    w = (torch.randn(n, k, generator=g) / k**0.5).to(DEVICE, torch.bfloat16)
-    b = torch.randn(n, generator=g).to(DEVICE, torch.bfloat16)
-    out = torch.empty(rows, n, device=DEVICE, dtype=torch.bfloat16)
-    gemv.launch_skinny(x, w, b, out, bn, bk, 4, 3)
-    _close(out, F.linear(x, w, b))
