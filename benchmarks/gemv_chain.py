@@ -1,7 +1,7 @@
 """Few-row projections as they run in a decode step, on a GPU: each after a norm kernel launched
 with PDL (the step's chain), under cuBLAS against the PDL weight-streaming GEMV
-(`metrale/kernels/gemv.py`) at several strip sizes and warps, and at 3 rows or more a tensor-core
-kernel launched with PDL (here, not in the package: measured, not adopted).
+(`metrale/kernels/gemv.py`) at several strip sizes and warps, and at 3 rows or more its
+tensor-core kernel at several tiles.
 
 Each case is a CUDA graph of 8 (add + RMSNorm, projection) pairs over 8 distinct weights (more
 bytes than the L2 holds), replayed; the figure is microseconds a pair, the norm's included (the
@@ -17,11 +17,8 @@ import itertools
 import json
 
 import torch
-import triton
-import triton.language as tl
 
-from metrale.kernels import fused, gemv, pdl
-from metrale.kernels.pdl import pdl_prologue
+from metrale.kernels import fused, gemv
 
 SHAPES = {  # name: (K, N)
     "next.in_proj": (2048, 12352),
@@ -33,60 +30,6 @@ SHAPES = {  # name: (K, N)
     "8b.down_proj": (12288, 4096),
 }
 WEIGHTS = 8
-
-
-@triton.jit
-def _skinny_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """out[M, N] = x[M, K] @ w[N, K]^T (+ b) on the tensor cores, M <= BM (>= 16, the
-    product's least), a BN-row strip of w per program, K in BK steps (pipelined).
-    `DOT_F32`: the operands in float32 (the interpreter's product takes no bf16); float32
-    products in full precision (`PRECISION` "ieee", not tf32)."""
-    pdl_prologue(PDL)
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
-    m = tl.arange(0, BM)
-    kk = tl.arange(0, BK)
-    acc = tl.zeros([BM, BN], tl.float32)
-    for k0 in range(0, K, BK):
-        k = k0 + kk
-        x_ok = (m[:, None] < M) & (k[None, :] < K)
-        x = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=x_ok, other=0.0)
-        w_ok = (n[:, None] < N) & (k[None, :] < K)
-        w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :], mask=w_ok, other=0.0)
-        if DOT_F32:
-            x, w = x.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
-    out_ok = (m[:, None] < M) & (n[None, :] < N)
-    out = acc.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + m[:, None] * stride_o + n[None, :], out, mask=out_ok)
-
-
-def launch_skinny(
-    rows: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    out: torch.Tensor,
-    bn: int,
-    bk: int,
-    warps: int,
-    stages: int,
-) -> None:
-    """out [M, N] = rows [M, K] @ weight^T (+ bias) on the tensor cores (M <= 64)."""
-    m, k = rows.shape
-    n = weight.shape[0]
-    _skinny_kernel[(triton.cdiv(n, bn),)](
-        rows, weight, bias if bias is not None else weight, out,
-        m, n, k, rows.stride(0), weight.stride(0), out.stride(0),
-        BM=max(16, triton.next_power_of_2(m)), BN=bn, BK=bk, HAS_BIAS=bias is not None,
-        DOT_F32=not rows.is_cuda,
-        PRECISION="ieee" if rows.dtype == torch.float32 or not rows.is_cuda else "tf32",
-        num_warps=warps, num_stages=stages, **pdl.launch(rows),
-    )  # fmt: skip
 
 
 def timed(fn, reps: int = 20) -> float:
@@ -173,10 +116,10 @@ def main() -> None:
                 def dot(x=x, res=res, ws=ws, out=out, norm_w=norm_w, cfg=(bn, bk, 4, stages)):
                     for w in ws:
                         h, _ = fused.add_rmsnorm(x, res, norm_w, 1e-6)
-                        launch_skinny(h, w, None, out, *cfg)
+                        gemv.launch_tiles(h, w, None, out, *cfg)
 
                 got = torch.empty_like(out)
-                launch_skinny(x, ws[0], None, got, bn, bk, 4, stages)
+                gemv.launch_tiles(x, ws[0], None, got, bn, bk, 4, stages)
                 err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
                 row["tried"].append(
                     {"dot": True, "bn": bn, "bk": bk, "stages": stages, "strip": 0, "warps": 4,

@@ -64,9 +64,10 @@ def test_gemv_takes_leading_dims_and_strided_rows():
 
 
 def test_linear_takes_the_kernel_only_where_it_applies(monkeypatch, knob_env):
-    """One row of K up to MAX_K or two of K up to MAX_K_TWO_ROWS, the weight in x's dtype and
-    row-major, no autograd, the knob off; anything else is F.linear (and a CPU tensor is,
-    unless the fused paths are forced under the interpreter)."""
+    """One row of K up to MAX_K or two of K up to MAX_K_TWO_ROWS (the strip GEMV), up to
+    MAX_ROWS of bf16 or fp16 (the tensor-core kernel), the weight in x's dtype and row-major, no
+    autograd, the knob off; anything else is F.linear (and a CPU tensor is, unless the fused
+    paths are forced under the interpreter)."""
     knob_env(METRALE_FORCE_FUSED_KERNELS="1")
     calls = []
     real = gemv.gemv
@@ -80,11 +81,17 @@ def test_linear_takes_the_kernel_only_where_it_applies(monkeypatch, knob_env):
         return bool(calls)
 
     assert taken(torch.randn(1, 32, device=DEVICE)) and taken(torch.randn(2, 32, device=DEVICE))
+    # float32 past the strip GEMV's reach: no tensor-core kernel (F.linear)
     assert not taken(torch.randn(3, 32, device=DEVICE))
     k2 = gemv.MAX_K_TWO_ROWS
     assert taken(torch.randn(2, k2, device=DEVICE), torch.randn(3, k2, device=DEVICE))
     assert not taken(torch.randn(2, k2 + 1, device=DEVICE), torch.randn(3, k2 + 1, device=DEVICE))
     assert taken(torch.randn(1, k2 + 1, device=DEVICE), torch.randn(3, k2 + 1, device=DEVICE))
+    bf = torch.bfloat16
+    wb = w.to(bf)
+    for rows in (3, gemv.MAX_ROWS):  # the tensor-core kernel
+        assert taken(torch.randn(rows, 32, device=DEVICE, dtype=bf), wb)
+    assert not taken(torch.randn(gemv.MAX_ROWS + 1, 32, device=DEVICE, dtype=bf), wb)
     assert not taken(torch.randn(2, 32, device=DEVICE), w.t().contiguous().t())  # column-major
     assert not gemv.gemv_applies(torch.randn(2, 32, device=DEVICE, dtype=torch.float64), w)
     assert not taken(torch.randn(2, 32, device=DEVICE), nn.Parameter(w), grad=True)
@@ -110,3 +117,17 @@ def test_stream_projections_leaves_invariant_products_and_skips_alone():
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     x = torch.randn(3, 8)
     assert torch.equal(model[0](x), F.linear(x, model[0].weight, model[0].bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows, n, k", [(3, 40, 100), (8, 70, 300), (2, 33, 5000), (1, 5, 17000)])
+def test_the_tensor_core_kernel_matches_f_linear(dtype, rows, n, k):
+    """Past the strip GEMV's reach (3 to MAX_ROWS rows; two rows wider than MAX_K_TWO_ROWS; one
+    wider than MAX_K), `gemv` takes the tensor-core kernel: K off its step, N off its strip, a
+    bias."""
+    g = torch.Generator().manual_seed(rows + n)
+    x = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(DEVICE, dtype)
+    b = torch.randn(n, generator=g).to(DEVICE, dtype)
+    assert not gemv._strip_fits(rows, k)
+    _close(gemv.gemv(x, w, b), F.linear(x, w, b))

@@ -1,18 +1,20 @@
-"""Projections of a few rows (a decode or small verify step) as a Triton weight-streaming GEMV
-launched with PDL, with `F.linear` as the torch reference (`tests/test_gemv.py`).
+"""Projections of a few rows (a decode or small verify step) as Triton kernels launched with PDL,
+with `F.linear` as the torch reference (`tests/test_gemv.py`).
 
 Why. At batch 1 a decode step's dense projections are cuBLAS GEMMs of one row against a large
 weight (on the qwen3-next-a3b-64e shape: 97 a step, 1.35 ms of 4.45 on an H100 against 0.91 at
 the weight roofline). cuBLAS's kernels cannot take part in programmatic dependent launch
 (`kernels/pdl.py`), so each of them waits, unlaunched, for the kernel before it to finish, and
 the kernel after it for it; and its one-row tiles read the 4096 -> 2048 projections as a split-K
-GEMM plus a reduce at about half the bandwidth. This kernel is launched with PDL like the step's
-other kernels, and streams its weight near the bandwidth (`benchmarks/gemv_chain.py`).
+GEMM plus a reduce at about half the bandwidth. These kernels are launched with PDL like the
+step's other kernels, and stream their weight near the bandwidth (`benchmarks/gemv_chain.py`).
 
-The kernel. Each program holds a BN-row strip of the weight whole in registers (K up to
-`MAX_K`), then takes every row of x (one or two) against it: out[m, n] = sum_k x[m, k]
-w[n, k] (+ b[n]), accumulated in float32 as cuBLAS does (the sums are ordered differently, so
-the bits may differ from cuBLAS's in the last place, as one cuBLAS kernel's do from another's).
+The kernels. The strip GEMV (one or two rows): each program holds a BN-row strip of the weight
+whole in registers (K up to `MAX_K`) and takes every row of x against it, reduced over K in
+float32. The tensor-core kernel (up to `MAX_ROWS` rows, padded to 16): a BN-row strip of
+the weight per program, K in pipelined BK steps, as a GEMM would with a 16-row tile. Both
+accumulate in float32 as cuBLAS does (the sums are ordered differently, so the bits may differ
+from cuBLAS's in the last place, as one cuBLAS kernel's do from another's).
 """
 
 from __future__ import annotations
@@ -31,12 +33,16 @@ try:
 except ImportError:  # CPU machines without Triton
     triton = None
 
-# Where the strip GEMV beats cuBLAS on an H100 (`benchmarks/gemv_chain.py`, session 74): one row
-# of x up to K = MAX_K, two up to K = MAX_K_TWO_ROWS; at 4 rows cuBLAS is faster (each row's
-# product widens the registers a program holds by a strip).
+# Where each kernel beats cuBLAS on an H100 (`benchmarks/gemv_chain.py`, session 74). The strip
+# GEMV: one row of x up to K = MAX_K, two up to K = MAX_K_TWO_ROWS (each row's product widens the
+# registers a program holds by a strip; at 4 rows cuBLAS is faster). The tensor-core kernel with
+# TILES for the rest up to MAX_ROWS (4 and 8 rows: 2-12% faster than cuBLAS on every shape tried;
+# more rows are not measured yet).
+MAX_ROWS = 8
 MAX_K = 16384
 MAX_K_TWO_ROWS = 4096
 STRIP = 4096  # weight elements a program holds (8 KiB of bf16): BN = STRIP // next_pow2(K)
+TILES = (32, 128, 4, 5)  # BN, BK, warps, stages
 
 if triton is not None:
     from metrale.kernels.pdl import pdl_prologue
@@ -64,38 +70,103 @@ if triton is not None:
         out = acc.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + m[:, None] * stride_o + n[None, :], out, mask=out_ok)
 
+    @triton.jit
+    def _skinny_kernel(
+        x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_o,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr,
+        DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """out[M, N] = x[M, K] @ w[N, K]^T (+ b) on the tensor cores, M <= BM (>= 16, the
+        product's least), a BN-row strip of w per program, K in BK steps (pipelined).
+        `DOT_F32`: the operands in float32 (the interpreter's product takes no bf16); float32
+        products in full precision (`PRECISION` "ieee", not tf32)."""
+        pdl_prologue(PDL)
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        m = tl.arange(0, BM)
+        kk = tl.arange(0, BK)
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, K, BK):
+            k = k0 + kk
+            x_ok = (m[:, None] < M) & (k[None, :] < K)
+            x = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=x_ok, other=0.0)
+            w_ok = (n[:, None] < N) & (k[None, :] < K)
+            w = tl.load(
+                w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :], mask=w_ok, other=0.0
+            )
+            if DOT_F32:
+                x, w = x.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+        out_ok = (m[:, None] < M) & (n[None, :] < N)
+        out = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + m[:, None] * stride_o + n[None, :], out, mask=out_ok)
+
+
+def launch_tiles(
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    bn: int,
+    bk: int,
+    warps: int,
+    stages: int,
+) -> None:
+    """out [M, N] = rows [M, K] @ weight^T (+ bias) on the tensor cores (M <= 64; `gemv`'s
+    tiles or a benchmark's)."""
+    m, k = rows.shape
+    n = weight.shape[0]
+    _skinny_kernel[(triton.cdiv(n, bn),)](
+        rows, weight, bias if bias is not None else weight, out,
+        m, n, k, rows.stride(0), weight.stride(0), out.stride(0),
+        BM=max(16, triton.next_power_of_2(m)), BN=bn, BK=bk, HAS_BIAS=bias is not None,
+        DOT_F32=not rows.is_cuda,
+        PRECISION="ieee" if rows.dtype == torch.float32 or not rows.is_cuda else "tf32",
+        num_warps=warps, num_stages=stages, **pdl.launch(rows),
+    )  # fmt: skip
+
+
+def _strip_fits(rows: int, k: int) -> bool:
+    """Whether the strip GEMV serves `rows` rows of width k (else the tensor-core kernel)."""
+    return (rows <= 1 and k <= MAX_K) or (rows == 2 and k <= MAX_K_TWO_ROWS)
+
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear` streams x @ weight^T through the kernel: CUDA (or the CPU where a test
-    forces the fused paths, `kernels/dispatch.py`), the weight in x's dtype and row-major, one
-    row of K at most MAX_K or two of K at most MAX_K_TWO_ROWS, no autograd, the knob off."""
+    """Whether `linear` takes x @ weight^T through a kernel here: CUDA (or the CPU where a test
+    forces the fused paths, `kernels/dispatch.py`), the weight in x's dtype and row-major, at
+    most MAX_ROWS rows (past the strip GEMV's reach, bf16 or fp16 for the tensor cores), no
+    autograd, the knob off."""
+    k = weight.shape[-1]
+    rows = x.numel() // max(k, 1)
     return (
         triton is not None
         and (x.is_cuda or interpreter_forced(x))
         and weight.dtype == x.dtype
         and weight.dim() == 2
         and weight.stride(1) == 1
-        and x.shape[-1] == weight.shape[1]
-        and (
-            x.numel() <= weight.shape[1] <= MAX_K
-            or x.numel() <= 2 * weight.shape[1] <= 2 * MAX_K_TWO_ROWS
-        )
+        and x.shape[-1] == k
+        and rows <= MAX_ROWS
+        and (_strip_fits(rows, k) or x.dtype in (torch.bfloat16, torch.float16))
         and not (torch.is_grad_enabled() and weight.requires_grad)
         and not knobs().no_gemv
     )
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] through the kernel, any device
-    Triton runs on (its interpreter on the CPU). The caller checks the shape (`gemv_applies`)."""
+    """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] through the strip GEMV or the
+    tensor-core kernel, any device Triton runs on (its interpreter on the CPU). The caller
+    checks the shape (`gemv_applies`)."""
     n, k = weight.shape
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], n, device=x.device, dtype=x.dtype)
     if rows.shape[0] and n:
-        bn, warps = strip_of(n, k)
-        launch(rows, weight, bias, out, bn, warps)
+        if _strip_fits(rows.shape[0], k):
+            launch(rows, weight, bias, out, *strip_of(n, k))
+        else:
+            launch_tiles(rows, weight, bias, out, *TILES)
     return out.view(*x.shape[:-1], n)
 
 
