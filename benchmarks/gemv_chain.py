@@ -126,7 +126,7 @@ def main() -> None:
                      "us": timed(dot), "rel_err": err}
                 )  # fmt: skip
             best = min(row["tried"], key=lambda t: t["us"])
-            default_bn, default_warps = gemv.strip_of(n, k)
+            default_bn, default_warps = gemv.strip_of(n, k, gemv.STRIP * m)
             default = [
                 t
                 for t in row["tried"]
