@@ -205,8 +205,8 @@ class Knobs:
         "METRALE_NO_GEMV",
         _is_one,
         bool,
-        "=1: run projections of a few rows as cuBLAS GEMMs, not the PDL weight-streaming GEMV "
-        "(A/B runs; `kernels/gemv.py`)",
+        "=1: run projections of up to 8 rows as cuBLAS GEMMs, not the PDL GEMV and tensor-core "
+        "kernels (A/B runs; `kernels/gemv.py`; METRALE_NO_FUSED_KERNELS leaves them on)",
     )
     no_mtp_chain_graphs: bool = _knob(
         "METRALE_NO_MTP_CHAIN_GRAPHS",

@@ -133,3 +133,50 @@ def test_the_tensor_core_kernel_matches_f_linear(dtype, rows, n, k):
     b = torch.randn(n, generator=g).to(DEVICE, dtype)
     assert not gemv._strip_fits(rows, k)
     _close(gemv.gemv(x, w, b), F.linear(x, w, b))
+
+
+def test_frozen_weights_with_a_grad_input_a_strided_bias_or_no_width_go_their_way(knob_env):
+    """Found in review: an input or bias that autograd follows goes to F.linear (the kernels
+    have no backward) even where the weight is frozen; a strided bias is read as given; K = 0
+    is F.linear's (the bias alone)."""
+    knob_env(METRALE_FORCE_FUSED_KERNELS="1")
+    w = torch.randn(6, 16, device=DEVICE)
+    x = torch.randn(1, 16, device=DEVICE, requires_grad=True)
+    assert not gemv.gemv_applies(x, w) and gemv.linear(x, w).grad_fn is not None
+    b = torch.randn(6, device=DEVICE, requires_grad=True)
+    assert not gemv.gemv_applies(x.detach(), w, b)
+    with torch.no_grad():
+        assert gemv.gemv_applies(x, w, b)
+    wide = torch.randn(12, device=DEVICE)
+    x = x.detach()
+    assert gemv.gemv_applies(x, w, wide[::2])
+    _close(gemv.linear(x, w, wide[::2]), F.linear(x, w, wide[::2]))
+    empty = torch.zeros(6, 0, device=DEVICE)
+    assert not gemv.gemv_applies(torch.zeros(1, 0, device=DEVICE), empty)
+    _close(gemv.linear(torch.zeros(1, 0, device=DEVICE), empty, b.detach()), b.detach()[None])
+    assert not gemv.gemv_applies(x, w.double()) and not gemv.gemv_applies(x, w, b.detach().half())
+
+
+def test_every_rank_streams_the_same_projections(tokenizer_dir, tmp_path):
+    """Under tensor parallelism rank 0 and a worker build their shards with `shard.build_model`,
+    which streams them: the same modules get the same kernels on every rank (found in review:
+    a worker's replicated router ran cuBLAS where rank 0's ran the GEMV, and near-tied logits
+    rounded differently could route a token to different experts on two ranks)."""
+    from metrale.config import EngineConfig, ModelConfig
+    from metrale.distributed import shard
+    from metrale.distributed.parallel import TPGroup
+    from metrale.models.attention import TorchPagedAttention
+    from tests.test_hybrid_engine import write_hybrid
+
+    path = write_hybrid(tmp_path, tokenizer_dir, seed=3)
+    cfg = ModelConfig.from_hf(path)
+    classes = []
+    for rank in (0, 1):
+        model = shard.build_model(
+            cfg, EngineConfig(), path, TorchPagedAttention(), 64, TPGroup(rank, 2),
+            torch.device("cpu"), torch.float32,
+        )  # fmt: skip
+        assert not [n for n, m in model.named_modules() if type(m) is nn.Linear]
+        classes.append({n: type(m) for n, m in model.named_modules()})
+    assert classes[0] == classes[1]
+    assert gemv.StreamedLinear in classes[1].values()

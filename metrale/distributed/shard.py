@@ -22,6 +22,7 @@ from metrale.distributed.parallel import (
     selector,
 )
 from metrale.engine.model_setup import allocate_kv_pools, default_dtype, dummy_weights
+from metrale.kernels.gemv import stream_projections
 from metrale.models.loader import load_weights
 from metrale.models.qwen3 import Qwen3ForCausalLM
 from metrale.models.qwen3_next import Qwen3NextForCausalLM
@@ -59,6 +60,9 @@ def build_model(
             select=selector(model_cfg, tp),
             rename=expert_renamer(model_cfg, tp),
         )
+    # every rank's few-row projections through the same kernels: a replicated router whose
+    # logits round differently on two ranks could route a token to different experts
+    stream_projections(model)
     return model.eval()
 
 

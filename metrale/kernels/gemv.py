@@ -134,23 +134,25 @@ def _strip_fits(rows: int, k: int) -> bool:
     return (rows <= 1 and k <= MAX_K) or (rows == 2 and k <= MAX_K_TWO_ROWS)
 
 
-def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `linear` takes x @ weight^T through a kernel here: CUDA (or the CPU where a test
-    forces the fused paths, `kernels/dispatch.py`), the weight in x's dtype and row-major, at
-    most MAX_ROWS rows (past the strip GEMV's reach, bf16 or fp16 for the tensor cores), no
-    autograd, the knob off."""
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether `linear` takes x @ weight^T (+ bias) through a kernel here: CUDA (or the CPU
+    where a test forces the fused paths, `kernels/dispatch.py`), the weight (and bias) in x's
+    dtype and on its device, the weight row-major, K > 0, at most MAX_ROWS rows (past the strip
+    GEMV's reach, bf16 or fp16 for the tensor cores), nothing that autograd would follow, the
+    knob off."""
     k = weight.shape[-1]
     rows = x.numel() // max(k, 1)
+    tensors = (x, weight) if bias is None else (x, weight, bias)
     return (
         triton is not None
         and (x.is_cuda or interpreter_forced(x))
-        and weight.dtype == x.dtype
+        and all(t.dtype == x.dtype and t.device == x.device for t in tensors)
         and weight.dim() == 2
         and weight.stride(1) == 1
-        and x.shape[-1] == k
+        and x.shape[-1] == k > 0
         and rows <= MAX_ROWS
         and (_strip_fits(rows, k) or x.dtype in (torch.bfloat16, torch.float16))
-        and not (torch.is_grad_enabled() and weight.requires_grad)
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
         and not knobs().no_gemv
     )
 
@@ -163,6 +165,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()  # (the kernels read it as b[n])
     out = torch.empty(rows.shape[0], n, device=x.device, dtype=x.dtype)
     if rows.shape[0] and n:
         if _strip_fits(rows.shape[0], k):
@@ -201,7 +205,7 @@ def launch(
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through the GEMV kernel where it applies (`gemv_applies`)."""
-    if gemv_applies(x, weight):
+    if gemv_applies(x, weight, bias):
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 

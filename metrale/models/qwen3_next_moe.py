@@ -6,10 +6,11 @@ The experts are stacked as HF 5.x keeps them (`experts.gate_up_proj` [E, 2I, H] 
 first, `experts.down_proj` [E, H, I]); the loader fills them from per-expert checkpoint tensors
 (`experts.{e}.gate_proj.weight`, ...) as well.
 
-On CUDA (and on CPU under the forced interpreter, `kernels/dispatch.py`) a block is five launches
-at any batch size: the router GEMM (cuBLAS), routing + plan (`kernels/moe_routing.py`), and the
-grouped gate/up, down and combine kernels (`kernels/moe.py`) with the shared expert as one more
-group, the combine optionally ending in the next layer's residual add + norm. Equal router logits
+On CUDA (and on CPU under the forced interpreter, `kernels/dispatch.py`) a block is five launches:
+the router GEMM (cuBLAS), routing + plan (`kernels/moe_routing.py`), and the grouped gate/up,
+down and combine kernels (`kernels/moe.py`) with the shared expert as one more group, the combine
+optionally ending in the next layer's residual add + norm. Up to a block of rows it is four: the
+routing kernel's programs split the router GEMM (`SPLIT_ROUTER`). Equal router logits
 pick the lower expert index in both paths (`moe_routing.route_reference`). Elsewhere (CPU, or the
 kernels off), `torch._grouped_mm` where it runs without a host sync (bf16 on sm90/sm100 GPUs, any
 float dtype on CPU, 16-byte aligned dims); else small batches gather each row's experts and run
