@@ -155,6 +155,11 @@ def test_frozen_weights_with_a_grad_input_a_strided_bias_or_no_width_go_their_wa
     assert not gemv.gemv_applies(torch.zeros(1, 0, device=DEVICE), empty)
     _close(gemv.linear(torch.zeros(1, 0, device=DEVICE), empty, b.detach()), b.detach()[None])
     assert not gemv.gemv_applies(x, w.double()) and not gemv.gemv_applies(x, w, b.detach().half())
+    # (found in a second review) float64, a bias F.linear would broadcast, a negated view
+    assert not gemv.gemv_applies(x.double(), w.double())
+    assert not gemv.gemv_applies(x, w, torch.ones(1, device=DEVICE))
+    assert not gemv.gemv_applies(x._neg_view(), w)
+    _close(gemv.linear(x._neg_view(), w), F.linear(-x, w))
 
 
 def test_every_rank_streams_the_same_projections(tokenizer_dir, tmp_path):

@@ -64,7 +64,7 @@ if triton is not None:
         w_ok = (n[:, None] < N) & (k[None, :] < K)
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :], mask=w_ok, other=0.0)
         x_ok = (m[:, None] < M) & (k[None, :] < K)
-        x = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=x_ok, other=0.0)
+        x = tl.load(x_ptr + m[:, None].to(tl.int64) * stride_x + k[None, :], mask=x_ok, other=0.0)
         acc = tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
@@ -90,7 +90,9 @@ if triton is not None:
         for k0 in range(0, K, BK):
             k = k0 + kk
             x_ok = (m[:, None] < M) & (k[None, :] < K)
-            x = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=x_ok, other=0.0)
+            x = tl.load(
+                x_ptr + m[:, None].to(tl.int64) * stride_x + k[None, :], mask=x_ok, other=0.0
+            )
             w_ok = (n[:, None] < N) & (k[None, :] < K)
             w = tl.load(
                 w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :], mask=w_ok, other=0.0
@@ -137,17 +139,20 @@ def _strip_fits(rows: int, k: int) -> bool:
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether `linear` takes x @ weight^T (+ bias) through a kernel here: CUDA (or the CPU
     where a test forces the fused paths, `kernels/dispatch.py`), the weight (and bias) in x's
-    dtype and on its device, the weight row-major, K > 0, at most MAX_ROWS rows (past the strip
-    GEMV's reach, bf16 or fp16 for the tensor cores), nothing that autograd would follow, the
-    knob off."""
+    dtype (bf16, fp16 or fp32) and on its device (no negated views), the bias of shape [N], the
+    weight row-major, K > 0, at most MAX_ROWS rows (past the strip GEMV's reach, bf16 or fp16
+    for the tensor cores), nothing that autograd would follow, the knob off."""
     k = weight.shape[-1]
     rows = x.numel() // max(k, 1)
     tensors = (x, weight) if bias is None else (x, weight, bias)
     return (
         triton is not None
         and (x.is_cuda or interpreter_forced(x))
-        and all(t.dtype == x.dtype and t.device == x.device for t in tensors)
+        and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and all(t.dtype == x.dtype and t.device == x.device and not t.is_neg() for t in tensors)
+        and x.dim() >= 1
         and weight.dim() == 2
+        and (bias is None or bias.shape == weight.shape[:1])
         and weight.stride(1) == 1
         and x.shape[-1] == k > 0
         and rows <= MAX_ROWS
