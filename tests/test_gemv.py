@@ -185,3 +185,19 @@ def test_every_rank_streams_the_same_projections(tokenizer_dir, tmp_path):
         classes.append({n: type(m) for n, m in model.named_modules()})
     assert classes[0] == classes[1]
     assert gemv.StreamedLinear in classes[1].values()
+
+
+def test_the_tensor_core_kernel_needs_ampere(monkeypatch):
+    """bf16 products in Triton need sm80: before it (and for float32) rows past the strip
+    GEMV's reach go to cuBLAS."""
+
+    class OnGpu:
+        dtype, is_cuda, device = torch.bfloat16, True, torch.device("cuda", 0)
+
+    monkeypatch.setattr(gemv, "_sm80", {})
+    for major, expected in ((7, False), (8, True), (9, True)):
+        gemv._sm80.clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i, m=major: (m, 0))
+        assert gemv._tensor_cores(OnGpu()) is expected
+    OnGpu.dtype = torch.float32
+    assert not gemv._tensor_cores(OnGpu())

@@ -136,12 +136,28 @@ def _strip_fits(rows: int, k: int) -> bool:
     return (rows <= 1 and k <= MAX_K) or (rows == 2 and k <= MAX_K_TWO_ROWS)
 
 
+_sm80: dict[int, bool] = {}
+
+
+def _tensor_cores(x: torch.Tensor) -> bool:
+    """Whether the tensor-core kernel takes x: bf16 or fp16, on an sm80 or later GPU (Triton's
+    bf16 products need Ampere) or under the interpreter."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if not x.is_cuda:
+        return True
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if index not in _sm80:
+        _sm80[index] = torch.cuda.get_device_capability(index)[0] >= 8
+    return _sm80[index]
+
+
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether `linear` takes x @ weight^T (+ bias) through a kernel here: CUDA (or the CPU
     where a test forces the fused paths, `kernels/dispatch.py`), the weight (and bias) in x's
     dtype (bf16, fp16 or fp32) and on its device (no negated views), the bias of shape [N], the
-    weight row-major, K > 0, at most MAX_ROWS rows (past the strip GEMV's reach, bf16 or fp16
-    for the tensor cores), nothing that autograd would follow, the knob off."""
+    weight row-major, K > 0, at most MAX_ROWS rows (past the strip GEMV's reach, the tensor-core
+    kernel's `_tensor_cores`), nothing that autograd would follow, the knob off."""
     k = weight.shape[-1]
     rows = x.numel() // max(k, 1)
     tensors = (x, weight) if bias is None else (x, weight, bias)
@@ -156,7 +172,7 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         and weight.stride(1) == 1
         and x.shape[-1] == k > 0
         and rows <= MAX_ROWS
-        and (_strip_fits(rows, k) or x.dtype in (torch.bfloat16, torch.float16))
+        and (_strip_fits(rows, k) or _tensor_cores(x))
         and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
         and not knobs().no_gemv
     )
