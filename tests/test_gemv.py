@@ -107,15 +107,15 @@ def test_linear_takes_the_kernel_only_where_it_applies(monkeypatch, knob_env):
         assert not taken(torch.randn(2, 32))
 
 
-def test_stream_projections_leaves_invariant_products_and_skips_alone():
+def test_stream_projections_leaves_invariant_products_alone():
     """Every plain nn.Linear becomes a StreamedLinear (parameters and state dict unchanged);
-    the deterministic mode's invariant products and the modules passed in `skip` stay."""
+    the deterministic mode's invariant products stay."""
     model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 4)))
     state = {k: v.clone() for k, v in model.state_dict().items()}
     make_batch_invariant(model[1][0])
-    assert gemv.stream_projections(model, skip=(model[1][1],)) == 1
-    assert type(model[0]) is gemv.StreamedLinear
-    assert type(model[1][0]) is InvariantLinear and type(model[1][1]) is nn.Linear
+    assert gemv.stream_projections(model) == 2
+    assert type(model[0]) is gemv.StreamedLinear and type(model[1][1]) is gemv.StreamedLinear
+    assert type(model[1][0]) is InvariantLinear
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     x = torch.randn(3, 8)
     assert torch.equal(model[0](x), F.linear(x, model[0].weight, model[0].bias))

@@ -225,7 +225,7 @@ def launch(
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through the GEMV kernel where it applies (`gemv_applies`)."""
+    """F.linear, through the few-row kernels where they apply (`gemv_applies`)."""
     if gemv_applies(x, weight, bias):
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -238,12 +238,13 @@ class StreamedLinear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
-def stream_projections(module: nn.Module, skip: tuple[nn.Module, ...] = ()) -> int:
-    """Point every plain nn.Linear under `module` (not those in `skip`) at `linear`, in place (the
-    class changes, the parameters stay). Returns how many were changed."""
+def stream_projections(module: nn.Module) -> int:
+    """Point every plain nn.Linear under `module` at `linear`, in place (the class changes, the
+    parameters stay; the deterministic mode's invariant products are not plain). Returns how
+    many were changed."""
     changed = 0
     for sub in module.modules():
-        if type(sub) is nn.Linear and not any(sub is s for s in skip):
+        if type(sub) is nn.Linear:
             sub.__class__ = StreamedLinear
             changed += 1
     return changed
