@@ -14,7 +14,7 @@ from torch import nn
 
 pytest.importorskip("triton")
 
-from metrale.kernels import gemv  # noqa: E402
+from metrale.kernels import gemv, pdl  # noqa: E402
 from metrale.kernels.batch_invariant import InvariantLinear, make_batch_invariant  # noqa: E402
 from metrale.kernels.paged_attention import INTERPRETED  # noqa: E402
 
@@ -194,9 +194,9 @@ def test_the_tensor_core_kernel_needs_ampere(monkeypatch):
     class OnGpu:
         dtype, is_cuda, device = torch.bfloat16, True, torch.device("cuda", 0)
 
-    monkeypatch.setattr(gemv, "_sm80", {})
+    monkeypatch.setattr(pdl, "_majors", {})
     for major, expected in ((7, False), (8, True), (9, True)):
-        gemv._sm80.clear()
+        pdl._majors.clear()
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i, m=major: (m, 0))
         assert gemv._tensor_cores(OnGpu()) is expected
     OnGpu.dtype = torch.float32

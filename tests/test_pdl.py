@@ -42,10 +42,10 @@ def test_pdl_is_off_wherever_it_cannot_launch(why, monkeypatch, knob_env):
     monkeypatch.setattr(pdl, "HAS_GDC", True)
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(pdl, "_capable", {})
+    monkeypatch.setattr(pdl, "_majors", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
     assert pdl.launch(_FakeCuda()) == {"PDL": True, "launch_pdl": True}
-    pdl._capable.clear()
+    pdl._majors.clear()
     if why == "no gdc":
         monkeypatch.setattr(pdl, "HAS_GDC", False)
     elif why == "rocm":

@@ -136,20 +136,12 @@ def _strip_fits(rows: int, k: int) -> bool:
     return (rows <= 1 and k <= MAX_K) or (rows == 2 and k <= MAX_K_TWO_ROWS)
 
 
-_sm80: dict[int, bool] = {}
-
-
 def _tensor_cores(x: torch.Tensor) -> bool:
     """Whether the tensor-core kernel takes x: bf16 or fp16, on an sm80 or later GPU (Triton's
     bf16 products need Ampere) or under the interpreter."""
     if x.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if not x.is_cuda:
-        return True
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if index not in _sm80:
-        _sm80[index] = torch.cuda.get_device_capability(index)[0] >= 8
-    return _sm80[index]
+    return not x.is_cuda or pdl.cuda_major(x) >= 8
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:

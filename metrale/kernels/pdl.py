@@ -44,7 +44,17 @@ except ImportError:  # pragma: no cover - a Triton without them: PDL stays off
 # (fixed before the stand-ins below take the names: found in review, they made it look present)
 HAS_GDC = gdc_wait is not None and triton is not None
 
-_capable: dict[int, bool] = {}
+_majors: dict[int, int] = {}
+
+
+def cuda_major(x: torch.Tensor) -> int:
+    """The compute capability's major version of the CUDA device x lives on (looked up once a
+    device: launches ask per kernel call)."""
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    major = _majors.get(index)
+    if major is None:
+        major = _majors[index] = torch.cuda.get_device_capability(index)[0]
+    return major
 
 
 def launch(x: torch.Tensor) -> dict:
@@ -58,11 +68,7 @@ def launch(x: torch.Tensor) -> dict:
         or knobs().no_pdl
     ):
         return {"PDL": False}
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    capable = _capable.get(index)
-    if capable is None:
-        capable = _capable[index] = torch.cuda.get_device_capability(index)[0] >= 9
-    return {"PDL": True, "launch_pdl": True} if capable else {"PDL": False}
+    return {"PDL": True, "launch_pdl": True} if cuda_major(x) >= 9 else {"PDL": False}
 
 
 if triton is not None:
