@@ -232,6 +232,8 @@ def invariant_linear(
 class InvariantLinear(nn.Linear):
     """An nn.Linear whose forward is `invariant_linear` (same parameters, same state dict)."""
 
+    product = staticmethod(invariant_linear)  # (for a layer that multiplies by a fused weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and self.weight.requires_grad:
             return F.linear(x, self.weight, self.bias)  # the kernel has no backward

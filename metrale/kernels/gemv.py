@@ -226,6 +226,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class StreamedLinear(nn.Linear):
     """An nn.Linear whose forward is `linear` (same parameters, same state dict)."""
 
+    product = staticmethod(linear)  # (for a layer that multiplies by a fused weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 

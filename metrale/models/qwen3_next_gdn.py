@@ -19,11 +19,8 @@ from torch import nn
 
 from metrale.config import ModelConfig
 from metrale.kernels import gdn_fused
-from metrale.kernels.batch_invariant import InvariantLinear, invariant_linear
 from metrale.kernels.dispatch import hybrid_kernels_enabled
 from metrale.kernels.gdn_recurrent import GateInputs
-from metrale.kernels.gemv import StreamedLinear
-from metrale.kernels.gemv import linear as streamed_linear
 from metrale.models.activations import sigmoid, softplus
 from metrale.models.gdn import GatedRMSNorm, RowLayout
 from metrale.models.gdn_state import GDNState, SplitState
@@ -152,12 +149,8 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         if self._in_proj is None:
             self._flatten()
         # the projections' own product (the deterministic mode's batch-invariant one, or the
-        # few-row GEMV, if set)
-        product = F.linear
-        if isinstance(self.in_proj_qkvz, InvariantLinear):
-            product = invariant_linear
-        elif isinstance(self.in_proj_qkvz, StreamedLinear):
-            product = streamed_linear
+        # few-row kernels', where their class has one)
+        product = getattr(self.in_proj_qkvz, "product", F.linear)
         proj = product(hidden, self._in_proj)  # [N, conv_dim + value_dim + 2 Hv]
         if isinstance(state, SplitState):
             n = state.head_rows

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from metrale.config import ModelConfig
+from metrale.kernels.batch_invariant import InvariantLinear
 from metrale.kernels.dispatch import hybrid_kernels_enabled
-from metrale.kernels.gemv import StreamedLinear
 from metrale.kernels.moe import BLOCK_M, SharedExpert, grouped_experts
 from metrale.kernels.moe_routing import makes_logits, route, route_block_rows, route_reference
 from metrale.models.activations import sigmoid, silu
@@ -230,7 +230,7 @@ class Qwen3NextSparseMoeBlock(nn.Module):
         experts = gate.weight.shape[0]
         return (
             SPLIT_ROUTER
-            and type(gate) in (nn.Linear, StreamedLinear)  # (not the deterministic mode's)
+            and not isinstance(gate, InvariantLinear)  # (the deterministic mode's product)
             and gate.weight.dtype == x.dtype
             and makes_logits(experts)
             and x.shape[0] <= route_block_rows(experts)
