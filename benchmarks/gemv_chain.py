@@ -95,10 +95,10 @@ def main() -> None:
                     def mine(x=x, res=res, ws=ws, out=out, norm_w=norm_w, cfg=(bn, warps)):
                         for w in ws:
                             h, _ = fused.add_rmsnorm(x, res, norm_w, 1e-6)
-                            gemv.launch(h, w, None, out, *cfg)
+                            gemv.launch_strip(h, w, None, out, *cfg)
 
                     got = torch.empty_like(out)
-                    gemv.launch(x, ws[0], None, got, bn, warps)
+                    gemv.launch_strip(x, ws[0], None, got, bn, warps)
                     err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
                     row["tried"].append(
                         {

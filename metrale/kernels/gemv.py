@@ -183,7 +183,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     out = torch.empty(rows.shape[0], n, device=x.device, dtype=x.dtype)
     if rows.shape[0] and n:
         if _strip_fits(rows.shape[0], k):
-            launch(rows, weight, bias, out, *strip_of(n, k, STRIP * rows.shape[0]))
+            launch_strip(rows, weight, bias, out, *strip_of(n, k, STRIP * rows.shape[0]))
         else:
             launch_tiles(rows, weight, bias, out, *TILES)
     return out.view(*x.shape[:-1], n)
@@ -196,7 +196,7 @@ def strip_of(n: int, k: int, strip: int = STRIP) -> tuple[int, int]:
     return bn, 4 if bn * bk <= 8192 else 8
 
 
-def launch(
+def launch_strip(
     rows: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
