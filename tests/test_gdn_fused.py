@@ -203,18 +203,22 @@ def test_fused_layer_equals_the_torch_path(shape, mode, monkeypatch):
 def test_fused_layer_keeps_the_deterministic_product(monkeypatch):
     """Under `make_batch_invariant` (the deterministic mode) the packed in-projection runs the
     batch-invariant product too, not F.linear."""
-    from metrale.kernels.batch_invariant import make_batch_invariant
+    from metrale.kernels.batch_invariant import (
+        InvariantLinear,
+        invariant_linear,
+        make_batch_invariant,
+    )
 
     layer = _gdn_layer()
     make_batch_invariant(layer)
     calls = []
-    real = qwen3_next_gdn.invariant_linear
 
     def spy(x, w, bias=None):
         calls.append(tuple(w.shape))
-        return real(x, w, bias)
+        return invariant_linear(x, w, bias)
 
-    monkeypatch.setattr(qwen3_next_gdn, "invariant_linear", spy)
+    # (the class's own product, which the layer takes for its packed weight)
+    monkeypatch.setattr(InvariantLinear, "product", staticmethod(spy))
     monkeypatch.setattr(qwen3_next_gdn, "hybrid_kernels_enabled", lambda x: True)
     monkeypatch.setattr(gdn_state, "triton_gdn_enabled", lambda x: True)
     layout = _layout(LAYOUTS["decode"])
