@@ -119,8 +119,9 @@ def test_parallel_calls_all_parse(client, server):
     content, calls, finish = whole
     assert len(calls) >= 1
     check_calls(calls)
-    # the small model goes on calling: the call max_tokens cut stays in the content
-    assert finish == "tool_calls" or (finish == "length" and "<tool_call>" in content)
+    # the small model goes on calling until max_tokens cuts a call: the grammar allowed calls
+    # alone, so what was cut off is no content (found in review: it was returned as text)
+    assert finish in ("tool_calls", "length") and content is None
     server.wait_idle()
 
 
@@ -369,6 +370,25 @@ def test_one_call_at_most_when_parallel_calls_are_off():
     for piece in (text[:30], text[30:70], text[70:]):
         streamed += splitter.feed(piece, final=piece is text[70:])[1]
     assert [c.name for c in streamed] == ["get_weather"]
+
+
+def test_a_constrained_choice_releases_calls_alone():
+    """Under a "required" or named choice the grammar allows calls and the newlines between
+    them: a call cut off (by max_tokens) and the separators are dropped, whole or streamed."""
+    text = f"{CALL_W}\n{CALL_A}\n\n" + '<tool_call>\n{"name": "add", "argu'
+    assert split_tool_calls(text, NAMES)[0] is not None  # (without it: the cut call is text)
+    content, calls = split_tool_calls(text, NAMES, calls_only=True)
+    assert content is None and [c.name for c in calls] == ["get_weather", "add"]
+    for seed in range(20):
+        rng = random.Random(seed)
+        cuts = sorted(rng.sample(range(len(text) + 1), 4))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        splitter, streamed = ToolCallSplitter(NAMES, calls_only=True), []
+        for i, piece in enumerate(pieces):
+            more, found = splitter.feed(piece, final=i == len(pieces) - 1)
+            assert more == ""
+            streamed += [c.name for c in found]
+        assert streamed == ["get_weather", "add"]
 
 
 def test_a_tag_split_across_chunks_is_held_back():

@@ -86,13 +86,20 @@ def _block_end(buf: str) -> int:
 class ToolCallSplitter:
     """Content and tool calls of an answer fed in pieces. `names`: the tools a call may name;
     `strip`: texts dropped from the end of the answer (end-of-text tokens, when special tokens
-    are decoded so that tool tags survive)."""
+    are decoded so that tool tags survive); `calls_only`: a grammar made the answer calls and
+    the newlines between them (a "required" or named choice), so no text is content: a call
+    that max_tokens or a stop string cut off is dropped, not released as text."""
 
     def __init__(
-        self, names: frozenset[str], strip: tuple[str, ...] = (), single: bool = False
+        self,
+        names: frozenset[str],
+        strip: tuple[str, ...] = (),
+        single: bool = False,
+        calls_only: bool = False,
     ) -> None:
         self.names, self.strip = names, strip
         self.single = single  # parallel_tool_calls false: a block after the first call is text
+        self.calls_only = calls_only
         self.state = "text"  # or "call": inside a block, after its `<tool_call>`
         self.held = ""  # text not released yet (a partial tag, or an open block)
         self.space = ""  # leading whitespace of the content, until something else follows it
@@ -137,7 +144,7 @@ class ToolCallSplitter:
                 calls.append(call)
             buf, self.state = buf[end + len(CLOSE) :], "text"
         self.count += len(calls)
-        return self._content(content, final), calls
+        return ("" if self.calls_only else self._content(content, final)), calls
 
     def _stripped(self, buf: str) -> int:
         """Length of the end of `buf` the final piece may strip: the longest end that begins
@@ -169,10 +176,14 @@ class ToolCallSplitter:
 
 
 def split_tool_calls(
-    text: str, names: frozenset[str], strip: tuple[str, ...] = (), single: bool = False
+    text: str,
+    names: frozenset[str],
+    strip: tuple[str, ...] = (),
+    single: bool = False,
+    calls_only: bool = False,
 ) -> tuple[str | None, list[ParsedCall]]:
     """(content, or None when it is only whitespace; calls) of a whole answer."""
-    content, calls = ToolCallSplitter(names, strip, single).feed(text, final=True)
+    content, calls = ToolCallSplitter(names, strip, single, calls_only).feed(text, final=True)
     return content or None, calls
 
 
@@ -184,9 +195,10 @@ class ToolParsing:
     names: frozenset[str]
     strip: tuple[str, ...] = ()
     single: bool = False  # parallel_tool_calls false: one call at most
+    calls_only: bool = False  # a constrained choice: no text is content
 
     def splitter(self) -> ToolCallSplitter:
-        return ToolCallSplitter(self.names, self.strip, self.single)
+        return ToolCallSplitter(self.names, self.strip, self.single, self.calls_only)
 
     def split(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        return split_tool_calls(text, self.names, self.strip, self.single)
+        return split_tool_calls(text, self.names, self.strip, self.single, self.calls_only)
