@@ -62,15 +62,6 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _orderable(x):
-        """A float32's bits (or an int32 made by this) -> an int32 whose signed order is the
-        float's order, and back: the sign bit alone stays for a negative float, whose other bits
-        count down. -0.0 is made +0.0 first (equal logits, equal keys)."""
-        if x.dtype == tl.float32:
-            x = tl.where(x == 0.0, 0, x.to(tl.int32, bitcast=True))
-        return tl.where(x < 0, x ^ 0x7FFFFFFF, x)
-
-    @triton.jit
     def _pick(
         logit,
         rows,
@@ -94,32 +85,27 @@ if triton is not None:
         logit = tl.where(cols[None, :] < E, logit, float("-inf"))
         top = tl.max(logit, axis=1)
         total = tl.sum(tl.exp(logit - top[:, None]), axis=1)
+        taken = cols[None, :] >= E
         # A NaN logit is never picked before a number; its row's weights are NaN (total).
         pickable = tl.where(logit == logit, logit, float("-inf"))
-        # One int64 key per (row, expert): the logit's order in the high word, the expert's
-        # index reversed in the low one, so a single max picks the largest logit and, among
-        # equal ones, the lowest index (the tie rule), where a max and then a min over the
-        # index took two reductions a pick. Every key is distinct: a row's picks stay
-        # distinct when what is left is all -inf (the plan relies on it).
-        key = (_orderable(pickable).to(tl.int64) << 32) | (BE - 1 - cols)[None, :].to(tl.int64)
-        # below every key (a high word of -2^31 is a NaN's order: none is left)
-        taken_key = (tl.full([BR, BE], -2147483648, tl.int32).to(tl.int64)) << 32
-        key = tl.where(cols[None, :] >= E, taken_key, key)
         vals = tl.zeros([BR, BKK], tl.float32)
         picks = tl.zeros([BR, BKK], tl.int32)
         for j in tl.static_range(K):
-            best = tl.max(key, axis=1)
-            idx = BE - 1 - best.to(tl.int32)  # (the low word)
-            best_logit = _orderable((best >> 32).to(tl.int32)).to(tl.float32, bitcast=True)
-            key = tl.where(key == best[:, None], taken_key, key)
-            val = tl.exp(best_logit - top) / total  # its softmax probability, bit for bit
+            cur = tl.where(taken, float("-inf"), pickable)
+            best = tl.max(cur, axis=1)
+            # the lowest index among the largest not yet taken: the tie rule, and a row's
+            # picks stay distinct when what is left is all -inf (the plan relies on it)
+            at_best = (cur == best[:, None]) & ~taken
+            idx = tl.min(tl.where(at_best, cols[None, :], BE), axis=1)
+            taken = taken | (cols[None, :] == idx[:, None])
+            val = tl.exp(best - top) / total  # its softmax probability, bit for bit
             vals = tl.where(slot[None, :] == j, val[:, None], vals)
             picks = tl.where(slot[None, :] == j, idx[:, None], picks)
         if NORM:
             vals = vals / tl.sum(vals, axis=1)[:, None]
         tl.store(ids_ptr + out_off, picks, mask=out_ok)
         tl.store(w_ptr + out_off, vals.to(w_ptr.dtype.element_ty), mask=out_ok)
-        hits = ((key == taken_key) & (cols[None, :] < E) & r_ok[:, None]).to(tl.int32)
+        hits = (taken & (cols[None, :] < E) & r_ok[:, None]).to(tl.int32)
         return picks, hits
 
     @triton.jit
