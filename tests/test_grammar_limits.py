@@ -44,8 +44,10 @@ def test_a_refused_grammar_is_refused_again_without_the_walk(compiler, monkeypat
     # the walk holds the GIL for about half a second: a client repeating the request would
     # stall the engine each time
     walks = []
-    walk = grammar_module._forced_start_error
-    monkeypatch.setattr(grammar_module, "_forced_start_error", lambda m: walks.append(1) or walk(m))
+    walk = grammar_module._forced_start_refusal
+    monkeypatch.setattr(
+        grammar_module, "_forced_start_refusal", lambda m, t: walks.append(1) or walk(m, t)
+    )
     errors = []
     for _ in range(3):
         with pytest.raises(ValueError, match=r"^structured\.regex: too complex") as e:
@@ -133,3 +135,42 @@ def test_short_forced_runs_are_llguidance_own_tokens(compiler, tokenizer):
 def test_a_constraint_that_does_not_compile_names_its_field(compiler, structured, field):
     with pytest.raises(ValueError, match=rf"^{field.replace('.', '[.]')}: \S"):
         compiler.check(StructuredOutput(**structured))
+
+
+@pytest.mark.parametrize(
+    "structured",
+    [
+        {"json": {"const": "<|endoftext|>"}},
+        {
+            "json": {
+                "type": "object",
+                "properties": {"a": {"const": "x<|im_end|>"}},
+                "required": ["a"],
+            }
+        },
+        {"regex": r"<\|endoftext\|>"},
+        {"choice": ["<|im_end|>"]},
+    ],
+)
+def test_a_grammar_forcing_a_special_tokens_text_is_refused_before_it_runs(
+    compiler, shipped_ngram, structured
+):
+    """Such a run let llguidance's mask allow that special token alone, and taking it failed:
+    the request ran, then ended as an error (over HTTP a 400 after the work, or a stream's
+    error event; found in review). Refused at the check, naming the token."""
+    field = next(iter(structured))
+    with pytest.raises(
+        ValueError, match=rf"^structured\.{field}: it forces the text of the special"
+    ):
+        compiler.check(StructuredOutput(**structured))
+    params = SamplingParams(max_tokens=8, temperature=0, structured=structured)
+    with pytest.raises(ValueError, match="special token"):
+        shipped_ngram.generate(["x"], params, use_tqdm=False)
+    # a choice that need not take the text still runs
+    either = SamplingParams(max_tokens=8, temperature=0, structured={"choice": ["<|im_end|>", "x"]})
+    assert shipped_ngram.generate(["x"], either, use_tqdm=False)[0].outputs[0].finish_reason
+
+
+def test_the_forced_start_walk_takes_a_bounded_number_of_tokens(compiler, monkeypatch):
+    monkeypatch.setattr(grammar_module, "FORCED_START_TOKENS", 2)
+    compiler.check(StructuredOutput(regex="ab{3000}<\\|endoftext\\|>"))  # past the walk: runs

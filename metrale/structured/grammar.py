@@ -31,6 +31,9 @@ LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 # repetition forces as many bytes as its count (a{100000}: tokenising all of it each step made
 # the whole batch ~5x slower, in review).
 FORCED_BYTES = 512
+# How many tokens of the output a grammar forces from its start are taken at compile time
+# (`_forced_start_refusal`)
+FORCED_START_TOKENS = 64
 # llguidance's marker of a special token in forced bytes (never a byte of UTF-8 text)
 SPECIAL_MARKER = b"\xff"
 
@@ -153,8 +156,9 @@ class GrammarCompiler:
             refused = error_summary(error)
         else:
             matcher = llguidance.LLMatcher(tokenizer, text, log_level=0, limits=LIMITS)
-            error = matcher.get_error() or _forced_start_error(matcher)
+            error = matcher.get_error()
             refused = f"too complex: {error_summary(error)}" if error else None
+            refused = refused or _forced_start_refusal(matcher, tokenizer)
             # (the end-of-text ids: the engine's, and llguidance's own when it was given none)
             ends = (*self.eos_token_ids, tokenizer.eos_token)
             if refused is None and _accepts_nothing(matcher, ends):
@@ -192,17 +196,23 @@ def _accepts_nothing(matcher: llguidance.LLMatcher, eos_token_ids: tuple[int, ..
     return True
 
 
-def _forced_start_error(matcher: llguidance.LLMatcher) -> str:
-    """The error of following the output `matcher`'s grammar forces from its start ("" if none):
-    llguidance walks that run whole (a{1000000}: a million lexer states), which can spend the
-    lexer its copies share. The walk is kept on `matcher` (its copies start past it) and the
-    first forced token taken on a copy, where a spent lexer shows."""
-    forced = matcher.compute_ff_tokens()
-    if not forced:
-        return ""
+def _forced_start_refusal(matcher: llguidance.LLMatcher, tokenizer) -> str | None:
+    """Why the output `matcher`'s grammar forces from its start cannot be followed (None if it
+    can). llguidance walks that run whole (a{1000000}: a million lexer states), which can spend
+    the lexer its copies share: the walk is kept on `matcher` (its copies start past it) and the
+    run's first `FORCED_START_TOKENS` tokens taken on a copy, where a spent lexer shows, and so
+    does a run through the text of a special token (a JSON const "<|endoftext|>": llguidance's
+    mask then allows that token alone, and taking it fails, so every request of the grammar
+    ended as an error after its first token; found in review)."""
+    forced = matcher.compute_ff_tokens()[:FORCED_START_TOKENS]
     probe = matcher.deep_copy()
-    probe.consume_token(forced[0])
-    return probe.get_error()
+    for token in forced:
+        if not probe.consume_token(token) or probe.is_error():
+            if tokenizer.is_special_token(token):
+                text = tokenizer.decode_bytes([token]).decode("utf-8", "replace")
+                return f"it forces the text of the special token {text!r}, which no text carries"
+            return f"too complex: {error_summary(probe.get_error())}"
+    return None
 
 
 def error_summary(error: str) -> str:
