@@ -389,6 +389,15 @@ def test_a_constrained_choice_releases_calls_alone():
             assert more == ""
             streamed += [c.name for c in found]
         assert streamed == ["get_weather", "add"]
+    # a finished block that does not parse (1e999: JSON cannot carry it back, though the
+    # grammar's number allows it) stays content, whole and streamed: dropped, the answer
+    # looked empty (found in review)
+    bad = TEXTS[13]
+    content, calls = split_tool_calls(f"{CALL_A}\n{bad}", NAMES, calls_only=True)
+    assert content == bad and [c.name for c in calls] == ["add"]
+    splitter = ToolCallSplitter(NAMES, calls_only=True)
+    pieces = [splitter.feed(f"{CALL_A}\n{bad[:20]}"), splitter.feed(bad[20:], final=True)]
+    assert "".join(p[0] for p in pieces) == bad
 
 
 def test_a_tag_split_across_chunks_is_held_back():

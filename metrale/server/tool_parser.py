@@ -87,8 +87,8 @@ class ToolCallSplitter:
     """Content and tool calls of an answer fed in pieces. `names`: the tools a call may name;
     `strip`: texts dropped from the end of the answer (end-of-text tokens, when special tokens
     are decoded so that tool tags survive); `calls_only`: a grammar made the answer calls and
-    the newlines between them (a "required" or named choice), so no text is content: a call
-    that max_tokens or a stop string cut off is dropped, not released as text."""
+    the newlines between them (a "required" or named choice), so the text between blocks and a
+    call that max_tokens or a stop string cut off are dropped, not released as content."""
 
     def __init__(
         self,
@@ -120,10 +120,10 @@ class ToolCallSplitter:
                     # (held too: what may be the start of a text stripped from the end, so
                     # that a stream's content drops it as the whole answer's does)
                     keep = 0 if final else max(_partial_suffix(buf, OPEN), self._stripped(buf))
-                    content += buf[: len(buf) - keep]
+                    content += self._text(buf[: len(buf) - keep])
                     self.held = buf[len(buf) - keep :]
                     break
-                content += buf[:start]
+                content += self._text(buf[:start])
                 buf, self.state = buf[start + len(OPEN) :], "call"
             end = _block_end(buf)
             if end < 0:
@@ -133,7 +133,7 @@ class ToolCallSplitter:
                 # It never parsed: text, up to the first closing tag (or all of it).
                 end = buf.find(CLOSE)
                 if end < 0:
-                    content += OPEN + buf
+                    content += self._text(OPEN + buf)  # (a call cut off)
                     break
             call = parse_call(buf[:end], self.names)
             if self.single and self.count + len(calls) > 0:
@@ -144,7 +144,14 @@ class ToolCallSplitter:
                 calls.append(call)
             buf, self.state = buf[end + len(CLOSE) :], "text"
         self.count += len(calls)
-        return ("" if self.calls_only else self._content(content, final)), calls
+        return self._content(content, final), calls
+
+    def _text(self, text: str) -> str:
+        """Text outside any finished block: content, but under `calls_only` (a cut-off call or
+        the newlines between calls, which the grammar allowed alone). A finished block that does
+        not parse (a number JSON cannot carry back) stays content there too: dropped, the
+        answer would look empty."""
+        return "" if self.calls_only else text
 
     def _stripped(self, buf: str) -> int:
         """Length of the end of `buf` the final piece may strip: the longest end that begins
