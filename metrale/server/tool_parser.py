@@ -147,10 +147,10 @@ class ToolCallSplitter:
         return self._content(content, final), calls
 
     def _text(self, text: str) -> str:
-        """Text outside any finished block: content, but under `calls_only` (a cut-off call or
-        the newlines between calls, which the grammar allowed alone). A finished block that does
-        not parse (a number JSON cannot carry back) stays content there too: dropped, the
-        answer would look empty."""
+        """Text outside the finished blocks (between them, or a block cut off): content, but
+        under `calls_only`, whose grammar allowed nothing there but newlines. A finished block
+        that does not parse (a number JSON cannot carry back) does not come here: it stays
+        content under `calls_only` too, or the answer would look empty."""
         return "" if self.calls_only else text
 
     def _stripped(self, buf: str) -> int:
@@ -202,7 +202,7 @@ class ToolParsing:
     names: frozenset[str]
     strip: tuple[str, ...] = ()
     single: bool = False  # parallel_tool_calls false: one call at most
-    calls_only: bool = False  # a constrained choice: no text is content
+    calls_only: bool = False  # a constrained choice: no text outside the finished blocks
 
     def splitter(self) -> ToolCallSplitter:
         return ToolCallSplitter(self.names, self.strip, self.single, self.calls_only)

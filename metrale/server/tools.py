@@ -355,8 +355,8 @@ def plan_tools(body, tokenizer, grammars) -> ToolPlan:
         grammars.check(structured)
     except ValueError as e:
         raise APIError(f"tools: {str(e).split(':', 1)[1].strip()}", "tools") from None
-    # the grammar allows calls alone: a call cut off (max_tokens, a stop string) is no answer
-    # text (OpenAI's content is null under a forced choice)
+    # the grammar allows calls alone: a call cut off (max_tokens, a stop string) and the
+    # newlines between calls are no answer text (OpenAI's content is null under a forced choice)
     parsing = dataclasses.replace(parsing, calls_only=True)
     return ToolPlan(tools, parsing, structured, decode_special=bool(skipped))
 

@@ -157,8 +157,10 @@ class GrammarCompiler:
         else:
             matcher = llguidance.LLMatcher(tokenizer, text, log_level=0, limits=LIMITS)
             error = matcher.get_error()
-            refused = f"too complex: {error_summary(error)}" if error else None
-            refused = refused or _forced_start_refusal(matcher, tokenizer)
+            if error:
+                refused = f"too complex: {error_summary(error)}"
+            else:
+                refused = _forced_start_refusal(matcher, tokenizer)
             # (the end-of-text ids: the engine's, and llguidance's own when it was given none)
             ends = (*self.eos_token_ids, tokenizer.eos_token)
             if refused is None and _accepts_nothing(matcher, ends):
