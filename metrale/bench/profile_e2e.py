@@ -7,6 +7,7 @@ checkpoint (`--model`) with its own drafter (`--drafter mtp|ngram`) on held-out 
     python -m metrale.bench.profile_e2e --shape qwen3-8b --batch 64 --alpha 0.5 --forced --dcut
     python -m metrale.bench.profile_e2e --shape qwen3-8b --batch 64 --forced \
         --no-async-scheduling --phases
+    python -m metrale.bench.profile_e2e --shape qwen3-8b --batch 64 --forced --dcut --syncs
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from metrale.bench.acceptance import heldout_prompts
 from metrale.bench.drafter import concurrency
 from metrale.bench.e2e import random_prompts, replay_engine
 from metrale.bench.forced import ForcedAcceptance
+from metrale.bench.sync_audit import SyncAudit
 from metrale.config import SamplingParams
 from metrale.engine.calibrate import sync
 from metrale.engine.heap import freeze_startup_heap
@@ -171,6 +173,18 @@ def kernels(llm: LLM, prompts, params, label: str) -> list:
     return outs
 
 
+def audited(llm: LLM, prompts, params, label: str) -> list:
+    """The synchronizing CUDA calls of one generation, by where metrale made them
+    (`sync_audit.SyncAudit`)."""
+    llm.generate(prompts, params, use_tqdm=False)  # warm: graphs captured
+    sync(llm.engine.runner.device)
+    with SyncAudit(llm) as audit:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    sync(llm.engine.runner.device)  # (after the audit: the tool's own wait is not counted)
+    print(f"== {label}: {audit.report()}", flush=True)
+    return outs
+
+
 def traced(llm: LLM, prompts, params, label: str) -> list:
     """torch.profiler timeline of one generation, Python stacks included, written as a gzipped
     Chrome trace (`<--trace>/<label>.json.gz`): where the device idles and what the host was
@@ -222,6 +236,9 @@ def main() -> None:
         "--kernels", action="store_true", help="device busy time and top kernels (CUDA)"
     )
     ap.add_argument("--trace", default=None, help="a folder: Chrome traces of each run (CUDA)")
+    ap.add_argument(
+        "--syncs", action="store_true", help="where the steps wait for the device (CUDA)"
+    )
     args = ap.parse_args()
     global profiled, TRACE_DIR
     if args.trace is not None:
@@ -230,6 +247,8 @@ def main() -> None:
         profiled = phased
     elif args.kernels:
         profiled = kernels
+    elif args.syncs:
+        profiled = audited
     if args.model is not None:
         llm = LLM(
             args.model,

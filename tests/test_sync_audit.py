@@ -1,0 +1,80 @@
+"""`python -m metrale.bench.profile_e2e --syncs` (`bench/sync_audit.py`): every synchronizing
+call is counted at the place in metrale that made it, those made inside a step's overlap window
+apart; other warnings still reach their handler, and the engine comes back as it was. On CPU no
+call synchronizes, so the tests raise PyTorch's warning where a sync would be."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+import metrale.engine.step_metadata as step_metadata
+from metrale import LLM, SamplingParams
+from metrale.bench.sync_audit import SYNC_WARNING, SyncAudit
+
+
+def _sync() -> None:
+    warnings.warn(f"{SYNC_WARNING} (test)", UserWarning, stacklevel=2)
+
+
+class _Runner:
+    def _overlap(self) -> None:
+        _sync()
+
+
+class _Engine:
+    def __init__(self) -> None:
+        self.runner = _Runner()
+
+    def step(self) -> None:
+        _sync()
+        self.runner._overlap()
+        _sync()
+
+
+class _LLM:
+    def __init__(self) -> None:
+        self.engine = _Engine()
+
+
+def test_counts_steps_and_the_window_and_restores_what_it_wrapped():
+    llm = _LLM()
+    with SyncAudit(llm) as audit:
+        llm.engine.step()
+        llm.engine.step()
+        with pytest.warns(DeprecationWarning):  # not a sync: its handler still sees it
+            warnings.warn("something else", DeprecationWarning, stacklevel=1)
+    assert audit.steps == 2
+    assert sum(audit.sites.values()) == 6
+    assert sum(audit.in_window.values()) == 2
+    assert audit.sites == {"(outside metrale)": 6}
+    assert "step" not in llm.engine.__dict__ and "_overlap" not in llm.engine.runner.__dict__
+    assert "6 syncs over 2 steps (3.00 a step), 2 inside an overlap window" in audit.report()
+
+
+@pytest.fixture(scope="module")
+def shipped_ngram():
+    return LLM(device="cpu", spec={"method": "ngram", "num_drafts": 3}, max_num_seqs=4)
+
+
+def test_names_the_engine_frame_that_synced_and_keeps_the_tokens(shipped_ngram, monkeypatch):
+    llm = shipped_ngram
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = ["def fibonacci(n):", "for i in range(10):"]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    packed = step_metadata.to_device_packed
+
+    def syncing(*args, **kwargs):  # as a blocking copy of a step's metadata would
+        _sync()
+        return packed(*args, **kwargs)
+
+    monkeypatch.setattr(step_metadata, "to_device_packed", syncing)
+    with SyncAudit(llm) as audit:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert audit.steps > 0
+    (site,) = audit.sites
+    assert site.startswith("engine/step_metadata.py:") and " pack_spans < " in site
+    assert audit.sites[site] >= audit.steps - 1  # (every step packs its rows; prefill too)
+    assert not audit.in_window  # (packing is on the critical path, never in the window)
