@@ -8,6 +8,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import torch
 
 import metrale.engine.step_metadata as step_metadata
 from metrale import LLM, SamplingParams
@@ -78,3 +79,31 @@ def test_names_the_engine_frame_that_synced_and_keeps_the_tokens(shipped_ngram, 
     assert site.startswith("engine/step_metadata.py:") and " pack_spans < " in site
     assert audit.sites[site] >= audit.steps - 1  # (every step packs its rows; prefill too)
     assert not audit.in_window  # (packing is on the critical path, never in the window)
+
+
+class _Event:
+    def __init__(self, done: bool) -> None:
+        self.done, self.waited = done, 0
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_counts_event_waits_and_which_blocked(monkeypatch):
+    def synchronize(event) -> None:  # (the real one needs CUDA)
+        event.waited += 1
+
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", synchronize)
+    llm = _LLM()
+    done, pending = _Event(True), _Event(False)
+    llm.engine.runner._overlap = lambda: torch.cuda.Event.synchronize(pending)
+    with SyncAudit(llm) as audit:
+        torch.cuda.Event.synchronize(done)
+        torch.cuda.Event.synchronize(pending)
+        llm.engine.runner._overlap()
+    assert (done.waited, pending.waited) == (1, 2)  # every wait still waits
+    assert audit.waits == {"(outside metrale)": 3}
+    assert audit.blocked == {"(outside metrale)": 2}
+    assert audit.waits_in_window == {"(outside metrale)": 1}
+    assert torch.cuda.Event.synchronize is synchronize
+    assert "3 event waits (3.00 a step), 2 blocked (2.00 a step), 1 inside" in audit.report()

@@ -2,6 +2,10 @@
 generation (`torch.cuda.set_sync_debug_mode("warn")`: a blocking copy, `.item()`, `.tolist()`, a
 stream or event synchronize), counted by the place in metrale that made it.
 
+Waits on a CUDA event (`torch.cuda.Event.synchronize`: how the engine reads a copy queued behind
+a step, `device_tokens.HostCopy`) are counted the same way, apart (`waits`), and marked as blocked
+when the event had not happened yet: a wait on a finished copy costs nothing.
+
 Each is also marked by whether it ran inside a step's overlap window
 (`ModelRunner.while_forward_runs`: the host work meant to run while that step's forward does: the
 held step's commit, the text, D-Cut's next choice). A sync there waits for the forward, and the
@@ -17,6 +21,7 @@ from __future__ import annotations
 import collections
 import functools
 import os
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -58,6 +63,11 @@ class SyncAudit:
         self.engine = llm.engine
         self.sites: collections.Counter[str] = collections.Counter()
         self.in_window: collections.Counter[str] = collections.Counter()
+        # event waits by site: (calls, of which blocked, of which inside a window)
+        self.waits: collections.Counter[str] = collections.Counter()
+        self.blocked: collections.Counter[str] = collections.Counter()
+        self.waits_in_window: collections.Counter[str] = collections.Counter()
+        self.waited: collections.Counter[str] = collections.Counter()  # seconds blocked
         self.steps = 0
         self._window_depth = 0
 
@@ -77,6 +87,24 @@ class SyncAudit:
             return original(*args, **kwargs)
 
         return step
+
+    def _event_wait(self, original):
+        audit = self
+
+        def synchronize(event) -> None:
+            site = _site(traceback.extract_stack()[:-1])
+            audit.waits[site] += 1
+            if audit._window_depth:
+                audit.waits_in_window[site] += 1
+            if event.query():
+                original(event)
+                return
+            audit.blocked[site] += 1
+            start = time.perf_counter()
+            original(event)
+            audit.waited[site] += time.perf_counter() - start
+
+        return synchronize
 
     def _show(self, message, category, filename, lineno, file=None, line=None) -> None:
         if SYNC_WARNING not in str(message):
@@ -98,6 +126,8 @@ class SyncAudit:
         warnings.simplefilter("always")
         self._shown, warnings.showwarning = warnings.showwarning, self._show
         self._cuda = torch.cuda.is_available()
+        self._event_sync = torch.cuda.Event.synchronize
+        torch.cuda.Event.synchronize = self._event_wait(self._event_sync)
         if self._cuda:
             self._mode = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("warn")
@@ -106,6 +136,7 @@ class SyncAudit:
     def __exit__(self, *exc) -> None:
         if self._cuda:
             torch.cuda.set_sync_debug_mode(self._mode)
+        torch.cuda.Event.synchronize = self._event_sync
         warnings.showwarning = self._shown
         self._warnings.__exit__(*exc)
         for obj, name, old in self._saved:
@@ -124,4 +155,15 @@ class SyncAudit:
         ]
         for site, count in self.sites.most_common(top):
             lines.append(f"{count:6d} {self.in_window.get(site, 0):6d}  {site}")
+        waits, blocked = sum(self.waits.values()), sum(self.blocked.values())
+        lines += [
+            f"{waits} event waits ({waits / steps:.2f} a step), {blocked} blocked "
+            f"({blocked / steps:.2f} a step), {sum(self.waits_in_window.values())} inside a window",
+            f"{'waits':>6s} {'block':>6s} {'ms':>8s} {'window':>6s}  site (innermost first)",
+        ]
+        for site, count in self.waits.most_common(top):
+            lines.append(
+                f"{count:6d} {self.blocked.get(site, 0):6d} {self.waited.get(site, 0) * 1e3:8.2f} "
+                f"{self.waits_in_window.get(site, 0):6d}  {site}"
+            )
         return "\n".join(lines)
