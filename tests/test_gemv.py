@@ -135,6 +135,20 @@ def test_the_tensor_core_kernel_matches_f_linear(dtype, rows, n, k):
     _close(gemv.gemv(x, w, b), F.linear(x, w, b))
 
 
+def test_long_and_wide_weights_take_wider_tiles():
+    """`tiles_of`: K >= 8192, then K >= 4096 with N >= 6144, take the wider tiles (session 76's
+    sweep); the rest TILES. The long-K case runs in the test above (k 17000); the wide one here,
+    with K and N off the tile."""
+    assert gemv.tiles_of(4096, 12288) == gemv.TILES_LONG_K
+    assert gemv.tiles_of(24576, 4096) == gemv.tiles_of(6144, 4096) == gemv.TILES_WIDE_N
+    assert gemv.tiles_of(4096, 4096) == gemv.tiles_of(12352, 2048) == gemv.TILES
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 4100, generator=g).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(6200, 4100, generator=g) / 4100**0.5).to(DEVICE, torch.bfloat16)
+    assert gemv.tiles_of(6200, 4100) == gemv.TILES_WIDE_N
+    _close(gemv.gemv(x, w), F.linear(x, w))
+
+
 def test_frozen_weights_with_a_grad_input_a_strided_bias_or_no_width_go_their_way(knob_env):
     """Found in review: an input or bias that autograd follows goes to F.linear (the kernels
     have no backward) even where the weight is frozen; a strided bias is read as given; K = 0
