@@ -173,6 +173,22 @@ def test_an_eos_id_outside_the_vocabulary_is_dropped(tiny_model_dir, tmp_path, c
     assert len(llm.generate(PROMPTS[:1], params)[0].outputs[0].token_ids) >= 4
 
 
+def test_a_text_prompt_past_the_vocabulary_is_refused_when_added(hf_qwen3_factory):
+    """A tokenizer larger than the model's vocabulary: a text prompt that encodes to an id the
+    embedding lacks is refused as a token-id prompt is (found in review: one rank failed it
+    mid-step, two read it as a zero row and answered), and nothing of the call is queued."""
+    llm = LLM(hf_qwen3_factory("vocab256", vocab_size=256), device="cpu")
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    special = llm.tokenizer.encode("<|im_start|>")
+    assert max(special) >= 256
+    with pytest.raises(
+        ValueError, match=r"^prompts\[1\]: prompt: its text encodes to token id 257, outside"
+    ):
+        llm.generate(["def f():", "<|im_start|>user hi"], params, use_tqdm=False)
+    assert not llm.engine.requests
+    assert len(llm.generate(["def f():"], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+
+
 def test_a_hybrid_without_attention_layers_runs(tmp_path, tokenizer_dir):
     """An all-GDN Qwen3-Next (no full-attention layer) keeps no KV pool and generates what
     transformers generates."""

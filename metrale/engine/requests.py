@@ -147,7 +147,16 @@ class RequestAdmission:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as e:
                 raise ValueError(f"prompt: not valid Unicode text ({e.reason})") from None
-            return prompt, self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt)
+            # A tokenizer larger than the model's vocabulary (a special token the embedding
+            # lacks): refused here, as a token-id prompt is, not failed mid-step (or, under
+            # tensor parallelism, read as a zero row by the vocabulary-split embedding)
+            if ids and max(ids) >= self.vocab_size:
+                raise ValueError(
+                    f"prompt: its text encodes to token id {max(ids)}, outside the model's "
+                    f"vocabulary [0, {self.vocab_size})"
+                )
+            return prompt, ids
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ValueError(
                 f"prompt: expected a non-empty string or list of token ids, got {prompt!r}"
