@@ -179,6 +179,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="ranks the target is split across"
     )
+    bench.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="with --tensor-parallel-size: split a MoE target's experts across ranks",
+    )
+    bench.add_argument(
+        "--distributed-timeout-s",
+        type=float,
+        default=None,
+        help="seconds a tensor-parallel collective may wait before the engine fails",
+    )
     bench.add_argument("--out", default="bench-out", help="folder for bench.json and bench.png")
     bench.add_argument(
         "--acceptance",

@@ -453,3 +453,32 @@ def test_end_to_end_batches_larger_than_the_step_table_run_together(tmp_path, mo
     (row,) = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["e2e"]
     assert row["batch"] == 3
     assert max(widest) == 3
+
+
+@pytest.mark.parametrize(
+    "mode", [["--shape", "tiny"], ["--acceptance", "--ks", "1"], ["--e2e-drafter", "ngram"]]
+)
+def test_every_bench_mode_builds_its_engine_with_the_parallel_options(mode, tmp_path, monkeypatch):
+    """Found in review: `--acceptance` and `--e2e-drafter` dropped `--tensor-parallel-size` (one
+    rank was measured, unsaid), and `bench` had no `--expert-parallel`."""
+    import metrale.bench.acceptance as acceptance_mod
+    import metrale.bench.command as command_mod
+    import metrale.bench.drafter as drafter_mod
+
+    class Built(Exception):
+        pass
+
+    seen = []
+
+    def engine(*args, **kwargs):
+        seen.append(kwargs)
+        raise Built
+
+    for module in (acceptance_mod, command_mod, drafter_mod):
+        monkeypatch.setattr(module, "LLM", engine)
+    parallel = ["--tensor-parallel-size", "2", "--expert-parallel", "--distributed-timeout-s", "30"]
+    with pytest.raises(Built):
+        main(["bench", *mode, "--device", "cpu", *parallel, "--out", str(tmp_path)])
+    (kwargs,) = seen
+    assert kwargs["tensor_parallel_size"] == 2 and kwargs["expert_parallel"] is True
+    assert kwargs["distributed_timeout_s"] == 30.0

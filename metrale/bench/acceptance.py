@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from metrale.api import LLM
+from metrale.bench.timing import parallel_options
 from metrale.config import ModelConfig, SamplingParams
 from metrale.hub import resolve_model
 from metrale.models.dflash import DFlashConfig
@@ -198,6 +199,7 @@ def acceptance_report(
     greedy = dict(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     report: dict = {
         "model": str(model_dir),
+        "tensor_parallel_size": engine_options.get("tensor_parallel_size", 1),
         "device": device,
         "dtype": dtype,
         "num_prompts": len(prompts),
@@ -255,6 +257,7 @@ def acceptance_report(
                     "seconds": seconds,
                 }
             )
+        llm.shutdown()  # (a tensor-parallel engine's workers: the next drafter's engine starts)
         del llm, tel
         gc.collect()
         if torch.cuda.is_available():
@@ -341,6 +344,7 @@ def run_acceptance(args) -> dict:
         max_tokens=getattr(args, "max_tokens", None) or 64,
         device=getattr(args, "device", None) or "auto",
         dtype=getattr(args, "dtype", None) or "auto",
+        **parallel_options(args),
     )
     report["heldout"], report["seed"] = str(heldout), getattr(args, "seed", None) or 0
     return report

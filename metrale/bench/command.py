@@ -38,6 +38,7 @@ from metrale.bench.timing import (
     bandwidth,
     capture_line,
     capture_report,
+    parallel_options,
     scheduling_label,
     weight_bytes,
 )
@@ -119,7 +120,7 @@ def run(args) -> dict:
         spec={"num_drafts": args.num_drafts, "dcut": getattr(args, "dcut", False)},
         hybrid_verify_state=getattr(args, "hybrid_verify_state", "write_on_accept"),
         mamba_ssm_cache_dtype=getattr(args, "mamba_ssm_cache_dtype", "float32"),
-        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        **parallel_options(args),
         deterministic=getattr(args, "deterministic", False),
         async_scheduling=getattr(args, "async_scheduling", True),
     )

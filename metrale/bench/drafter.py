@@ -40,7 +40,12 @@ from pathlib import Path
 from metrale.api import LLM
 from metrale.bench.acceptance import heldout_prompts
 from metrale.bench.e2e import REPEATS, prefill_seconds
-from metrale.bench.timing import capture_line, capture_report, scheduling_label
+from metrale.bench.timing import (
+    capture_line,
+    capture_report,
+    parallel_options,
+    scheduling_label,
+)
 from metrale.config import SamplingParams
 from metrale.engine.calibrate import sync
 from metrale.engine.heap import freeze_startup_heap
@@ -166,7 +171,16 @@ def drafter_e2e(args) -> dict:
         spec={"method": args.e2e_drafter, "num_drafts": args.num_drafts},
         deterministic=getattr(args, "deterministic", False),
         async_scheduling=getattr(args, "async_scheduling", True),
+        **parallel_options(args),
     )
+    try:
+        return _drafter_e2e(llm, args)
+    finally:
+        llm.shutdown()  # (a tensor-parallel engine's workers stop here, not at exit)
+
+
+def _drafter_e2e(llm: LLM, args) -> dict:
+    """`drafter_e2e`'s measurements on the engine it built."""
     heldout = args.heldout or sysconfig.get_paths()["stdlib"]
     per_slot = 4 if args.steady_requests_per_slot is None else args.steady_requests_per_slot
     prompts_all = heldout_prompts(
@@ -220,6 +234,8 @@ def drafter_e2e(args) -> dict:
         "device": str(llm.engine.runner.device),
         "dtype": str(llm.engine.runner.dtype),
         "async_scheduling": llm.engine.config.async_scheduling,
+        "tensor_parallel_size": llm.engine.config.tensor_parallel_size,
+        "expert_parallel": llm.engine.config.expert_parallel,
         "prompt_tokens": args.prompt_tokens,
         "max_tokens": args.max_tokens,
         "heldout": str(heldout),

@@ -1,6 +1,7 @@
 """The roofline's two numbers: the memory bandwidth measured by a device copy, and the weight
 bytes one batch-1 step reads; and the time of a kernel call replayed in a CUDA graph, for the
-kernel scripts; what capturing the programs cost a bench run. (Step timing is the engine's own:
+kernel scripts; what capturing the programs cost a bench run; the parallel options every bench
+mode passes its engines. (Step timing is the engine's own:
 `engine/calibrate.py`.)"""
 
 from __future__ import annotations
@@ -74,6 +75,19 @@ def capture_report(runner) -> dict:
         "programs_captured": captures(),
         "capture_s": capture_seconds(),
     }
+
+
+def parallel_options(args) -> dict:
+    """The engine's tensor/expert-parallel options from a bench namespace (every bench mode
+    builds its engines with them; a missing field takes the engine's default)."""
+    options = {
+        "tensor_parallel_size": getattr(args, "tensor_parallel_size", 1),
+        "expert_parallel": getattr(args, "expert_parallel", False),
+    }
+    timeout = getattr(args, "distributed_timeout_s", None)
+    if timeout is not None:
+        options["distributed_timeout_s"] = timeout
+    return options
 
 
 def scheduling_label(result: dict) -> str:
