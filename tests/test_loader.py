@@ -127,3 +127,44 @@ def test_missing_config_and_tokenizer(model_copy):
     (model_copy / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match="config.json"):
         LLM(model_copy, device="cpu")
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_tensors_no_parameter_takes_are_not_read(model_copy, monkeypatch, ranks):
+    """Found in review: DeepSeek-layout MTP blocks (`model.layers.{L >= num_hidden_layers}`,
+    with a whole [V, H] head) were read from the file by the target's loader, on every
+    tensor-parallel rank, then dropped. Only tensors a parameter takes are read; the target
+    still equals the one loaded without them."""
+    from metrale.distributed.layers import TPQwen3ForCausalLM
+    from metrale.distributed.parallel import TPGroup, expert_renamer, selector
+    from metrale.models import loader
+    from metrale.models.attention import TorchPagedAttention
+    from metrale.models.mtp import write_mtp_weights
+
+    cfg = ModelConfig.from_hf(model_copy)
+    tp = TPGroup(ranks - 1, ranks)
+
+    def load() -> tuple[dict, dict]:
+        model = TPQwen3ForCausalLM(cfg, TorchPagedAttention(), 64, tp)
+        loader.load_weights(
+            model, model_copy, select=selector(cfg, tp), rename=expert_renamer(cfg, tp)
+        )
+        return read, {k: v.clone() for k, v in model.state_dict().items()}
+
+    real = loader.iter_tensors
+
+    def recorded(files, keep=None, select=None):
+        for name, tensor, path in real(files, keep, select):
+            read[name] = tuple(tensor.shape)
+            yield name, tensor, path
+
+    monkeypatch.setattr(loader, "iter_tensors", recorded)
+    read: dict = {}
+    _, want = load()
+    write_mtp_weights(model_copy, cfg, "deepseek", num_layers=1, seed=4)
+    read = {}
+    got_read, got = load()
+    layer = f"model.layers.{cfg.num_hidden_layers}."
+    assert not [name for name in got_read if name.startswith(layer)]
+    assert got_read and all(name.startswith(("model.", "lm_head")) for name in got_read)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

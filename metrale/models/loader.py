@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 # Checkpoint tensors that are not the target's, skipped unread: the Qwen3-Next MTP heads (loaded by
 # `metrale.models.mtp`). DeepSeek-layout MTP blocks (`model.layers.{L >= num_hidden_layers}`)
-# name no target parameter, so they are skipped like any unknown tensor.
+# name no target parameter, so they are skipped unread like any unknown tensor (`load_weights`).
 IGNORED_PREFIXES = ("mtp.",)
 
 
@@ -198,7 +198,16 @@ def load_weights(
     files = checkpoint_files(model_dir)
 
     def keep(name: str) -> bool:
-        return _rename(name, renames) is not None and (rename is None or rename(name) is not None)
+        """Whether the tensor fills a parameter: anything else is skipped unread (DeepSeek-layout
+        MTP blocks, whose head is a whole [V, H] matrix; other ranks' experts)."""
+        local = name if rename is None else rename(name)
+        hf = None if local is None else _rename(local, renames)
+        if hf is None:
+            return False
+        m = _EXPERT_TENSOR.fullmatch(hf)
+        if m is not None and f"{m.group(1)}.{_EXPERT_PIECES[m.group(3)][0]}" in params:
+            return True
+        return _target_of(hf, packed)[0] in params
 
     for hf_name, tensor, path in iter_tensors(files, keep, select):
         if rename is not None:
