@@ -186,6 +186,22 @@ def hybrid_wide_dir(tmp_path_factory, tokenizer_dir):
     return write_hybrid(path, tokenizer_dir, seed=5, **wide)
 
 
+def test_a_hybrid_dense_width_must_split_only_where_a_layer_uses_it(hybrid_wide_dir):
+    """Found in review: a hybrid whose every layer is MoE was refused for an
+    `intermediate_size` (the dense MLP's) that no layer uses."""
+    import dataclasses
+
+    from metrale.distributed.parallel import check_tp
+
+    cfg = dataclasses.replace(ModelConfig.from_hf(hybrid_wide_dir), intermediate_size=97)
+    assert all(cfg.hybrid.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    check_tp(cfg, 2)
+    check_tp(cfg, 2, expert_parallel=True)
+    dense = dataclasses.replace(cfg, hybrid=dataclasses.replace(cfg.hybrid, mlp_only_layers=(0,)))
+    with pytest.raises(ValueError, match="intermediate_size=97 does not split"):
+        check_tp(dense, 2)
+
+
 def test_hybrid_verify_beside_a_prompt_chunk_runs_on_every_rank(hybrid_wide_dir):
     """A step that verifies beside a prompt chunk runs as two forwards under tensor
     parallelism (the workers address one state mode a forward): never a forward that fails and

@@ -61,12 +61,12 @@ class TPGroup:
 
 def _splits(cfg: ModelConfig, expert_parallel: bool) -> list[tuple[str, int]]:
     """(field, value) of everything a rank holds a share of."""
-    out = [
-        ("num_attention_heads", cfg.num_attention_heads),
-        ("intermediate_size", cfg.intermediate_size),
-        ("vocab_size", cfg.vocab_size),
-    ]
     h = cfg.hybrid
+    out = [("num_attention_heads", cfg.num_attention_heads), ("vocab_size", cfg.vocab_size)]
+    # (a hybrid's dense MLP width only where a layer has a dense MLP: found in review, one
+    # whose every layer is MoE was refused for a width it never uses)
+    if h is None or not all(h.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+        out.insert(1, ("intermediate_size", cfg.intermediate_size))
     if h is not None:
         out += [
             ("linear_num_key_heads", h.linear_num_key_heads),
