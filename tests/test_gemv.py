@@ -135,17 +135,28 @@ def test_the_tensor_core_kernel_matches_f_linear(dtype, rows, n, k):
     _close(gemv.gemv(x, w, b), F.linear(x, w, b))
 
 
-def test_long_and_wide_weights_take_wider_tiles():
+def test_long_and_wide_weights_take_wider_tiles(monkeypatch):
     """`tiles_of`: K >= 8192, then K >= 4096 with N >= 6144, take the wider tiles (session 76's
-    sweep); the rest TILES. The long-K case runs in the test above (k 17000); the wide one here,
-    with K and N off the tile."""
-    assert gemv.tiles_of(4096, 12288) == gemv.TILES_LONG_K
-    assert gemv.tiles_of(24576, 4096) == gemv.tiles_of(6144, 4096) == gemv.TILES_WIDE_N
-    assert gemv.tiles_of(4096, 4096) == gemv.tiles_of(12352, 2048) == gemv.TILES
+    sweep) where the device's shared memory holds them, else TILES (review: 160 KiB is more
+    than an sm86/89/120 GPU's 99). The long-K case runs in the test above (k 17000); the wide
+    one here, with K and N off the tile."""
+    x = torch.empty(4, 8, dtype=torch.bfloat16)
+    assert gemv.tiles_of(4096, 12288, x) == gemv.TILES_LONG_K
+    assert gemv.tiles_of(24576, 4096, x) == gemv.tiles_of(6144, 4096, x) == gemv.TILES_WIDE_N
+    assert gemv.tiles_of(4096, 4096, x) == gemv.tiles_of(12352, 2048, x) == gemv.TILES
+    for budget, long_k, wide in (
+        (166912, gemv.TILES, gemv.TILES_WIDE_N),
+        (101376, *[gemv.TILES] * 2),
+    ):
+        monkeypatch.setattr(gemv, "shared_budget", lambda device, budget=budget: budget)
+        assert gemv.tiles_of(4096, 12288, x) == long_k  # (an A100; an sm86/89/120 GPU)
+        assert gemv.tiles_of(24576, 12288, x) == gemv.tiles_of(24576, 4096, x) == wide
+        assert gemv.shared_need(gemv.TILES, 2) <= budget
+    monkeypatch.undo()
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 4100, generator=g).to(DEVICE, torch.bfloat16)
     w = (torch.randn(6200, 4100, generator=g) / 4100**0.5).to(DEVICE, torch.bfloat16)
-    assert gemv.tiles_of(6200, 4100) == gemv.TILES_WIDE_N
+    assert gemv.tiles_of(6200, 4100, x) == gemv.TILES_WIDE_N
     _close(gemv.gemv(x, w), F.linear(x, w))
 
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from metrale.kernels import pdl
 from metrale.kernels.dispatch import interpreter_forced
+from metrale.kernels.kv_tiles import shared_budget
 from metrale.knobs import knobs
 
 try:
@@ -47,7 +48,8 @@ STRIP = 4096
 TILES = (32, 128, 4, 5)  # BN, BK, warps, stages
 # Long or wide weights stream faster with wider tiles (session 76, 4 rows on an H100: the
 # qwen3-8b down projection 39.0 against 40.4 us, gate/up 69.1 against 70.2, q/k/v 20.7 against
-# 21.2; at K 2048 or N 4096 and below TILES stays the best or within 1%).
+# 21.2; at K 2048 or N 4096 and below TILES stays the best or within 1%), where the device's
+# shared memory holds them (160 and 120 KiB: not sm86/89/120's 99 KiB; review).
 TILES_LONG_K = (64, 256, 4, 5)  # K >= 8192
 TILES_WIDE_N = (64, 256, 4, 4)  # K >= 4096 and N >= 6144
 
@@ -190,17 +192,25 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         if _strip_fits(rows.shape[0], k):
             launch_strip(rows, weight, bias, out, *strip_of(n, k, STRIP * rows.shape[0]))
         else:
-            launch_tiles(rows, weight, bias, out, *tiles_of(n, k))
+            launch_tiles(rows, weight, bias, out, *tiles_of(n, k, rows))
     return out.view(*x.shape[:-1], n)
 
 
-def tiles_of(n: int, k: int) -> tuple[int, int, int, int]:
-    """The tensor-core kernel's (BN, BK, warps, stages) for an [n, k] weight."""
-    if k >= 8192:
-        return TILES_LONG_K
-    if k >= 4096 and n >= 6144:
-        return TILES_WIDE_N
+def tiles_of(n: int, k: int, x: torch.Tensor) -> tuple[int, int, int, int]:
+    """The tensor-core kernel's (BN, BK, warps, stages) for an [n, k] weight and rows `x`: a
+    wider tile for long or wide weights where the device's shared memory holds it."""
+    budget = shared_budget(x.device)
+    for tiles, applies in ((TILES_LONG_K, k >= 8192), (TILES_WIDE_N, k >= 4096 and n >= 6144)):
+        if applies and shared_need(tiles, x.element_size()) <= budget:
+            return tiles
     return TILES
+
+
+def shared_need(tiles: tuple[int, int, int, int], elem_bytes: int) -> int:
+    """Bytes of shared memory a tile's pipeline may take: every stage's x (16 rows) and weight
+    operands (Triton keeps one stage fewer: this errs toward the narrower tile)."""
+    bn, bk, _, stages = tiles
+    return (bn + 16) * bk * elem_bytes * stages
 
 
 def strip_of(n: int, k: int, strip: int = STRIP) -> tuple[int, int]:
