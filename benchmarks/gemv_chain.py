@@ -140,6 +140,9 @@ def main() -> None:
                     {"dot": True, "bn": bn, "bk": bk, "stages": stages, "strip": 0,
                      "warps": warps, "us": timed(dot), "rel_err": err}
                 )  # fmt: skip
+            if not row["tried"]:  # (every tile tried failed to launch)
+                print(f"{name:14s} rows {m}: cublas {row['cublas_us']:7.2f} us, no kernel ran")
+                continue
             best = min(row["tried"], key=lambda t: t["us"])
             default_bn, default_warps = gemv.strip_of(n, k, gemv.STRIP * m)
             default = [

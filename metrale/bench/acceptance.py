@@ -228,36 +228,40 @@ def acceptance_report(
             drafter_ks = [k for k in ks if k < block]
         spec = dict(method=drafter, num_drafts=max(drafter_ks), dcut=False)
         llm = LLM(model_dir, device=device, dtype=dtype, spec=spec, **engine_options)
-        report["device"] = str(llm.engine.runner.device)
-        report["dtype"] = str(llm.engine.runner.dtype).removeprefix("torch.")
-        if baseline is None:
-            plain = SamplingParams(speculative=False, **greedy)
-            baseline, seconds = _generate(llm, prompts, plain)
-            report["baseline_seconds"] = seconds
-        tel = llm.engine.telemetry
-        for k in drafter_ks:
-            before = spec_counters(tel.spec), tel.steps, tel.decode_tokens
-            outputs, seconds = _generate(llm, prompts, SamplingParams(num_drafts=k, **greedy))
-            delta = counter_delta(before[0], spec_counters(tel.spec), k)
-            steps, tokens = tel.steps - before[1], tel.decode_tokens - before[2]
-            mismatched = sum(a != b for a, b in zip(outputs, baseline, strict=True))
-            report["identical_outputs"] &= mismatched == 0
-            report["results"].append(
-                {
-                    "drafter": drafter,
-                    "k": k,
-                    **delta,
-                    **acceptance_stats(delta),
-                    "target_steps": steps,
-                    "tokens": tokens,
-                    # output tokens per target forward, the whole batch together
-                    "tokens_per_step": tokens / steps if steps else None,
-                    "identical_outputs": mismatched == 0,
-                    "mismatched_prompts": mismatched,
-                    "seconds": seconds,
-                }
-            )
-        llm.shutdown()  # (a tensor-parallel engine's workers: the next drafter's engine starts)
+        tel = None
+        try:
+            report["device"] = str(llm.engine.runner.device)
+            report["dtype"] = str(llm.engine.runner.dtype).removeprefix("torch.")
+            if baseline is None:
+                plain = SamplingParams(speculative=False, **greedy)
+                baseline, seconds = _generate(llm, prompts, plain)
+                report["baseline_seconds"] = seconds
+            tel = llm.engine.telemetry
+            for k in drafter_ks:
+                before = spec_counters(tel.spec), tel.steps, tel.decode_tokens
+                outputs, seconds = _generate(llm, prompts, SamplingParams(num_drafts=k, **greedy))
+                delta = counter_delta(before[0], spec_counters(tel.spec), k)
+                steps, tokens = tel.steps - before[1], tel.decode_tokens - before[2]
+                mismatched = sum(a != b for a, b in zip(outputs, baseline, strict=True))
+                report["identical_outputs"] &= mismatched == 0
+                report["results"].append(
+                    {
+                        "drafter": drafter,
+                        "k": k,
+                        **delta,
+                        **acceptance_stats(delta),
+                        "target_steps": steps,
+                        "tokens": tokens,
+                        # output tokens per target forward, the whole batch together
+                        "tokens_per_step": tokens / steps if steps else None,
+                        "identical_outputs": mismatched == 0,
+                        "mismatched_prompts": mismatched,
+                        "seconds": seconds,
+                    }
+                )
+        finally:
+            # (a tensor-parallel engine's workers: the next drafter's engine may start)
+            llm.shutdown()
         del llm, tel
         gc.collect()
         if torch.cuda.is_available():

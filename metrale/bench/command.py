@@ -153,6 +153,7 @@ def _measure(llm: LLM, drafter, args, device: torch.device, alphas, forced: bool
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(llm.engine.runner.dtype),
         "tensor_parallel_size": tp,  # the roofline counts one rank's weights
+        "expert_parallel": tp > 1 and llm.engine.config.expert_parallel,
         "context": args.context,
         "bandwidth_GBps": bw / 1e9,
         "weight_bytes": wbytes,
@@ -242,7 +243,8 @@ def _steady(
 
 def table(result: dict) -> str:
     tp = result.get("tensor_parallel_size", 1)
-    ranks = f" x {tp} ranks (roofline of one rank's weights)" if tp > 1 else ""
+    split = ", experts split across them" if result.get("expert_parallel") else ""
+    ranks = f" x {tp} ranks{split} (roofline of one rank's weights)" if tp > 1 else ""
     lines = [
         f"{result['shape']} on {result['device']}{ranks} "
         f"({result['dtype']}, {scheduling_label(result)}), "

@@ -92,17 +92,18 @@ class SyncAudit:
         audit = self
 
         def synchronize(event) -> None:
+            # (asked first: the stack walk below takes host time the device may finish in)
+            done = event.query()
+            start = time.perf_counter()
+            original(event)
+            waited = time.perf_counter() - start
             site = _site(traceback.extract_stack()[:-1])
             audit.waits[site] += 1
             if audit._window_depth:
                 audit.waits_in_window[site] += 1
-            if event.query():
-                original(event)
-                return
-            audit.blocked[site] += 1
-            start = time.perf_counter()
-            original(event)
-            audit.waited[site] += time.perf_counter() - start
+            if not done:
+                audit.blocked[site] += 1
+                audit.waited[site] += waited
 
         return synchronize
 
