@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from metrale import LLM, SamplingParams
 from metrale.config import ModelConfig
+from metrale.models import loader
 from metrale.models.loader import CheckpointError
 
 
@@ -20,6 +21,20 @@ def model_copy(tiny_model_dir, tmp_path):
     dst = tmp_path / "model"
     shutil.copytree(tiny_model_dir, dst)
     return dst
+
+
+def record_reads(monkeypatch) -> dict[str, tuple]:
+    """{checkpoint name: shape read} of every tensor the loader reads from now on."""
+    read: dict[str, tuple] = {}
+    real = loader.iter_tensors
+
+    def recording(files, keep=None, select=None):
+        for name, tensor, path in real(files, keep, select):
+            read[name] = tuple(tensor.shape)
+            yield name, tensor, path
+
+    monkeypatch.setattr(loader, "iter_tensors", recording)
+    return read
 
 
 def greedy_tokens(model_dir) -> list[int]:
@@ -137,33 +152,23 @@ def test_tensors_no_parameter_takes_are_not_read(model_copy, monkeypatch, ranks)
     still equals the one loaded without them."""
     from metrale.distributed.layers import TPQwen3ForCausalLM
     from metrale.distributed.parallel import TPGroup, expert_renamer, selector
-    from metrale.models import loader
     from metrale.models.attention import TorchPagedAttention
     from metrale.models.mtp import write_mtp_weights
 
     cfg = ModelConfig.from_hf(model_copy)
     tp = TPGroup(ranks - 1, ranks)
 
-    def load() -> tuple[dict, dict]:
+    def load() -> dict:
         model = TPQwen3ForCausalLM(cfg, TorchPagedAttention(), 64, tp)
         loader.load_weights(
             model, model_copy, select=selector(cfg, tp), rename=expert_renamer(cfg, tp)
         )
-        return read, {k: v.clone() for k, v in model.state_dict().items()}
+        return {k: v.clone() for k, v in model.state_dict().items()}
 
-    real = loader.iter_tensors
-
-    def recorded(files, keep=None, select=None):
-        for name, tensor, path in real(files, keep, select):
-            read[name] = tuple(tensor.shape)
-            yield name, tensor, path
-
-    monkeypatch.setattr(loader, "iter_tensors", recorded)
-    read: dict = {}
-    _, want = load()
+    want = load()
     write_mtp_weights(model_copy, cfg, "deepseek", num_layers=1, seed=4)
-    read = {}
-    got_read, got = load()
+    got_read = record_reads(monkeypatch)
+    got = load()
     layer = f"model.layers.{cfg.num_hidden_layers}."
     assert not [name for name in got_read if name.startswith(layer)]
     assert got_read and all(name.startswith(("model.", "lm_head")) for name in got_read)

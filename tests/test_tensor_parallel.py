@@ -74,16 +74,10 @@ def test_ranks_with_ngram_speculation_and_preemption(tiny_model_dir, reference):
 
 
 def test_each_rank_reads_only_its_slices(tiny_model_dir, monkeypatch):
+    from tests.test_loader import record_reads
+
     cfg = ModelConfig.from_hf(tiny_model_dir)
-    read: dict[str, tuple] = {}
-    real = loader.iter_tensors
-
-    def recording(files, keep=None, select=None):
-        for name, tensor, path in real(files, keep, select):
-            read[name] = tuple(tensor.shape)
-            yield name, tensor, path
-
-    monkeypatch.setattr(loader, "iter_tensors", recording)
+    read = record_reads(monkeypatch)
     from metrale.distributed.layers import TPQwen3ForCausalLM
     from metrale.distributed.parallel import TPGroup
     from metrale.models.attention import TorchPagedAttention
