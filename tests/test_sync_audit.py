@@ -107,3 +107,17 @@ def test_counts_event_waits_and_which_blocked(monkeypatch):
     assert audit.waits_in_window == {"(outside metrale)": 1}
     assert torch.cuda.Event.synchronize is synchronize
     assert "3 event waits (3.00 a step), 2 blocked (2.00 a step), 1 inside" in audit.report()
+
+
+def test_profile_e2e_syncs_runs_both_generations(monkeypatch, capsys):
+    """`profile_e2e --syncs` wires the audit around the plain and the speculative generation
+    (on CPU nothing synchronizes: every count is zero)."""
+    from metrale.bench import profile_e2e
+
+    argv = ["profile_e2e", "--shape", "tiny", "--batch", "2", "--max-tokens", "6", "--syncs"]
+    monkeypatch.setattr("sys.argv", argv)
+    monkeypatch.setattr(profile_e2e, "profiled", profile_e2e.profiled)  # (main rebinds it)
+    profile_e2e.main()
+    out = capsys.readouterr().out
+    assert "== plain: 0 syncs over" in out and "== spec: 0 syncs over" in out
+    assert "0 event waits" in out
