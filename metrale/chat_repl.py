@@ -80,6 +80,11 @@ def run_repl(llm, params, system: str | None = None, stdin=sys.stdin, out=sys.st
         raise ValueError("--system: not valid UTF-8 text")
     session = ChatSession(llm, params, system)
     interactive = stdin.isatty()
+    if getattr(stdin, "errors", None) == "strict" and hasattr(stdin, "reconfigure"):
+        # A strict locale's stdin decodes a whole chunk at a time: one bad byte dropped the
+        # lines around it and read as the end of input (found in review). Read as lone
+        # surrogates instead, the line alone is refused (`_is_text`).
+        stdin.reconfigure(errors="surrogateescape")
     if interactive:
         import readline  # noqa: F401 (line editing and history for input())
 
@@ -92,7 +97,7 @@ def run_repl(llm, params, system: str | None = None, stdin=sys.stdin, out=sys.st
             continue
         except EOFError:
             break
-        except UnicodeDecodeError:  # (a strict locale's stdin: the line's bytes are gone)
+        except UnicodeDecodeError:  # (a strict stream that cannot be reconfigured)
             print("(that line is not valid UTF-8 text; nothing was sent)", file=out)
             continue
         if not interactive and not line:

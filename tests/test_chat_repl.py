@@ -205,3 +205,21 @@ def test_a_message_the_template_refuses_is_said_and_the_chat_goes_on(tiny_model_
     (model / "tokenizer_config.json").write_text(json.dumps(broken))
     with pytest.raises(ValueError, match="^chat template: "):
         LLM(model, device="cpu", max_model_len=256).chat([{"role": "user", "content": "hi"}])
+
+
+def test_a_bad_byte_on_a_strict_stdin_refuses_its_line_alone(small_llm):
+    """Under a strict locale (en_US.UTF-8) stdin decoded a whole chunk at once: one invalid
+    byte dropped the lines around it and read as the end of input, exit 0 with nothing
+    answered (found in review). Now that line alone is refused and the others answered."""
+    import io
+
+    from metrale.chat_repl import run_repl
+
+    stdin = io.TextIOWrapper(io.BytesIO(b"hello\nab\xffcd\nbye\n"), "utf-8", errors="strict")
+    out = io.StringIO()
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    assert run_repl(small_llm, params, stdin=stdin, out=out) == 0
+    text = out.getvalue()
+    assert text.count("not valid UTF-8 text") == 1
+    assert text.count("assistant> ") == 2  # hello and bye answered
+    assert text.index("assistant> ") < text.index("not valid") < text.rindex("assistant> ")
