@@ -67,12 +67,18 @@ def resolve_model(model: str | Path, revision: str | None = None) -> Path:
         raise FileNotFoundError(
             f"model {model!r}{where}: not in the local Hugging Face cache and the Hub is "
             "unreachable or offline (HF_HUB_OFFLINE=1); download it once with network access, "
-            f"or pass a checkpoint directory ({e})"
+            f"or pass a checkpoint directory ({_one_line(e)})"
         ) from None
     except (HFValidationError, OSError) as e:
         raise FileNotFoundError(
-            f"model {model!r}: no such local directory, and not found on the Hub ({e})"
+            f"model {model!r}: no such local directory, and not found on the Hub ({_one_line(e)})"
         ) from None
+
+
+def _one_line(error: BaseException) -> str:
+    """`error`'s text on one line (huggingface_hub's span several when the Hub is unreachable:
+    a CLI error is one line; found in review)."""
+    return " ".join(str(error).split())
 
 
 def _cached_snapshot(repo_id: str, revision: str | None) -> Path | None:

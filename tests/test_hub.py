@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
@@ -165,3 +167,24 @@ def test_a_dflash_drafter_given_as_a_hub_id_resolves_from_the_cache(tmp_path):
     assert result.returncode == 0, result.stderr
     drafted = int(result.stdout.strip().splitlines()[-1].split()[0])
     assert drafted > 0
+
+
+@pytest.mark.parametrize("error", ["LocalEntryNotFoundError", "OSError"])
+def test_a_hub_error_of_several_lines_is_said_on_one(monkeypatch, error):
+    """With the Hub unreachable but not marked offline, huggingface_hub's error spans lines;
+    the CLI's error is one line (found in review)."""
+    import huggingface_hub
+    import huggingface_hub.errors
+
+    from metrale.hub import resolve_model
+
+    cls = getattr(huggingface_hub.errors, error, OSError)
+
+    def unreachable(*args, **kwargs):
+        raise cls("(Got: ConnectError: name not known\nAn error happened while trying to locate)")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", unreachable)
+    with pytest.raises(FileNotFoundError) as caught:
+        resolve_model("acme/absent")
+    message = str(caught.value)
+    assert "\n" not in message and "name not known An error happened" in message
