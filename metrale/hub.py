@@ -1,6 +1,7 @@
 """Model names to checkpoint directories: a local directory as given, or a Hugging Face Hub id
-(`org/name`) through `huggingface_hub`: downloaded when online, resolved from the local HF cache
-when offline (`HF_HUB_OFFLINE=1` is honoured, as transformers and vLLM honour it)."""
+(`org/name`, or a bare `name`) through `huggingface_hub`: downloaded when online, resolved from
+the local HF cache when offline (`HF_HUB_OFFLINE=1` is honoured, as transformers and vLLM
+honour it)."""
 
 from __future__ import annotations
 
@@ -24,15 +25,17 @@ ALLOW_PATTERNS = [
     "dflash/*",
 ]
 log = logging.getLogger(__name__)
-_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+# `org/name`, or a bare `name` (`gpt2`: the Hub's older repos, which vLLM and transformers take)
+_HUB_ID = re.compile(r"[\w.-]+(?:/[\w.-]+)?")
 
 
 def is_hub_id(model: str | Path) -> bool:
-    """`org/name` that is not a local path (nor written like one: `./x`, `../x`, `~/x`)."""
+    """`org/name` or `name` that is not a local path (nor written like one: `./x`, `../x`,
+    `~/x`)."""
     text = str(model)
     if text.startswith((".", "/", "~")) or isinstance(model, Path):
         return False
-    return bool(_HUB_ID.match(text)) and not Path(text).exists()
+    return bool(_HUB_ID.fullmatch(text)) and not Path(text).exists()
 
 
 def resolve_model(model: str | Path, revision: str | None = None) -> Path:

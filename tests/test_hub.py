@@ -71,9 +71,19 @@ def test_a_hub_id_missing_offline_is_a_clear_error(tmp_path):
 def test_path_like_names_are_never_hub_ids():
     from metrale.hub import is_hub_id
 
-    assert is_hub_id("acme/model")
-    for name in ("./acme/model", "../acme", "~/acme/m", "/abs/path"):
+    assert is_hub_id("acme/model") and is_hub_id("gpt2")
+    for name in ("./acme/model", "../acme", "~/acme/m", "/abs/path", "acme/tiny\n", "a/b/c"):
         assert not is_hub_id(name), name
+
+
+def test_a_bare_hub_name_resolves_from_the_cache(tiny_model_dir, tmp_path):
+    """`gpt2`-style ids (no organisation) are Hub ids too, as in vLLM and transformers (found in
+    review: 'model directory gpt2 does not exist')."""
+    cache = fake_cache(tmp_path / "hub", tiny_model_dir, repo="tinyqwen")
+    code = "from metrale.hub import resolve_model\nprint(resolve_model('tinyqwen'))\n"
+    result = run(code, cache)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith(COMMIT)
 
 
 def test_bench_resolves_a_hub_id_and_bad_names_are_value_errors(tiny_model_dir, tmp_path):
