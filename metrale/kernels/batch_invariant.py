@@ -158,6 +158,13 @@ def shared_bytes(device: torch.device) -> int:
     return int(getattr(props, "shared_memory_per_block_optin", 0) or DEFAULT_SHARED_BYTES)
 
 
+def pipeline_bytes(block_m: int, block_n: int, block_k: int, elem_bytes: int, stages: int) -> int:
+    """Shared memory a pipelined GEMM tile's operand buffers may take: (BLOCK_M + BLOCK_N) x
+    BLOCK_K elements a stage, every stage counted (Triton keeps one fewer: this errs toward
+    the smaller tile)."""
+    return (block_m + block_n) * block_k * elem_bytes * stages
+
+
 def fit_shared(cfg: dict, elem_bytes: int, budget: int) -> dict:
     """`cfg` with fewer pipeline stages, then a shorter BLOCK_K, until its operand buffers
     ((BLOCK_M + BLOCK_N) x BLOCK_K elements a stage) fit in `budget` bytes.
@@ -170,7 +177,9 @@ def fit_shared(cfg: dict, elem_bytes: int, budget: int) -> dict:
     cfg = dict(cfg)
 
     def need() -> int:
-        return (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * elem_bytes * cfg["num_stages"]
+        return pipeline_bytes(
+            cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], elem_bytes, cfg["num_stages"]
+        )
 
     while need() > budget and cfg["num_stages"] > 2:
         cfg["num_stages"] -= 1

@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from metrale.kernels import pdl
+from metrale.kernels.batch_invariant import pipeline_bytes
 from metrale.kernels.dispatch import interpreter_forced
 from metrale.kernels.kv_tiles import shared_budget
 from metrale.knobs import knobs
@@ -207,10 +208,10 @@ def tiles_of(n: int, k: int, x: torch.Tensor) -> tuple[int, int, int, int]:
 
 
 def shared_need(tiles: tuple[int, int, int, int], elem_bytes: int) -> int:
-    """Bytes of shared memory a tile's pipeline may take: every stage's x (16 rows) and weight
-    operands (Triton keeps one stage fewer: this errs toward the narrower tile)."""
+    """Bytes of shared memory a tile's pipeline may take: x's 16 rows and BN weight rows a
+    stage (`batch_invariant.pipeline_bytes`)."""
     bn, bk, _, stages = tiles
-    return (bn + 16) * bk * elem_bytes * stages
+    return pipeline_bytes(16, bn, bk, elem_bytes, stages)
 
 
 def strip_of(n: int, k: int, strip: int = STRIP) -> tuple[int, int]:

@@ -138,20 +138,28 @@ def _shard_rows(param: nn.Parameter, fused: str, shard: int, model: nn.Module, n
     return start, sizes[shard]
 
 
+def _expert_target(name: str) -> tuple[str, int, str, int] | None:
+    """A per-expert tensor's name -> (the stacked parameter it would fill, expert, stacked
+    projection, shard); None for any other name."""
+    m = _EXPERT_TENSOR.fullmatch(name)
+    if m is None:
+        return None
+    stacked, shard = _EXPERT_PIECES[m.group(3)]
+    return f"{m.group(1)}.{stacked}", int(m.group(2)), stacked, shard
+
+
 def _stacked_expert(
     name: str, params: dict[str, nn.Parameter], path: Path
 ) -> tuple[str, torch.Tensor, tuple[int, int]] | None:
     """A per-expert tensor bound for a stacked parameter -> (parameter name, destination view,
     (expert, shard)); None when the model keeps no stacked parameter for it."""
-    m = _EXPERT_TENSOR.fullmatch(name)
-    if m is None:
+    found = _expert_target(name)
+    if found is None:
         return None
-    stacked, shard = _EXPERT_PIECES[m.group(3)]
-    target = f"{m.group(1)}.{stacked}"
+    target, expert, stacked, shard = found
     param = params.get(target)
     if param is None or param.dim() != 3:
         return None
-    expert = int(m.group(2))
     if expert >= param.shape[0]:
         raise CheckpointError(
             f"{path.name}: tensor {name} names expert {expert} of {param.shape[0]}"
@@ -204,8 +212,8 @@ def load_weights(
         hf = None if local is None else _rename(local, renames)
         if hf is None:
             return False
-        m = _EXPERT_TENSOR.fullmatch(hf)
-        if m is not None and f"{m.group(1)}.{_EXPERT_PIECES[m.group(3)][0]}" in params:
+        expert = _expert_target(hf)
+        if expert is not None and expert[0] in params:
             return True
         return _target_of(hf, packed)[0] in params
 
