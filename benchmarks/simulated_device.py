@@ -37,6 +37,7 @@ from metrale.bench.e2e import random_prompts, replay_engine
 from metrale.bench.forced import ForcedAcceptance
 from metrale.config import SamplingParams
 from metrale.engine.heap import freeze_startup_heap
+from metrale.speculative.verify_cost import VerifyCostModel
 
 
 class SimulatedDevice:
@@ -59,6 +60,16 @@ class SimulatedDevice:
         self.busy += seconds
         self.steps, self.rows = self.steps + 1, self.rows + rows
         return torch.zeros(rows, self.hidden), None
+
+    def cost_model(self, max_batch: int) -> VerifyCostModel:
+        """The verify cost curve of this device (the same at every width) and its plain step."""
+        batches = sorted({1 << i for i in range(max_batch.bit_length())} | {max_batch})
+        ratio = {
+            (b, q): (self.plain + self.row * (q - 1)) / self.plain
+            for b in batches
+            for q in (2, 4, 8)
+        }
+        return VerifyCostModel.from_points(ratio, {b: self.plain for b in batches})
 
     def wait(self, until: float) -> None:
         left = until - time.perf_counter()
@@ -122,6 +133,12 @@ def main() -> None:
     embed = next(m for m in engine.runner.model.modules() if isinstance(m, torch.nn.Embedding))
     device = SimulatedDevice(args.plain_ms, args.row_ms, embed.embedding_dim)
     device.attach(engine.runner)
+    if engine.spec is not None:
+        # D-Cut prices rows as the simulated device charges them, as the engine's start-up
+        # calibration makes it price them on a GPU (on a CPU nothing is calibrated: the default
+        # curve priced a verify of 4 rows a sequence at 2.5x plain at batch 64, so D-Cut rarely
+        # drafted where the simulated device charged 1.5x)
+        engine.spec.cost = device.cost_model(args.batch)
 
     def run(speculative: bool, seed: int = 0) -> dict:
         engine.runner.forced_acceptance = ForcedAcceptance(args.alpha, seed=seed)

@@ -20,6 +20,8 @@ import sysconfig
 import time
 from pathlib import Path
 
+import torch
+
 from metrale.api import LLM
 from metrale.bench.acceptance import heldout_prompts
 from metrale.bench.drafter import concurrency
@@ -59,6 +61,19 @@ class PhaseTimer:
             (engine, "_commit"),
             (engine.emitter, "emit"),
         ]
+        if engine.runner.graphs is not None:
+            # a replayed step's host path, piece by piece: pack, copy, load, launch
+            import metrale.engine.step_metadata as metadata_mod
+            from metrale.engine.graphs import GraphRunner
+
+            self.targets += [
+                (runner_mod, "pack_spans"),
+                (metadata_mod, "to_device_packed"),
+                (GraphRunner, "load"),
+                (torch.cuda.CUDAGraph, "replay"),
+                (verdicts_mod, "to_host"),
+                (runner_mod, "to_host"),
+            ]
         if engine._ahead is not None:  # async scheduling: its launches, waits and sync steps
             self.targets += [(engine._ahead, n) for n in ("_launch", "_settle", "_run_now")]
         if engine.spec is not None:
@@ -225,6 +240,12 @@ def main() -> None:
         help="--shape: forced acceptance at --alpha (as `metrale bench --forced-acceptance`)",
     )
     ap.add_argument("--dcut", action="store_true", help="--shape: D-Cut picks the depths")
+    ap.add_argument(
+        "--max-model-len", type=int, default=512, help="--shape: the engine's (bench: 1344)"
+    )
+    ap.add_argument(
+        "--max-num-seqs", type=int, default=None, help="--shape: default max(--batch, 8)"
+    )
     ap.add_argument("--phases", action="store_true", help="wall time per phase, not cProfile")
     ap.add_argument(
         "--async-scheduling",
@@ -269,8 +290,8 @@ def main() -> None:
     llm, drafter = replay_engine(
         args.shape,
         args.alpha,
-        max_model_len=512,
-        max_num_seqs=max(args.batch, 8),
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs or max(args.batch, 8),
         kv_cache_memory_gb=8.0,
         spec={"num_drafts": 3, "dcut": args.dcut},
         async_scheduling=args.async_scheduling,
