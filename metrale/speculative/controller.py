@@ -129,7 +129,9 @@ class SpeculativeDecoder(DepthPlanning, Observing):
           rows are a few tokens that `propose` indexes anyway); `width`: the running batch;
           also, with no prompt chunk, while the drafter says its indexes lag (`lagging`);
         - in a verify step, D-Cut's choice for the next step where it plans afresh
-          (`DepthPlanning.plan_ahead`), and the telemetry of the step's verify shape."""
+          (`DepthPlanning.plan_ahead`), and the telemetry of the step's verify shape;
+        - the acceptance estimates take the verdicts a held verify deferred
+          (`AcceptanceEstimator.defer`), if nothing read them since."""
         catch_up = getattr(self.drafter, "catch_up", None)
         seqs, verified = [], []
         for e in entries:
@@ -145,12 +147,14 @@ class SpeculativeDecoder(DepthPlanning, Observing):
         ahead = bool(verified) and self.cfg.dcut
         # (a drafter's host indexes that lag its device table: `NgramDrafter.lagging`)
         lagging = catch_up is not None and getattr(self.drafter, "lagging", False)
-        if not seqs and not verified and not lagging:
+        estimator = self.estimator
+        if not seqs and not verified and not lagging and not estimator.pending:
             return None
 
         def work() -> None:
             if verified:  # first: nothing else records it if a later part raises
                 self._record_verify(verified)
+            estimator.flush()
             if seqs or lagging:
                 catch_up(seqs, len(running))
             if ahead:

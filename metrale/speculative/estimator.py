@@ -94,9 +94,31 @@ class AcceptanceEstimator:
         self._pool_weights = _weights(pool_rate)
         self._seqs: OrderedDict[Hashable, tuple[list[float], list[int]]] = OrderedDict()
         self._pooled = ([prior] * max_positions, [0] * max_positions) if pooled_prior else None
+        # `observe_many` calls not applied yet (`defer`), in order
+        self._deferred: list[list[tuple[Hashable, Sequence[bool]]]] = []
 
     def __len__(self) -> int:
+        self.flush()
         return len(self._seqs)
+
+    @property
+    def pending(self) -> bool:
+        """Whether observations wait to be applied (`defer`)."""
+        return bool(self._deferred)
+
+    def defer(self, verifies: list[tuple[Hashable, Sequence[bool]]]) -> None:
+        """`observe_many(verifies)`, applied later: at `flush`, or first thing when the estimates
+        are next read or changed, so every read sees what it would have seen at once. A held
+        verify's verdicts are learned as soon as they are read (`Observing.learn_held`), on
+        the step's critical path; most steps reuse their plan and read no estimate before the
+        next forward, in whose overlap window the engine flushes them."""
+        if verifies:
+            self._deferred.append(verifies)
+
+    def flush(self) -> None:
+        """Apply the deferred observations (`defer`), in order."""
+        while self._deferred:
+            self._observe(self._deferred.pop(0))
 
     def observe(self, seq_id: Hashable, matches: Sequence[bool]) -> None:
         """Record one verify of `seq_id`: `matches[j]` is whether draft j + 1 matched (the
@@ -108,6 +130,10 @@ class AcceptanceEstimator:
 
         NOTE: one call a step for every verified sequence: a few microseconds each is a
         measurable share of a batch-64 step on a small model."""
+        self.flush()
+        self._observe(verifies)
+
+    def _observe(self, verifies: list[tuple[Hashable, Sequence[bool]]]) -> None:
         seqs, pooled, depth = self._seqs, self._pooled, self.max_positions
         weights, pool_weights = self._weights, self._pool_weights
         for seq_id, matches in verifies:
@@ -138,6 +164,7 @@ class AcceptanceEstimator:
     ) -> list[float]:
         """a_{j+1} for j < depth; `probs[j]` (the drafter's confidence in draft j + 1, this step)
         replaces the EMA where given."""
+        self.flush()
         stats = self._seqs.get(seq_id)
         if stats is None and self._pooled is not None and self._pooled[1][0] > 0:
             stats = self._pooled
@@ -159,4 +186,5 @@ class AcceptanceEstimator:
 
     def forget(self, seq_id: Hashable) -> None:
         """Drop a finished (or aborted) sequence; unknown ids are fine."""
+        self.flush()
         self._seqs.pop(seq_id, None)

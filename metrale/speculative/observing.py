@@ -84,7 +84,9 @@ class Observing:
             if matches is not None:
                 learned.append((seq_id, matches))
         state.learned = True
-        self._learn(learned, [])
+        # (the estimates themselves take them later, unless something reads them first:
+        # `AcceptanceEstimator.defer`; the plans they invalidate are dropped now)
+        self._learn(learned, [], defer=True)
 
     def _observe(
         self, verdicts: list[Verdict], proposed: dict, learned: bool = False
@@ -123,11 +125,17 @@ class Observing:
         # A sequence that finished this step (its status changes after) has nothing to draft.
         return self._drafter_observe([v for v in verdicts if v.seq.finish_reason is None])
 
-    def _learn(self, learned: list[tuple[int, list[bool]]], verdicts: list) -> None:
-        """The estimates take one step's matches (seq_id, matches)."""
+    def _learn(
+        self, learned: list[tuple[int, list[bool]]], verdicts: list, defer: bool = False
+    ) -> None:
+        """The estimates take one step's matches (seq_id, matches); `defer`: when next read
+        (`AcceptanceEstimator.defer`)."""
         if not learned:
             return
-        self.estimator.observe_many(learned)
+        if defer:
+            self.estimator.defer(learned)
+        else:
+            self.estimator.observe_many(learned)
         self._quiet = None
         for v in verdicts:
             if v.seq.is_finished:
