@@ -179,6 +179,23 @@ def test_a_dflash_drafter_given_as_a_hub_id_resolves_from_the_cache(tmp_path):
     assert drafted > 0
 
 
+def test_a_dflash_hub_id_missing_offline_says_what_the_hub_lookup_found(tmp_path):
+    """`--draft-model acme/absent` offline and not cached: the Hub's finding, as for `model`,
+    not "no DFlash drafter at acme/absent" as if it were a folder (found in review)."""
+    (tmp_path / "hub").mkdir()
+    code = (
+        "from metrale import LLM\n"
+        "try:\n"
+        "    LLM(device='cpu', spec=dict(method='dflash', model='acme/absent'))\n"
+        "except ValueError as e:\n"
+        "    print('ERR', e)\n"
+    )
+    result = run(code, tmp_path / "hub")
+    assert result.returncode == 0, result.stderr
+    line = result.stdout.strip().splitlines()[-1]
+    assert line.startswith("ERR spec.model: model 'acme/absent'") and "HF_HUB_OFFLINE" in line
+
+
 @pytest.mark.parametrize("error", ["LocalEntryNotFoundError", "OSError"])
 def test_a_hub_error_of_several_lines_is_said_on_one(monkeypatch, error):
     """With the Hub unreachable but not marked offline, huggingface_hub's error spans lines;

@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 
 from metrale.config import EngineConfig, SpecConfig
-from metrale.hub import resolve_model
+from metrale.hub import is_hub_id, resolve_model
 from metrale.knobs import knobs
 from metrale.models.dflash import DFlashConfig
 from metrale.spec_config import DEFAULT_NUM_DRAFTS
@@ -24,15 +24,19 @@ def dflash_dir(spec: SpecConfig, model_dir: Path) -> Path | None:
     the target's weights."""
     if spec.method != "dflash":
         return None
-    path = model_dir / "dflash"
+    path, missing = model_dir / "dflash", None
     if spec.model:  # a directory, or a Hub id in the local HF cache, as `model` (review)
         try:
             path = resolve_model(spec.model)
-        except FileNotFoundError:
-            path = Path(spec.model).expanduser()
+        except FileNotFoundError as e:
+            path, missing = Path(spec.model).expanduser(), e
     if spec.model and not (path / "config.json").is_file() and (path / "dflash").is_dir():
         path = path / "dflash"  # `train dflash --out DIR` writes DIR/dflash (review)
     if not (path / "config.json").is_file():
+        if missing is not None and is_hub_id(spec.model):
+            # what the Hub lookup found (not in the cache, offline, ...), not "no drafter at
+            # acme/x" as if it were a folder of the working directory
+            raise ValueError(f"spec.model: {missing}")
         raise ValueError(
             f"spec.model: no DFlash drafter at {path} (give spec=dict(method='dflash', "
             "model=DIR), or put one in the target's dflash/ folder)"
