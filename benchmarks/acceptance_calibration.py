@@ -46,13 +46,14 @@ def record(drafter: str, batch: int, rounds: int) -> tuple[list[list[tuple[int, 
     )
     est = llm.engine.spec.estimator
     log: list[list[tuple[int, list[bool]]]] = []
-    observe = est.observe_many
+    # (`_observe`: what applies every observation, those a held verify deferred included)
+    observe = est._observe
 
     def recorded(verifies):
         log.append([(seq_id, [bool(m) for m in matches]) for seq_id, matches in verifies])
         return observe(verifies)
 
-    est.observe_many = recorded
+    est._observe = recorded
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     prompts = heldout_prompts(stdlib, llm.tokenizer, batch * rounds, 128)
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
