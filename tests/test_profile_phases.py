@@ -4,8 +4,11 @@ generation under it still gives the same tokens."""
 
 from __future__ import annotations
 
+import json
+import sys
+
 from metrale import LLM, SamplingParams
-from metrale.bench.profile_e2e import PhaseTimer
+from metrale.bench.profile_e2e import PhaseTimer, graph_targets
 
 
 def test_phase_timer_wraps_every_phase_and_restores_them():
@@ -22,3 +25,22 @@ def test_phase_timer_wraps_every_phase_and_restores_them():
     report = timer.report()
     assert "LLMEngine.step" in report and "runner.greedy_verdicts" in report
     assert all("timed" not in repr(getattr(obj, name)) for obj, name in timer.targets)
+
+
+def test_the_graph_path_phases_name_functions_that_exist():
+    """The phases timed only on CUDA graphs (never on a CPU run) name real functions."""
+    for obj, name in graph_targets():
+        assert callable(getattr(obj, name)), name
+
+
+def test_verify_window_reports_the_windows_of_a_speculative_run(monkeypatch, capsys):
+    """`benchmarks/verify_window.py`: the verify steps' windows on the simulated device, and
+    the functions that ran in them."""
+    from benchmarks import verify_window
+
+    argv = ["verify_window.py", "--batch", "4", "--max-tokens", "12", "--runs", "1"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--plain-ms", "0.5", "--row-ms", "0.1"])
+    verify_window.main()
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["windows"] > 0 and report["window_median_ms"] > 0
+    assert {"prepare", "hold", "greedy_verdicts"} <= set(report["ms_per_window"])

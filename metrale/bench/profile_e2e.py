@@ -33,6 +33,24 @@ from metrale.engine.calibrate import sync
 from metrale.engine.heap import freeze_startup_heap
 
 
+def graph_targets() -> list[tuple[object, str]]:
+    """A replayed step's host path, piece by piece (`PhaseTimer` on CUDA graphs): the packing,
+    the staging copy, the workspace load, the graph's launch and the verdicts' read."""
+    import metrale.engine.runner as runner_mod
+    import metrale.engine.step_metadata as metadata_mod
+    import metrale.engine.step_output as verdicts_mod
+    from metrale.engine.graphs import GraphRunner
+
+    return [
+        (runner_mod, "pack_spans"),
+        (metadata_mod, "to_device_packed"),
+        (GraphRunner, "load"),
+        (torch.cuda.CUDAGraph, "replay"),
+        (verdicts_mod, "to_host"),
+        (runner_mod, "to_host"),
+    ]
+
+
 class PhaseTimer:
     """Wall time per engine phase (inclusive, host side: a phase that syncs includes the wait),
     by wrapping the phases' functions for the duration of a `with` block; far lighter than
@@ -62,18 +80,7 @@ class PhaseTimer:
             (engine.emitter, "emit"),
         ]
         if engine.runner.graphs is not None:
-            # a replayed step's host path, piece by piece: pack, copy, load, launch
-            import metrale.engine.step_metadata as metadata_mod
-            from metrale.engine.graphs import GraphRunner
-
-            self.targets += [
-                (runner_mod, "pack_spans"),
-                (metadata_mod, "to_device_packed"),
-                (GraphRunner, "load"),
-                (torch.cuda.CUDAGraph, "replay"),
-                (verdicts_mod, "to_host"),
-                (runner_mod, "to_host"),
-            ]
+            self.targets += graph_targets()
         if engine._ahead is not None:  # async scheduling: its launches, waits and sync steps
             self.targets += [(engine._ahead, n) for n in ("_launch", "_settle", "_run_now")]
         if engine.spec is not None:
