@@ -167,7 +167,7 @@ def hold(launched, out, cache, max_model_len: int) -> tuple[int, set[int]]:
         if v is None:  # a prompt chunk: its rows are computed, nothing to emit
             seq.num_computed_tokens += entry.num_rows
         else:
-            ids = v.picks[: len(v.tokens)]  # (its tokens' ids: its rows' picks to the bonus)
+            ids = v.token_ids
             if ends_now(seq, ids, max_model_len):
                 ending.add(id(entry))
                 continue

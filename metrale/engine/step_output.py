@@ -34,12 +34,27 @@ class SeqVerdict:
     entry: ScheduledSeq
     num_accepted: int
     matches: list[bool]  # per draft, every position
-    tokens: list[SampledToken]
+    # its tokens with their logprob information, or None: plain ids, made when first asked for
+    # (`tokens`: a greedy verify's are read at its commit, in the next forward's window)
+    built: list[SampledToken] | None
     picks: list[int]  # the target's token at every row, past the first miss too
 
     @property
     def seq(self) -> Sequence:
         return self.entry.seq
+
+    @property
+    def tokens(self) -> list[SampledToken]:
+        """The tokens it emits: `picks` up to the first rejected draft's row (the bonus)."""
+        if self.built is None:
+            seq = self.entry.seq
+            self.built = [SampledToken(seq, t) for t in self.picks[: self.num_accepted + 1]]
+        return self.built
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The ids of `tokens`, without making them."""
+        return self.picks[: self.num_accepted + 1]
 
 
 class PendingVerdicts:
@@ -182,8 +197,7 @@ def greedy_verdicts(
         else:  # (never past a row whose logits were not finite: `shown_tokens`)
             matches = [m and t >= 0 for m, t in zip(forced.draw(k), rows, strict=False)]
         accepted = next((i for i, m in enumerate(matches) if not m), k)
-        tokens = [SampledToken(e.seq, t) for t in rows[: accepted + 1]]
-        result.append(SeqVerdict(e, accepted, matches, tokens, rows))
+        result.append(SeqVerdict(e, accepted, matches, None, rows))
     return result
 
 

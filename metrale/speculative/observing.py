@@ -76,10 +76,11 @@ class Observing:
             return
         proposed_of, learned = state.proposed.get, []
         for v in verdicts:
-            if v.seq.is_finished or not v.tokens or v.tokens[-1].token_id < 0:
+            ids = v.token_ids  # (not `tokens`: made at the commit, off the critical path)
+            if v.seq.is_finished or not ids or ids[-1] < 0:
                 continue
             seq_id = v.seq.seq_id
-            first = v.tokens[0].token_id
+            first = ids[0]
             matches = learned_matches(v.entry.drafts, v.matches, first, proposed_of(seq_id))
             if matches is not None:
                 learned.append((seq_id, matches))
