@@ -104,17 +104,21 @@ class SimulatedDevice:
         device_tokens.HostCopy.rows = copy_rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def add_arguments(ap: argparse.ArgumentParser, batch: int, plain_ms: float, row_ms: float) -> None:
+    """The simulated run's options (this script's and `verify_window.py`'s), with defaults."""
     ap.add_argument("--shape", default="tiny")
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=batch)
     ap.add_argument("--alpha", type=float, default=0.8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--dcut", action="store_true", help="D-Cut picks the depths")
-    ap.add_argument("--plain-ms", type=float, default=6.7, help="a plain step's device time")
-    ap.add_argument("--row-ms", type=float, default=1.0, help="per extra row per sequence")
-    ap.add_argument("--seeds", type=int, default=10, help="speculative runs, one draw each")
-    args = ap.parse_args()
+    ap.add_argument("--plain-ms", type=float, default=plain_ms, help="a plain step's device time")
+    ap.add_argument("--row-ms", type=float, default=row_ms, help="per extra row per sequence")
+
+
+def simulated(args: argparse.Namespace) -> tuple:
+    """(llm, prompts, sampling options, device): a random-weight `--shape` engine whose replay
+    drafter knows the plain continuations of `--batch` prompts, its forwards on a simulated
+    device (`add_arguments`' options)."""
     torch.set_num_threads(1)
     llm, drafter = replay_engine(
         args.shape,
@@ -138,7 +142,17 @@ def main() -> None:
         # calibration makes it price them on a GPU (on a CPU nothing is calibrated: the default
         # curve priced a verify of 4 rows a sequence at 2.5x plain at batch 64, so D-Cut rarely
         # drafted where the simulated device charged 1.5x)
-        engine.spec.cost = device.cost_model(args.batch)
+        engine.spec.cost = device.cost_model(max(args.batch, 8))
+    return llm, prompts, base, device
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    add_arguments(ap, batch=8, plain_ms=6.7, row_ms=1.0)
+    ap.add_argument("--seeds", type=int, default=10, help="speculative runs, one draw each")
+    args = ap.parse_args()
+    llm, prompts, base, device = simulated(args)
+    engine = llm.engine
 
     def run(speculative: bool, seed: int = 0) -> dict:
         engine.runner.forced_acceptance = ForcedAcceptance(args.alpha, seed=seed)

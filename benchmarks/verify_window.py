@@ -20,15 +20,11 @@ import json
 import statistics
 import time
 
-import torch
-
 import metrale.engine.held_verify as held_verify
 import metrale.engine.runner as runner_mod
-from benchmarks.simulated_device import SimulatedDevice
-from metrale.bench.e2e import random_prompts, replay_engine
+from benchmarks.simulated_device import SimulatedDevice, add_arguments, simulated
 from metrale.bench.forced import ForcedAcceptance
 from metrale.config import SamplingParams
-from metrale.engine.heap import freeze_startup_heap
 
 
 class Window:
@@ -74,34 +70,11 @@ class Window:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="tiny")
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--alpha", type=float, default=0.8)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--dcut", action="store_true", help="D-Cut picks the depths")
-    ap.add_argument("--plain-ms", type=float, default=7.1, help="a plain step's device time")
-    ap.add_argument("--row-ms", type=float, default=0.55, help="per extra row per sequence")
+    add_arguments(ap, batch=64, plain_ms=7.1, row_ms=0.55)
     ap.add_argument("--runs", type=int, default=3, help="timed generations (after two warm)")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    llm, drafter = replay_engine(
-        args.shape,
-        args.alpha,
-        max_model_len=512,
-        max_num_seqs=max(args.batch, 8),
-        kv_cache_memory_gb=1.0,
-        spec={"num_drafts": 3, "dcut": args.dcut},
-    )
-    freeze_startup_heap()
+    llm, prompts, base, device = simulated(args)
     engine = llm.engine
-    prompts = random_prompts(args.batch, min(1000, engine.vocab_size), seed=0)
-    base = dict(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    plain = llm.generate(prompts, SamplingParams(**base, speculative=False), use_tqdm=False)
-    drafter.record({tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain)})
-    embed = next(m for m in engine.runner.model.modules() if isinstance(m, torch.nn.Embedding))
-    device = SimulatedDevice(args.plain_ms, args.row_ms, embed.embedding_dim)
-    device.attach(engine.runner)
-    engine.spec.cost = device.cost_model(max(args.batch, 8))  # (`simulated_device.main`)
     window = Window(device)
     engine.runner._forward = device.forward  # (the wrapped one)
     for owner, name in (
