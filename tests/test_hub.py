@@ -54,17 +54,18 @@ def test_a_hub_id_resolves_from_the_local_cache_offline(tiny_model_dir, tmp_path
     assert lines[-1] == "acme/tiny-qwen3"  # served under its Hub id, not the commit hash
 
 
-def test_a_hub_id_missing_offline_is_a_clear_error(tmp_path):
-    (tmp_path / "hub").mkdir()
-    code = (
-        "from metrale import LLM\n"
-        "try:\n"
-        "    LLM('acme/absent', device='cpu')\n"
-        "except FileNotFoundError as e:\n"
-        "    print('ERR', e)\n"
-    )
-    result = run(code, tmp_path / "hub")
+def error_offline(call: str, error: str, root: Path) -> subprocess.CompletedProcess:
+    """`call` (an `LLM(...)` expression) run offline on an empty cache under `root`, printing
+    'ERR' and the `error` it raises."""
+    (root / "hub").mkdir()
+    code = f"from metrale import LLM\ntry:\n    {call}\nexcept {error} as e:\n    print('ERR', e)\n"
+    result = run(code, root / "hub")
     assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_a_hub_id_missing_offline_is_a_clear_error(tmp_path):
+    result = error_offline("LLM('acme/absent', device='cpu')", "FileNotFoundError", tmp_path)
     assert "ERR model 'acme/absent'" in result.stdout and "HF_HUB_OFFLINE" in result.stdout
 
 
@@ -182,16 +183,8 @@ def test_a_dflash_drafter_given_as_a_hub_id_resolves_from_the_cache(tmp_path):
 def test_a_dflash_hub_id_missing_offline_says_what_the_hub_lookup_found(tmp_path):
     """`--draft-model acme/absent` offline and not cached: the Hub's finding, as for `model`,
     not "no DFlash drafter at acme/absent" as if it were a folder (found in review)."""
-    (tmp_path / "hub").mkdir()
-    code = (
-        "from metrale import LLM\n"
-        "try:\n"
-        "    LLM(device='cpu', spec=dict(method='dflash', model='acme/absent'))\n"
-        "except ValueError as e:\n"
-        "    print('ERR', e)\n"
-    )
-    result = run(code, tmp_path / "hub")
-    assert result.returncode == 0, result.stderr
+    call = "LLM(device='cpu', spec=dict(method='dflash', model='acme/absent'))"
+    result = error_offline(call, "ValueError", tmp_path)
     line = result.stdout.strip().splitlines()[-1]
     assert line.startswith("ERR spec.model: model 'acme/absent'") and "HF_HUB_OFFLINE" in line
 
