@@ -24,7 +24,25 @@ def test_phase_timer_wraps_every_phase_and_restores_them():
     assert got == want
     report = timer.report()
     assert "LLMEngine.step" in report and "runner.greedy_verdicts" in report
-    assert all("timed" not in repr(getattr(obj, name)) for obj, name in timer.targets)
+    assert all(getattr(obj, name).__name__ != "timed" for obj, name in timer.targets)
+
+
+def test_phase_timer_times_the_verify_windows_inside_the_phases():
+    """The critical windows (verdicts read -> next forward) of a speculative run: one a verify
+    step followed by another forward, each no longer than its step's span, and no phase
+    charged more time inside them than it took in all."""
+    llm = LLM(device="cpu", spec={"method": "ngram", "num_drafts": 3}, max_num_seqs=4)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = ["def f(x):\n    return x + x + x + x\n" * 3] * 2
+    with PhaseTimer(llm) as timer:
+        llm.generate(prompts, params, use_tqdm=False)
+    verifies = timer.calls["runner.to_host"]
+    assert 0 < len(timer.windows) <= verifies
+    assert all(w > 0 for w in timer.windows)
+    assert {"LLMEngine.step", "ModelRunner._metadata"} <= set(timer.in_window)
+    for label, inside in timer.in_window.items():
+        assert inside <= timer.totals[label] + 1e-9, label
+    assert "verify windows (verdicts read -> next forward)" in timer.report()
 
 
 def test_the_graph_path_phases_name_functions_that_exist():

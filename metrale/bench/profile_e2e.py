@@ -16,6 +16,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import statistics
 import sysconfig
 import time
 from pathlib import Path
@@ -54,15 +55,22 @@ def graph_targets() -> list[tuple[object, str]]:
 class PhaseTimer:
     """Wall time per engine phase (inclusive, host side: a phase that syncs includes the wait),
     by wrapping the phases' functions for the duration of a `with` block; far lighter than
-    cProfile, so the proportions are the engine's own."""
+    cProfile, so the proportions are the engine's own.
+
+    It also times a verify step's critical window, as `benchmarks/verify_window.py` does on the
+    simulated device: from the return of the verdicts' read (`runner.to_host`) to the start of
+    the next forward (a program's `CUDAGraph.replay`; on a CPU, `ModelRunner._forward`), when
+    the device has nothing queued; and, per phase, its time inside those windows."""
 
     def __init__(self, llm: LLM) -> None:
+        import metrale.engine.held_verify as held_verify
         import metrale.engine.runner as runner_mod
         import metrale.engine.step_output as verdicts_mod
         from metrale.engine.sampler import SamplingBatch
 
         engine = llm.engine
         self.targets = [
+            (llm, "_take"),  # (a generation's loop: what runs between two engine steps)
             (engine, "step"),
             (engine.scheduler, "schedule"),
             (engine.runner, "execute"),
@@ -77,14 +85,22 @@ class PhaseTimer:
             (runner_mod, "greedy_verdicts"),
             (runner_mod, "sampled_verdicts"),
             (engine, "_commit"),
+            (engine, "_outputs"),
             (engine.emitter, "emit"),
         ]
         if engine.runner.graphs is not None:
             self.targets += graph_targets()
+            self.closes = "CUDAGraph.replay"
+        else:
+            self.targets.append((runner_mod, "to_host"))
+            self.closes = "ModelRunner._forward"
         if engine._ahead is not None:  # async scheduling: its launches, waits and sync steps
             self.targets += [(engine._ahead, n) for n in ("_launch", "_settle", "_run_now")]
         if engine.spec is not None:
             self.targets += [
+                (held_verify, "hold"),
+                (engine.spec, "learn_held"),
+                (engine.spec, "timed_step"),
                 (engine.spec, "prepare"),
                 (engine.spec, "_planned"),
                 (engine.spec, "_cut"),
@@ -95,6 +111,10 @@ class PhaseTimer:
         self.totals: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self.longest: dict[str, float] = {}
+        self.opened: float | None = None  # when the open window opened
+        self.active: list[tuple[str, float]] = []  # (label, start) of the calls running
+        self.windows: list[float] = []
+        self.in_window: dict[str, float] = {}  # per phase: its seconds inside windows
 
     def _wrap(self, obj, name: str):
         fn = getattr(obj, name)
@@ -104,15 +124,36 @@ class PhaseTimer:
 
         def timed(*a, **kw):
             start = time.perf_counter()
+            if label == self.closes and self.opened is not None:
+                self._close(start)
+            self.active.append((label, start))
             try:
                 return fn(*a, **kw)
             finally:
-                took = time.perf_counter() - start
+                end = time.perf_counter()
+                self.active.pop()
+                took = end - start
                 self.totals[label] = self.totals.get(label, 0.0) + took
                 self.longest[label] = max(self.longest.get(label, 0.0), took)
                 self.calls[label] = self.calls.get(label, 0) + 1
+                if self.opened is not None:  # (the part after the window opened)
+                    self._inside(label, start, end)
+                if label == "runner.to_host":
+                    self.opened = end
 
         return timed
+
+    def _inside(self, label: str, start: float, end: float) -> None:
+        inside = end - max(start, self.opened)
+        self.in_window[label] = self.in_window.get(label, 0.0) + inside
+
+    def _close(self, now: float) -> None:
+        """The next forward starts: the window ends, and the calls still running (the step
+        that launches it) are charged their part of it now."""
+        for label, start in self.active:
+            self._inside(label, start, now)
+        self.windows.append(now - self.opened)
+        self.opened = None
 
     def __enter__(self):
         self.saved = [(obj, name, obj.__dict__.get(name)) for obj, name in self.targets]
@@ -137,6 +178,15 @@ class PhaseTimer:
                 f"{label:28s} {self.calls[label]:6d} {total * 1e3:9.2f} "
                 f"{total * 1e3 / steps:11.3f} {self.longest[label] * 1e3:8.2f}"
             )
+        if self.windows:
+            n = len(self.windows)
+            lines.append(
+                f"verify windows (verdicts read -> next forward): {n}, median "
+                f"{statistics.median(self.windows) * 1e3:.3f} ms, mean "
+                f"{sum(self.windows) / n * 1e3:.3f} ms; per phase, ms a window inside them:"
+            )
+            for label, inside in sorted(self.in_window.items(), key=lambda kv: -kv[1]):
+                lines.append(f"  {label:28s} {inside * 1e3 / n:8.3f}")
         return "\n".join(lines)
 
 
