@@ -482,3 +482,35 @@ def test_every_bench_mode_builds_its_engine_with_the_parallel_options(mode, tmp_
     (kwargs,) = seen
     assert kwargs["tensor_parallel_size"] == 2 and kwargs["expert_parallel"] is True
     assert kwargs["distributed_timeout_s"] == 30.0
+
+
+def test_a_collapsed_replay_is_flagged_in_the_table():
+    """A replayed row whose drafts stopped matching (random bf16 weights) says so and points at
+    forced acceptance; a replay at its alpha's acceptance, and a forced row, do not."""
+    from metrale.bench.command import replay_collapsed, table
+
+    def row(acceptance: str, alpha: float, length: float) -> dict:
+        return dict(
+            acceptance=acceptance, alpha=alpha, batch=1, mean_acceptance_length=length,
+            tpot_ms_plain=5.7, tpot_ms_spec=5.9, decode_speedup=0.97, ideal_speedup=2.88,
+            ideal_speedup_at_measured_acceptance=1.07, tokens_per_s_plain=174.0,
+            tokens_per_s_spec=168.0, speedup=0.97, graph_refusals=0, distinct_verify_keys=3,
+        )  # fmt: skip
+
+    collapsed, healthy, forced = (
+        row("replayed", 0.8, 1.10),
+        row("replayed", 0.8, 2.8),
+        row("forced", 0.8, 1.10),
+    )
+    assert replay_collapsed(collapsed, 3)
+    assert not replay_collapsed(healthy, 3) and not replay_collapsed(forced, 3)
+    assert not replay_collapsed(row("replayed", 0.0, 1.0), 3)  # alpha 0 drafts nothing right
+    result = dict(
+        shape="qwen3-8b", device="cuda", dtype="torch.bfloat16", bandwidth_GBps=2900.0,
+        roofline_ms=5.5, verify_cost={"q": [1], "ratio": [[1.0]]}, decode=[], num_drafts=3,
+        e2e=[collapsed, healthy, forced],
+    )  # fmt: skip
+    lines = table(result).splitlines()
+    hints = [i for i, line in enumerate(lines) if "stopped matching" in line]
+    assert len(hints) == 1 and "--forced-acceptance" in lines[hints[0]]
+    assert "acceptance length 1.10" in lines[hints[0] - 1]  # under the collapsed row
