@@ -73,6 +73,16 @@ def test_missing_tensor_is_named(model_copy):
         LLM(model_copy, device="cpu")
 
 
+def test_weights_without_any_of_the_models_tensors_say_so(model_copy):
+    """A folder whose safetensors hold none of the model's tensors (a snapshot of only its
+    drafter's, `mtp.safetensors`): the error says so and names the files, rather than naming
+    the first tensor as if one were missing."""
+    (model_copy / "model.safetensors").unlink()
+    save_file({"mtp.layers.0.weight": torch.zeros(2, 2)}, model_copy / "mtp.safetensors")
+    with pytest.raises(CheckpointError, match=r"mtp\.safetensors\) hold none of the model's"):
+        LLM(model_copy, device="cpu")
+
+
 def test_wrong_shape_is_named(model_copy):
     def edit(t):
         t["model.layers.0.mlp.down_proj.weight"] = torch.zeros(3, 3)

@@ -256,6 +256,15 @@ def load_weights(
         dest.copy_(tensor)
         filled.setdefault(target, set()).add(shard)
 
+    if params and not filled:
+        # (rather than the first tensor's name: a folder of another model's weights, or of its
+        # drafter's alone, such as a snapshot holding only mtp.safetensors)
+        names = ", ".join(f.name for f in files)
+        raise CheckpointError(
+            f"{model_dir}: its weights ({names}) hold none of the model's {len(params)} "
+            f"tensors (the first: {_checkpoint_name(next(iter(params)), renames)}): the "
+            "model's weights are missing, or these are another model's"
+        )
     for name, param in params.items():
         got = filled.get(name, set())
         fused = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
