@@ -60,6 +60,7 @@ def test_bench_writes_table_json_and_png(tmp_path, capsys):
     (e2e,) = result["e2e"]
     assert e2e["batch"] == 2 and e2e["speedup"] > 0 and e2e["ideal_speedup"] > 0
     assert 1.0 <= e2e["mean_acceptance_length"] <= 3.0
+    assert 0.0 <= e2e["first_draft_acceptance"] <= 1.0  # (drafts were verified: no D-Cut)
     # Both ideals price one verify the same way: they differ by the acceptance length only.
     ratio = e2e["ideal_speedup_at_measured_acceptance"] / e2e["ideal_speedup"]
     expected = (1 - 0.7**3) / (1 - 0.7)  # alpha 0.7, K = 2
@@ -485,32 +486,38 @@ def test_every_bench_mode_builds_its_engine_with_the_parallel_options(mode, tmp_
 
 
 def test_a_collapsed_replay_is_flagged_in_the_table():
-    """A replayed row whose drafts stopped matching (random bf16 weights) says so and points at
-    forced acceptance; a replay at its alpha's acceptance, and a forced row, do not."""
+    """A replayed row whose drafts stopped matching (random bf16 weights: first drafts accepted
+    far below alpha) says so and points at forced acceptance. Not a replay whose first drafts
+    match at alpha however short its acceptance length (D-Cut's shallow depths, a short run),
+    one where nothing was verified (D-Cut drafted nothing), nor a forced row (found in
+    review: the first version compared acceptance lengths and flagged those)."""
     from metrale.bench.command import replay_collapsed, table
 
-    def row(acceptance: str, alpha: float, length: float) -> dict:
+    def row(acceptance: str, alpha: float, length: float, first: float | None) -> dict:
         return dict(
             acceptance=acceptance, alpha=alpha, batch=1, mean_acceptance_length=length,
-            tpot_ms_plain=5.7, tpot_ms_spec=5.9, decode_speedup=0.97, ideal_speedup=2.88,
-            ideal_speedup_at_measured_acceptance=1.07, tokens_per_s_plain=174.0,
-            tokens_per_s_spec=168.0, speedup=0.97, graph_refusals=0, distinct_verify_keys=3,
+            first_draft_acceptance=first, tpot_ms_plain=5.7, tpot_ms_spec=5.9,
+            decode_speedup=0.97, ideal_speedup=2.88, ideal_speedup_at_measured_acceptance=1.07,
+            tokens_per_s_plain=174.0, tokens_per_s_spec=168.0, speedup=0.97,
+            graph_refusals=0, distinct_verify_keys=3,
         )  # fmt: skip
 
-    collapsed, healthy, forced = (
-        row("replayed", 0.8, 1.10),
-        row("replayed", 0.8, 2.8),
-        row("forced", 0.8, 1.10),
-    )
-    assert replay_collapsed(collapsed, 3)
-    assert not replay_collapsed(healthy, 3) and not replay_collapsed(forced, 3)
-    assert not replay_collapsed(row("replayed", 0.0, 1.0), 3)  # alpha 0 drafts nothing right
+    collapsed = row("replayed", 0.8, 1.10, 0.09)
+    shallow = row("replayed", 0.95, 1.9, 0.95)  # depth 1 at K = 7: length far below alpha's
+    nothing = row("replayed", 0.8, 1.0, None)  # D-Cut verified nothing
+    forced = row("forced", 0.8, 1.10, 0.09)
+    assert replay_collapsed(collapsed)
+    assert not any(map(replay_collapsed, (shallow, nothing, forced)))
+    assert not replay_collapsed(row("replayed", 0.0, 1.0, 0.0))  # alpha 0: none should match
     result = dict(
         shape="qwen3-8b", device="cuda", dtype="torch.bfloat16", bandwidth_GBps=2900.0,
         roofline_ms=5.5, verify_cost={"q": [1], "ratio": [[1.0]]}, decode=[], num_drafts=3,
-        e2e=[collapsed, healthy, forced],
+        e2e=[collapsed, shallow, nothing, forced],
     )  # fmt: skip
     lines = table(result).splitlines()
     hints = [i for i, line in enumerate(lines) if "stopped matching" in line]
     assert len(hints) == 1 and "--forced-acceptance" in lines[hints[0]]
+    assert "9% against alpha 0.8" in lines[hints[0]] and "16-bit" in lines[hints[0]]
     assert "acceptance length 1.10" in lines[hints[0] - 1]  # under the collapsed row
+    result["dtype"] = "torch.float32"  # no rounding story for float32
+    assert "16-bit" not in table(result)

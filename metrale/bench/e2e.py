@@ -79,6 +79,9 @@ def _counters(llm: LLM) -> tuple:
         tel.multi_seq_runs,
         tel.contiguous_runs,
         llm.engine.runner.graph_refusals,
+        # verifies that drafted a first token, and those that accepted it
+        tel.drafted_per_pos[0] if tel.drafted_per_pos else 0,
+        tel.accepted_per_pos[0] if tel.accepted_per_pos else 0,
     )
 
 
@@ -126,6 +129,9 @@ def end_to_end(
         "decode_tokens_per_s_spec": decode_tokens / decode_spec,
         "decode_speedup": decode_plain / decode_spec,
         "mean_acceptance_length": 1 + delta[1] / max(delta[0], 1),
+        # a first draft's acceptance rate (None: nothing verified), alpha's own where the
+        # replayed drafts match the target, whatever depths D-Cut picked
+        "first_draft_acceptance": delta[7] / delta[6] if delta[6] else None,
         "verify_steps": delta[2] / REPEATS,
         # of the runs of several equal-depth sequences in dispatch order, the share on
         # consecutive state slots (what a kernel batching by slot range would need)
