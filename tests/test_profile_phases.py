@@ -28,21 +28,29 @@ def test_phase_timer_wraps_every_phase_and_restores_them():
 
 
 def test_phase_timer_times_the_verify_windows_inside_the_phases():
-    """The critical windows (verdicts read -> next forward) of a speculative run: one a verify
-    step followed by another forward, each no longer than its step's span, and no phase
-    charged more time inside them than it took in all."""
+    """The critical windows (a verify step's verdicts read -> next forward) of a speculative
+    run, greedy and sampled: each positive, no phase charged more inside them than the windows
+    last in all (a window still open at the end counts for no phase: found in review), nor
+    more than it took; a run of plain steps opens none (review: every read opened one)."""
     llm = LLM(device="cpu", spec={"method": "ngram", "num_drafts": 3}, max_num_seqs=4)
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     prompts = ["def f(x):\n    return x + x + x + x\n" * 3] * 2
-    with PhaseTimer(llm) as timer:
-        llm.generate(prompts, params, use_tqdm=False)
-    verifies = timer.calls["runner.to_host"]
-    assert 0 < len(timer.windows) <= verifies
-    assert all(w > 0 for w in timer.windows)
-    assert {"LLMEngine.step", "ModelRunner._metadata"} <= set(timer.in_window)
-    for label, inside in timer.in_window.items():
-        assert inside <= timer.totals[label] + 1e-9, label
-    assert "verify windows (verdicts read -> next forward)" in timer.report()
+    for temperature in (0.0, 0.8):
+        params = SamplingParams(temperature=temperature, max_tokens=24, ignore_eos=True, seed=0)
+        with PhaseTimer(llm) as timer:
+            llm.generate(prompts, params, use_tqdm=False)
+        assert timer.windows and all(w > 0 for w in timer.windows), temperature
+        assert {"LLMEngine.step", "ModelRunner._metadata"} <= set(timer.in_window)
+        for label, inside in timer.in_window.items():
+            assert inside <= timer.totals[label] + 1e-9, label
+            assert inside <= sum(timer.windows) + 1e-9, label
+        assert "verify windows (verdicts read -> next forward)" in timer.report()
+    # (the synchronous engine: each plain step reads its tokens as a verify reads its verdicts)
+    sync = LLM(device="cpu", spec={"method": "ngram"}, max_num_seqs=4, async_scheduling=False)
+    plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, speculative=False)
+    with PhaseTimer(sync) as timer:
+        sync.generate(prompts, plain, use_tqdm=False)
+    assert timer.calls["runner.to_host"] > 0
+    assert not timer.windows and "verify windows" not in timer.report()
 
 
 def test_the_graph_path_phases_name_functions_that_exist():

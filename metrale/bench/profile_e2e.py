@@ -58,9 +58,11 @@ class PhaseTimer:
     cProfile, so the proportions are the engine's own.
 
     It also times a verify step's critical window, as `benchmarks/verify_window.py` does on the
-    simulated device: from the return of the verdicts' read (`runner.to_host`) to the start of
-    the next forward (a program's `CUDAGraph.replay`; on a CPU, `ModelRunner._forward`), when
-    the device has nothing queued; and, per phase, its time inside those windows."""
+    simulated device: from the return of a verify step's verdicts' read (`to_host`, greedy or
+    sampled; not a plain step's) to the start of the next forward (a program's
+    `CUDAGraph.replay`; on a CPU, `ModelRunner._forward`), when the device has nothing queued;
+    and, per phase, its time inside those windows (a window still open at the end counts for
+    neither)."""
 
     def __init__(self, llm: LLM) -> None:
         import metrale.engine.held_verify as held_verify
@@ -92,7 +94,7 @@ class PhaseTimer:
             self.targets += graph_targets()
             self.closes = "CUDAGraph.replay"
         else:
-            self.targets.append((runner_mod, "to_host"))
+            self.targets += [(runner_mod, "to_host"), (verdicts_mod, "to_host")]
             self.closes = "ModelRunner._forward"
         if engine._ahead is not None:  # async scheduling: its launches, waits and sync steps
             self.targets += [(engine._ahead, n) for n in ("_launch", "_settle", "_run_now")]
@@ -113,8 +115,10 @@ class PhaseTimer:
         self.longest: dict[str, float] = {}
         self.opened: float | None = None  # when the open window opened
         self.active: list[tuple[str, float]] = []  # (label, start) of the calls running
+        self.verifying = False  # the step running drafts (its verdicts' read opens a window)
         self.windows: list[float] = []
-        self.in_window: dict[str, float] = {}  # per phase: its seconds inside windows
+        self.in_window: dict[str, float] = {}  # per phase: its seconds inside closed windows
+        self.open_spent: dict[str, float] = {}  # and inside the open one (kept when it closes)
 
     def _wrap(self, obj, name: str):
         fn = getattr(obj, name)
@@ -126,6 +130,9 @@ class PhaseTimer:
             start = time.perf_counter()
             if label == self.closes and self.opened is not None:
                 self._close(start)
+            if label == "ModelRunner.execute":
+                batch = a[0] if a else kw["batch"]
+                self.verifying = any(e.drafts for e in batch.entries)
             self.active.append((label, start))
             try:
                 return fn(*a, **kw)
@@ -138,20 +145,23 @@ class PhaseTimer:
                 self.calls[label] = self.calls.get(label, 0) + 1
                 if self.opened is not None:  # (the part after the window opened)
                     self._inside(label, start, end)
-                if label == "runner.to_host":
+                if label.endswith(".to_host") and self.verifying and self.opened is None:
                     self.opened = end
 
         return timed
 
     def _inside(self, label: str, start: float, end: float) -> None:
         inside = end - max(start, self.opened)
-        self.in_window[label] = self.in_window.get(label, 0.0) + inside
+        self.open_spent[label] = self.open_spent.get(label, 0.0) + inside
 
     def _close(self, now: float) -> None:
-        """The next forward starts: the window ends, and the calls still running (the step
-        that launches it) are charged their part of it now."""
+        """The next forward starts: the window ends, the calls still running (the step that
+        launches it) are charged their part of it now, and its phases' times count."""
         for label, start in self.active:
             self._inside(label, start, now)
+        for label, inside in self.open_spent.items():
+            self.in_window[label] = self.in_window.get(label, 0.0) + inside
+        self.open_spent = {}
         self.windows.append(now - self.opened)
         self.opened = None
 
