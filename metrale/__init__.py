@@ -47,10 +47,15 @@ def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'metrale' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except AttributeError as e:
+        # (`from metrale import X` turns an AttributeError from here into a bare "cannot import
+        # name": a dependency's moved API would lose its traceback; found in review)
+        raise ImportError(f"metrale.{name}: importing {module} failed: {e}") from e
     globals()[name] = value  # (imported once: later lookups find it here)
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+    return sorted({*globals(), *__all__})

@@ -62,3 +62,24 @@ def test_python_m_metrale_runs_the_cli():
 
 def test_every_public_name_has_its_module():
     assert sorted(metrale.__all__) == sorted(metrale._EXPORTS)
+
+
+def test_a_failing_import_behind_a_public_name_keeps_its_cause():
+    """`from metrale import LLM` whose import hits an AttributeError inside (a dependency's API
+    moved) raises an ImportError naming it, with the cause chained; and `dir` lists each name
+    once (found in review)."""
+    code = (
+        "import torch\n"
+        "del torch.no_grad\n"
+        "try:\n"
+        "    from metrale import LLM\n"
+        "except ImportError as e:\n"
+        "    assert 'no_grad' in str(e) and isinstance(e.__cause__, AttributeError), e\n"
+        "else:\n"
+        "    raise SystemExit('imported')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr + done.stdout
+    metrale.LLM  # noqa: B018
+    names = dir(metrale)
+    assert len(names) == len(set(names)) and "LLM" in names

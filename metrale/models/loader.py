@@ -261,9 +261,9 @@ def load_weights(
         # drafter's alone, such as a snapshot holding only mtp.safetensors)
         names = ", ".join(f.name for f in files)
         raise CheckpointError(
-            f"{model_dir}: its weights ({names}) hold none of the model's {len(params)} "
-            f"tensors (the first: {_checkpoint_name(next(iter(params)), renames)}): the "
-            "model's weights are missing, or these are another model's"
+            f"{model_dir}: its weights ({names}) hold none of the model's tensors (the first "
+            f"it needs: {_checkpoint_name(next(iter(params)), renames)}): the model's weights "
+            "are missing, or these are another model's"
         )
     for name, param in params.items():
         got = filled.get(name, set())
