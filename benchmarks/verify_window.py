@@ -84,6 +84,9 @@ def main() -> None:
         (engine, "_outputs"),
         (engine.spec, "timed_step"),
         (engine.spec, "prepare"),
+        (engine.spec, "_planned"),  # (D-Cut's plan, inside prepare)
+        (engine.spec, "_propose"),  # (the drafter and the drafts' checks, inside prepare)
+        (engine.spec, "_cut"),  # (D-Cut's cut of what was drafted, inside prepare)
         (engine.scheduler, "schedule"),
         (engine.runner, "_metadata"),
     ):
