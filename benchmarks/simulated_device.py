@@ -79,16 +79,16 @@ class SimulatedDevice:
     def attach(self, runner) -> None:
         """Route `runner`'s forwards here, and make the reads of their results wait."""
         runner._forward = self.forward
-        greedy, init, rows = (
-            runner_mod.greedy_verdicts,
+        host, init, rows = (
+            runner_mod.to_host,
             device_tokens.HostCopy.__init__,
             device_tokens.HostCopy.rows,
         )
         device = self
 
-        def greedy_verdicts(*args, **kwargs):  # a verify's verdicts: its own forward's
+        def to_host(*args, **kwargs):  # a verify's verdicts' read: its own forward's
             device.wait(device.free_at)
-            return greedy(*args, **kwargs)
+            return host(*args, **kwargs)
 
         def copy_init(self, *args, **kwargs):  # a copy queued behind the forward just launched
             init(self, *args, **kwargs)
@@ -99,7 +99,7 @@ class SimulatedDevice:
                 device.wait(getattr(self, "_simulated_done", 0.0))
             return rows(self)
 
-        runner_mod.greedy_verdicts = greedy_verdicts
+        runner_mod.to_host = to_host
         device_tokens.HostCopy.__init__ = copy_init
         device_tokens.HostCopy.rows = copy_rows
 

@@ -1,7 +1,7 @@
 """The host's critical window of a speculative step, on a CPU against the simulated device
 (`simulated_device.py`): from the moment a verify's verdicts can be read to the next forward's
 launch, the device has nothing to run. This prints that window's median and, per engine function,
-the milliseconds of it spent there (a function's time counts from when the window opened).
+the milliseconds of it spent there (`profile_e2e.PhaseTimer`'s windows, as on a GPU).
 
     PYTHONPATH=. python benchmarks/verify_window.py --batch 64 --alpha 0.5 --dcut
 
@@ -14,58 +14,24 @@ on a 2-core machine moved them by half); the split between functions is what to 
 from __future__ import annotations
 
 import argparse
-import collections
-import functools
 import json
 import statistics
-import time
 
-import metrale.engine.held_verify as held_verify
-import metrale.engine.runner as runner_mod
-from benchmarks.simulated_device import SimulatedDevice, add_arguments, simulated
+from benchmarks.simulated_device import add_arguments, simulated
 from metrale.bench.forced import ForcedAcceptance
+from metrale.bench.profile_e2e import PhaseTimer
 from metrale.config import SamplingParams
 
 
-class Window:
-    """Wall time from each verdict read (the simulated device's `wait`) to the next forward, and
-    the part of it each wrapped function took."""
-
-    def __init__(self, device: SimulatedDevice) -> None:
-        self.opened: float | None = None
-        self.windows: list[float] = []
-        self.spent: dict[str, float] = collections.defaultdict(float)
-        forward, wait = device.forward, device.wait
-
-        def timed_forward(*args, **kwargs):
-            if self.opened is not None:
-                self.windows.append(time.perf_counter() - self.opened)
-                self.opened = None
-            return forward(*args, **kwargs)
-
-        def timed_wait(until: float) -> None:
-            wait(until)
-            self.opened = time.perf_counter()
-
-        device.forward, device.wait = timed_forward, timed_wait
-
-    def time(self, owner, name: str) -> None:
-        fn = getattr(owner, name)
-
-        @functools.wraps(fn)
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                if self.opened is not None:
-                    self.spent[name] += time.perf_counter() - max(start, self.opened)
-
-        setattr(owner, name, timed)
-
-    def reset(self) -> None:
-        self.windows.clear()
-        self.spent.clear()
+def short_names(labels) -> dict[str, str]:
+    """Each `PhaseTimer` label (owner.function) -> its function's name where no other label
+    shares it (`prepare`, `hold`), else the label itself (`SpeculativeDecoder.observe` beside
+    `ReplayDrafter.observe`)."""
+    names = [label.rsplit(".", 1)[-1] for label in labels]
+    return {
+        label: name if names.count(name) == 1 else label
+        for label, name in zip(labels, names, strict=True)
+    }
 
 
 def main() -> None:
@@ -73,45 +39,32 @@ def main() -> None:
     add_arguments(ap, batch=64, plain_ms=7.1, row_ms=0.55)
     ap.add_argument("--runs", type=int, default=3, help="timed generations (after two warm)")
     args = ap.parse_args()
-    llm, prompts, base, device = simulated(args)
+    llm, prompts, base, _ = simulated(args)
     engine = llm.engine
-    window = Window(device)
-    engine.runner._forward = device.forward  # (the wrapped one)
-    for owner, name in (
-        (runner_mod, "greedy_verdicts"),
-        (engine.spec, "learn_held"),
-        (held_verify, "hold"),
-        (engine, "_outputs"),
-        (engine.spec, "timed_step"),
-        (engine.spec, "prepare"),
-        (engine.spec, "_planned"),  # (D-Cut's plan, inside prepare)
-        (engine.spec, "_propose"),  # (the drafter and the drafts' checks, inside prepare)
-        (engine.spec, "_cut"),  # (D-Cut's cut of what was drafted, inside prepare)
-        (engine.scheduler, "schedule"),
-        (engine.runner, "_metadata"),
-    ):
-        window.time(owner, name)
 
     def run(seed: int) -> None:
         engine.runner.forced_acceptance = ForcedAcceptance(args.alpha, seed=seed)
         llm.generate(prompts, SamplingParams(**base), use_tqdm=False)
 
     run(0), run(1)  # warm
-    window.reset()
-    for seed in range(2, 2 + args.runs):
-        run(seed)
-    n = max(len(window.windows), 1)
+    # (the window opens when the verdicts' read returns: the simulated device waits there)
+    with PhaseTimer(llm) as timer:
+        for seed in range(2, 2 + args.runs):
+            run(seed)
+    windows = timer.windows
+    n = max(len(windows), 1)
+    name = short_names(list(timer.in_window))
     print(
         json.dumps(
             {
                 "batch": args.batch,
                 "alpha": args.alpha,
-                "windows": len(window.windows),
-                "window_median_ms": round(statistics.median(window.windows or [0.0]) * 1e3, 3),
-                "window_mean_ms": round(statistics.mean(window.windows or [0.0]) * 1e3, 3),
+                "windows": len(windows),
+                "window_median_ms": round(statistics.median(windows or [0.0]) * 1e3, 3),
+                "window_mean_ms": round(statistics.mean(windows or [0.0]) * 1e3, 3),
                 "ms_per_window": {
-                    k: round(v * 1e3 / n, 3)
-                    for k, v in sorted(window.spent.items(), key=lambda kv: -kv[1])
+                    name[k]: round(v * 1e3 / n, 3)
+                    for k, v in sorted(timer.in_window.items(), key=lambda kv: -kv[1])
                 },
             }
         )

@@ -105,6 +105,7 @@ class PhaseTimer:
                 (engine.spec, "timed_step"),
                 (engine.spec, "prepare"),
                 (engine.spec, "_planned"),
+                (engine.spec, "_propose"),
                 (engine.spec, "_cut"),
                 (engine.spec.drafter, "propose"),
                 (engine.spec, "observe"),
