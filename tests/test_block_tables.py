@@ -117,7 +117,9 @@ def test_every_step_reads_the_host_tables(tiny_model_dir, hybrid_dir, hybrid):  
     runner = llm.engine.runner
     runner.block_tables.min_entries = 0
     if not hybrid:
-        runner.graphs = EagerPrograms(runner.model, 4, runner.page_size)
+        runner.graphs = EagerPrograms(
+            runner.model, 4, runner.page_size, pages=runner.block_tables.num_pages
+        )
     failures, checked = record_failures(runner), []
     span_metadata = runner.span_metadata
 
@@ -129,6 +131,18 @@ def test_every_step_reads_the_host_tables(tiny_model_dir, hybrid_dir, hybrid):  
         return ids, positions, meta
 
     runner.span_metadata = checking
+    if not hybrid:  # the programs' inputs, sent in one copy (`engine/graph_inputs.py`)
+        inputs = runner.graphs.inputs
+        send = inputs.send
+
+        def checking_send(flat, device_tables, rows):
+            send(flat, device_tables, rows)
+            tables = [t for t, _, _ in flat.spans]
+            got = inputs.block_tables[: len(tables)]
+            assert torch.equal(got, host_padded(tables, got.shape[1]))
+            checked.append(rows is not None and device_tables is not None)
+
+        inputs.send = checking_send
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want and not failures
     assert llm.engine.telemetry.preemptions > 0 and sum(checked) > len(checked) // 2

@@ -85,14 +85,14 @@ class Watch:
         self.checked = 0
         inner_run, inner_forward = g.run, runner._forward
 
-        def run(table, ids, positions, slots, starts, lens, tables, msl, state=None, rows=None):
-            counts = (starts[1:] - starts[:-1]).tolist()
+        def run(table, flat, device_tables=None, table_rows=None, state=None, rows=None):
+            counts = [b - a for a, b in zip(flat.starts, flat.starts[1:])]
             mode = None if state is None else state[0]
             read = None if state is None else state[1].tolist()
             self.calls.append((table, mode, counts, read))
             pool = self.states.pool
             before = [t.clone() for t in pool.conv + pool.ssm]
-            out = inner_run(table, ids, positions, slots, starts, lens, tables, msl, state, rows)
+            out = inner_run(table, flat, device_tables, table_rows, state, rows)
             if isinstance(table, GDNPrefillShape):
                 expected = {DUMMY_ENTRY} | {r for r, n in zip(read, counts, strict=True) if n}
                 for old, new in zip(before, pool.conv + pool.ssm, strict=True):

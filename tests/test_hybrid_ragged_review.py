@@ -71,15 +71,11 @@ class Recorder:
         self.calls: list[tuple] = []
         inner = runner.run
 
-        def run(table, input_ids, positions, slots, starts, seq_lens, tables, msl, state=None,
-                sample_rows=None):  # fmt: skip
-            rows = (starts[1:] - starts[:-1]).tolist()
+        def run(table, flat, device_tables=None, table_rows=None, state=None, sample_rows=None):
+            rows = [b - a for a, b in zip(flat.starts, flat.starts[1:])]
             mode = None if state is None else state[0]
             self.calls.append((table, mode, rows, None if state is None else state[1].tolist()))
-            return inner(
-                table, input_ids, positions, slots, starts, seq_lens, tables, msl, state,
-                sample_rows,
-            )  # fmt: skip
+            return inner(table, flat, device_tables, table_rows, state, sample_rows)
 
         runner.run = run
 

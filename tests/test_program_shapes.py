@@ -8,8 +8,10 @@ GPU tests run the real one)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from metrale import LLM, SamplingParams
+from metrale.engine.graph_inputs import GraphInputs
 from metrale.engine.graphs import ProgramCache
 from metrale.engine.program_shapes import (
     PrefillShape,
@@ -67,29 +69,34 @@ class EagerPrograms:
 
     ragged = True
 
-    def __init__(self, model, max_q: int, page_size: int, prefill_rows: int = 0) -> None:
+    def __init__(
+        self, model, max_q: int, page_size: int, prefill_rows: int = 0, pages: int = 64
+    ) -> None:
+        """`pages`: the block tables' width, as the runner's device tables hold them."""
         self.model, self.max_q, self.page_size = model, max_q, page_size
         self.prefill_rows = prefill_rows
         self.shapes: list[RaggedShape | PrefillShape] = []
+        self.inputs = GraphInputs(1024, 64, pages, torch.device("cpu"))
+        self.input_ids = self.inputs.input_ids
 
-    def run(
-        self, shape, ids, positions, slots, starts, lens, tables, max_seq_len, state=None, rows=None
-    ):
-        assert state is None and ids.shape[0] == shape.rows()
-        assert lens.shape[0] == shape.num_seqs
+    def run(self, shape, flat, device_tables=None, table_rows=None, state=None, rows=None):
+        assert state is None and len(flat.input_ids) == shape.rows()
+        assert len(flat.seq_lens) == shape.num_seqs
         assert (rows is None) == isinstance(shape, RaggedShape)
         self.shapes.append(shape)
+        self.inputs.send(flat, device_tables, table_rows)
+        n, s, ins = shape.rows(), shape.num_seqs, self.inputs
         meta = AttentionMetadata(
-            slot_mapping=slots,
-            positions=positions,
-            query_start_loc=starts,
-            seq_lens=lens,
-            block_tables=tables,
+            slot_mapping=ins.slots[:n],
+            positions=ins.positions[:n],
+            query_start_loc=ins.query_start_loc[: s + 1],
+            seq_lens=ins.seq_lens[:s],
+            block_tables=ins.block_tables[:s],
             max_query_len=shape.max_q,
-            max_seq_len=max_seq_len,
+            max_seq_len=flat.max_seq_len,
             page_size=self.page_size,
         )
-        hidden = self.model(ids, positions, meta)
+        hidden = self.model(ins.input_ids[:n], ins.positions[:n], meta)
         if rows is not None:
             assert rows.shape[0] == shape.samples
         return hidden, self.model.compute_logits(hidden, rows), None
@@ -119,7 +126,9 @@ def test_ragged_padding_is_lossless_with_mixed_depths(tiny_model_dir):
     drafter = ReplayDrafter(dict(zip(map(tuple, prompts), reference, strict=True)), 0.6, 300)
     llm = LLM(tiny_model_dir, device="cpu", drafter=drafter, spec={"num_drafts": 3})
     runner = llm.engine.runner
-    runner.graphs = EagerPrograms(runner.model, 4, runner.page_size)
+    runner.graphs = EagerPrograms(
+        runner.model, 4, runner.page_size, pages=runner.block_tables.num_pages
+    )
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
     shapes = runner.graphs.shapes
@@ -206,7 +215,9 @@ def test_prefill_programs_are_lossless_with_arrivals(tiny_model_dir, num_drafts,
     runner = llm.engine.runner
     rows = prefill_program_rows(runner.prefill_limit)
     assert rows == (32 if max_model_len is None else 2048)  # by default the whole budget
-    runner.graphs = EagerPrograms(runner.model, num_drafts + 1, runner.page_size, rows)
+    runner.graphs = EagerPrograms(
+        runner.model, num_drafts + 1, runner.page_size, rows, runner.block_tables.num_pages
+    )
     failures = record_failures(runner)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert not failures

@@ -198,7 +198,9 @@ def ragged_programs(engine, prefill_rows: int = 0):
 
     runner = engine.runner
     max_q = engine.spec.cfg.num_drafts + 1
-    runner.graphs = EagerPrograms(runner.model, max_q, runner.page_size, prefill_rows)
+    runner.graphs = EagerPrograms(
+        runner.model, max_q, runner.page_size, prefill_rows, runner.block_tables.num_pages
+    )
 
 
 def test_programs_write_the_context_as_the_eager_forward_does(tiny_model_dir, dense_dflash):

@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from metrale.engine.block_tables import DeviceBlockTables
+from metrale.engine.graph_inputs import Flat, GraphInputs
 from metrale.engine.kv_cache import DUMMY_PAGE
 from metrale.engine.program_cache import CACHE_CAP, ProgramCache, capture, kv_bucket
 from metrale.engine.program_cache import Workspace as Workspace  # re-exported
@@ -148,10 +150,12 @@ class GraphRunner:
         def zeros(*shape, dtype=torch.long):
             return torch.zeros(*shape, dtype=dtype, device=device)
 
-        # The workspace: static inputs every program reads, outputs it writes.
-        self.input_ids, self.positions, self.slots = zeros(ws.rows), zeros(ws.rows), zeros(ws.rows)
-        self.query_start_loc, self.seq_lens = zeros(ws.seqs + 1), zeros(ws.seqs)
-        self.block_tables = zeros(ws.seqs, pages)
+        # The workspace: static inputs every program reads (one host copy fills them,
+        # `graph_inputs.py`), outputs it writes.
+        self.inputs = GraphInputs(ws.rows, ws.seqs, pages, device)
+        self.input_ids, self.positions = self.inputs.input_ids, self.inputs.positions
+        self.slots, self.query_start_loc = self.inputs.slots, self.inputs.query_start_loc
+        self.seq_lens, self.block_tables = self.inputs.seq_lens, self.inputs.block_tables
         # Every program writes its logits here (float32 [rows, V]): one buffer instead of one
         # per program (hundreds of MB each at 150k vocabulary). A replay overwrites the last
         # one's logits, which the step has consumed by then. Prefill programs write only their
@@ -301,46 +305,48 @@ class GraphRunner:
     def run(
         self,
         table: RowTable,
-        input_ids,
-        positions,
-        slots,
-        starts,
-        seq_lens,
-        tables,
-        max_seq_len: int,
+        flat: Flat,
+        device_tables: DeviceBlockTables | None = None,
+        rows: list[int] | None = None,
         state: tuple[StateMode, torch.Tensor, torch.Tensor | None] | None = None,
         sample_rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, GDNState | None]:
-        """Copy the step's inputs (laid out as `table` says, padding included) into the
-        workspace and replay the table's program; returns the hidden states and logits of every
-        row, in the workspace (the next replay of any program overwrites them), and a
-        hybrid target's state view. `state`: a hybrid target's `StateSlots.addresses` (mode,
-        entries read [B], row entries [B, T] or None). Raises ValueError (from the cache) when
-        the table is refused. `sample_rows`: a prefill program's gathered rows (padded to its
-        `samples`), whose logits it returns in that order."""
+        """Send the step's inputs (`GraphInputs.flatten` of spans laid out as `table` says,
+        padding included; `rows`: their rows of `device_tables`, as `pack_spans` takes them)
+        into the workspace and replay the table's program; returns the hidden states and
+        logits of every row, in the workspace (the next replay of any program overwrites
+        them), and a hybrid target's state view. `state`: a hybrid target's
+        `StateSlots.addresses` (mode, entries read [B], row entries [B, T] or None). Raises
+        ValueError (from the cache) when the table is refused, before anything is sent.
+        `sample_rows`: a prefill program's gathered rows (padded to its `samples`), whose
+        logits it returns in that order."""
         # Without a bucket, a table the kernel does not cover still runs the reference inside the
         # graph, gathering max_model_len keys: slower, never wrong.
         bucket = (
-            self.max_model_len if self.paged_kernel else kv_bucket(max_seq_len, self.max_model_len)
+            self.max_model_len
+            if self.paged_kernel
+            else kv_bucket(flat.max_seq_len, self.max_model_len)
         )
         mode = None if state is None else state[0]
         self._last_key = (table, (bucket, mode))
         cache = self.mixed if isinstance(table, GDNMixedShape) else self.cache
+        # (first: a miss captures the program, which runs it on dummy inputs in the workspace)
         graph, hidden, logits, state_view = cache.get(table, (bucket, mode))
-        self.load(input_ids, positions, slots, starts, seq_lens, tables)
-        seqs = seq_lens.shape[0]
+        self.inputs.send(flat, device_tables, rows)
+        seqs = len(flat.seq_lens)
         if state is not None:
-            _, read, rows = state
+            _, read, state_rows = state
             self.state_read[:seqs].copy_(read, non_blocking=True)
-            if rows is not None:
-                self.state_rows[: rows.numel()].copy_(rows.flatten(), non_blocking=True)
+            if state_rows is not None:
+                self.state_rows[: state_rows.numel()].copy_(state_rows.flatten(), non_blocking=True)
         if sample_rows is not None:
             self.sample_rows[: sample_rows.shape[0]].copy_(sample_rows, non_blocking=True)
         graph.replay()
         return hidden, logits, state_view
 
     def load(self, input_ids, positions, slots, starts, seq_lens, tables) -> None:
-        """Copy a step's rows and sequences (padding included) into the workspace."""
+        """Copy a step's rows and sequences (padding included), device tensors, into the
+        workspace (a drafter's program that reads the target's inputs: the MTP catch-up)."""
         rows, seqs = input_ids.shape[0], seq_lens.shape[0]
         self.input_ids[:rows].copy_(input_ids, non_blocking=True)
         self.positions[:rows].copy_(positions, non_blocking=True)

@@ -285,25 +285,19 @@ def run_program(
 ):
     """(hidden, logits, state view) of the program for `key` (a row table, ragged or prefill
     shape) over the padded `spans`, or None when the cache refuses it (the step runs eagerly).
-    `rows`: the spans' rows of the device block tables (`ModelRunner.span_metadata`)."""
-    input_ids, positions, meta = runner.span_metadata(spans, rows)
-    runner.replayed_ids = input_ids
+    `rows`: the spans' rows of the device block tables (as `ModelRunner.span_metadata` takes
+    them)."""
+    graphs = runner.graphs
+    flat = graphs.inputs.flatten(spans, runner.page_size)
     samples = None
     if sample_rows is not None:
         (samples,) = to_device_packed([sample_rows], runner.device)
+    tables = runner.block_tables if rows is not None else None
     try:
-        return runner.graphs.run(
-            key,
-            input_ids,
-            positions,
-            meta.slot_mapping,
-            meta.query_start_loc,
-            meta.seq_lens,
-            meta.block_tables,
-            meta.max_seq_len,
-            state,
-            samples,
-        )
+        ran = graphs.run(key, flat, tables, rows, state, samples)
     except ValueError:  # refused: too wide for the workspace
         runner.graph_refusals += 1
         return None
+    # (the program's input ids: a drafter's hook reads its real rows before the next step)
+    runner.replayed_ids = graphs.input_ids[: len(flat.input_ids)]
+    return ran

@@ -15,6 +15,31 @@ from metrale.engine.staging import to_device_packed
 from metrale.models.attention import AttentionMetadata
 
 
+def flatten_spans(spans: list[tuple[list[int], int, list[int]]], page: int):
+    """(input ids, positions, KV slots, row offsets [B + 1], sequence lengths, pending) of
+    spans (block table, first position, token ids) of consecutive rows, `page` rows a page, as
+    host lists; `pending`: (the row after it, its drafts) of each span whose drafts are still on
+    the device (`PendingIds`), for `device_tokens.pending_fills`."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    starts = [0]
+    seq_lens: list[int] = []
+    pending = []
+    total = 0
+    for table, start, tokens in spans:
+        end = start + len(tokens)
+        input_ids += tokens
+        positions += range(start, end)
+        slots += slots_of(table, start, end, page)
+        total += len(tokens)
+        starts.append(total)
+        seq_lens.append(end)
+        if type(tokens) is PendingIds:
+            pending.append((total, tokens.row))
+    return input_ids, positions, slots, starts, seq_lens, pending
+
+
 def pack_spans(
     spans: list[tuple[list[int], int, list[int]]],
     page: int,
@@ -28,23 +53,7 @@ def pack_spans(
     `rows`: each span's row of `device_tables` (its sequence's slot; `dummy_row` for padding):
     the tables are then read there, and only their changes copied, when the step holds
     enough of them to pay (`DeviceBlockTables.serves`)."""
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    starts = [0]
-    seq_lens: list[int] = []
-    pending = []  # (the row after it, its drafts) of each span with drafts on the device
-    total = 0
-    for table, start, tokens in spans:
-        end = start + len(tokens)
-        input_ids += tokens
-        positions += range(start, end)
-        slots += slots_of(table, start, end, page)
-        total += len(tokens)
-        starts.append(total)
-        seq_lens.append(end)
-        if type(tokens) is PendingIds:
-            pending.append((total, tokens.row))
+    input_ids, positions, slots, starts, seq_lens, pending = flatten_spans(spans, page)
     fills = pending_fills(pending, input_ids)  # (before `changes`: it may read the device)
     width = max(len(table) for table, _, _ in spans)
     if rows is None or device_tables is None or not device_tables.serves(len(spans), width):

@@ -1,0 +1,178 @@
+"""The captured programs' integer inputs (input ids, positions, KV slots, row offsets, sequence
+lengths, block tables), sent from the host in one copy.
+
+Every program reads them from static device buffers. A step used to pack its metadata into a
+fresh pinned tensor (`staging.to_device_packed`), copy it into a fresh device tensor, then copy
+each piece into the static buffers (`GraphRunner.load`: five copies, a fill, a table copy):
+nine launches and two allocations between a verify's verdicts and the next forward, about
+0.27 ms a step on the H100's host (`benchmarks/results/session78-h100/`). Here the five row and
+sequence inputs are views of one flat device buffer, and the host writes a step's values into a
+pinned buffer laid out the same way, so one copy moves them all, with the device block tables'
+changes and the indices of drafts still on the device behind them (its tail). Block tables come
+from the device tables by one `index_select` into the static buffer, or, below
+`DeviceBlockTables.serves`, from the host, padded to full rows, by a second copy.
+
+The host buffers are a ring (`PinnedRing`): a buffer is written again only once the copy that
+last read it has run (its event), since with asynchronous scheduling the host packs a step while
+the copy of the one before may still wait behind a forward. The eager forward and the drafters'
+forwards keep `step_metadata.pack_spans`; the CPU reference of what a program sees is that
+function's output, which the tests compare with these buffers (`tests/test_graph_inputs.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from metrale.engine.block_tables import DeviceBlockTables
+from metrale.engine.device_tokens import Fills, pending_fills, record_now
+from metrale.engine.kv_cache import DUMMY_PAGE
+from metrale.engine.step_metadata import flatten_spans
+
+# Host buffers in the ring: a step and the one launched ahead of it, with room to spare.
+RING = 4
+
+
+class PinnedRing:
+    """`count` host int64 buffers of `size` (pinned on CUDA), handed out in turn; each is
+    returned to the host only once the device has run the copy that last read it."""
+
+    def __init__(self, size: int, device: torch.device, count: int = RING) -> None:
+        cuda = device.type == "cuda"
+        self._tensors = [torch.zeros(size, dtype=torch.long, pin_memory=cuda) for _ in range(count)]
+        self._arrays = [t.numpy() for t in self._tensors]
+        self._events = [torch.cuda.Event() if cuda else None for _ in range(count)]
+        self._recorded = [False] * count
+        self._next = 0
+
+    def take(self) -> tuple[int, np.ndarray, torch.Tensor]:
+        """(index, numpy view, tensor) of the next buffer, free to write."""
+        i = self._next
+        self._next = (i + 1) % len(self._tensors)
+        if self._recorded[i]:
+            self._events[i].synchronize()  # (done long ago, but for a device far behind)
+        return i, self._arrays[i], self._tensors[i]
+
+    def sent(self, i: int) -> None:
+        """Buffer `i`'s copies are queued: mark where the device is done with it."""
+        event = self._events[i]
+        if event is not None:
+            record_now(event)
+            self._recorded[i] = True
+
+
+@dataclass
+class Flat:
+    """A step's host-side inputs (`step_metadata.flatten_spans`) and what they need."""
+
+    spans: list
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    starts: list[int]
+    seq_lens: list[int]
+    fills: Fills
+    max_seq_len: int
+    max_query_len: int
+    width: int  # the widest block table
+
+
+class GraphInputs:
+    """The static integer inputs of programs of up to `rows` rows and `seqs` sequences whose
+    block tables hold `pages` pages, on `device`, with the host ring that fills them."""
+
+    def __init__(self, rows: int, seqs: int, pages: int, device: torch.device) -> None:
+        self.rows, self.seqs, self.pages, self.device = rows, seqs, pages, device
+        r, s = rows, seqs
+        self._offsets = (0, r, 2 * r, 3 * r, 3 * r + s + 1)  # ids, positions, slots, starts, lens
+        self._meta = 3 * r + 2 * s + 1
+        # the tail: a full rewrite of every table row (index, page each), the rows read, and
+        # two indices for each row whose drafts are on the device
+        tail = 2 * s * pages + s + 2 * r
+        self.flat = torch.zeros(self._meta + tail, dtype=torch.long, device=device)
+        a, b, c, d, e = self._offsets
+        self.input_ids, self.positions = self.flat[a:b], self.flat[b:c]
+        self.slots, self.query_start_loc = self.flat[c:d], self.flat[d : d + s + 1]
+        self.seq_lens = self.flat[e : e + s]
+        self.block_tables = torch.zeros(s, pages, dtype=torch.long, device=device)
+        # host: the flat layout, then rows of block tables (the host-packed ones)
+        self._tables_at = self._meta + tail
+        self._ring = PinnedRing(self._tables_at + s * pages, device)
+
+    def flatten(self, spans: list[tuple[list[int], int, list[int]]], page: int) -> Flat:
+        """The host-side work of a step over `spans` (padding included), before its program is
+        known to exist: nothing is sent yet."""
+        ids, positions, slots, starts, lens, pending = flatten_spans(spans, page)
+        fills = pending_fills(pending, ids)
+        return Flat(
+            spans,
+            ids,
+            positions,
+            slots,
+            starts,
+            lens,
+            fills,
+            max(lens),
+            max(len(tokens) for _, _, tokens in spans),
+            max(len(table) for table, _, _ in spans),
+        )
+
+    def send(
+        self, flat: Flat, device_tables: DeviceBlockTables | None, rows: list[int] | None
+    ) -> None:
+        """Write `flat` into the static buffers: one copy, and a table copy or gather.
+        `rows`: each span's row of `device_tables` (as `step_metadata.pack_spans` takes it)."""
+        spans, n, s = flat.spans, len(flat.input_ids), len(flat.seq_lens)
+        if n > self.rows or s > self.seqs or flat.width > self.pages:
+            raise ValueError(
+                f"a step of {n} rows, {s} sequences and {flat.width} pages is past the "
+                f"workspace ({self.rows}, {self.seqs}, {self.pages})"
+            )
+        if (
+            rows is None
+            or device_tables is None
+            or device_tables.num_pages != self.pages
+            or not device_tables.serves(s, flat.width)
+        ):
+            device_tables = None
+        i, host, host_t = self._ring.take()
+        a, b, c, d, e = self._offsets
+        host[a : a + n] = flat.input_ids
+        host[b : b + n] = flat.positions
+        host[c : c + n] = flat.slots
+        host[d : d + s + 1] = flat.starts
+        host[e : e + s] = flat.seq_lens
+        # the tail: device-table changes and rows, then the fills' indices
+        pieces: list[list[int]] = []
+        if device_tables is not None:
+            pieces += [*device_tables.changes(rows, [table for table, _, _ in spans]), rows]
+        pieces += flat.fills.indices
+        at, bounds = self._meta, []
+        for piece in pieces:
+            host[at : at + len(piece)] = piece
+            bounds.append((at, at + len(piece)))
+            at += len(piece)
+        try:
+            self.flat[:at].copy_(host_t[:at], non_blocking=True)
+            if device_tables is None:
+                width, tables = self.pages, self._tables_at
+                host[tables : tables + s * width] = DUMMY_PAGE
+                for j, (table, _, _) in enumerate(spans):
+                    host[tables + j * width : tables + j * width + len(table)] = table
+                self.block_tables[:s].view(-1).copy_(
+                    host_t[tables : tables + s * width], non_blocking=True
+                )
+            self._ring.sent(i)
+            tail = [self.flat[lo:hi] for lo, hi in bounds]
+            if device_tables is not None:
+                where, pages, rows_t = tail[:3]
+                tail = tail[3:]
+                device_tables.apply(where, pages)
+                torch.index_select(device_tables.table, 0, rows_t, out=self.block_tables[:s])
+        except BaseException:
+            if device_tables is not None:
+                device_tables.forget(rows)
+            raise
+        flat.fills.write(self.input_ids[:n], tail)
