@@ -10,10 +10,12 @@ import random
 import pytest
 import torch
 
+from metrale.engine import graph_inputs
 from metrale.engine.block_tables import DeviceBlockTables
 from metrale.engine.device_tokens import DeviceDrafts, PendingIds
-from metrale.engine.graph_inputs import RING, GraphInputs, PinnedRing
+from metrale.engine.graph_inputs import RING, TAIL_SPARE, GraphInputs, PinnedRing
 from metrale.engine.kv_cache import DUMMY_PAGE
+from metrale.engine.staging import to_device_packed
 from metrale.engine.step_metadata import pack_spans
 
 CPU = torch.device("cpu")
@@ -52,9 +54,22 @@ def sent(inputs: GraphInputs, flat, n: int, s: int):
     )
 
 
+# (a tail of 8 entries: most steps' extras overflow it)
+@pytest.mark.parametrize(
+    "spare", [TAIL_SPARE, 8 - 2 * 32 - 3 * 8 - 4 * PAGES], ids=["tail", "overflow"]
+)
 @pytest.mark.parametrize("device_path", [False, True])
-def test_the_inputs_match_the_eager_packing_step_after_step(device_path):
+def test_the_inputs_match_the_eager_packing_step_after_step(device_path, spare, monkeypatch):
+    """Step after step, every input the programs read is what `pack_spans` builds; with a
+    short tail, steps whose extras overflow it send them by a second copy."""
     rng = random.Random(device_path)
+    monkeypatch.setattr(graph_inputs, "TAIL_SPARE", spare)
+    overflows = []
+    monkeypatch.setattr(
+        graph_inputs,
+        "to_device_packed",
+        lambda pieces, device: overflows.append(1) or to_device_packed(pieces, device),
+    )
     inputs = GraphInputs(rows=32, seqs=8, pages=PAGES, device=CPU)
     tables_here = DeviceBlockTables(SLOTS, PAGES, CPU)
     tables_eager = DeviceBlockTables(SLOTS, PAGES, CPU)
@@ -96,6 +111,7 @@ def test_the_inputs_match_the_eager_packing_step_after_step(device_path):
         assert (got[5][:, width:] == DUMMY_PAGE).all()
         assert flat.max_seq_len == meta.max_seq_len
         assert flat.max_query_len == meta.max_query_len
+    assert bool(overflows) == (spare < 0)
 
 
 def test_a_step_past_the_workspace_is_refused_and_its_device_rows_rewritten(monkeypatch):
@@ -118,6 +134,14 @@ def test_a_step_past_the_workspace_is_refused_and_its_device_rows_rewritten(monk
     inputs.send(inputs.flatten([([1, 2], 0, [5, 6])], PAGE), dev, [0])
     assert inputs.block_tables[0, :3].tolist() == [1, 2, DUMMY_PAGE]
     assert dev.table[0, :3].tolist() == [1, 2, DUMMY_PAGE]
+    # ...and one while the host buffer is written, after the changes were taken (found in
+    # review: they were taken outside the guard)
+    flat = inputs.flatten([([1, 2, 3], 0, [5, 6])], PAGE)
+    flat.fills.indices = [["not an index"]]
+    with pytest.raises(ValueError):
+        inputs.send(flat, dev, [0])
+    inputs.send(inputs.flatten([([1, 2, 3], 0, [5, 6])], PAGE), dev, [0])
+    assert inputs.block_tables[0, :4].tolist() == [1, 2, 3, DUMMY_PAGE]
 
 
 def test_the_ring_hands_buffers_out_in_turn():

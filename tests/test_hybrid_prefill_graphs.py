@@ -31,6 +31,7 @@ from metrale.models.gdn_state import CHUNK_MIN_ROWS, SplitState, StateMode
 from metrale.speculative.replay import ReplayDrafter
 from tests.prefix_cache_helpers import shared_prompts
 from tests.test_hybrid_engine import PROMPTS, greedy, hybrid_dir, llm_for  # noqa: F401
+from tests.test_hybrid_ragged_review import poison_past_rows
 
 VARIANTS = ["write_on_accept", "per_row_slots"]
 
@@ -374,6 +375,7 @@ def test_garbage_in_the_dummy_entry_does_not_leak(hybrid_dir, fake_graphs):  # n
         return inner(*args, **kw)
 
     g.run = run
+    poison_past_rows(g, gen, runner.num_pages, runner.page_size)
     assert ids(llm.generate(prompts, params, use_tqdm=False)) == want
     assert any(isinstance(s, GDNPrefillShape) for s in poisoned)
 

@@ -259,10 +259,34 @@ def test_replays_write_only_their_sequences_entries(hybrid_dir, fake_graphs, var
     assert (watch.checked["commit"] > 5) == (variant == "write_on_accept")
 
 
+def poison_past_rows(g: graphs.GraphRunner, gen: torch.Generator, pages: int, page: int) -> None:
+    """After each send of a step's inputs (one copy of whole buffers from the host ring, whose
+    entries past the step's rows hold an older step's), fill the buffers past the step's rows
+    and sequences with values that would corrupt a sequence if a program read them."""
+    inputs = g.inputs
+    send = inputs.send
+
+    def poisoned_send(flat, *args):
+        send(flat, *args)
+        n, s = len(flat.input_ids), len(flat.seq_lens)
+        for buf, lo, hi in (
+            (g.input_ids, n, 300),
+            (g.positions, n, 64),
+            (g.slots, n, pages * page),
+            (g.query_start_loc, s + 1, 64),
+            (g.seq_lens, s, 64),
+            (g.block_tables, s, pages),
+        ):
+            buf[lo:].copy_(torch.randint(1, hi, buf[lo:].shape, generator=gen))
+
+    inputs.send = poisoned_send
+
+
 class Poison:
     """Before every replay, fill the whole graph workspace with values that would corrupt a real
     sequence if a program read them (other slots' state entries, other pages, other tokens), and
-    the dummy state entry with garbage: only what the step copies in may reach its rows."""
+    the dummy state entry with garbage: only what the step copies in may reach its rows (and
+    past its rows, after the send, `poison_past_rows`)."""
 
     def __init__(self, llm, seed: int = 0) -> None:
         runner = llm.engine.runner
@@ -289,6 +313,7 @@ class Poison:
             return inner(*args, **kw)
 
         g.run = run
+        poison_past_rows(g, gen, pages, runner.page_size)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

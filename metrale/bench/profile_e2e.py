@@ -35,14 +35,19 @@ from metrale.engine.heap import freeze_startup_heap
 
 
 def graph_targets() -> list[tuple[object, str]]:
-    """A replayed step's host path, piece by piece (`PhaseTimer` on CUDA graphs): the packing,
-    the staging copy, the workspace load, the graph's launch and the verdicts' read."""
+    """A replayed step's host path, piece by piece (`PhaseTimer` on CUDA graphs): its inputs'
+    flattening and send (`engine/graph_inputs.py`), the graph's launch and the verdicts' read;
+    and the eager and drafters' packing, its staging copy, and the workspace load of the MTP
+    catch-up."""
     import metrale.engine.runner as runner_mod
     import metrale.engine.step_metadata as metadata_mod
     import metrale.engine.step_output as verdicts_mod
+    from metrale.engine.graph_inputs import GraphInputs
     from metrale.engine.graphs import GraphRunner
 
     return [
+        (GraphInputs, "flatten"),
+        (GraphInputs, "send"),
         (runner_mod, "pack_spans"),
         (metadata_mod, "to_device_packed"),
         (GraphRunner, "load"),

@@ -10,7 +10,7 @@ sequence inputs are views of one flat device buffer, and the host writes a step'
 pinned buffer laid out the same way, so one copy moves them all, with the device block tables'
 changes and the indices of drafts still on the device behind them (its tail). Block tables come
 from the device tables by one `index_select` into the static buffer, or, below
-`DeviceBlockTables.serves`, from the host, padded to full rows, by a second copy.
+`DeviceBlockTables.serves`, from the tail (the host's rows, padded to full width where they fit).
 
 The host buffers are a ring (`PinnedRing`): a buffer is written again only once the copy that
 last read it has run (its event), since with asynchronous scheduling the host packs a step while
@@ -29,10 +29,13 @@ import torch
 from metrale.engine.block_tables import DeviceBlockTables
 from metrale.engine.device_tokens import Fills, pending_fills, record_now
 from metrale.engine.kv_cache import DUMMY_PAGE
+from metrale.engine.staging import to_device_packed
 from metrale.engine.step_metadata import flatten_spans
 
 # Host buffers in the ring: a step and the one launched ahead of it, with room to spare.
 RING = 4
+# Entries of the tail past a steady step's needs (`GraphInputs`): a few new sequences' tables.
+TAIL_SPARE = 4096
 
 
 class PinnedRing:
@@ -88,18 +91,18 @@ class GraphInputs:
         r, s = rows, seqs
         self._offsets = (0, r, 2 * r, 3 * r, 3 * r + s + 1)  # ids, positions, slots, starts, lens
         self._meta = 3 * r + 2 * s + 1
-        # the tail: a full rewrite of every table row (index, page each), the rows read, and
-        # two indices for each row whose drafts are on the device
-        tail = 2 * s * pages + s + 2 * r
-        self.flat = torch.zeros(self._meta + tail, dtype=torch.long, device=device)
+        # The tail holds a steady step's extras: two fill indices a row, a new page a sequence
+        # (index and page) and its row, a few full tables. A step with more (new sequences'
+        # long tables) sends the rest by a second copy: sized for the worst case, the ring
+        # would pin hundreds of MB at a 128k context.
+        self._size = self._meta + 2 * r + 3 * s + 4 * pages + TAIL_SPARE
+        self.flat = torch.zeros(self._size, dtype=torch.long, device=device)
         a, b, c, d, e = self._offsets
         self.input_ids, self.positions = self.flat[a:b], self.flat[b:c]
         self.slots, self.query_start_loc = self.flat[c:d], self.flat[d : d + s + 1]
         self.seq_lens = self.flat[e : e + s]
         self.block_tables = torch.zeros(s, pages, dtype=torch.long, device=device)
-        # host: the flat layout, then rows of block tables (the host-packed ones)
-        self._tables_at = self._meta + tail
-        self._ring = PinnedRing(self._tables_at + s * pages, device)
+        self._ring = PinnedRing(self._size, device)
 
     def flatten(self, spans: list[tuple[list[int], int, list[int]]], page: int) -> Flat:
         """The host-side work of a step over `spans` (padding included), before its program is
@@ -122,8 +125,9 @@ class GraphInputs:
     def send(
         self, flat: Flat, device_tables: DeviceBlockTables | None, rows: list[int] | None
     ) -> None:
-        """Write `flat` into the static buffers: one copy, and a table copy or gather.
-        `rows`: each span's row of `device_tables` (as `step_metadata.pack_spans` takes it)."""
+        """Write `flat` into the static buffers: one copy (two for a step whose extras
+        overflow the tail), and the tables' gather or copy. `rows`: each span's row of
+        `device_tables` (as `step_metadata.pack_spans` takes it)."""
         spans, n, s = flat.spans, len(flat.input_ids), len(flat.seq_lens)
         if n > self.rows or s > self.seqs or flat.width > self.pages:
             raise ValueError(
@@ -144,35 +148,51 @@ class GraphInputs:
         host[c : c + n] = flat.slots
         host[d : d + s + 1] = flat.starts
         host[e : e + s] = flat.seq_lens
-        # the tail: device-table changes and rows, then the fills' indices
-        pieces: list[list[int]] = []
-        if device_tables is not None:
-            pieces += [*device_tables.changes(rows, [table for table, _, _ in spans]), rows]
-        pieces += flat.fills.indices
-        at, bounds = self._meta, []
-        for piece in pieces:
-            host[at : at + len(piece)] = piece
-            bounds.append((at, at + len(piece)))
-            at += len(piece)
-        try:
-            self.flat[:at].copy_(host_t[:at], non_blocking=True)
-            if device_tables is None:
-                width, tables = self.pages, self._tables_at
-                host[tables : tables + s * width] = DUMMY_PAGE
-                for j, (table, _, _) in enumerate(spans):
-                    host[tables + j * width : tables + j * width + len(table)] = table
-                self.block_tables[:s].view(-1).copy_(
-                    host_t[tables : tables + s * width], non_blocking=True
-                )
+        room = self._size - self._meta - sum(map(len, flat.fills.indices))
+        try:  # (from `changes` on: what it took must reach the table, or be forgotten)
+            if device_tables is not None:
+                tables = [table for table, _, _ in spans]
+                pieces = [*device_tables.changes(rows, tables), rows]
+                width = 0
+            else:
+                # rows as wide as the workspace's where they fit (no fill), else the step's
+                width = self.pages if s * self.pages <= room else flat.width
+                pieces = [padded_tables(spans, width)]
+            pieces += flat.fills.indices
+            end = self._meta + sum(map(len, pieces))
+            if end <= self._size:
+                at, bounds = self._meta, []
+                for piece in pieces:
+                    host[at : at + len(piece)] = piece
+                    bounds.append((at, at + len(piece)))
+                    at += len(piece)
+                self.flat[:end].copy_(host_t[:end], non_blocking=True)
+                tail = [self.flat[lo:hi] for lo, hi in bounds]
+            else:
+                self.flat[: self._meta].copy_(host_t[: self._meta], non_blocking=True)
+                tail = to_device_packed(pieces, self.device)
             self._ring.sent(i)
-            tail = [self.flat[lo:hi] for lo, hi in bounds]
             if device_tables is not None:
                 where, pages, rows_t = tail[:3]
-                tail = tail[3:]
                 device_tables.apply(where, pages)
                 torch.index_select(device_tables.table, 0, rows_t, out=self.block_tables[:s])
+                tail = tail[3:]
+            else:
+                if width < self.pages:
+                    self.block_tables[:s].fill_(DUMMY_PAGE)
+                self.block_tables[:s, :width].copy_(tail[0].view(s, width))
+                tail = tail[1:]
         except BaseException:
             if device_tables is not None:
                 device_tables.forget(rows)
             raise
         flat.fills.write(self.input_ids[:n], tail)
+
+
+def padded_tables(spans, width: int) -> list[int]:
+    """The spans' block tables, each padded to `width` with the dummy page, in one list."""
+    out: list[int] = []
+    for table, _, _ in spans:
+        out += table
+        out += [DUMMY_PAGE] * (width - len(table))
+    return out

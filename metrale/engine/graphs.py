@@ -329,6 +329,12 @@ class GraphRunner:
         )
         mode = None if state is None else state[0]
         self._last_key = (table, (bucket, mode))
+        if len(flat.input_ids) != table.rows() or len(flat.seq_lens) != table.num_seqs:
+            # (a program reads its shape's rows: the buffers past a step's hold older values)
+            raise RuntimeError(
+                f"a step of {len(flat.input_ids)} rows and {len(flat.seq_lens)} sequences "
+                f"for a program of {table.rows()} and {table.num_seqs}"
+            )
         cache = self.mixed if isinstance(table, GDNMixedShape) else self.cache
         # (first: a miss captures the program, which runs it on dummy inputs in the workspace)
         graph, hidden, logits, state_view = cache.get(table, (bucket, mode))
