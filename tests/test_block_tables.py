@@ -135,8 +135,8 @@ def test_every_step_reads_the_host_tables(tiny_model_dir, hybrid_dir, hybrid):  
         inputs = runner.graphs.inputs
         send = inputs.send
 
-        def checking_send(flat, device_tables, rows):
-            send(flat, device_tables, rows)
+        def checking_send(flat, device_tables, rows, *args, **kwargs):
+            send(flat, device_tables, rows, *args, **kwargs)
             tables = [t for t, _, _ in flat.spans]
             got = inputs.block_tables[: len(tables)]
             assert torch.equal(got, host_padded(tables, got.shape[1]))

@@ -56,7 +56,7 @@ def sent(inputs: GraphInputs, flat, n: int, s: int):
 
 # (a tail of 8 entries: most steps' extras overflow it)
 @pytest.mark.parametrize(
-    "spare", [TAIL_SPARE, 8 - 2 * 32 - 3 * 8 - 4 * PAGES], ids=["tail", "overflow"]
+    "spare", [TAIL_SPARE, 8 - 2 * 32 - 11 * 8 - 4 * PAGES], ids=["tail", "overflow"]
 )
 @pytest.mark.parametrize("device_path", [False, True])
 def test_the_inputs_match_the_eager_packing_step_after_step(device_path, spare, monkeypatch):
@@ -82,7 +82,20 @@ def test_the_inputs_match_the_eager_packing_step_after_step(device_path, spare, 
         spans = random_spans(rng, slots, tables, drafts)
         rows = slots + [tables_here.dummy_row]
         flat = inputs.flatten(spans, PAGE)
-        inputs.send(flat, tables_here, rows)
+        # a hybrid's state entries and a prefill program's sampled rows, sometimes
+        s = len(spans)
+        read = [rng.randrange(100) for _ in range(s)] if rng.random() < 0.5 else None
+        per_row = [rng.randrange(100) for _ in range(4 * s)] if rng.random() < 0.5 else None
+        samples = [rng.randrange(32) for _ in range(rng.randrange(1, 9))]
+        samples = samples if rng.random() < 0.5 else None
+        inputs.send(flat, tables_here, rows, read, per_row, samples)
+        for buf, want in (
+            (inputs.state_read, read),
+            (inputs.state_rows, per_row),
+            (inputs.sample_rows, samples),
+        ):
+            if want is not None:
+                assert buf[: len(want)].tolist() == want
         # the eager path's copy of the same spans (fresh placeholders: `use` marks a source)
         again = DeviceDrafts(drafts.tensor)
         spans2 = [
@@ -98,7 +111,7 @@ def test_the_inputs_match_the_eager_packing_step_after_step(device_path, spare, 
             for t, st, ids in spans
         ]
         ids, positions, meta = pack_spans(spans2, PAGE, CPU, tables_eager, rows)
-        n, s = ids.shape[0], len(spans)
+        n = ids.shape[0]
         got = sent(inputs, flat, n, s)
         assert torch.equal(got[0], ids)
         assert torch.equal(got[1], positions)

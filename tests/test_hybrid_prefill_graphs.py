@@ -89,7 +89,7 @@ class Watch:
         def run(table, flat, device_tables=None, table_rows=None, state=None, rows=None):
             counts = [b - a for a, b in zip(flat.starts, flat.starts[1:])]
             mode = None if state is None else state[0]
-            read = None if state is None else state[1].tolist()
+            read = None if state is None else list(state[1])
             self.calls.append((table, mode, counts, read))
             pool = self.states.pool
             before = [t.clone() for t in pool.conv + pool.ssm]

@@ -74,7 +74,7 @@ class Recorder:
         def run(table, flat, device_tables=None, table_rows=None, state=None, sample_rows=None):
             rows = [b - a for a, b in zip(flat.starts, flat.starts[1:])]
             mode = None if state is None else state[0]
-            self.calls.append((table, mode, rows, None if state is None else state[1].tolist()))
+            self.calls.append((table, mode, rows, None if state is None else list(state[1])))
             return inner(table, flat, device_tables, table_rows, state, sample_rows)
 
         runner.run = run
@@ -191,7 +191,7 @@ class PoolWatch:
         self.states, self.graphs = runner.states, runner.graphs
         self.expected: set[int] = set()
         self.checked = Counter()
-        addresses, run, commit = self.states.addresses, self.graphs.run, self.graphs.commit
+        addresses, run, commit = self.states.plan_addresses, self.graphs.run, self.graphs.commit
 
         def watched_addresses(entries, verify, width=None):
             out = addresses(entries, verify, width)
@@ -232,7 +232,7 @@ class PoolWatch:
             commit(state, num_rows)
             check(before, "commit")
 
-        self.states.addresses = watched_addresses
+        self.states.plan_addresses = watched_addresses
         self.graphs.run = watched_run
         self.graphs.commit = watched_commit
 
@@ -266,8 +266,8 @@ def poison_past_rows(g: graphs.GraphRunner, gen: torch.Generator, pages: int, pa
     inputs = g.inputs
     send = inputs.send
 
-    def poisoned_send(flat, *args):
-        send(flat, *args)
+    def poisoned_send(flat, *args, **kwargs):
+        send(flat, *args, **kwargs)
         n, s = len(flat.input_ids), len(flat.seq_lens)
         for buf, lo, hi in (
             (g.input_ids, n, 300),
@@ -276,6 +276,7 @@ def poison_past_rows(g: graphs.GraphRunner, gen: torch.Generator, pages: int, pa
             (g.query_start_loc, s + 1, 64),
             (g.seq_lens, s, 64),
             (g.block_tables, s, pages),
+            (g.state_read, s, 64),
         ):
             buf[lo:].copy_(torch.randint(1, hi, buf[lo:].shape, generator=gen))
 
@@ -448,7 +449,7 @@ def test_prefix_caching_snapshots_on_the_ragged_path(hybrid_dir, fake_graphs, va
         opts.update(drafter=replay_drafter(prompts, want, 0.6, seed=2), spec={"num_drafts": 3})
     llm = graphed(llm_for(hybrid_dir, **opts))
     restored_in_graph = []
-    addresses = llm.engine.runner.states.addresses
+    addresses = llm.engine.runner.states.plan_addresses
 
     def watched(entries, verify, width=None):
         if width is not None:  # from a replay (an eager forward passes none)
@@ -457,7 +458,7 @@ def test_prefix_caching_snapshots_on_the_ragged_path(hybrid_dir, fake_graphs, va
             )
         return addresses(entries, verify, width)
 
-    llm.engine.runner.states.addresses = watched
+    llm.engine.runner.states.plan_addresses = watched
     assert run_turns(llm, prompts) == expected
     stats = llm.engine.telemetry.prefix_cache
     assert stats.hits > 0 and stats.snapshots_restored > 0
@@ -480,14 +481,14 @@ def test_a_snapshot_resumed_inside_a_graphed_step(hybrid_dir, fake_graphs, varia
         llm = graphed(llm_for(hybrid_dir, **opts))
         llm.generate([prefix + [99]], greedy(2), use_tqdm=False)  # saves a snapshot at 12
         restored = []
-        addresses = llm.engine.runner.states.addresses
+        addresses = llm.engine.runner.states.plan_addresses
 
         def watched(entries, verify, width=None, addresses=addresses, restored=restored):
             if width is not None:  # from a replay (an eager forward passes none)
                 restored += [e for e in entries if e is not None and e.seq.state_restore >= 0]
             return addresses(entries, verify, width)
 
-        llm.engine.runner.states.addresses = watched
+        llm.engine.runner.states.plan_addresses = watched
         assert ids(llm.generate(prompts, params, use_tqdm=False)) == want, spec
         assert len(restored) == 3, spec
 

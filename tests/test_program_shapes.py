@@ -84,7 +84,7 @@ class EagerPrograms:
         assert len(flat.seq_lens) == shape.num_seqs
         assert (rows is None) == isinstance(shape, RaggedShape)
         self.shapes.append(shape)
-        self.inputs.send(flat, device_tables, table_rows)
+        self.inputs.send(flat, device_tables, table_rows, sample_rows=rows)
         n, s, ins = shape.rows(), shape.num_seqs, self.inputs
         meta = AttentionMetadata(
             slot_mapping=ins.slots[:n],
@@ -98,7 +98,8 @@ class EagerPrograms:
         )
         hidden = self.model(ins.input_ids[:n], ins.positions[:n], meta)
         if rows is not None:
-            assert rows.shape[0] == shape.samples
+            assert len(rows) == shape.samples
+            rows = ins.sample_rows[: len(rows)]
         return hidden, self.model.compute_logits(hidden, rows), None
 
 

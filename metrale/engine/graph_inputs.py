@@ -7,8 +7,10 @@ each piece into the static buffers (`GraphRunner.load`: five copies, a fill, a t
 nine launches and two allocations between a verify's verdicts and the next forward, about
 0.27 ms a step on the H100's host (`benchmarks/results/session78-h100/`). Here the five row and
 sequence inputs are views of one flat device buffer, and the host writes a step's values into a
-pinned buffer laid out the same way, so one copy moves them all, with the device block tables'
-changes and the indices of drafts still on the device behind them (its tail). Block tables come
+pinned buffer laid out the same way, so one copy moves them all (a hybrid target's state
+entries and a prefill program's sampled rows too), with the device block tables' changes, a
+per-row-slot verify's state slots and the indices of drafts still on the device behind them (its
+tail). Block tables come
 from the device tables by one `index_select` into the static buffer, or, below
 `DeviceBlockTables.serves`, from the tail (the host's rows, padded to full width where they fit).
 
@@ -89,19 +91,23 @@ class GraphInputs:
     def __init__(self, rows: int, seqs: int, pages: int, device: torch.device) -> None:
         self.rows, self.seqs, self.pages, self.device = rows, seqs, pages, device
         r, s = rows, seqs
-        self._offsets = (0, r, 2 * r, 3 * r, 3 * r + s + 1)  # ids, positions, slots, starts, lens
-        self._meta = 3 * r + 2 * s + 1
+        # ids, positions, slots, starts, lens, a hybrid's state entries read, sampled rows
+        self._offsets = (0, r, 2 * r, 3 * r, 3 * r + s + 1, 3 * r + 2 * s + 1, 3 * r + 3 * s + 1)
+        self._meta = 4 * r + 3 * s + 1
         # The tail holds a steady step's extras: two fill indices a row, a new page a sequence
-        # (index and page) and its row, a few full tables. A step with more (new sequences'
-        # long tables) sends the rest by a second copy: sized for the worst case, the ring
-        # would pin hundreds of MB at a 128k context.
-        self._size = self._meta + 2 * r + 3 * s + 4 * pages + TAIL_SPARE
+        # (index and page) and its row, per-row state slots of up to 8 rows a sequence, a few
+        # full tables. A step with more (new sequences' long tables) sends the rest by a second
+        # copy: sized for the worst case, the ring would pin hundreds of MB at a 128k context.
+        self._size = self._meta + 2 * r + 11 * s + 4 * pages + TAIL_SPARE
         self.flat = torch.zeros(self._size, dtype=torch.long, device=device)
-        a, b, c, d, e = self._offsets
+        a, b, c, d, e, f, g = self._offsets
         self.input_ids, self.positions = self.flat[a:b], self.flat[b:c]
         self.slots, self.query_start_loc = self.flat[c:d], self.flat[d : d + s + 1]
-        self.seq_lens = self.flat[e : e + s]
+        self.seq_lens, self.state_read = self.flat[e : e + s], self.flat[f : f + s]
+        self.sample_rows = self.flat[g : g + r]
         self.block_tables = torch.zeros(s, pages, dtype=torch.long, device=device)
+        # a per-row-slot verify's state entries: from the tail, too wide to copy every step
+        self.state_rows = torch.zeros(s * r, dtype=torch.long, device=device)
         self._ring = PinnedRing(self._size, device)
 
     def flatten(self, spans: list[tuple[list[int], int, list[int]]], page: int) -> Flat:
@@ -123,11 +129,19 @@ class GraphInputs:
         )
 
     def send(
-        self, flat: Flat, device_tables: DeviceBlockTables | None, rows: list[int] | None
+        self,
+        flat: Flat,
+        device_tables: DeviceBlockTables | None,
+        rows: list[int] | None,
+        state_read: list[int] | None = None,
+        state_rows: list[int] | None = None,
+        sample_rows: list[int] | None = None,
     ) -> None:
         """Write `flat` into the static buffers: one copy (two for a step whose extras
         overflow the tail), and the tables' gather or copy. `rows`: each span's row of
-        `device_tables` (as `step_metadata.pack_spans` takes it)."""
+        `device_tables` (as `step_metadata.pack_spans` takes it). A hybrid target's state
+        entries (`StateSlots.plan_addresses`: each sequence's read, the per-row slots) and a
+        prefill program's sampled rows go with them."""
         spans, n, s = flat.spans, len(flat.input_ids), len(flat.seq_lens)
         if n > self.rows or s > self.seqs or flat.width > self.pages:
             raise ValueError(
@@ -142,13 +156,18 @@ class GraphInputs:
         ):
             device_tables = None
         i, host, host_t = self._ring.take()
-        a, b, c, d, e = self._offsets
+        a, b, c, d, e, f, g = self._offsets
         host[a : a + n] = flat.input_ids
         host[b : b + n] = flat.positions
         host[c : c + n] = flat.slots
         host[d : d + s + 1] = flat.starts
         host[e : e + s] = flat.seq_lens
-        room = self._size - self._meta - sum(map(len, flat.fills.indices))
+        if state_read is not None:
+            host[f : f + len(state_read)] = state_read
+        if sample_rows is not None:
+            host[g : g + len(sample_rows)] = sample_rows
+        extra = [] if state_rows is None else [state_rows]
+        room = self._size - self._meta - sum(map(len, extra + flat.fills.indices))
         try:  # (from `changes` on: what it took must reach the table, or be forgotten)
             if device_tables is not None:
                 tables = [table for table, _, _ in spans]
@@ -158,7 +177,7 @@ class GraphInputs:
                 # rows as wide as the workspace's where they fit (no fill), else the step's
                 width = self.pages if s * self.pages <= room else flat.width
                 pieces = [padded_tables(spans, width)]
-            pieces += flat.fills.indices
+            pieces += extra + flat.fills.indices
             end = self._meta + sum(map(len, pieces))
             if end <= self._size:
                 at, bounds = self._meta, []
@@ -186,6 +205,9 @@ class GraphInputs:
             if device_tables is not None:
                 device_tables.forget(rows)
             raise
+        if state_rows is not None:
+            self.state_rows[: len(state_rows)].copy_(tail[0])
+            tail = tail[1:]
         flat.fills.write(self.input_ids[:n], tail)
 
 

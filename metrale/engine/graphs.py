@@ -170,12 +170,11 @@ class GraphRunner:
         # with them in the way later captures could not reuse what earlier ones freed.
         hidden_size = model.config.hidden_size
         self.hidden = zeros(ws.rows, hidden_size, dtype=model.head_weight.dtype)
-        # a prefill program's rows whose logits it computes (padding: row 0)
-        self.sample_rows = zeros(ws.rows)
-        # a hybrid target's state entries: where each sequence starts, where each row's state
-        # goes (per-row slots; [seqs, rows] laid out for the program's own row width)
-        self.state_read = zeros(ws.seqs)
-        self.state_rows = zeros(ws.seqs * ws.rows)
+        # (in the inputs too: a prefill program's rows whose logits it computes, padding row
+        # 0; a hybrid target's state entries, where each sequence starts and where each row's
+        # state goes, per-row slots [seqs, rows] laid out for the program's own row width)
+        self.sample_rows = self.inputs.sample_rows
+        self.state_read, self.state_rows = self.inputs.state_read, self.inputs.state_rows
         self.commit_rows = zeros(ws.seqs)
         # per program key: its write-on-accept commit, captured the first time it runs
         self._commits: dict[tuple[RowTable, tuple], torch.cuda.CUDAGraph] = {}
@@ -308,15 +307,15 @@ class GraphRunner:
         flat: Flat,
         device_tables: DeviceBlockTables | None = None,
         rows: list[int] | None = None,
-        state: tuple[StateMode, torch.Tensor, torch.Tensor | None] | None = None,
-        sample_rows: torch.Tensor | None = None,
+        state: tuple[StateMode, list[int], list[int] | None] | None = None,
+        sample_rows: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, GDNState | None]:
         """Send the step's inputs (`GraphInputs.flatten` of spans laid out as `table` says,
         padding included; `rows`: their rows of `device_tables`, as `pack_spans` takes them)
         into the workspace and replay the table's program; returns the hidden states and
         logits of every row, in the workspace (the next replay of any program overwrites
         them), and a hybrid target's state view. `state`: a hybrid target's
-        `StateSlots.addresses` (mode, entries read [B], row entries [B, T] or None). Raises
+        `StateSlots.plan_addresses` (mode, entries read [B], row entries [B * T] or None). Raises
         ValueError (from the cache) when the table is refused, before anything is sent.
         `sample_rows`: a prefill program's gathered rows (padded to its `samples`), whose
         logits it returns in that order."""
@@ -338,15 +337,8 @@ class GraphRunner:
         cache = self.mixed if isinstance(table, GDNMixedShape) else self.cache
         # (first: a miss captures the program, which runs it on dummy inputs in the workspace)
         graph, hidden, logits, state_view = cache.get(table, (bucket, mode))
-        self.inputs.send(flat, device_tables, rows)
-        seqs = len(flat.seq_lens)
-        if state is not None:
-            _, read, state_rows = state
-            self.state_read[:seqs].copy_(read, non_blocking=True)
-            if state_rows is not None:
-                self.state_rows[: state_rows.numel()].copy_(state_rows.flatten(), non_blocking=True)
-        if sample_rows is not None:
-            self.sample_rows[: sample_rows.shape[0]].copy_(sample_rows, non_blocking=True)
+        read, state_rows = (None, None) if state is None else state[1:]
+        self.inputs.send(flat, device_tables, rows, read, state_rows, sample_rows)
         graph.replay()
         return hidden, logits, state_view
 

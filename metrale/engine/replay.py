@@ -75,7 +75,7 @@ def replay_decode(runner, batch: Batch):
         depths += [q] * decode_bucket(len(group))
     state = None
     if runner.states is not None:
-        state = runner.states.addresses(padded, any(e.drafts for e in batch.entries))
+        state = runner.states.plan_addresses(padded, any(e.drafts for e in batch.entries))
     table = RowTable.from_dispatch(range(len(depths)), depths)
     if dev_rows is not None:
         dummy = runner.block_tables.dummy_row
@@ -107,7 +107,7 @@ def _replay_ragged(runner, batch: Batch):
     state = None
     if hybrid:
         entries += [None] * (shape.num_seqs - num_seqs)
-        state = runner.states.addresses(entries, num_rows > num_seqs, width=shape.max_q)
+        state = runner.states.plan_addresses(entries, num_rows > num_seqs, width=shape.max_q)
     dev_rows = _padded(dev_rows, runner, len(spans) - num_seqs)
     ran = run_program(runner, shape, spans, state, rows=dev_rows)
     if ran is None:
@@ -166,7 +166,7 @@ def _replay_gdn_prefill(runner, batch: Batch, sample_rows: list[int]):
     pads = fill_rows(shape.rows() - num_rows, shape.num_seqs - num_seqs, shape.width)
     spans += _pads(runner, pads, shape.width)
     entries += [None] * len(pads)
-    state = runner.states.addresses(entries, False, width=shape.width)
+    state = runner.states.plan_addresses(entries, False, width=shape.width)
     samples = sample_rows + [0] * (shape.samples - len(sample_rows))
     dev_rows = _padded(dev_rows, runner, len(pads))
     ran = run_program(runner, shape, spans, state, samples, rows=dev_rows)
@@ -243,7 +243,7 @@ def replay_gdn_mixed(runner, batch: Batch, head_seqs: int, shape, sample_rows: l
     spans += spans_of(Batch(tail)) + _pads(runner, tail_pads, shape.tail.max_q)
     heads = head + [None] * len(head_pads)
     tails = tail + [None] * len(tail_pads)
-    state = runner.states.split_addresses(heads, tails, shape.tail.max_q)
+    state = runner.states.plan_split(heads, tails, shape.tail.max_q)
     gap = shape.head.rows() - head_rows  # the head's padding rows, before the tail's rows
     real = [*range(head_rows), *range(shape.head.rows(), shape.head.rows() + tail_rows)]
     samples = [r if r < head_rows else r + gap for r in sample_rows]
@@ -289,12 +289,9 @@ def run_program(
     them)."""
     graphs = runner.graphs
     flat = graphs.inputs.flatten(spans, runner.page_size)
-    samples = None
-    if sample_rows is not None:
-        (samples,) = to_device_packed([sample_rows], runner.device)
     tables = runner.block_tables if rows is not None else None
     try:
-        ran = graphs.run(key, flat, tables, rows, state, samples)
+        ran = graphs.run(key, flat, tables, rows, state, sample_rows)
     except ValueError:  # refused: too wide for the workspace
         runner.graph_refusals += 1
         return None

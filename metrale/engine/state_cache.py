@@ -157,13 +157,20 @@ class StateSlots:
         with drafts, in the configured variant. `width`: T, the rows the forward pads each
         sequence to (a ragged program's; default the most rows). Zeroes the entries of fresh
         sequences."""
-        read, rows = self._plan(entries, verify, width)
-        mode = self.verify_mode if verify else StateMode.WRITE
+        mode, read, rows = self.plan_addresses(entries, verify, width)
         if rows is None:
             (read_t,) = to_device_packed([read], self.device)
             return mode, read_t, None
         read_t, rows_t = to_device_packed([read, rows], self.device)
         return mode, read_t, rows_t.view(len(read), -1)
+
+    def plan_addresses(
+        self, entries: list[ScheduledSeq | None], verify: bool, width: int | None = None
+    ) -> tuple[StateMode, list[int], list[int] | None]:
+        """`addresses` as host lists, the per-row entries flattened: what a program's inputs
+        take in their one copy (`engine/graph_inputs.py`)."""
+        read, rows = self._plan(entries, verify, width)
+        return self.verify_mode if verify else StateMode.WRITE, read, rows
 
     def bind(self, entries: list[ScheduledSeq], verify: bool) -> GDNState:
         """The state an eager forward over `entries` (packed order) takes."""
@@ -176,13 +183,18 @@ class StateSlots:
         """`addresses` of a mixed program (`GDNMixedShape`): the head's sequences (prompt
         chunks, WRITE) then the tail's (the verify's, padded to `width` rows), their entries
         read [B] in one, and the tail's per-row slots [tail B, width] (or None)."""
-        head_read, _ = self._plan(head, False)
-        tail_read, rows = self._plan(tail, True, width)
-        packed = to_device_packed(
-            [head_read + tail_read] + ([] if rows is None else [rows]), self.device
-        )
+        _, read, rows = self.plan_split(head, tail, width)
+        packed = to_device_packed([read] + ([] if rows is None else [rows]), self.device)
         rows_t = None if rows is None else packed[1].view(len(tail), width)
         return self.verify_mode, packed[0], rows_t
+
+    def plan_split(
+        self, head: list[ScheduledSeq | None], tail: list[ScheduledSeq | None], width: int
+    ) -> tuple[StateMode, list[int], list[int] | None]:
+        """`split_addresses` as host lists (`plan_addresses`)."""
+        head_read, _ = self._plan(head, False)
+        tail_read, rows = self._plan(tail, True, width)
+        return self.verify_mode, head_read + tail_read, rows
 
     def bind_split(self, entries: list[ScheduledSeq], head_seqs: int) -> SplitState:
         """The state an eager forward over `entries` takes whose first `head_seqs` (prompt
