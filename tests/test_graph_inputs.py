@@ -157,6 +157,19 @@ def test_a_step_past_the_workspace_is_refused_and_its_device_rows_rewritten(monk
     assert inputs.block_tables[0, :4].tolist() == [1, 2, 3, DUMMY_PAGE]
 
 
+def test_state_entries_of_the_wrong_length_are_refused():
+    """A list shorter than the step's sequences would leave an older step's entries where the
+    program reads (found in review): refused, as the copies into the buffers refused it."""
+    inputs = GraphInputs(rows=8, seqs=4, pages=PAGES, device=CPU)
+    spans = [([1], 0, [5]), ([2], 0, [6]), ([DUMMY_PAGE], 0, [0])]
+    inputs.send(inputs.flatten(spans, PAGE), None, None, [1, 2, 3])
+    for read in ([1, 2], [1, 2, 3, 4]):
+        with pytest.raises(RuntimeError, match="3 sequences"):
+            inputs.send(inputs.flatten(spans, PAGE), None, None, read)
+    with pytest.raises(RuntimeError, match="3 sequences"):  # past the buffer
+        inputs.send(inputs.flatten(spans, PAGE), None, None, [1, 2, 3], None, [0] * 9)
+
+
 def test_the_ring_hands_buffers_out_in_turn():
     ring = PinnedRing(8, CPU, count=3)
     seen = []

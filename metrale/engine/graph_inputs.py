@@ -148,6 +148,14 @@ class GraphInputs:
                 f"a step of {n} rows, {s} sequences and {flat.width} pages is past the "
                 f"workspace ({self.rows}, {self.seqs}, {self.pages})"
             )
+        if (state_read is not None and len(state_read) != s) or (
+            sample_rows is not None and len(sample_rows) > self.rows
+        ):
+            # (a short list would leave an older step's entries where the program reads)
+            raise RuntimeError(
+                f"state entries / sampled rows of lengths "
+                f"{_lens(state_read, state_rows, sample_rows)} for a step of {s} sequences"
+            )
         if (
             rows is None
             or device_tables is None
@@ -186,11 +194,12 @@ class GraphInputs:
                     bounds.append((at, at + len(piece)))
                     at += len(piece)
                 self.flat[:end].copy_(host_t[:end], non_blocking=True)
+                self._ring.sent(i)
                 tail = [self.flat[lo:hi] for lo, hi in bounds]
             else:
                 self.flat[: self._meta].copy_(host_t[: self._meta], non_blocking=True)
+                self._ring.sent(i)  # (before anything that may raise: the copy is queued)
                 tail = to_device_packed(pieces, self.device)
-            self._ring.sent(i)
             if device_tables is not None:
                 where, pages, rows_t = tail[:3]
                 device_tables.apply(where, pages)
@@ -218,3 +227,7 @@ def padded_tables(spans, width: int) -> list[int]:
         out += table
         out += [DUMMY_PAGE] * (width - len(table))
     return out
+
+
+def _lens(*lists) -> list[int | None]:
+    return [None if x is None else len(x) for x in lists]
