@@ -32,7 +32,7 @@ from metrale.engine.block_tables import DeviceBlockTables
 from metrale.engine.device_tokens import Fills, pending_fills, record_now
 from metrale.engine.kv_cache import DUMMY_PAGE
 from metrale.engine.staging import to_device_packed
-from metrale.engine.step_metadata import flatten_spans
+from metrale.engine.step_metadata import flatten_spans, padded_tables
 
 # Host buffers in the ring: a step and the one launched ahead of it, with room to spare.
 RING = 4
@@ -80,7 +80,6 @@ class Flat:
     seq_lens: list[int]
     fills: Fills
     max_seq_len: int
-    max_query_len: int
     width: int  # the widest block table
 
 
@@ -124,7 +123,6 @@ class GraphInputs:
             lens,
             fills,
             max(lens),
-            max(len(tokens) for _, _, tokens in spans),
             max(len(table) for table, _, _ in spans),
         )
 
@@ -218,15 +216,6 @@ class GraphInputs:
             self.state_rows[: len(state_rows)].copy_(tail[0])
             tail = tail[1:]
         flat.fills.write(self.input_ids[:n], tail)
-
-
-def padded_tables(spans, width: int) -> list[int]:
-    """The spans' block tables, each padded to `width` with the dummy page, in one list."""
-    out: list[int] = []
-    for table, _, _ in spans:
-        out += table
-        out += [DUMMY_PAGE] * (width - len(table))
-    return out
 
 
 def _lens(*lists) -> list[int | None]:

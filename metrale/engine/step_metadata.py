@@ -4,8 +4,6 @@ host-to-device copy (`staging.to_device_packed`)."""
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from metrale.engine.block_tables import DeviceBlockTables
@@ -40,6 +38,15 @@ def flatten_spans(spans: list[tuple[list[int], int, list[int]]], page: int):
     return input_ids, positions, slots, starts, seq_lens, pending
 
 
+def padded_tables(spans, width: int) -> list[int]:
+    """The spans' block tables, each padded to `width` with the dummy page, in one list."""
+    out: list[int] = []
+    for table, _, _ in spans:
+        out += table
+        out += [DUMMY_PAGE] * (width - len(table))
+    return out
+
+
 def pack_spans(
     spans: list[tuple[list[int], int, list[int]]],
     page: int,
@@ -59,13 +66,7 @@ def pack_spans(
     if rows is None or device_tables is None or not device_tables.serves(len(spans), width):
         device_tables = None
     if device_tables is None:
-        tables = [
-            list(
-                itertools.chain.from_iterable(
-                    table + [DUMMY_PAGE] * (width - len(table)) for table, _, _ in spans
-                )
-            )
-        ]
+        tables = [padded_tables(spans, width)]
     else:
         tables = [*device_tables.changes(rows, [table for table, _, _ in spans]), rows]
     try:
